@@ -1,0 +1,47 @@
+# Every target works as the first command on a fresh machine: it creates .venv and installs
+# what it needs. torch goes in first, pinned, because an unpinned torch pulls a multi-GB CUDA
+# build where a CPU wheel is at hand (override with TORCH_SPEC=...).
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: test demo lint bench format clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.torch
+	$(PIP) install --quiet -e ".[dataplane,controlplane,operator,dev]"
+	touch $@
+
+$(VENV)/.run: pyproject.toml $(VENV)/.torch
+	$(PIP) install --quiet -e ".[dataplane,controlplane,operator]"
+	touch $@
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(VENV)/.run
+	$(VENV)/bin/loraplane demo $(DEMO_ARGS)
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check loraplane tests benchmarks
+	$(VENV)/bin/ruff format --check loraplane tests benchmarks
+	$(VENV)/bin/mypy
+
+format: $(VENV)/.dev
+	$(VENV)/bin/ruff check --fix loraplane tests benchmarks
+	$(VENV)/bin/ruff format loraplane tests benchmarks
+
+bench: $(VENV)/.dev
+	@set -e; for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b; done
+
+clean:
+	rm -rf $(VENV) .loraplane .pytest_cache .mypy_cache .ruff_cache .hypothesis benchmarks/results

@@ -1,0 +1,207 @@
+"""Find an adapter's two files in a directory, a `.tar(.gz)` or a `.zip`, safely.
+
+Archives come from tenants: members are checked before anything is written (no absolute or
+`..` paths, no links, devices or FIFOs, bounded entry count and sizes) and only the two files
+loraplane reads are extracted, with the bytes counted as they stream, not trusted from headers.
+Pickle weights are refused by name, never opened; other extra files are ignored, never run.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import stat
+import tarfile
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import IO
+
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.adapters.limits import AdapterLimits
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFiles:
+    """The two files of a PEFT LoRA adapter, on local disk."""
+
+    config_path: Path
+    weights_path: Path
+    origin: str
+
+
+def _unsafe(message: str) -> AdapterRejected:
+    return AdapterRejected(ReasonCode.UNSAFE_ARCHIVE, message)
+
+
+def _check_member_name(name: str) -> str:
+    if not name or len(name) > 1024 or "\x00" in name or "\\" in name:
+        raise _unsafe(f"archive entry name {name[:80]!r} is not allowed")
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        raise _unsafe(f"archive entry {name!r} has an absolute path")
+    norm = posixpath.normpath(name)
+    if norm == ".." or norm.startswith("../") or "/../" in f"/{name}/":
+        raise _unsafe(f"archive entry {name!r} escapes the archive with '..'")
+    return norm
+
+
+def _pick(names: dict[str, str], origin: str) -> tuple[str, str]:
+    """From normalised member paths, choose the config and weights (root or one folder)."""
+    pickles = [n for n in names if n.lower().endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_FORMAT,
+            f"{pickles[0]!r} is a pickle file: pickled weights are never loaded; "
+            f"save the adapter as {WEIGHTS_NAME} (safetensors)",
+        )
+    dirs = {posixpath.dirname(n) for n in names if posixpath.basename(n) == CONFIG_NAME}
+    if len(dirs) > 1:
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_FORMAT, f"{origin} holds more than one {CONFIG_NAME}"
+        )
+    if not dirs:
+        raise AdapterRejected(ReasonCode.INVALID_CONFIG, f"{origin} has no {CONFIG_NAME}")
+    (folder,) = dirs
+    if folder.count("/") > 0:
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_FORMAT,
+            f"{CONFIG_NAME} must be at the top of {origin} or in one folder, not in {folder!r}",
+        )
+    weights = posixpath.join(folder, WEIGHTS_NAME)
+    if weights not in names:
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_FORMAT, f"{origin} has no {WEIGHTS_NAME} beside {CONFIG_NAME}"
+        )
+    return names[posixpath.join(folder, CONFIG_NAME)], names[weights]
+
+
+def _copy_capped(src: IO[bytes], dest: Path, cap: int, what: str) -> None:
+    written = 0
+    with open(dest, "wb") as out:
+        while chunk := src.read(1 << 20):
+            written += len(chunk)
+            if written > cap:
+                raise AdapterRejected(ReasonCode.TOO_LARGE, f"{what} is larger than {cap} bytes")
+            out.write(chunk)
+
+
+def _caps(limits: AdapterLimits) -> dict[str, int]:
+    from loraplane.adapters.peft_config import MAX_CONFIG_BYTES
+
+    return {CONFIG_NAME: MAX_CONFIG_BYTES, WEIGHTS_NAME: limits.max_bytes}
+
+
+def _from_tar(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
+    try:
+        with tarfile.open(path, mode="r:*") as tar:
+            members: dict[str, tarfile.TarInfo] = {}
+            total = 0
+            for count, m in enumerate(tar, start=1):
+                if count > limits.max_archive_entries:
+                    raise _unsafe(f"archive has more than {limits.max_archive_entries} entries")
+                name = _check_member_name(m.name)
+                if m.issym() or m.islnk():
+                    raise _unsafe(f"archive entry {m.name!r} is a link")
+                if not (m.isfile() or m.isdir()):
+                    raise _unsafe(f"archive entry {m.name!r} is a device, FIFO or special file")
+                total += m.size
+                if total > limits.max_archive_bytes:
+                    raise _unsafe(f"archive unpacks to more than {limits.max_archive_bytes} bytes")
+                if m.isfile():
+                    if name in members:
+                        raise _unsafe(f"archive has two entries named {name!r}")
+                    members[name] = m
+            config, weights = _pick({n: n for n in members}, path.name)
+            caps = _caps(limits)
+            for member, target in ((config, CONFIG_NAME), (weights, WEIGHTS_NAME)):
+                src = tar.extractfile(members[member])
+                if src is None:  # pragma: no cover - regular files always have data
+                    raise _unsafe(f"cannot read {member!r}")
+                _copy_capped(src, workdir / target, caps[target], member)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise _unsafe(f"{path.name} is not a readable tar archive: {e}") from e
+    return AdapterFiles(workdir / CONFIG_NAME, workdir / WEIGHTS_NAME, str(path))
+
+
+def _from_zip(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+            if len(infos) > limits.max_archive_entries:
+                raise _unsafe(f"archive has more than {limits.max_archive_entries} entries")
+            members: dict[str, zipfile.ZipInfo] = {}
+            total = 0
+            for info in infos:
+                name = _check_member_name(info.filename.rstrip("/") or info.filename)
+                mode = info.external_attr >> 16
+                if stat.S_ISLNK(mode):
+                    raise _unsafe(f"archive entry {info.filename!r} is a symbolic link")
+                if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    raise _unsafe(f"archive entry {info.filename!r} is a special file")
+                if info.flag_bits & 0x1:
+                    raise _unsafe(f"archive entry {info.filename!r} is encrypted")
+                total += info.file_size
+                if total > limits.max_archive_bytes:
+                    raise _unsafe(f"archive unpacks to more than {limits.max_archive_bytes} bytes")
+                if not info.is_dir():
+                    if name in members:
+                        raise _unsafe(f"archive has two entries named {name!r}")
+                    members[name] = info
+            config, weights = _pick({n: n for n in members}, path.name)
+            caps = _caps(limits)
+            for member, target in ((config, CONFIG_NAME), (weights, WEIGHTS_NAME)):
+                with zf.open(members[member]) as src:
+                    _copy_capped(src, workdir / target, caps[target], member)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as e:
+        raise _unsafe(f"{path.name} is not a readable zip archive: {e}") from e
+    return AdapterFiles(workdir / CONFIG_NAME, workdir / WEIGHTS_NAME, str(path))
+
+
+def _from_dir(path: Path) -> AdapterFiles:
+    names = {p.name: p.name for p in path.iterdir() if p.is_file()}
+    config, weights = _pick(names, str(path))
+    return AdapterFiles(path / config, path / weights, str(path))
+
+
+def archive_kind(path: Path) -> str | None:
+    """'tar', 'zip' or None, from the file's first bytes (never from its name alone)."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return "zip"
+    if head.startswith(b"\x1f\x8b") or head.startswith(b"BZh") or head.startswith(b"\xfd7zXZ"):
+        return "tar"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    return None
+
+
+@contextmanager
+def open_adapter_source(path: Path | str, limits: AdapterLimits) -> Iterator[AdapterFiles]:
+    """Yield the adapter's files from a directory or archive; extracted files are removed after.
+
+    Raises AdapterRejected (UnsafeArchive, UnsupportedFormat, InvalidConfig, TooLarge).
+    """
+    path = Path(path)
+    if path.is_dir():
+        yield _from_dir(path)
+        return
+    if not path.is_file():
+        raise AdapterRejected(ReasonCode.UNSUPPORTED_FORMAT, f"{path} is not a file or folder")
+    if path.name.lower().endswith(PICKLE_SUFFIXES):
+        _pick({path.name: path.name}, path.name)
+    kind = archive_kind(path)
+    if kind is None:
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_FORMAT,
+            f"{path.name} is neither an adapter folder nor a .tar.gz/.zip archive",
+        )
+    with TemporaryDirectory(prefix="loraplane-adapter-") as tmp:
+        work = Path(tmp)
+        yield (_from_zip if kind == "zip" else _from_tar)(path, work, limits)

@@ -1,0 +1,144 @@
+"""The `loraplane` command.
+
+Sub-commands exist only for what is built: `adapters validate` and `demo`. The control plane,
+the data plane server and the operator join as their issues land (see README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from loraplane.adapters.base_model import BaseModelError, BaseModelSpec
+    from loraplane.adapters.canonical import canonical_digest
+    from loraplane.adapters.errors import AdapterRejected
+    from loraplane.adapters.limits import AdapterLimits
+    from loraplane.adapters.source import open_adapter_source
+    from loraplane.adapters.validate import validate_adapter
+
+    path = Path(args.path)
+    if not path.exists():
+        print(f"error: {path} does not exist", file=sys.stderr)
+        return EXIT_USAGE
+    base = None
+    if args.base_model:
+        try:
+            base = BaseModelSpec.from_dir(args.base_model)
+        except BaseModelError as e:
+            print(f"error: --base-model: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        limits = AdapterLimits(max_rank=args.max_rank)
+    except ValueError as e:
+        print(f"error: --max-rank: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with open_adapter_source(path, limits) as files:
+            adapter = validate_adapter(files, base, limits)
+            try:
+                summary = adapter.summary()
+                digest = canonical_digest(adapter)
+            finally:
+                adapter.close()
+    except AdapterRejected as e:
+        if args.json:
+            print(json.dumps({"valid": False, "code": e.code.value, "message": e.message}))
+        else:
+            print(f"rejected: {e.code.value}: {e.message}")
+        return EXIT_REJECTED
+    if args.json:
+        out = {"valid": True, "code": None, "message": "valid", "path": str(path)}
+        print(json.dumps({**out, **summary, "digest": digest}))
+        return EXIT_OK
+    ranks = ", ".join(map(str, summary["ranks"]))
+    scales = ", ".join(f"{s:g}" for s in summary["scales"])
+    base_line = f"{base.name} (shapes checked)" if base else "not checked (pass --base-model DIR)"
+    print(f"valid: {path}")
+    for label, value in (
+        ("rank", f"{summary['rank']} (per module: {ranks})"),
+        ("alpha", f"{summary['alpha']:g} (scale {scales}; rslora {summary['use_rslora']})"),
+        (
+            "modules",
+            f"{', '.join(summary['target_modules'])} "
+            f"({summary['modules']} adapted layers over {summary['layers']} blocks)",
+        ),
+        ("tensors", f"{summary['tensors']} ({', '.join(summary['dtypes'])})"),
+        ("size", _mib(summary["size_bytes"])),
+        ("digest", f"sha256:{digest}"),
+        ("base model", base_line),
+    ):
+        print(f"  {label:<11} {value}")
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from loraplane.demo.run import run_demo
+
+    return run_demo(Path(args.workdir), once=args.once)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loraplane",
+        description="Serve many tenants' LoRA fine-tunes of one base model from one GPU.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run what is built so far on this machine (no network)",
+        description="Build a small model and adapters locally, then validate and store them.",
+    )
+    demo.add_argument("--once", action="store_true", help="run the scripted tour and exit")
+    demo.add_argument("--workdir", default=".loraplane/demo", help="where the demo keeps its files")
+    demo.set_defaults(func=_cmd_demo)
+
+    adapters = sub.add_parser("adapters", help="work with LoRA adapter files")
+    asub = adapters.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)
+    validate = asub.add_parser(
+        "validate",
+        help="check a PEFT LoRA adapter the way uploads are checked",
+        description=(
+            "Check a PEFT LoRA adapter (a folder with adapter_config.json and "
+            "adapter_model.safetensors, or a .tar.gz/.zip of them) without storing it. "
+            "Exit 0: valid. Exit 1: rejected, with 'rejected: <ReasonCode>: <message>'. "
+            "Exit 2: usage error."
+        ),
+    )
+    validate.add_argument("path", metavar="PATH", help="adapter folder or archive")
+    validate.add_argument(
+        "--base-model", metavar="DIR", help="HF model folder whose config.json gives the shapes"
+    )
+    validate.add_argument(
+        "--max-rank", type=_positive_int, metavar="N", help="reject ranks above N"
+    )
+    validate.add_argument("--json", action="store_true", help="print one JSON object")
+    validate.set_defaults(func=_cmd_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code

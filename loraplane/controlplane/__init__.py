@@ -1,0 +1,1 @@
+"""loraplane.controlplane: not built yet (see the project's issues)."""

@@ -1,0 +1,1 @@
+"""loraplane.dataplane: not built yet (see the project's issues)."""

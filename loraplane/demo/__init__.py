@@ -1,0 +1,1 @@
+"""The embedded demo: a small model built locally, adapters, the whole system on one machine."""

@@ -1,0 +1,1 @@
+"""loraplane.operator: not built yet (see the project's issues)."""

@@ -1,0 +1,50 @@
+"""Session fixtures shared by every test folder: a tiny HF model and real PEFT adapters."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# name -> LoraConfig arguments; ranks 4 to 64 and every PEFT feature the engine honours
+ADAPTER_CONFIGS: dict[str, dict[str, object]] = {
+    "r4": {"r": 4, "lora_alpha": 8},
+    "r8-qv": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "r16": {"r": 16, "lora_alpha": 32},
+    "r16-rslora": {"r": 16, "lora_alpha": 16, "use_rslora": True},
+    "r32-mlp": {"r": 32, "lora_alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "r64": {"r": 64, "lora_alpha": 128},
+    "r8-patterns": {
+        "r": 8,
+        "lora_alpha": 16,
+        "rank_pattern": {"model.layers.0.self_attn.q_proj": 4, "down_proj": 12},
+        "alpha_pattern": {"o_proj": 3},
+    },
+    "r8-layer1": {"r": 8, "lora_alpha": 8, "layers_to_transform": [1]},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (GQA) model directory in HF format, with tokenizer."""
+    from tests.factories import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Real PEFT adapters of tiny_llama_dir, one per ADAPTER_CONFIGS entry."""
+    from tests.factories import build_peft_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: build_peft_adapter(tiny_llama_dir, root / name, seed=i, **dict(cfg))
+        for i, (name, cfg) in enumerate(ADAPTER_CONFIGS.items())
+    }
