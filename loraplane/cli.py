@@ -119,10 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     validate = asub.add_parser(
         "validate",
         help="check a PEFT LoRA adapter the way uploads are checked",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Check a PEFT LoRA adapter (a folder with adapter_config.json and "
-            "adapter_model.safetensors, or a .tar.gz/.zip of them) without storing it. "
-            "Exit 0: valid. Exit 1: rejected, with 'rejected: <ReasonCode>: <message>'. "
+            "Check a PEFT LoRA adapter (a folder with adapter_config.json and\n"
+            "adapter_model.safetensors, or a .tar.gz/.zip of them) the way uploads are\n"
+            "checked, without storing anything. Pickle files are refused, never opened.\n\n"
+            "Exit 0: valid; a summary (rank, alpha, modules, size, digest) is printed.\n"
+            "Exit 1: rejected; prints 'rejected: <ReasonCode>: <message>'.\n"
             "Exit 2: usage error."
         ),
     )

@@ -9,13 +9,16 @@ fields) gives the same digest, and anyone can recompute it from the two stored f
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplane.adapters.safetensors_io import canonical_header, iter_chunks
+from loraplane.adapters.safetensors_io import canonical_header
 from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME
-from loraplane.adapters.validate import ValidatedAdapter
+from loraplane.adapters.validate import ValidatedAdapter, check_finite
 
 DIGEST_DOMAIN = b"loraplane-adapter-v1\n"
 
@@ -40,49 +43,101 @@ def _start_digest(config: bytes) -> hashlib._Hash:
 
 def canonical_digest(adapter: ValidatedAdapter) -> str:
     """The digest of the adapter's canonical form, without writing it anywhere."""
-    return _emit(adapter, None).digest
+    config, header, sources = _layout(adapter)
+    h = _start_digest(config)
+    h.update(header)
+    for name in sources:
+        h.update(adapter.weights.raw(name))
+    return h.hexdigest()
 
 
-def write_canonical(adapter: ValidatedAdapter, out_dir: Path) -> CanonicalAdapter:
-    """Write the canonical files into `out_dir`, hashing as they are written (one pass)."""
-    return _emit(adapter, out_dir)
+def write_canonical(
+    adapter: ValidatedAdapter, out_dir: Path, *, scan_weights: bool = False
+) -> CanonicalAdapter:
+    """Write the canonical files into `out_dir`, durably, and digest them.
+
+    A second thread hashes from the memory map while this one copies the tensors (in the
+    kernel where it can), fsyncs the copy and, with `scan_weights`, checks every tensor for
+    NaN/Inf (failing with NonFiniteWeights; the caller then discards `out_dir`). Hashing is
+    the slowest of these, so the digest costs little beyond a durable copy.
+    """
+    config, header, sources = _layout(adapter)
+    weights = adapter.weights
+    h = _start_digest(config)
+    failure: list[BaseException] = []
+
+    def digest() -> None:
+        try:
+            h.update(header)
+            for name in sources:
+                h.update(weights.raw(name))
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path, weights_path = out_dir / CONFIG_NAME, out_dir / WEIGHTS_NAME
+    config_path.write_bytes(config)
+    hasher = threading.Thread(target=digest, name="canonical-digest")
+    hasher.start()
+    try:
+        size = _copy_tensors(adapter, header, sources, weights_path)
+        if scan_weights:
+            for name in sources:
+                check_finite(weights, name)
+    finally:
+        hasher.join()
+    if failure:
+        raise failure[0]
+    return CanonicalAdapter(h.hexdigest(), config_path, weights_path, len(config), size)
 
 
-def _emit(adapter: ValidatedAdapter, out_dir: Path | None) -> CanonicalAdapter:
+def _copy_tensors(adapter: ValidatedAdapter, header: bytes, sources: list[str], dest: Path) -> int:
+    """Write header + tensors to `dest`; in-kernel copies (copy_file_range) where possible."""
+    weights = adapter.weights
+    with open(weights.path, "rb") as src, open(dest, "wb") as out:
+        pos = out.write(header)
+        out.flush()
+        in_kernel = hasattr(os, "copy_file_range")
+        for name in sources:
+            info = weights.tensors[name]
+            if in_kernel:
+                try:
+                    _copy_range(src.fileno(), out.fileno(), info.start, pos, info.nbytes)
+                    pos += info.nbytes
+                    continue
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    in_kernel = False  # this filesystem pair cannot: plain writes from here
+            out.seek(pos)
+            pos += out.write(weights.raw(name))
+            out.flush()
+        os.fsync(out.fileno())  # now, while the digest thread is still busy
+    return pos
+
+
+def _copy_range(src: int, dst: int, src_pos: int, dst_pos: int, count: int) -> None:
+    while count > 0:
+        n = os.copy_file_range(src, dst, count, src_pos, dst_pos)
+        if n == 0:
+            raise OSError(errno.EIO, "source file shrank while copying")
+        src_pos, dst_pos, count = src_pos + n, dst_pos + n, count - n
+
+
+def _layout(adapter: ValidatedAdapter) -> tuple[bytes, bytes, list[str]]:
+    """Canonical config bytes, canonical weights header, source tensor names in file order."""
     config = adapter.spec.canonical_json()
-    # canonical name -> source tensor name, in canonical (sorted) order
-    names: dict[str, str] = {}
+    names: dict[str, str] = {}  # canonical name -> source tensor name
     for m in adapter.modules:
         a, b = m.canonical_names()
         names[a], names[b] = m.a_name, m.b_name
     order = sorted(names)
     tensors = adapter.weights.tensors
-    header = canonical_header(
-        [
-            (n, tensors[names[n]].dtype, tensors[names[n]].shape, tensors[names[n]].nbytes)
-            for n in order
-        ]
-    )
-    h = _start_digest(config)
-    h.update(header)
-    size = len(header)
-    if out_dir is None:
-        config_path = weights_path = Path()
-        for n in order:
-            h.update(adapter.weights.raw(names[n]))
-            size += tensors[names[n]].nbytes
-    else:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        config_path, weights_path = out_dir / CONFIG_NAME, out_dir / WEIGHTS_NAME
-        config_path.write_bytes(config)
-        with open(weights_path, "wb") as f:
-            f.write(header)
-            for n in order:
-                for piece in iter_chunks(adapter.weights.raw(names[n])):
-                    f.write(piece)
-                    h.update(piece)
-                    size += len(piece)
-    return CanonicalAdapter(h.hexdigest(), config_path, weights_path, len(config), size)
+    entries = [
+        (n, tensors[names[n]].dtype, tensors[names[n]].shape, tensors[names[n]].nbytes)
+        for n in order
+    ]
+    return config, canonical_header(entries), [names[n] for n in order]
 
 
 def digest_files(config_path: Path, weights_path: Path) -> str:

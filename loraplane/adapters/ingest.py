@@ -114,28 +114,33 @@ def _read_json(store: ObjectStore, key: str) -> dict[str, Any]:
 
 def _put_once(
     store: ObjectStore, key: str, *, data: bytes | None = None, path: Path | None = None
-) -> None:
-    """Create-only put where an existing object is the same content (its path says so)."""
+) -> bool:
+    """Create-only put; an existing object is the same content (its path says so): False."""
     try:
         if path is not None:
             store.put_file(key, path)
         else:
             store.put_bytes(key, data or b"")
     except ObjectExists:
-        pass
+        return False
+    return True
 
 
 def _complete(
     store: ObjectStore, vpath: str, canon: CanonicalAdapter, manifest: dict[str, Any]
-) -> dict[str, Any]:
-    """Make sure every object of the version exists; the manifest goes last."""
+) -> tuple[dict[str, Any], bool]:
+    """Make sure every object of the version exists, the manifest last.
+
+    Returns the stored manifest and whether this call wrote it (made the version complete).
+    """
     manifest_key = vpath + MANIFEST_NAME
     if store.exists(manifest_key):
-        return _read_json(store, manifest_key)
+        return _read_json(store, manifest_key), False
     _put_once(store, vpath + CONFIG_NAME, path=canon.config_path)
     _put_once(store, vpath + WEIGHTS_NAME, path=canon.weights_path)
-    _put_once(store, manifest_key, data=json.dumps(manifest, indent=2, sort_keys=True).encode())
-    return _read_json(store, manifest_key)
+    data = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    wrote = _put_once(store, manifest_key, data=data)
+    return _read_json(store, manifest_key), wrote
 
 
 def publish(
@@ -155,7 +160,7 @@ def publish(
             v for v, key in claims.items() if _read_json(store, key).get("digest") == canon.digest
         ]
         if same:
-            version, created = min(same), False
+            version = min(same)
         else:
             version = max(claims, default=0) + 1
             claim = {"digest": canon.digest, "version": version}
@@ -164,7 +169,6 @@ def publish(
                     adapter_prefix(tenant, name) + f"versions/v{version}.json",
                     json.dumps(claim, sort_keys=True).encode(),
                 )
-                created = True
             except ObjectExists:
                 continue  # someone took this number: re-read the claims (maybe it is ours)
         vpath = version_path(tenant, name, version, canon.digest)
@@ -180,7 +184,7 @@ def publish(
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "created_by": created_by,
         }
-        stored = _complete(store, vpath, canon, manifest)
+        stored, created = _complete(store, vpath, canon, manifest)
         return AdapterVersion.from_manifest(stored, vpath, created)
     raise StoreError(
         f"could not claim a version for {tenant}/{name} after {MAX_CLAIM_ATTEMPTS} tries"
@@ -199,8 +203,9 @@ def ingest(
 ) -> AdapterVersion:
     """Validate the adapter at `source` (folder or archive) and store it as a version.
 
-    Same content as an existing version returns that version (`created` False); new content
-    becomes the next version. Raises AdapterRejected (nothing stored) or StoreError.
+    Same content as an existing, complete version returns that version (`created` False); new
+    content becomes the next version (`created` True).
+    Raises AdapterRejected (nothing stored) or StoreError.
     """
     check_names(tenant, name)
     staging = store.staging_dir()
@@ -208,10 +213,11 @@ def ingest(
     work = Path(tempfile.mkdtemp(prefix="ingest-", dir=staging))
     try:
         with open_adapter_source(source, limits) as files:
-            adapter = validate_adapter(files, base_model, limits)
+            # The NaN/Inf scan runs while the canonical copy is written (one pass).
+            adapter = validate_adapter(files, base_model, limits, scan_weights=False)
             try:
                 summary = adapter.summary()
-                canon = write_canonical(adapter, work)
+                canon = write_canonical(adapter, work, scan_weights=True)
             finally:
                 adapter.close()
         return publish(store, tenant, name, canon, summary, created_by=created_by)

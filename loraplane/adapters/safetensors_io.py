@@ -13,7 +13,6 @@ import json
 import math
 import mmap
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -263,9 +262,3 @@ def canonical_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> by
     body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     return len(body).to_bytes(8, "little") + body
-
-
-def iter_chunks(view: memoryview, chunk: int = 8 << 20) -> Iterator[memoryview]:
-    """Split a large view so callers can hash and write it in bounded pieces."""
-    for i in range(0, len(view), chunk):
-        yield view[i : i + chunk]

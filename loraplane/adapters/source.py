@@ -139,10 +139,11 @@ def _from_zip(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
             total = 0
             for info in infos:
                 name = _check_member_name(info.filename.rstrip("/") or info.filename)
-                mode = info.external_attr >> 16
-                if stat.S_ISLNK(mode):
+                # Unix file type bits, when the archiver recorded them (often only permissions)
+                ftype = stat.S_IFMT(info.external_attr >> 16)
+                if ftype == stat.S_IFLNK:
                     raise _unsafe(f"archive entry {info.filename!r} is a symbolic link")
-                if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                if ftype not in (0, stat.S_IFREG, stat.S_IFDIR):
                     raise _unsafe(f"archive entry {info.filename!r} is a special file")
                 if info.flag_bits & 0x1:
                     raise _unsafe(f"archive entry {info.filename!r} is encrypted")

@@ -240,10 +240,28 @@ def _check_module(
     )
 
 
+def check_finite(weights: SafetensorsFile, name: str) -> None:
+    """Raise NonFiniteWeights if the tensor holds a NaN or an Inf."""
+    bad = weights.first_non_finite(name)
+    if bad is not None:
+        raise AdapterRejected(
+            ReasonCode.NON_FINITE_WEIGHTS,
+            f"tensor {name!r} holds NaN or Inf (first at flat index {bad})",
+        )
+
+
 def validate_adapter(
-    files: AdapterFiles, base: BaseModelSpec | None, limits: AdapterLimits
+    files: AdapterFiles,
+    base: BaseModelSpec | None,
+    limits: AdapterLimits,
+    *,
+    scan_weights: bool = True,
 ) -> ValidatedAdapter:
-    """Run every check; return the open, validated adapter or raise AdapterRejected."""
+    """Run every check; return the open, validated adapter or raise AdapterRejected.
+
+    `scan_weights=False` skips the NaN/Inf scan for a caller that scans while it copies the
+    weights anyway (`canonical.write_canonical(..., scan_weights=True)` in ingest).
+    """
     try:
         config_bytes = files.config_path.read_bytes()
     except OSError as e:
@@ -263,13 +281,9 @@ def validate_adapter(
     weights = SafetensorsFile(files.weights_path, max_tensors=limits.max_tensors)
     try:
         modules = _check_modules(spec, weights, base)
-        for name in sorted(weights.tensors):
-            bad = weights.first_non_finite(name)
-            if bad is not None:
-                raise AdapterRejected(
-                    ReasonCode.NON_FINITE_WEIGHTS,
-                    f"tensor {name!r} holds NaN or Inf (first at flat index {bad})",
-                )
+        if scan_weights:
+            for name in sorted(weights.tensors):
+                check_finite(weights, name)
     except BaseException:
         weights.close()
         raise

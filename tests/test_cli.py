@@ -1,0 +1,92 @@
+"""The `loraplane` command as a user runs it: exit codes, output, --json, --help, the demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
+from tests.adapters.test_bad_corpus import BASE
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loraplane", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def test_validate_valid_adapter_prints_a_summary_and_exits_0(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    out = run(
+        "adapters",
+        "validate",
+        str(peft_adapters["r8-patterns"]),
+        "--base-model",
+        str(tiny_llama_dir),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("valid: ")
+    for field in ("rank        12 (per module: 4, 8, 12)", "alpha", "q_proj", "digest      sha256:",
+                  "shapes checked"):  # fmt: skip
+        assert field in out.stdout
+
+
+def test_validate_rejected_adapter_exits_1_with_reason(peft_adapters: dict[str, Path]) -> None:
+    out = run("adapters", "validate", str(peft_adapters["r64"]), "--max-rank", "16")
+    assert out.returncode == 1
+    assert out.stdout.strip() == "rejected: RankTooLarge: rank 64 exceeds max_lora_rank 16"
+
+
+def test_validate_json_is_one_object_for_valid_and_rejected(tmp_path: Path) -> None:
+    good = write_adapter(tmp_path / "good", lora_config(), lora_tensors(BASE, 8))
+    archive = tmp_path / "good.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(good, arcname="my-adapter")
+    ok = run("adapters", "validate", str(archive), "--json")
+    assert ok.returncode == 0
+    body = json.loads(ok.stdout)
+    assert body["valid"] is True and body["code"] is None
+    assert body["rank"] == 8 and len(body["digest"]) == 64
+    bad = write_adapter(tmp_path / "bad", lora_config(use_dora=True), lora_tensors(BASE, 8))
+    rejected = run("adapters", "validate", str(bad), "--json")
+    assert rejected.returncode == 1
+    assert json.loads(rejected.stdout) == {
+        "valid": False,
+        "code": "DoRANotSupported",
+        "message": "use_dora is true: DoRA adapters are not served",
+    }
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    assert run("adapters", "validate").returncode == 2
+    missing = run("adapters", "validate", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    bad_rank = run("adapters", "validate", str(tmp_path), "--max-rank", "0")
+    assert bad_rank.returncode == 2 and "not positive" in bad_rank.stderr
+    bad_base = run("adapters", "validate", str(tmp_path), "--base-model", str(tmp_path))
+    assert bad_base.returncode == 2 and "no config.json" in bad_base.stderr
+
+
+def test_help_explains_exit_codes() -> None:
+    out = run("adapters", "validate", "--help")
+    assert out.returncode == 0
+    assert "Exit 0: valid" in out.stdout and "--base-model" in out.stdout
+
+
+def test_demo_once_stores_versions_and_rejects_bad_adapters(tmp_path: Path) -> None:
+    out = run("demo", "--once", "--workdir", str(tmp_path / "demo"))
+    assert out.returncode == 0, out.stderr
+    assert "acme/support-bot v1: new version" in out.stdout
+    assert "acme/support-bot v1: existing version (identical content)" in out.stdout
+    assert "acme/support-bot v2: new version" in out.stdout
+    assert "rejected: RankTooLarge" in out.stdout and "rejected: UnsupportedFormat" in out.stdout
+    stored = sorted(p.name for p in (tmp_path / "demo/store/adapters/acme/support-bot").iterdir())
+    assert stored[0].startswith("v1-") and stored[1].startswith("v2-") and stored[2] == "versions"
