@@ -1,0 +1,139 @@
+"""The engine's configuration: one slots dataclass, checked once when it is built.
+
+Each part of the engine takes only the fields it uses (the scheduler its `SchedulerConfig`,
+made by `EngineConfig.scheduler_config()`; the block manager explicit arguments), so a part can
+be built and tested without a whole engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+Device = Literal["cpu", "cuda"]
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
+
+def _positive_int(name: str, value: object) -> None:
+    # bool is an int subclass: `max_loras=True` is a mistake, not 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_model_len(value: int | None) -> None:
+    if value is not None:
+        _positive_int("max_model_len", value)
+        if value < 2:  # a prompt token and a generated one
+            raise ValueError(f"max_model_len must be >= 2, got {value!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Settings of one data plane engine (one base model on one device).
+
+    `max_model_len` and `num_kv_blocks` may stay None: the model runner fills them in from the
+    model's config and the free device memory (use `dataclasses.replace` so they are checked).
+    """
+
+    model: str
+    served_model_name: str | None = None
+    dtype: Dtype = "bfloat16"
+    device: Device = "cuda"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # a request deferred by the adapter limit for longer than this many steps stops admission
+    # of other adapters until it gets a slot (see scheduler.py)
+    max_deferral_steps: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if self.served_model_name is None:
+            self.served_model_name = os.path.basename(os.path.normpath(self.model))
+        if not isinstance(self.served_model_name, str) or not self.served_model_name:
+            raise ValueError(
+                f"served_model_name must be a non-empty string, got {self.served_model_name!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "max_loras",
+            "max_lora_rank",
+            "max_deferral_steps",
+        ):
+            _positive_int(name, getattr(self, name))
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        _check_model_len(self.max_model_len)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}):"
+                " every adapter in the GPU pool is also held in the CPU cache"
+            )
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len"
+                f" ({self.max_model_len}) when enable_chunked_prefill is off: a whole prompt"
+                " must fit in one step"
+            )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's view of this config."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_loras=self.max_loras,
+            max_deferral_steps=self.max_deferral_steps,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=self.max_model_len,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The engine settings the scheduler uses (see EngineConfig for their meaning)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_loras: int = 8
+    max_deferral_steps: int = 32
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_deferral_steps"):
+            _positive_int(name, getattr(self, name))
+        _check_model_len(self.max_model_len)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(
+                f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
+            )

@@ -1,0 +1,126 @@
+"""LoRA by wrapping, not forking: `LinearWithLoRA` adds the adapters' side path to a linear.
+
+`install_lora` walks the model once and wraps every q/k/v/o/gate/up/down projection. The
+wrappers share one `LoRAContext`, which the model sets to the step's `LoRABatch` for the
+duration of a forward, so the segment metadata is built once per step, not once per layer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from loraplane.adapters.base_model import SUPPORTED_MODULES
+from loraplane.dataplane.kernels.sgmv_torch import lora_apply
+from loraplane.dataplane.lora.metadata import LoRABatch
+from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
+
+# HF names of the projections an adapter may target, e.g. model.layers.3.self_attn.q_proj
+_TARGET = re.compile(
+    r"^(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(SUPPORTED_MODULES) + r")$"
+)
+
+
+class LoRAContext:
+    """The step's LoRABatch, shared by every LoRA layer of one model."""
+
+    def __init__(self, pool: LoRAPool) -> None:
+        self.pool = pool
+        self.batch: LoRABatch | None = None
+
+    def activate(self, batch: LoRABatch | None) -> None:
+        """Use `batch` for the following forward (None: base model only)."""
+        if batch is not None:
+            for slot in batch.seg_slots:
+                if not self.pool.is_loaded(slot):
+                    raise ValueError(f"tokens use LoRA slot {slot}, which holds no adapter")
+        self.batch = batch
+
+
+class LoRAHost(Protocol):
+    """A model LoRA can be installed in: HF-style module names and a `lora_context` slot."""
+
+    lora_context: LoRAContext | None
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def get_submodule(self, target: str) -> nn.Module: ...
+
+
+class LinearWithLoRA(nn.Module):
+    """base_layer(x), plus scale * B(A x) for each token whose slot's adapter targets this layer.
+
+    Tokens of the base model (slot -1) and adapters that do not target this (layer, module)
+    add nothing.
+    """
+
+    def __init__(self, base_layer: nn.Linear, layer_idx: int, module_name: str) -> None:
+        super().__init__()
+        if module_name not in SUPPORTED_MODULES:
+            raise ValueError(
+                f"module_name {module_name!r} is not one of {', '.join(SUPPORTED_MODULES)}"
+            )
+        self.base_layer = base_layer
+        self.layer_idx = layer_idx
+        self.module_name = module_name
+        self.slots: ModuleSlots | None = None
+        self.context: LoRAContext | None = None
+
+    def bind(self, slots: ModuleSlots, context: LoRAContext) -> None:
+        """Point this layer at its pool table and the model's shared context."""
+        self.slots = slots
+        self.context = context
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        y: torch.Tensor = self.base_layer(x)
+        batch = self.context.batch if self.context is not None else None
+        if batch is None or batch.is_empty or self.slots is None:
+            return y
+        return lora_apply(
+            y,
+            x,
+            batch.token_order,
+            batch.seg_slots,
+            batch.seg_bounds,
+            self.slots.lora_a,
+            self.slots.lora_b,
+            self.slots.scales,
+        )
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, module={self.module_name}"
+
+
+def install_lora(model: LoRAHost, pool: LoRAPool) -> LoRAContext:
+    """Wrap every adaptable projection of `model` in LinearWithLoRA, bound to `pool`.
+
+    The context the wrappers share is stored in `model.lora_context` and returned; the model
+    activates it around each forward. Installing twice is an error.
+    """
+    if model.lora_context is not None:
+        raise ValueError("LoRA layers are already installed in this model")
+    context = LoRAContext(pool)
+    targets = []
+    for name, module in model.named_modules():
+        match = _TARGET.match(name)
+        if match is not None and isinstance(module, nn.Linear):
+            targets.append((name, int(match.group(1)), match.group(2), module))
+    if not targets:
+        raise ValueError("the model has no q/k/v/o/gate/up/down projections to wrap")
+    weight = targets[0][3].weight
+    if weight.dtype != pool.dtype or weight.device != pool.device:
+        raise ValueError(
+            f"pool dtype/device {pool.dtype}/{pool.device} differ from the model's "
+            f"{weight.dtype}/{weight.device}"
+        )
+    for name, layer_idx, module_name, linear in targets:
+        wrapper = LinearWithLoRA(linear, layer_idx, module_name)
+        wrapper.bind(pool.module_slots(layer_idx, module_name), context)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, wrapper)
+    model.lora_context = context
+    return context

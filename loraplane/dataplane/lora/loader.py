@@ -1,0 +1,91 @@
+"""Read a PEFT LoRA adapter into host torch tensors, through the shared validating reader.
+
+Adapter files come from tenants: they are opened and checked by `loraplane.adapters` (the same
+code the control plane and operator run), never by a trusting loader. The scales honour
+lora_alpha, use_rslora, rank_pattern and alpha_pattern as validation computed them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.safetensors_io import SafetensorsFile
+from loraplane.adapters.source import open_adapter_source
+from loraplane.adapters.validate import validate_adapter
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    """One adapted linear layer: y += scale * B (A x)."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        """r: rows of A, columns of B."""
+        return int(self.a.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of A and B in their current dtype."""
+        return self.a.nbytes + self.b.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedAdapter:
+    """A validated adapter held in host memory, keyed by (layer index, module name)."""
+
+    source: str
+    modules: dict[tuple[int, str], LoRAWeights]
+
+    @property
+    def rank(self) -> int:
+        """The largest rank over the adapted modules."""
+        return max((w.rank for w in self.modules.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all A and B tensors, in their stored dtype."""
+        return sum(w.nbytes for w in self.modules.values())
+
+
+def _to_torch(weights: SafetensorsFile, name: str) -> torch.Tensor:
+    """Copy one tensor out of the memory map (BF16 arrives as uint16 bit patterns)."""
+    view: np.ndarray[Any, Any] = weights.array(name)
+    copy = np.array(view, copy=True)
+    if weights.tensors[name].dtype == "BF16":
+        return torch.from_numpy(copy.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(copy)
+
+
+def load_lora(
+    path: Path | str, base: BaseModelSpec, limits: AdapterLimits | None = None
+) -> LoadedAdapter:
+    """Validate the adapter at `path` (folder or archive) against `base`; copy its weights.
+
+    Raises `AdapterRejected` with the reason code when any check fails. The weights file is
+    closed before returning.
+    """
+    with open_adapter_source(path, limits or AdapterLimits()) as files:
+        adapter = validate_adapter(files, base, limits or AdapterLimits())
+        try:
+            modules = {
+                (m.layer, m.module): LoRAWeights(
+                    a=_to_torch(adapter.weights, m.a_name),
+                    b=_to_torch(adapter.weights, m.b_name),
+                    scale=m.scale,
+                )
+                for m in adapter.modules
+            }
+        finally:
+            adapter.close()
+    return LoadedAdapter(source=str(path), modules=modules)

@@ -1,0 +1,74 @@
+"""Per-step LoRA metadata: which adapter slot each token uses, grouped into segments.
+
+Tokens are stably sorted by slot and cut into segments of equal slot, so each adapter's A and B
+are read once per segment (SGMV), not once per token. Base-model tokens (slot -1) are left out
+entirely. Built once per step on the host and shared by every LoRA layer of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+BASE_SLOT = -1
+
+
+@dataclass(frozen=True, slots=True)
+class LoRABatch:
+    """Segments of a flat batch's tokens by adapter slot.
+
+    Segment s covers `token_order[seg_bounds[s]:seg_bounds[s + 1]]`, all using slot
+    `seg_slots[s]`. The host tuples drive the torch path; the `*_t` tensors, on the model's
+    device, are what kernels read.
+    """
+
+    num_tokens: int  # T: tokens in the step, base tokens included
+    token_order: torch.Tensor  # [N] int64: indices of adapter tokens, sorted by slot (stable)
+    seg_slots: tuple[int, ...]  # [S] slot of each segment, ascending
+    seg_bounds: tuple[int, ...]  # [S + 1] segment offsets into token_order
+    seg_slots_t: torch.Tensor  # [S] int32
+    seg_bounds_t: torch.Tensor  # [S + 1] int32
+
+    @classmethod
+    def from_token_slots(
+        cls, token_slots: torch.Tensor | Sequence[int], device: torch.device | str = "cpu"
+    ) -> LoRABatch:
+        """Group tokens by slot; `token_slots[t]` is token t's slot, or -1 for the base model."""
+        slots = torch.as_tensor(token_slots, dtype=torch.int64).cpu()
+        if slots.dim() != 1:
+            raise ValueError(f"token_slots must be 1-D [T], got shape {tuple(slots.shape)}")
+        if slots.numel() and int(slots.min()) < BASE_SLOT:
+            raise ValueError(f"token_slots must be >= {BASE_SLOT}, got {int(slots.min())}")
+        order = torch.argsort(slots, stable=True)
+        num_base = int((slots == BASE_SLOT).sum())
+        order = order[num_base:]  # -1 sorts first: drop the base tokens
+        seg_slots, counts = torch.unique_consecutive(slots[order], return_counts=True)
+        bounds = [0]
+        for count in counts.tolist():
+            bounds.append(bounds[-1] + int(count))
+        return cls(
+            num_tokens=int(slots.numel()),
+            token_order=order.to(device),
+            seg_slots=tuple(int(s) for s in seg_slots.tolist()),
+            seg_bounds=tuple(bounds),
+            seg_slots_t=seg_slots.to(device=device, dtype=torch.int32),
+            seg_bounds_t=torch.tensor(bounds, dtype=torch.int32, device=device),
+        )
+
+    @property
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(slot, start, end) per segment, start/end indexing token_order."""
+        b = self.seg_bounds
+        return [(slot, b[i], b[i + 1]) for i, slot in enumerate(self.seg_slots)]
+
+    @property
+    def num_lora_tokens(self) -> int:
+        """N: tokens that use an adapter."""
+        return self.seg_bounds[-1]
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no token uses an adapter (LoRA layers then add nothing)."""
+        return not self.seg_slots

@@ -1,0 +1,126 @@
+"""The device-resident adapter pool: `max_loras` slots, each holding one adapter at its own rank.
+
+Rank-exact: a slot's memory is one buffer sized to its adapter's own A and B tensors (vLLM
+pads every slot to max_lora_rank instead), so a rank-8 adapter costs an eighth of a rank-64
+one. The LoRA layers read the pool through `ModuleSlots`, one per (layer, module), whose
+per-slot lists the kernels index by slot id.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.dataplane.lora.loader import LoadedAdapter
+
+
+class ModuleSlots:
+    """Every slot's A, B and scale for one (layer, module); None where a slot does not adapt it."""
+
+    def __init__(self, max_loras: int, device: torch.device) -> None:
+        self.lora_a: list[torch.Tensor | None] = [None] * max_loras  # slot -> [r, in]
+        self.lora_b: list[torch.Tensor | None] = [None] * max_loras  # slot -> [out, r]
+        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)  # [max_loras]
+
+    def clear(self, slot: int) -> None:
+        """Forget the slot's tensors (the pool frees its buffer)."""
+        self.lora_a[slot] = None
+        self.lora_b[slot] = None
+        self.scales[slot] = 0.0
+
+
+class LoRAPool:
+    """Fixed slots on the model's device; the engine's cache tiers decide what goes where."""
+
+    def __init__(
+        self,
+        max_loras: int,
+        model_spec: BaseModelSpec,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        self.max_loras = max_loras
+        self.spec = model_spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._modules = {
+            (layer, module): ModuleSlots(max_loras, self.device)
+            for layer in range(model_spec.num_layers)
+            for module in SUPPORTED_MODULES
+        }
+        self._buffers: list[torch.Tensor | None] = [None] * max_loras  # slot -> flat storage
+
+    def module_slots(self, layer: int, module: str) -> ModuleSlots:
+        """The slot table the LoRA layer at (layer, module) reads."""
+        try:
+            return self._modules[(layer, module)]
+        except KeyError:
+            raise ValueError(f"the pool has no LoRA module {module!r} in layer {layer}") from None
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot must be in 0..{self.max_loras - 1}, got {slot}")
+
+    def bytes_needed(self, adapter: LoadedAdapter) -> int:
+        """Device bytes `adapter` will take in this pool's dtype (for byte budgets)."""
+        elements = sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
+        return elements * torch.empty(0, dtype=self.dtype).element_size()
+
+    def load(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Copy `adapter` into a free slot, at its own ranks, in the pool's dtype and device."""
+        self._check_slot(slot)
+        if self._buffers[slot] is not None:
+            raise ValueError(f"slot {slot} already holds an adapter; free it first")
+        for (layer, module), w in adapter.modules.items():
+            if (layer, module) not in self._modules:
+                raise ValueError(f"adapter adapts {module!r} in layer {layer}: not in this model")
+            fan_in, fan_out = self.spec.module_shape(module)
+            if w.a.shape != (w.rank, fan_in) or w.b.shape != (fan_out, w.rank):
+                raise ValueError(
+                    f"layer {layer} {module}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not "
+                    f"fit in_features {fan_in}, out_features {fan_out}"
+                )
+        elements = sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
+        buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
+        offset = 0
+        for (layer, module), w in adapter.modules.items():
+            views = []
+            for t in (w.a, w.b):
+                view = buffer[offset : offset + t.numel()].view(t.shape)
+                view.copy_(t)
+                views.append(view)
+                offset += t.numel()
+            table = self._modules[(layer, module)]
+            table.lora_a[slot], table.lora_b[slot] = views
+            table.scales[slot] = w.scale
+        self._buffers[slot] = buffer
+
+    def free(self, slot: int) -> None:
+        """Release the slot's memory; its tokens must no longer be scheduled."""
+        self._check_slot(slot)
+        if self._buffers[slot] is None:
+            return
+        for table in self._modules.values():
+            table.clear(slot)
+        self._buffers[slot] = None
+
+    def is_loaded(self, slot: int) -> bool:
+        """True when `slot` is a valid slot holding an adapter."""
+        return 0 <= slot < self.max_loras and self._buffers[slot] is not None
+
+    def free_slots(self) -> list[int]:
+        """Slots holding no adapter, lowest first."""
+        return [s for s, b in enumerate(self._buffers) if b is None]
+
+    def slot_bytes(self, slot: int) -> int:
+        """Device bytes the slot's adapter occupies (0 when free)."""
+        self._check_slot(slot)
+        buffer = self._buffers[slot]
+        return 0 if buffer is None else buffer.numel() * buffer.element_size()
+
+    @property
+    def bytes_used(self) -> int:
+        """Device bytes of all loaded adapters."""
+        return sum(self.slot_bytes(s) for s in range(self.max_loras))

@@ -1,0 +1,203 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch and a paged KV cache.
+
+Module names follow the HF checkpoints (`model.layers.0.self_attn.q_proj`, ...), so weights load
+by name and LoRA wraps the same projections PEFT adapts. Every linear layer stays a separate
+`nn.Linear` (q, k, v, gate, up unfused) so `install_lora` can wrap each one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from loraplane.dataplane.attention import AttentionMetadata, paged_attention
+from loraplane.dataplane.lora.layers import LoRAContext
+from loraplane.dataplane.lora.metadata import LoRABatch
+from loraplane.dataplane.models.config import ModelConfig
+from loraplane.dataplane.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, with the statistics in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE; K/V go to this layer's slice of the paged cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[layer_idx]
+        q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, q_out, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=config.o_bias)
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("the KV cache is not allocated: call allocate_kv_cache first")
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(
+            q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window
+        )
+        projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return projected
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers = [DecoderLayer(config, i) for i in range(config.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.decoder_layers = layers  # the same modules, typed
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.decoder_layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM for model_type llama, mistral and qwen2, driven by the engine's model runner.
+
+    The runner calls `allocate_kv_cache` once, then per step `forward` on a flat batch and
+    `compute_logits` on the rows it samples from.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lora_context: LoRAContext | None = None  # set by install_lora
+        self.kv_cache: torch.Tensor | None = None  # [2, layers, blocks, block_size, kv, dim]
+
+    def kv_cache_block_bytes(self, block_size: int) -> int:
+        """Bytes one cache block takes across all layers (K and V), for sizing num_blocks."""
+        c = self.config
+        itemsize = self.lm_head.weight.element_size()
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * itemsize
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate per-layer K and V caches, each [num_blocks, block_size, kv_heads, head_dim]."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1"
+            )
+        c, weight = self.config, self.lm_head.weight
+        layers = self.model.decoder_layers
+        self.kv_cache = None  # drop any old cache before allocating the new one
+        for layer in layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+        shape = (2, c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        for i, layer in enumerate(layers):
+            layer.self_attn.k_cache = cache[0, i]
+            layer.self_attn.v_cache = cache[1, i]
+        self.kv_cache = cache
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int
+        positions: torch.Tensor,  # [T] int: each token's position in its sequence
+        attn: AttentionMetadata,
+        lora: LoRABatch | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        """Run the decoder on T tokens from attn.num_seqs sequences; return final hidden states."""
+        tokens = input_ids.shape[0]
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                "must both be [T]"
+            )
+        if attn.num_tokens != tokens:
+            raise ValueError(f"attn covers {attn.num_tokens} tokens but input_ids has {tokens}")
+        if lora is not None and self.lora_context is None:
+            raise ValueError("lora was given but no LoRA layers are installed (install_lora)")
+        if lora is not None and lora.num_tokens != tokens:
+            raise ValueError(f"lora covers {lora.num_tokens} tokens but input_ids has {tokens}")
+        context = self.lora_context
+        if context is None:
+            return self.model(input_ids, positions, attn)  # type: ignore[no-any-return]
+        context.activate(lora)
+        try:
+            return self.model(input_ids, positions, attn)  # type: ignore[no-any-return]
+        finally:
+            context.activate(None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        """fp32 logits for the rows the caller samples from (e.g. each sequence's last token)."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()

@@ -1,0 +1,104 @@
+"""Load a base model directory (HF format: config.json + safetensors) into LlamaForCausalLM.
+
+Base model files are the operator's, not a tenant's, so safetensors' own reader is trusted
+here. The model is built on the meta device and the checkpoint's tensors are assigned in, so
+no memory or time goes into a random initialisation that would be overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from loraplane.dataplane.models.config import ModelConfig
+from loraplane.dataplane.models.llama import LlamaForCausalLM
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_NAME = "model.safetensors.index.json"
+# Buffers some older checkpoints saved: recomputed from the config, never read.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(model_dir: Path | str) -> ModelConfig:
+    """Parse `<model_dir>/config.json`."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw: Any = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ValueError(f"no config.json in {model_dir}") from e
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return ModelConfig.from_dict(raw)
+
+
+def checkpoint_files(model_dir: Path | str) -> list[Path]:
+    """The safetensors shards, from the index when the checkpoint is sharded."""
+    root = Path(model_dir)
+    index = root / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if Path(name).name != name:
+                raise ValueError(f"{index} names a shard outside the folder: {name!r}")
+        return [root / name for name in names]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {root}")
+    return files
+
+
+def _check_keys(model: LlamaForCausalLM, state: dict[str, torch.Tensor], where: Path) -> None:
+    expected = set(model.state_dict())
+    if model.config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {where} does not match a {model.config.model_type} model: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+
+
+def load_model(
+    model_dir: Path | str, dtype: torch.dtype, device: torch.device | str
+) -> LlamaForCausalLM:
+    """Build the decoder from `config.json` and load its weights in `dtype` on `device`.
+
+    Raises UnsupportedModelError (a ValueError) for an architecture or option not implemented,
+    ValueError for missing files or weights that do not fit the config.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
+    device = torch.device(device)
+    root = Path(model_dir)
+    config = read_config(root)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state: dict[str, torch.Tensor] = {}
+    for shard in checkpoint_files(root):
+        for name, tensor in load_file(str(shard), device="cpu").items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding matrix is the output projection
+            state[name] = tensor.to(device=device, dtype=dtype)
+    _check_keys(model, state, root)
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"checkpoint in {root} does not fit its config.json: {e}") from e
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.to(device)
+    return model.eval().requires_grad_(False)

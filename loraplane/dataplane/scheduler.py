@@ -1,0 +1,298 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+A step first serves running sequences in admission order: a decode takes 1 token; a prompt (or
+a preempted sequence's recompute) the next chunk that fits the token budget, less 1 token per
+decode further down the list, so chunks never starve decodes. A sequence samples only in the
+step that reaches its last token. When a running sequence needs a KV block and none is free, the
+newest running ones are preempted by recompute (blocks freed, back to the front of the queue).
+Then, if nothing was preempted, waiting sequences are admitted while seats (`max_num_seqs`),
+tokens (`max_num_batched_tokens`) and KV blocks last; the first that does not fit stops
+admission, so a large request is not overtaken forever by small ones.
+
+Adapter rules (DESIGN.md section 8). At most `max_loras` distinct adapter versions run at once
+(so at most that many in a step); base model requests never count. A waiting request whose
+adapter is not running while `max_loras` are is *deferred*: it stays waiting, others may pass it,
+and it is counted (`num_deferred` now, `deferred_total` once per request). Among admissible
+requests: preempted ones first, then the tenant with the fewest running sequences (tenants take
+turns), then age. No starvation: once a request has been deferred in more than
+`max_deferral_steps` steps, the oldest such request raises a barrier: only its adapter's
+requests (first) and base model requests are admitted, so running adapters drain and it takes
+the first free slot. With max_loras=1 and other adapters' requests finishing within M steps of
+admission, a request waits at most max_deferral_steps + M + 1 steps (see test_scheduler.py).
+
+The engine's step:
+    out = scheduler.schedule(lora_ready)   # may preempt; out.scheduled is the batch, in order
+    # per row r: tokens r.seq.token_ids[r.start : r.start + r.num_new_tokens] at positions
+    #   r.start.., K/V slots from r.seq.block_table, adapter r.seq.lora; run the model and keep
+    #   the last token's logits of each row in out.sampled, in order
+    res = sampler(logits, [r.seq.params for r in out.sampled], [r.seq.generator for ...])
+    finished = scheduler.postprocess(out, res.token_ids, res.logprobs)
+    # postprocess advanced num_computed_tokens, registered full blocks for the prefix cache,
+    # appended the tokens and finished (freed) sequences at EOS, stop_token_ids, max_tokens or
+    # max_model_len. Then per sampled row the engine feeds the request's detokenizer; on a stop
+    # string it calls scheduler.finish(seq, FinishReason.STOP) (also on a sequence postprocess
+    # just finished: only the reason changes). Between steps: scheduler.add / abort.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loraplane.dataplane.block_manager import BlockManager
+from loraplane.dataplane.config import SchedulerConfig
+from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
+
+Ready = Callable[[LoRARef], bool] | None  # may this adapter run now (is it loaded)?
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One row of a step: compute `num_new_tokens` tokens from position `start`; maybe sample."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """A step's batch and what happened while forming it."""
+
+    step: int
+    scheduled: list[ScheduledSeq]
+    lora_keys: frozenset[str]  # distinct adapter versions in this step
+    preempted: list[str]  # request ids sent back to waiting in this step
+    num_deferred: int  # waiting requests held back by the adapter rules after this step
+    num_newly_deferred: int  # of which deferred for the first time
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def sampled(self) -> list[ScheduledSeq]:
+        """The rows that sample a token, in batch order (the order of sampled token ids)."""
+        return [r for r in self.scheduled if r.sample]
+
+
+class Scheduler:
+    """Forms each step's batch under seat, token, KV block and adapter limits."""
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | None = None
+    ):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_id = eos_token_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.step = 0
+        self.num_deferred = self.deferred_total = self.preemptions_total = 0
+        self._live: dict[str, Sequence] = {}
+        # a sequence stops at max_model_len, or when its newest token's K/V could not fit even
+        # with the whole cache to itself
+        capacity = block_manager.capacity_tokens + 1
+        self._max_len = min(config.max_model_len or capacity, capacity)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises ValueError if it could never be scheduled."""
+        cfg, n = self.config, seq.num_tokens
+        if seq.request_id in self._live or seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"request {seq.request_id!r} is already queued, running or done")
+        if cfg.max_model_len is not None and n >= cfg.max_model_len:
+            raise ValueError(f"prompt of {n} tokens leaves no room in max_model_len")
+        if n > self.block_manager.capacity_tokens:
+            raise ValueError(f"prompt of {n} tokens exceeds the KV cache")
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            raise ValueError(f"prompt of {n} tokens exceeds max_num_batched_tokens (no chunking)")
+        seq.arrival_step = self.step
+        self.waiting.append(seq)
+        self._live[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a queued or running request as aborted (freeing its blocks); None if unknown."""
+        seq = self._live.get(request_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish a sequence and free its blocks; on a finished one, only change the reason."""
+        if not seq.is_finished:
+            if self._live.get(seq.request_id) is seq:
+                del self._live[seq.request_id]
+                if seq.status is SequenceStatus.RUNNING:
+                    self.running.remove(seq)
+                else:
+                    self.waiting.remove(seq)
+            self.block_manager.free(seq)
+        seq.status = reason.status
+        seq.finish_reason = reason
+
+    def schedule(self, lora_ready: Ready = None) -> SchedulerOutput:
+        """Form the next step's batch. A waiting request whose adapter is not `lora_ready`
+        (still loading: the engine prefetches it meanwhile) is skipped this step."""
+        self.step += 1
+        batch: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(batch, preempted)
+        barrier = self._barrier_key()
+        if not preempted:
+            self._admit(batch, budget, barrier, lora_ready)
+        keys = frozenset(k for r in batch if (k := r.seq.lora_key) is not None)
+        return SchedulerOutput(self.step, batch, keys, preempted, *self._count_deferred(barrier))
+
+    def _chunk(self, want: int, budget: int) -> int:
+        """Tokens to compute now out of `want`: a chunk, or all-or-nothing without chunking."""
+        if self.config.enable_chunked_prefill or want > self.config.max_num_batched_tokens:
+            return min(want, budget)
+        return want if want <= budget else 0
+
+    def _schedule_running(self, batch: list[ScheduledSeq], preempted: list[str]) -> int:
+        budget = self.config.max_num_batched_tokens
+        decodes_left = sum(1 for s in self.running if not s.is_prefill)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.is_prefill:
+                n = self._chunk(seq.num_uncomputed_tokens, budget - decodes_left)
+            else:
+                n, decodes_left = 1, decodes_left - 1
+            if n <= 0:
+                i += 1
+                continue
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running.pop()  # the newest: recompute it later, from the front
+                self.block_manager.free(victim)
+                victim.status = SequenceStatus.WAITING
+                victim.num_preemptions += 1
+                self.preemptions_total += 1
+                self.waiting.appendleft(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    return budget
+            self._run(seq, n, batch)
+            budget -= n
+            i += 1
+        return budget
+
+    def _run(self, seq: Sequence, n: int, batch: list[ScheduledSeq]) -> None:
+        self.block_manager.allocate(seq, n)
+        start = seq.num_computed_tokens
+        batch.append(ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens))
+
+    def _barrier_key(self) -> str | None:
+        """The adapter of the oldest request deferred too long, if any."""
+        limit = self.config.max_deferral_steps
+        starving = [s for s in self.waiting if s.deferred and s.deferred_steps > limit]
+        return min(starving, key=lambda s: s.arrival_step).lora_key if starving else None
+
+    def _admit(
+        self, batch: list[ScheduledSeq], budget: int, barrier: str | None, ready: Ready
+    ) -> None:
+        cfg = self.config
+        keys = {k for s in self.running if (k := s.lora_key) is not None}
+        load = Counter(s.tenant for s in self.running)
+        # (rank, tenant load when pushed, queue position): lower is admitted first
+        heap: list[tuple[int, int, int, Sequence]] = []
+        for pos, seq in enumerate(self.waiting):
+            key = seq.lora_key
+            if barrier is not None and key is not None and key != barrier:
+                continue
+            rank = 0 if key is not None and key == barrier else 1 if seq.num_preemptions else 2
+            heap.append((rank, load[seq.tenant], pos, seq))
+        heapq.heapify(heap)
+        admitted: set[Sequence] = set()
+        while heap and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            rank, seen_load, pos, seq = heapq.heappop(heap)
+            if seen_load != load[seq.tenant]:  # its tenant got a seat since: re-rank
+                heapq.heappush(heap, (rank, load[seq.tenant], pos, seq))
+                continue
+            key = seq.lora_key
+            if key is not None and key not in keys and len(keys) >= cfg.max_loras:
+                continue  # deferred
+            if seq.lora is not None and ready is not None and not ready(seq.lora):
+                continue  # still loading
+            n = self._chunk(
+                seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq), budget
+            )
+            if n <= 0 or not self.block_manager.can_allocate(seq, n):
+                break  # wait for tokens or blocks rather than let later requests pass
+            seq.status = SequenceStatus.RUNNING
+            seq.deferred = False
+            self.running.append(seq)
+            self._run(seq, n, batch)
+            budget -= n
+            load[seq.tenant] += 1
+            if key is not None:
+                keys.add(key)
+            admitted.add(seq)
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if s not in admitted)
+
+    def _count_deferred(self, barrier: str | None) -> tuple[int, int]:
+        keys = self.running_lora_keys
+        full = len(keys) >= self.config.max_loras
+        count = newly = 0
+        for seq in self.waiting:
+            key = seq.lora_key
+            seq.deferred = key is not None and (
+                (full and key not in keys) or (barrier is not None and key != barrier)
+            )
+            if seq.deferred:
+                seq.deferred_steps += 1
+                count, newly = count + 1, newly + (seq.deferred_steps == 1)
+        self.num_deferred = count
+        self.deferred_total += newly
+        return count, newly
+
+    def postprocess(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: list[int],
+        logprobs: list[float | None] | None = None,
+    ) -> list[Sequence]:
+        """Record a step's results (one token, and logprob, per row of `output.sampled`, in
+        order); return the sequences it finished, their blocks already freed."""
+        rows = output.sampled
+        if len(sampled_token_ids) != len(rows) or len(logprobs or rows) != len(rows):
+            raise ValueError(f"expected {len(rows)} sampled token ids (and logprobs, if any)")
+        for r in output.scheduled:
+            if r.seq.status is SequenceStatus.RUNNING:  # not aborted while the step ran
+                r.seq.num_computed_tokens = r.start + r.num_new_tokens
+                self.block_manager.register_full_blocks(r.seq)
+        finished: list[Sequence] = []
+        for i, (r, token) in enumerate(zip(rows, sampled_token_ids, strict=True)):
+            seq = r.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.append_token(token, logprobs[i] if logprobs and seq.params.wants_logprobs else None)
+            reason = seq.stop_reason(token, self.eos_token_id, self._max_len)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    @property
+    def running_lora_keys(self) -> set[str]:
+        """Adapter versions of running sequences."""
+        return {k for s in self.running if (k := s.lora_key) is not None}
+
+    @property
+    def waiting_lora_keys(self) -> set[str]:
+        """Adapter versions of waiting sequences."""
+        return {k for s in self.waiting if (k := s.lora_key) is not None}
+
+    def waiting_per_lora(self) -> Counter[LoRARef]:
+        """Waiting requests per adapter version (loraplane_adapter_waiting_requests)."""
+        return Counter(s.lora for s in self.waiting if s.lora is not None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.waiting or self.running)

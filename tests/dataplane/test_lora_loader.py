@@ -1,0 +1,104 @@
+"""load_lora: PEFT folders through the validating reader; scales, dtypes, rejections."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.adapters.limits import AdapterLimits
+from loraplane.dataplane.lora import load_lora
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama_dir: Path) -> BaseModelSpec:
+    return BaseModelSpec.from_dir(tiny_llama_dir)
+
+
+def test_scales_honour_lora_alpha_rslora_and_the_rank_and_alpha_patterns(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec
+) -> None:
+    plain = load_lora(peft_adapters["r16"], spec)
+    assert {w.scale for w in plain.modules.values()} == {2.0}  # 32 / 16
+    rslora = load_lora(peft_adapters["r16-rslora"], spec)
+    assert {w.scale for w in rslora.modules.values()} == {16 / math.sqrt(16)}
+    patterns = load_lora(peft_adapters["r8-patterns"], spec).modules
+    assert patterns[(0, "q_proj")].rank == 4 and patterns[(0, "q_proj")].scale == 16 / 4
+    assert patterns[(1, "q_proj")].rank == 8 and patterns[(1, "q_proj")].scale == 2.0
+    assert patterns[(0, "down_proj")].rank == 12
+    assert patterns[(0, "down_proj")].scale == pytest.approx(16 / 12)
+    assert patterns[(1, "o_proj")].scale == pytest.approx(3 / 8)
+
+
+def test_layers_to_transform_and_target_modules_limit_the_adapted_modules(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec
+) -> None:
+    assert {layer for layer, _ in load_lora(peft_adapters["r8-layer1"], spec).modules} == {1}
+    qv = load_lora(peft_adapters["r8-qv"], spec)
+    assert {m for _, m in qv.modules} == {"q_proj", "v_proj"}
+    assert qv.rank == 8
+
+
+def test_weights_equal_the_safetensors_file_and_shapes_are_a_r_by_in_b_out_by_r(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec
+) -> None:
+    from safetensors.torch import load_file
+
+    stored = load_file(str(peft_adapters["r32-mlp"] / "adapter_model.safetensors"))
+    adapter = load_lora(peft_adapters["r32-mlp"], spec)
+    w = adapter.modules[(1, "down_proj")]
+    prefix = "base_model.model.model.layers.1.mlp.down_proj"
+    assert torch.equal(w.a, stored[f"{prefix}.lora_A.weight"])
+    assert torch.equal(w.b, stored[f"{prefix}.lora_B.weight"])
+    assert w.a.shape == (32, 128) and w.b.shape == (64, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_adapters_keep_their_exact_values(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = peft_adapters["r8-qv"]
+    shutil.copytree(src, tmp_path / "half")
+    tensors = {k: v.to(dtype) for k, v in load_file(str(src / "adapter_model.safetensors")).items()}
+    save_file(tensors, str(tmp_path / "half" / "adapter_model.safetensors"))
+    adapter = load_lora(tmp_path / "half", spec)
+    w = adapter.modules[(0, "v_proj")]
+    assert w.a.dtype == dtype
+    prefix = "base_model.model.model.layers.0.self_attn.v_proj"
+    assert torch.equal(w.a, tensors[f"{prefix}.lora_A.weight"])
+    assert torch.equal(w.b, tensors[f"{prefix}.lora_B.weight"])
+
+
+def test_the_weights_file_is_closed_after_loading(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec
+) -> None:
+    path = str(peft_adapters["r64"] / "adapter_model.safetensors")
+    adapter = load_lora(peft_adapters["r64"], spec)
+    assert adapter.nbytes > 0
+    assert path not in Path("/proc/self/maps").read_text()
+
+
+def test_an_adapter_over_the_rank_limit_is_rejected_with_its_reason_code(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec
+) -> None:
+    with pytest.raises(AdapterRejected) as err:
+        load_lora(peft_adapters["r64"], spec, AdapterLimits(max_rank=32))
+    assert err.value.code == ReasonCode.RANK_TOO_LARGE
+
+
+def test_an_adapter_for_another_base_model_shape_is_rejected(
+    peft_adapters: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    other = BaseModelSpec.from_config({**config, "hidden_size": 128}, "other")
+    with pytest.raises(AdapterRejected) as err:
+        load_lora(peft_adapters["r4"], other)
+    assert err.value.code == ReasonCode.SHAPE_MISMATCH

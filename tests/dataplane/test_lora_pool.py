@@ -1,0 +1,101 @@
+"""LoRAPool: rank-exact storage per slot, free releases, bad input refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.dataplane.lora import LoadedAdapter, LoRAPool, LoRAWeights, load_lora
+
+SPEC = BaseModelSpec("tiny", "llama", 2, 64, 128, 4, 2, 16)
+
+
+def _adapter(rank: int, modules: tuple[str, ...] = SUPPORTED_MODULES) -> LoadedAdapter:
+    weights = {}
+    for layer in range(SPEC.num_layers):
+        for module in modules:
+            fan_in, fan_out = SPEC.module_shape(module)
+            weights[(layer, module)] = LoRAWeights(
+                torch.randn(rank, fan_in), torch.randn(fan_out, rank), 2.0
+            )
+    return LoadedAdapter(f"r{rank}", weights)
+
+
+def test_memory_is_rank_exact_an_r8_adapter_takes_an_eighth_of_an_r64_one() -> None:
+    pool = LoRAPool(4, SPEC, torch.bfloat16, "cpu")
+    pool.load(0, _adapter(8))
+    pool.load(1, _adapter(64))
+    assert pool.slot_bytes(1) == 8 * pool.slot_bytes(0)
+    assert pool.bytes_used == pool.slot_bytes(0) + pool.slot_bytes(1)
+    assert pool.bytes_needed(_adapter(8)) == pool.slot_bytes(0)
+    table = pool.module_slots(1, "down_proj")
+    a0, a1 = table.lora_a[0], table.lora_a[1]
+    assert a0 is not None and a1 is not None
+    assert a0.shape == (8, 128) and a1.shape == (64, 128)  # no padding to the pool's max rank
+    assert a0.dtype == torch.bfloat16
+
+
+def test_real_peft_adapters_take_bytes_in_proportion_to_their_rank(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    pool = LoRAPool(2, spec, torch.float32, "cpu")
+    pool.load(0, load_lora(peft_adapters["r4"], spec))
+    pool.load(1, load_lora(peft_adapters["r64"], spec))
+    assert pool.slot_bytes(1) == 16 * pool.slot_bytes(0)
+
+
+def test_free_releases_the_slot_and_clears_every_module_table() -> None:
+    pool = LoRAPool(2, SPEC, torch.float32, "cpu")
+    pool.load(1, _adapter(16))
+    assert pool.is_loaded(1) and pool.free_slots() == [0]
+    pool.free(1)
+    assert not pool.is_loaded(1)
+    assert pool.bytes_used == 0
+    assert pool.free_slots() == [0, 1]
+    for layer in range(SPEC.num_layers):
+        for module in SUPPORTED_MODULES:
+            table = pool.module_slots(layer, module)
+            assert table.lora_a[1] is None and table.lora_b[1] is None
+            assert float(table.scales[1]) == 0.0
+    pool.load(1, _adapter(4))  # the slot is reusable
+    assert pool.is_loaded(1)
+
+
+def test_modules_an_adapter_does_not_target_stay_empty_in_its_slot() -> None:
+    pool = LoRAPool(1, SPEC, torch.float32, "cpu")
+    pool.load(0, _adapter(8, ("q_proj", "v_proj")))
+    assert pool.module_slots(0, "q_proj").lora_a[0] is not None
+    assert pool.module_slots(0, "k_proj").lora_a[0] is None
+    assert float(pool.module_slots(0, "q_proj").scales[0]) == 2.0
+
+
+def test_loading_into_an_occupied_slot_is_refused() -> None:
+    pool = LoRAPool(1, SPEC, torch.float32, "cpu")
+    pool.load(0, _adapter(4))
+    with pytest.raises(ValueError, match="slot 0 already holds"):
+        pool.load(0, _adapter(4))
+
+
+def test_slot_ids_outside_the_pool_are_refused() -> None:
+    pool = LoRAPool(2, SPEC, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"slot must be in 0\.\.1"):
+        pool.load(2, _adapter(4))
+    with pytest.raises(ValueError, match="max_loras"):
+        LoRAPool(0, SPEC, torch.float32, "cpu")
+
+
+def test_an_adapter_shaped_for_another_model_is_refused() -> None:
+    adapter = LoadedAdapter(
+        "wide", {(0, "q_proj"): LoRAWeights(torch.randn(4, 32), torch.randn(64, 4), 1.0)}
+    )
+    pool = LoRAPool(1, SPEC, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="in_features 64"):
+        pool.load(0, adapter)
+    assert not pool.is_loaded(0)
+    deep = LoadedAdapter("deep", {(5, "q_proj"): _adapter(4).modules[(0, "q_proj")]})
+    with pytest.raises(ValueError, match="layer 5"):
+        pool.load(0, deep)

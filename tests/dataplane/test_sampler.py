@@ -1,0 +1,148 @@
+"""Sampler and SamplingParams: greedy, filters, per-request seeds, logprobs, validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane.dataplane.sampler import Sampler, make_generator
+from loraplane.dataplane.sampling import SamplingParams
+
+V = 50
+
+
+def logits(batch: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, V, generator=g) * 3  # [B, V]
+
+
+def test_greedy_is_argmax() -> None:
+    x = logits(6)
+    out = Sampler()(x, [SamplingParams(temperature=0)] * 6)
+    assert out.token_ids == x.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
+    x = logits(8, seed=1)
+    sampler = Sampler(seed=3)
+    expected = x.argmax(dim=-1).tolist()
+    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(top_p=1e-6)):
+        for _ in range(5):
+            assert sampler(x, [params] * 8).token_ids == expected
+
+
+def test_top_k_samples_only_among_the_k_best() -> None:
+    x = logits(1, seed=2).expand(2000, V).contiguous()
+    out = Sampler(seed=4)(x, [SamplingParams(temperature=5.0, top_k=3)] * 2000)
+    allowed = set(x[0].topk(3).indices.tolist())
+    assert set(out.token_ids) == allowed  # all three seen with a high temperature, no others
+
+
+def test_top_p_samples_only_inside_the_nucleus() -> None:
+    row = torch.full((V,), -10.0)
+    row[[3, 7, 9]] = torch.tensor([2.0, 1.5, 1.0])  # ~0.50, 0.30, 0.18 of the mass
+    x = row.expand(2000, V).contiguous()
+    out = Sampler(seed=5)(x, [SamplingParams(top_p=0.7)] * 2000)
+    assert set(out.token_ids) == {3, 7}  # 0.50 + 0.30 reach 0.7; 9 is outside
+
+
+def test_temperature_sampling_follows_the_softmax_distribution() -> None:
+    row = torch.tensor([1.0, 0.0, -1.0] + [-30.0] * (V - 3))
+    x = row.expand(20000, V).contiguous()
+    out = Sampler(seed=6)(x, [SamplingParams(temperature=2.0)] * 20000)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=V)[:3].float() / 20000
+    expected = torch.softmax(row / 2.0, dim=-1)[:3]
+    assert torch.allclose(freq, expected, atol=0.015)
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_or_in_any_batch() -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234)
+    other = SamplingParams(temperature=0.8)
+    steps = [logits(1, seed=100 + i)[0] for i in range(10)]  # the seeded row's logits per step
+
+    def run(batch: int, row: int) -> list[int]:
+        sampler = Sampler(seed=batch)  # unseeded rows draw from a different stream each time
+        gen = make_generator(params.seed or 0)
+        tokens = []
+        for i, mine in enumerate(steps):
+            x = logits(batch, seed=200 + i + batch)
+            x[row] = mine
+            ps = [other] * batch
+            ps[row] = params
+            gens: list[torch.Generator | None] = [None] * batch
+            gens[row] = gen
+            tokens.append(sampler(x, ps, gens).token_ids[row])
+        return tokens
+
+    alone = run(1, 0)
+    assert run(5, 3) == alone
+    assert run(9, 0) == alone
+    assert len(set(alone)) > 1  # really sampled, not argmax
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_chosen_tokens() -> None:
+    x = logits(4, seed=7)
+    params = [
+        SamplingParams(temperature=0, logprobs=True),
+        SamplingParams(temperature=0.7, logprobs=1),
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=5, logprobs=True),
+    ]
+    out = Sampler(seed=8)(x, params)
+    reference = torch.log_softmax(x, dim=-1)
+    for i in (0, 1, 3):
+        assert out.logprobs[i] == pytest.approx(reference[i, out.token_ids[i]].item(), abs=1e-5)
+    assert out.logprobs[2] is None
+
+
+def test_a_mixed_batch_keeps_greedy_rows_greedy() -> None:
+    x = logits(6, seed=9)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0) for i in range(6)]
+    out = Sampler(seed=1)(x, params)
+    assert [out.token_ids[i] for i in (1, 3, 5)] == x.argmax(dim=-1)[[1, 3, 5]].tolist()
+
+
+def test_bad_shapes_are_rejected() -> None:
+    sampler = Sampler()
+    with pytest.raises(ValueError, match="float32"):
+        sampler(logits(2).half(), [SamplingParams()] * 2)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        sampler(logits(2), [SamplingParams()])
+    with pytest.raises(ValueError, match="generators"):
+        sampler(logits(2), [SamplingParams()] * 2, [None])
+
+
+def test_sampling_params_defaults() -> None:
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.n) == (1.0, 1.0, -1, 16, 1)
+    assert p.stop == [] and p.stop_token_ids == [] and not p.ignore_eos
+    assert not p.greedy and not p.wants_logprobs
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(logprobs=2).wants_logprobs
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("seed", 1.5),
+        ("max_tokens", 0),
+        ("stop", "END"),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("ignore_eos", 1),
+        ("logprobs", -1),
+        ("logprobs", 1.5),
+        ("n", 0),
+    ],
+)
+def test_sampling_params_reject_bad_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]

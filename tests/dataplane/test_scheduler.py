@@ -1,0 +1,566 @@
+"""Scheduler: chunked prefill, limits, preemption, adapter limit, deferral, starvation, fairness.
+
+The tests play the engine: `step` schedules, checks the batch is well formed, "runs" it through
+`postprocess` with a fixed sampled token, and returns what finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loraplane.dataplane.block_manager import BlockManager
+from loraplane.dataplane.config import SchedulerConfig
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.scheduler import Scheduler, SchedulerOutput
+from loraplane.dataplane.sequence import (
+    FinishReason,
+    LoRARef,
+    Sequence,
+    SequenceStatus,
+    blocks_for,
+)
+
+EOS = 2
+TOKEN = 5  # what the fake model always samples (not EOS)
+_ids = itertools.count()
+
+
+def make(
+    num_blocks: int = 256, block_size: int = 4, prefix_caching: bool = True, **config: object
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(**config),  # type: ignore[arg-type]
+        BlockManager(num_blocks, block_size, prefix_caching),
+        eos_token_id=EOS,
+    )
+
+
+def seq(
+    prompt_len: int = 4,
+    max_tokens: int = 4,
+    lora: LoRARef | None = None,
+    tenant: str = "",
+    first: int | None = None,
+) -> Sequence:
+    """A request; prompts differ unless `first` is given (so the prefix cache stays out)."""
+    n = next(_ids)
+    start = 1000 * (n + 1) if first is None else first
+    prompt = [start + i for i in range(prompt_len)]
+    return Sequence(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens), lora, tenant)
+
+
+def adapter(name: str, tenant: str = "t") -> LoRARef:
+    return LoRARef(name, tenant, f"digest-{name}")
+
+
+def step(sched: Scheduler, token: int = TOKEN) -> tuple[SchedulerOutput, list[Sequence]]:
+    """One engine step with invariants that every step must keep."""
+    out = sched.schedule()
+    cfg, bm = sched.config, sched.block_manager
+    assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+    assert len(sched.running) <= cfg.max_num_seqs
+    assert len(out.lora_keys) <= cfg.max_loras
+    assert len(sched.running_lora_keys) <= cfg.max_loras
+    assert len({id(r.seq) for r in out.scheduled}) == len(out.scheduled)
+    for r in out.scheduled:
+        assert r.seq.status is SequenceStatus.RUNNING
+        assert r.start == r.seq.num_computed_tokens
+        assert r.num_new_tokens >= 1
+        assert r.sample == (r.start + r.num_new_tokens == r.seq.num_tokens)
+        assert len(r.seq.block_table) >= blocks_for(r.start + r.num_new_tokens, bm.block_size)
+    finished = sched.postprocess(out, [token] * len(out.sampled))
+    return out, finished
+
+
+def rows(out: SchedulerOutput) -> dict[str, tuple[int, bool]]:
+    return {r.seq.request_id: (r.num_new_tokens, r.sample) for r in out.scheduled}
+
+
+def run_until_idle(sched: Scheduler, max_steps: int = 1000) -> int:
+    for n in range(1, max_steps + 1):
+        step(sched)
+        if not sched.has_unfinished:
+            return n
+    raise AssertionError("requests still unfinished")
+
+
+# -- batching and limits ---------------------------------------------------------------------
+
+
+def test_a_short_prompt_is_prefilled_in_one_step_then_decodes_one_token_per_step() -> None:
+    sched = make()
+    s = seq(prompt_len=6, max_tokens=3)
+    sched.add(s)
+    out, _ = step(sched)
+    assert rows(out) == {s.request_id: (6, True)}
+    out, _ = step(sched)
+    assert rows(out) == {s.request_id: (1, True)}
+    out, finished = step(sched)
+    assert finished == [s]
+    assert s.finish_reason is FinishReason.LENGTH
+    assert s.output_token_ids == [TOKEN] * 3
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_samples_only_its_last_chunk() -> None:
+    sched = make(max_num_batched_tokens=32)
+    s = seq(prompt_len=100, max_tokens=2)
+    sched.add(s)
+    chunks = [rows(step(sched)[0])[s.request_id] for _ in range(4)]
+    assert chunks == [(32, False), (32, False), (32, False), (4, True)]
+    assert s.output_token_ids == [TOKEN]
+    assert rows(step(sched)[0])[s.request_id] == (1, True)
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room_for_all_of_it() -> None:
+    sched = make(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    a, b = seq(prompt_len=6), seq(prompt_len=6)
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)
+    assert rows(out) == {a.request_id: (6, True)}
+    out, _ = step(sched)
+    assert rows(out) == {a.request_id: (1, True), b.request_id: (6, True)}
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        sched.add(seq(prompt_len=11))
+
+
+def test_a_step_mixes_decodes_and_prefill_chunks_without_starving_decodes() -> None:
+    sched = make(max_num_batched_tokens=16)
+    decoders = [seq(prompt_len=2, max_tokens=50) for _ in range(3)]
+    for s in decoders:
+        sched.add(s)
+    step(sched)
+    long = seq(prompt_len=100)
+    sched.add(long)
+    out, _ = step(sched)
+    assert rows(out) == {
+        **{s.request_id: (1, True) for s in decoders},
+        long.request_id: (13, False),
+    }
+    # the long prompt is running now, ahead of nothing: decodes still get their token
+    out, _ = step(sched)
+    assert all(rows(out)[s.request_id] == (1, True) for s in decoders)
+    assert rows(out)[long.request_id] == (13, False)
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    sched = make(max_num_seqs=3)
+    for _ in range(5):
+        sched.add(seq())
+    out, _ = step(sched)
+    assert len(out.scheduled) == 3
+    assert (len(sched.running), len(sched.waiting)) == (3, 2)
+
+
+def test_the_token_budget_caps_a_step() -> None:
+    sched = make(max_num_batched_tokens=10)
+    for _ in range(4):
+        sched.add(seq(prompt_len=4))
+    out, _ = step(sched)
+    assert [r.num_new_tokens for r in out.scheduled] == [4, 4, 2]
+    assert out.num_batched_tokens == 10
+
+
+def test_kv_blocks_cap_admission_and_the_head_of_the_queue_is_not_overtaken() -> None:
+    sched = make(num_blocks=4, block_size=4)
+    big, small = seq(prompt_len=12, max_tokens=1), seq(prompt_len=2, max_tokens=1)
+    first = seq(prompt_len=4, max_tokens=8)
+    for s in (first, big, small):
+        sched.add(s)
+    out, _ = step(sched)
+    # first takes 1 block (+1 soon); big needs 3 of the 3 left; small would fit but must wait
+    assert set(rows(out)) == {first.request_id, big.request_id}
+    assert small.status is SequenceStatus.WAITING
+
+
+def test_add_rejects_duplicates_and_prompts_that_can_never_run() -> None:
+    sched = make(num_blocks=4, block_size=4, max_model_len=12)
+    s = seq()
+    sched.add(s)
+    with pytest.raises(ValueError, match="already queued"):
+        sched.add(s)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(seq(prompt_len=12))
+    with pytest.raises(ValueError, match="KV cache"):
+        make(num_blocks=2, block_size=4).add(seq(prompt_len=9))
+
+
+# -- stopping, aborting ----------------------------------------------------------------------
+
+
+def test_eos_finishes_with_stop_and_frees_blocks_unless_ignore_eos() -> None:
+    sched = make()
+    s = seq(max_tokens=10)
+    keep = Sequence("keep", [1, 2], SamplingParams(max_tokens=10, ignore_eos=True))
+    sched.add(s)
+    sched.add(keep)
+    _, finished = step(sched, token=EOS)
+    assert finished == [s]
+    assert s.finish_reason is FinishReason.STOP and s.status is SequenceStatus.FINISHED_STOPPED
+    assert s.block_table == []
+    assert keep.status is SequenceStatus.RUNNING
+
+
+def test_stop_token_ids_finish_with_stop() -> None:
+    sched = make()
+    s = Sequence("s", [1, 2], SamplingParams(stop_token_ids=[7]))
+    sched.add(s)
+    _, finished = step(sched, token=7)
+    assert finished == [s] and s.finish_reason is FinishReason.STOP
+
+
+def test_max_model_len_cuts_with_length() -> None:
+    sched = make(max_model_len=6)
+    s = seq(prompt_len=4, max_tokens=100)
+    sched.add(s)
+    run_until_idle(sched)
+    assert s.num_tokens == 6 and s.finish_reason is FinishReason.LENGTH
+
+
+def test_a_sequence_that_outgrows_the_whole_cache_is_cut_with_length() -> None:
+    sched = make(num_blocks=2, block_size=4)
+    s = seq(prompt_len=4, max_tokens=100)
+    sched.add(s)
+    run_until_idle(sched)
+    assert s.num_tokens == 9 and s.finish_reason is FinishReason.LENGTH
+
+
+def test_abort_frees_a_running_or_waiting_request_and_ignores_unknown_ids() -> None:
+    sched = make(max_num_seqs=1)
+    running, waiting = seq(max_tokens=10), seq()
+    sched.add(running)
+    sched.add(waiting)
+    step(sched)
+    assert sched.abort(running.request_id) is running
+    assert sched.abort(waiting.request_id) is waiting
+    assert running.status is SequenceStatus.FINISHED_ABORTED
+    assert waiting.finish_reason is FinishReason.ABORT
+    assert sched.abort("nope") is None
+    assert not sched.has_unfinished
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_request_aborted_while_its_step_ran_is_skipped_by_postprocess() -> None:
+    sched = make()
+    a, b = seq(), seq()
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sched.abort(a.request_id)
+    assert sched.postprocess(out, [TOKEN, TOKEN]) == []
+    assert a.output_token_ids == [] and b.output_token_ids == [TOKEN]
+
+
+def test_finish_on_a_finished_sequence_only_changes_the_reason() -> None:
+    sched = make()
+    s = seq(max_tokens=1)
+    sched.add(s)
+    _, finished = step(sched)
+    assert finished == [s]
+    assert (s.finish_reason, s.status) == (FinishReason.LENGTH, SequenceStatus.FINISHED_LENGTH)
+    sched.finish(s, FinishReason.STOP)  # the engine found a stop string in that last token
+    assert (s.finish_reason, s.status) == (FinishReason.STOP, SequenceStatus.FINISHED_STOPPED)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_postprocess_rejects_a_wrong_number_of_sampled_tokens() -> None:
+    sched = make()
+    sched.add(seq())
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="expected 1 sampled token ids"):
+        sched.postprocess(out, [TOKEN, TOKEN])
+
+
+def test_logprobs_are_kept_only_for_requests_that_asked() -> None:
+    sched = make()
+    asks = Sequence("a", [1, 2], SamplingParams(logprobs=True))
+    quiet = Sequence("q", [1, 2], SamplingParams())
+    sched.add(asks)
+    sched.add(quiet)
+    out = sched.schedule()
+    sched.postprocess(out, [TOKEN, TOKEN], [-0.25, -0.5])
+    assert asks.output_logprobs == [-0.25]
+    assert quiet.output_logprobs == []
+
+
+# -- prefix caching and preemption -------------------------------------------------------------
+
+
+def test_a_repeated_prompt_reuses_cached_blocks_and_computes_only_the_rest() -> None:
+    sched = make(block_size=4)
+    first = seq(prompt_len=10, max_tokens=1, first=7)
+    sched.add(first)
+    run_until_idle(sched)
+    again = seq(prompt_len=10, max_tokens=1, first=7)
+    sched.add(again)
+    out, _ = step(sched)
+    assert rows(out) == {again.request_id: (2, True)}
+    assert again.num_cached_tokens == 8
+
+
+def test_preemption_frees_the_newest_sequence_and_requeues_it_at_the_front() -> None:
+    sched = make(num_blocks=4, block_size=4, max_num_seqs=2)
+    old, new, later = seq(prompt_len=4, max_tokens=6), seq(prompt_len=4, max_tokens=6), seq()
+    for s in (old, new, later):
+        sched.add(s)
+    step(sched)  # old and new prefilled: 1 block each
+    step(sched)  # each decodes into a second block: all 4 blocks used
+    for _ in range(3):
+        step(sched)
+    out, _ = step(sched)  # both need a third block: the newest is preempted
+    assert out.preempted == [new.request_id]
+    assert new.status is SequenceStatus.WAITING and new.block_table == []
+    assert new.num_computed_tokens == 0 and new.num_preemptions == 1
+    assert list(sched.waiting)[:2] == [new, later]
+    assert sched.preemptions_total == 1
+    assert rows(out) == {old.request_id: (1, True)}
+
+
+def test_a_preempted_sequence_later_recomputes_all_its_tokens_and_continues() -> None:
+    sched = make(num_blocks=4, block_size=4, max_num_seqs=2, prefix_caching=False)
+    old, new = seq(prompt_len=4, max_tokens=6), seq(prompt_len=4, max_tokens=7)
+    sched.add(old)
+    sched.add(new)
+    outputs_before = None
+    while new.num_preemptions == 0:
+        outputs_before = new.num_output_tokens
+        step(sched)
+    assert outputs_before is not None and new.num_output_tokens == outputs_before
+    while new.status is SequenceStatus.WAITING:
+        out, _ = step(sched)
+    recompute = rows(out)[new.request_id]
+    assert recompute == (4 + outputs_before, True)  # prompt and outputs, as one prompt
+    run_until_idle(sched)
+    assert new.output_token_ids == [TOKEN] * 7
+    assert old.output_token_ids == [TOKEN] * 6
+
+
+# -- adapters: the limit, deferral, starvation, fairness ----------------------------------------
+
+
+def test_no_step_holds_more_than_max_loras_adapters_and_base_requests_are_not_limited() -> None:
+    sched = make(max_loras=2)
+    reqs = [seq(lora=adapter(n)) for n in "abc"] + [seq() for _ in range(3)]
+    for s in reqs:
+        sched.add(s)
+    out, _ = step(sched)
+    assert out.lora_keys == {adapter("a").key, adapter("b").key}
+    assert {r.seq.request_id for r in out.scheduled} == {
+        s.request_id for s in reqs if s.lora is None or s.lora.name != "c"
+    }
+
+
+def test_a_request_over_the_adapter_limit_is_deferred_and_counted_once() -> None:
+    sched = make(max_loras=1)
+    a, b = seq(max_tokens=5, lora=adapter("a")), seq(lora=adapter("b"))
+    same = seq(lora=adapter("a"))
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)
+    assert (out.num_deferred, out.num_newly_deferred) == (1, 1)
+    assert b.deferred and b.status is SequenceStatus.WAITING
+    sched.add(same)  # the running adapter: admitted, never deferred
+    out, _ = step(sched)
+    assert same.request_id in rows(out)
+    assert (out.num_deferred, out.num_newly_deferred) == (1, 0)
+    assert (sched.num_deferred, sched.deferred_total) == (1, 1)
+    assert sched.waiting_lora_keys == {adapter("b").key}
+    assert sched.running_lora_keys == {adapter("a").key}
+    run_until_idle(sched)
+    assert b.finish_reason is FinishReason.LENGTH
+    assert sched.num_deferred == 0
+
+
+def test_a_deferred_request_is_passed_by_admissible_ones() -> None:
+    sched = make(max_loras=1)
+    sched.add(seq(max_tokens=5, lora=adapter("a")))
+    step(sched)
+    blocked, base = seq(lora=adapter("b")), seq()
+    sched.add(blocked)
+    sched.add(base)
+    out, _ = step(sched)
+    assert base.request_id in rows(out) and blocked.request_id not in rows(out)
+
+
+def test_an_adapter_that_is_not_ready_is_skipped_without_blocking_others() -> None:
+    sched = make()
+    cold, warm = seq(lora=adapter("cold")), seq(lora=adapter("warm"))
+    sched.add(cold)
+    sched.add(warm)
+    out = sched.schedule(lora_ready=lambda ref: ref.name != "cold")
+    assert set(rows(out)) == {warm.request_id}
+    assert not cold.deferred
+
+
+def test_a_cold_adapter_is_scheduled_within_the_bound_while_a_hot_one_floods() -> None:
+    """max_loras=1; every step 2 new requests of a hot adapter arrive (prompt 4, max_tokens M).
+
+    Bound. The cold request arrives at step s (counted as `arrival_step`). From step s+1 it is
+    deferred each step (the hot adapter holds the only slot), so after step s+D+1 its
+    deferred_steps is D+1 > D and from step s+D+2 on the barrier admits no hot request. The last
+    hot requests were admitted at step s+D+1; a prompt takes one step and yields token 1, so
+    they yield token M at step s+D+M and finish there. At step s+D+M+1 no adapter holds the slot
+    and the cold request, first in the barrier's order, is admitted: it waits at most D+M+1
+    steps.
+    """
+    D, M = 4, 6
+    sched = make(max_loras=1, max_deferral_steps=D, max_num_seqs=64, max_num_batched_tokens=512)
+    hot = adapter("hot", tenant="big")
+    for _ in range(4):
+        for _ in range(2):
+            sched.add(seq(max_tokens=M, lora=hot, tenant="big"))
+        step(sched)
+    cold = seq(max_tokens=2, lora=adapter("cold", tenant="small"))
+    sched.add(cold)
+    arrival = cold.arrival_step
+    scheduled_at = None
+    for _ in range(100):
+        for _ in range(2):
+            sched.add(seq(max_tokens=M, lora=hot, tenant="big"))
+        out, _ = step(sched)
+        if cold.request_id in rows(out):
+            scheduled_at = out.step
+            break
+    assert scheduled_at is not None
+    assert scheduled_at - arrival <= D + M + 1
+    # and the flood did not stop: hot requests run again once the cold one has its turn
+    run_until_idle(sched)
+
+
+def test_without_the_barrier_the_same_flood_starves_the_cold_adapter() -> None:
+    """The same flood with a barrier that never rises: the cold request never runs."""
+    sched = make(max_loras=1, max_deferral_steps=10_000, max_num_seqs=64)
+    hot = adapter("hot")
+    cold = seq(lora=adapter("cold"))
+    sched.add(seq(max_tokens=6, lora=hot))
+    step(sched)
+    sched.add(cold)
+    for _ in range(100):
+        for _ in range(2):
+            sched.add(seq(max_tokens=6, lora=hot))
+        step(sched)
+    assert cold.status is SequenceStatus.WAITING and cold.deferred_steps == 100
+
+
+def test_base_requests_still_run_while_a_barrier_drains_adapters() -> None:
+    sched = make(max_loras=1, max_deferral_steps=1)
+    hot = adapter("hot")
+    sched.add(seq(max_tokens=20, lora=hot))
+    step(sched)
+    sched.add(seq(lora=adapter("cold")))
+    for _ in range(3):
+        step(sched)  # the cold request is deferred long enough: the barrier is up
+    late_hot, base = seq(lora=hot), seq()
+    sched.add(late_hot)
+    sched.add(base)
+    out, _ = step(sched)
+    assert base.request_id in rows(out)
+    assert late_hot.request_id not in rows(out) and late_hot.deferred
+
+
+def test_tenants_take_turns_for_free_seats() -> None:
+    sched = make(max_num_seqs=4)
+    a = [seq(tenant="a", max_tokens=3) for _ in range(8)]
+    b = [seq(tenant="b", max_tokens=3) for _ in range(2)]
+    for s in a + b:
+        sched.add(s)
+    out, _ = step(sched)
+    # b arrived after all of a's requests, yet gets half the seats: a0, b0, a1, b1
+    assert [r.seq for r in out.scheduled] == [a[0], b[0], a[1], b[1]]
+
+
+def test_a_light_tenant_gets_the_next_free_seat_before_a_heavy_tenants_backlog() -> None:
+    sched = make(max_num_seqs=3)
+    heavy = [seq(tenant="heavy", max_tokens=2 + i) for i in range(10)]
+    for s in heavy:
+        sched.add(s)
+    step(sched)  # three heavy requests running
+    light = seq(tenant="light")
+    sched.add(light)
+    out, _ = step(sched)
+    assert light.status is SequenceStatus.WAITING  # no free seat yet
+    out, _ = step(sched)  # heavy[0] finished at the last step: one seat is free
+    assert light.request_id in rows(out)
+
+
+def test_age_breaks_ties_between_equally_loaded_tenants() -> None:
+    sched = make(max_num_seqs=1)
+    first, second = seq(tenant="x"), seq(tenant="y")
+    sched.add(first)
+    sched.add(second)
+    out, _ = step(sched)
+    assert [r.seq for r in out.scheduled] == [first]
+
+
+def test_metrics_views() -> None:
+    sched = make(num_blocks=10, block_size=4, max_loras=1)
+    sched.add(seq(prompt_len=8, lora=adapter("a")))
+    sched.add(seq(lora=adapter("b")))
+    sched.add(seq(lora=adapter("b")))
+    step(sched)
+    assert (len(sched.running), len(sched.waiting)) == (1, 2)
+    assert sched.running_lora_keys == {adapter("a").key}
+    assert sched.waiting_lora_keys == {adapter("b").key}
+    assert sched.waiting_per_lora() == {adapter("b"): 2}
+    assert sched.block_manager.usage == pytest.approx(0.2)  # 8 computed tokens in 2 of 10 blocks
+    assert sched.num_deferred == 2
+
+
+# -- property: random traffic ----------------------------------------------------------------
+
+arrival = st.tuples(
+    st.integers(0, 12),  # arrival step
+    st.integers(0, 3),  # tenant
+    st.one_of(st.none(), st.integers(0, 4)),  # adapter (None: base model)
+    st.integers(1, 20),  # prompt length
+    st.integers(1, 8),  # max_tokens
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrivals=st.lists(arrival, min_size=1, max_size=25),
+    max_loras=st.integers(1, 3),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(4, 40),
+    num_blocks=st.integers(8, 40),
+    prefix_caching=st.booleans(),
+)
+def test_random_traffic_keeps_every_limit_and_finishes_every_request(
+    arrivals: list[tuple[int, int, int | None, int, int]],
+    max_loras: int,
+    max_num_seqs: int,
+    budget: int,
+    num_blocks: int,
+    prefix_caching: bool,
+) -> None:
+    sched = make(
+        num_blocks=num_blocks,
+        block_size=4,
+        prefix_caching=prefix_caching,
+        max_loras=max_loras,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_deferral_steps=3,
+    )
+    by_step: dict[int, list[Sequence]] = {}
+    for t, tenant, lora, prompt_len, max_tokens in arrivals:
+        ref = None if lora is None else adapter(f"a{lora}", tenant=f"t{tenant}")
+        s = seq(prompt_len, max_tokens, ref, tenant=f"t{tenant}", first=lora or 0)
+        by_step.setdefault(t, []).append(s)
+    everyone = [s for batch in by_step.values() for s in batch]
+    for n in range(2000):
+        for s in by_step.get(n, []):
+            sched.add(s)
+        step(sched)
+        if n > max(by_step) and not sched.has_unfinished:
+            break
+    assert all(s.finish_reason is FinishReason.LENGTH for s in everyone)
+    assert all(s.output_token_ids == [TOKEN] * s.params.max_tokens for s in everyone)
+    assert sched.block_manager.num_free_blocks == num_blocks
+    assert all(b.ref_count == 0 for b in sched.block_manager.blocks)
