@@ -103,7 +103,7 @@ def hf_logits(reference: torch.nn.Module, tokens: list[int], adapter: str | None
 
 
 @dataclass
-class Engine:
+class LoadedModel:
     """Our model with LoRA installed and every adapter of the family in its own slot."""
 
     model: LlamaForCausalLM
@@ -112,11 +112,11 @@ class Engine:
 
 
 @pytest.fixture(scope="session")
-def engines(families: dict[str, Family]) -> Callable[[str], Engine]:
-    """kind -> Engine (fp32, CPU), built once per session."""
-    cache: dict[str, Engine] = {}
+def loaded_models(families: dict[str, Family]) -> Callable[[str], LoadedModel]:
+    """kind -> LoadedModel (fp32, CPU), built once per session."""
+    cache: dict[str, LoadedModel] = {}
 
-    def get(kind: str) -> Engine:
+    def get(kind: str) -> LoadedModel:
         if kind not in cache:
             fam = families[kind]
             spec = BaseModelSpec.from_dir(fam.model_dir)
@@ -127,7 +127,7 @@ def engines(families: dict[str, Family]) -> Callable[[str], Engine]:
             for slot, (name, path) in enumerate(fam.adapters.items()):
                 pool.load(slot, load_lora(path, spec))
                 slots[name] = slot
-            cache[kind] = Engine(model, pool, slots)
+            cache[kind] = LoadedModel(model, pool, slots)
         return cache[kind]
 
     return get

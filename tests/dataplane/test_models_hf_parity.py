@@ -15,7 +15,7 @@ import torch
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
 from loraplane.dataplane.models import load_model
-from tests.dataplane.conftest import Engine, Family, PagedRunner, Seq, hf_logits
+from tests.dataplane.conftest import Family, LoadedModel, PagedRunner, Seq, hf_logits
 
 KINDS = ["llama", "qwen2", "mistral"]
 ATOL = 1e-4
@@ -37,10 +37,10 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 def test_one_mixed_prefill_batch_of_eight_adapters_and_base_rows_matches_hf_peft(
     kind: str,
     families: dict[str, Family],
-    engines: Callable[[str], Engine],
+    loaded_models: Callable[[str], LoadedModel],
     hf_reference: Callable[[str], torch.nn.Module],
 ) -> None:
-    engine, rng = engines(kind), random.Random(1)
+    engine, rng = loaded_models(kind), random.Random(1)
     # every adapter (ranks 4..64, rslora, patterns, layer subsets, partial targets), two base
     # rows, and adapters repeated in non-adjacent sequences so segments gather across the batch
     names: list[str | None] = [*families[kind].adapters, None, "r16", None, "r4"]
@@ -54,9 +54,11 @@ def test_one_mixed_prefill_batch_of_eight_adapters_and_base_rows_matches_hf_peft
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_chunks_and_decode_steps_through_shuffled_blocks_match_hf_peft(
-    kind: str, engines: Callable[[str], Engine], hf_reference: Callable[[str], torch.nn.Module]
+    kind: str,
+    loaded_models: Callable[[str], LoadedModel],
+    hf_reference: Callable[[str], torch.nn.Module],
 ) -> None:
-    engine, rng = engines(kind), random.Random(3)
+    engine, rng = loaded_models(kind), random.Random(3)
     names: list[str | None] = ["r64", "r8-patterns", None, "r32-mlp", "r16-rslora"]
     seqs = [
         Seq(_prompt(rng, n), engine.slots[a] if a else -1)
@@ -82,9 +84,9 @@ def test_prefill_chunks_and_decode_steps_through_shuffled_blocks_match_hf_peft(
 
 
 def test_first_step_with_a_cached_prefix_attends_to_blocks_it_did_not_write(
-    engines: Callable[[str], Engine], hf_reference: Callable[[str], torch.nn.Module]
+    loaded_models: Callable[[str], LoadedModel], hf_reference: Callable[[str], torch.nn.Module]
 ) -> None:
-    engine, rng = engines("llama"), random.Random(5)
+    engine, rng = loaded_models("llama"), random.Random(5)
     slot = engine.slots["r16"]
     prefix = _prompt(rng, 8)  # two full blocks of 4
     writer = Seq([*prefix, *_prompt(rng, 5)], slot)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.canonical import canonical_digest
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.safetensors_io import SafetensorsFile
 from loraplane.adapters.source import open_adapter_source
@@ -46,6 +47,7 @@ class LoadedAdapter:
 
     source: str
     modules: dict[tuple[int, str], LoRAWeights]
+    digest: str = ""  # the canonical digest (loraplane.adapters.canonical): the version's identity
 
     @property
     def rank(self) -> int:
@@ -86,6 +88,7 @@ def load_lora(
                 )
                 for m in adapter.modules
             }
+            digest = canonical_digest(adapter)
         finally:
             adapter.close()
-    return LoadedAdapter(source=str(path), modules=modules)
+    return LoadedAdapter(source=str(path), modules=modules, digest=digest)

@@ -1,0 +1,142 @@
+"""An asyncio front for the engine: each request is an async stream of its outputs.
+
+The engine steps on its own thread (a forward pass must not block the event loop); requests
+and aborts are handed to that thread through a queue and applied between steps, and each step's
+outputs are delivered to the waiting coroutines with `call_soon_threadsafe`.
+
+    async for out in async_engine.generate("r1", "Hello", params, lora=ref):
+        print(out.text, end="")
+
+Leaving the `async for` early (a client disconnected) aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from loraplane.dataplane.engine import Engine, RequestOutput
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sequence import LoRARef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    """Runs `engine` on a background thread; `generate` streams one request's outputs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # metrics hook
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora: LoRARef | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until it finishes.
+
+        Raises ValueError (from the engine) if the request can never run.
+        """
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, params, lora, tenant)
+            except Exception as e:  # delivered to the caller, not fatal to the loop
+                self._deliver(request_id, e)
+
+        self._actions.put(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps (its blocks are freed)."""
+        self._actions.put(lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def call(self, fn: Callable[[Engine], Any]) -> None:
+        """Run `fn(engine)` on the engine thread between steps (e.g. register an adapter)."""
+        self._actions.put(lambda: fn(self.engine))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread; requests still running are abandoned."""
+        self._stop.set()
+        self._actions.put(lambda: None)
+        self._thread.join(timeout)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    @staticmethod
+    def _apply(action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception:  # an action's failure must not stop the loop
+            log.exception("engine action failed")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished:  # idle: sleep until something is queued
+                try:
+                    self._apply(self._actions.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            while True:  # apply everything queued before the next step
+                try:
+                    self._apply(self._actions.get_nowait())
+                except queue.Empty:
+                    break
+            if not self.engine.has_unfinished:
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails the requests in it, not the loop
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if self.on_step is not None:
+                self.on_step(outputs)

@@ -1,0 +1,210 @@
+"""The engine: requests in, tokens and text out, many tenants' adapters in every step.
+
+    engine = Engine(EngineConfig(model="path/to/hf-model", device="cpu", dtype="float32"))
+    ref = engine.register_lora("support-bot", "path/to/peft-adapter", tenant="acme")
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=16), lora=ref)
+    while engine.has_unfinished:
+        for out in engine.step(): print(out.request_id, out.text, out.finished)
+
+One `step()` is one forward pass over a mixed batch: prefill chunks and decode tokens of many
+requests, each with its own adapter (or none), at most `max_loras` distinct adapters per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplane.dataplane.block_manager import BlockManager
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.detokenizer import IncrementalDetokenizer
+from loraplane.dataplane.model_runner import ModelRunner
+from loraplane.dataplane.sampler import Sampler, make_generator
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.scheduler import Scheduler
+from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
+from loraplane.dataplane.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: the new tokens and text since the last output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[float] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters the server turns into metrics."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    """One base model on one device, serving many adapters in mixed batches."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.runner = ModelRunner(config)
+        self.config = config = self.runner.config  # max_model_len, num_kv_blocks filled in
+        assert config.num_kv_blocks is not None
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config(), self.block_manager, self.tokenizer.eos_token_id
+        )
+        self.sampler = Sampler(seed=config.seed)
+        self.loras = self.runner.loras
+        self.stats = EngineStats()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._sent_logprobs: dict[str, int] = {}
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    def register_lora(self, name: str, path: Path | str, tenant: str = "default") -> LoRARef:
+        """Validate and load an adapter (AdapterRejected if it is refused); return its ref."""
+        return self.loras.register(name, path, tenant)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora: LoRARef | None = None,
+        tenant: str | None = None,
+    ) -> Sequence:
+        """Queue a request. Raises ValueError when it can never run (too long, unknown adapter)."""
+        params = params or SamplingParams()
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if lora is not None and not self.loras.is_registered(lora):
+            raise ValueError(f"adapter {lora.key} is not registered")
+        if not params.ignore_eos:
+            extra = sorted(self.tokenizer.eos_token_ids - set(params.stop_token_ids))
+            if extra:
+                params = dataclasses.replace(
+                    params, stop_token_ids=[*params.stop_token_ids, *extra]
+                )
+        seq = Sequence(request_id, tokens, params, lora, tenant or (lora.tenant if lora else ""))
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed)
+        self.scheduler.add(seq)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
+        self._sent_logprobs[request_id] = 0
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; False if it is unknown or already done."""
+        seq = self.scheduler.abort(request_id)
+        self._detok.pop(request_id, None)
+        self._sent_logprobs.pop(request_id, None)
+        return seq is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return an output for every request that got a token."""
+        out = self.scheduler.schedule(self.loras.is_registered)
+        if not out.scheduled:
+            return []
+        logits = self.runner.execute(out, self.scheduler.running_lora_keys)
+        rows = out.sampled
+        params = [r.seq.params for r in rows]
+        sampled = self.sampler(logits, params, [r.seq.generator for r in rows])
+        live = [r.seq for r in rows if r.seq.status is SequenceStatus.RUNNING]
+        self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs)
+        self.stats.steps += 1
+        self.stats.preemptions += len(out.preempted)
+        self.stats.prompt_tokens += sum(
+            r.num_new_tokens for r in out.scheduled if r.start < r.seq.num_prompt_tokens
+        )
+        self.stats.generation_tokens += len(live)
+        return [self._emit(seq) for seq in live]
+
+    def _emit(self, seq: Sequence) -> RequestOutput:
+        detok = self._detok[seq.request_id]
+        delta = detok.add_token(seq.token_ids[-1])
+        text = delta.text
+        if delta.stopped and not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif delta.stopped:
+            seq.finish_reason = FinishReason.STOP
+        if seq.is_finished:
+            text += detok.flush().text if not delta.stopped else ""
+            del self._detok[seq.request_id]
+        sent = self._sent_logprobs.get(seq.request_id, 0)
+        logprobs = seq.output_logprobs[sent:] if seq.params.wants_logprobs else None
+        if seq.is_finished:
+            self._sent_logprobs.pop(seq.request_id, None)
+        else:
+            self._sent_logprobs[seq.request_id] = len(seq.output_logprobs)
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=[seq.token_ids[-1]],
+            text=text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        loras: Seq[LoRARef | None] | None = None,
+    ) -> list[Completion]:
+        """Run the prompts to completion together (one continuous batch); outputs in order."""
+        n = len(prompts)
+        plist = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * n
+        llist = list(loras) if loras is not None else [None] * n
+        if len(plist) != n or len(llist) != n:
+            raise ValueError("params and loras must have one entry per prompt")
+        stamp = f"gen-{time.monotonic_ns()}"
+        results: dict[str, Completion] = {}
+        for i, (prompt, p, lora) in enumerate(zip(prompts, plist, llist, strict=True)):
+            seq = self.add_request(f"{stamp}-{i}", prompt, p, lora)
+            results[seq.request_id] = Completion(seq.request_id, seq.prompt_token_ids)
+        pending = set(results)
+        while pending:
+            for out in self.step():
+                if out.request_id not in results:
+                    continue
+                done = results[out.request_id]
+                done.token_ids.extend(out.token_ids)
+                done.text += out.text
+                done.logprobs.extend(out.logprobs or [])
+                if out.finished:
+                    done.finish_reason = out.finish_reason
+                    pending.discard(out.request_id)
+        return [results[f"{stamp}-{i}"] for i in range(n)]

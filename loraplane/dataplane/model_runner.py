@@ -1,0 +1,103 @@
+"""Turns a scheduled step into logits: owns the model, its paged KV cache and the LoRA pool.
+
+Per step it puts the step's adapters into device slots, lays the rows end to end as one flat
+batch (input ids, positions, KV slot mapping, per-token adapter slot), runs the model once and
+returns the logits of the rows that sample, in `SchedulerOutput.sampled` order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.attention import AttentionMetadata, query_positions
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.lora.layers import install_lora
+from loraplane.dataplane.lora.manager import LoRAManager
+from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
+from loraplane.dataplane.lora.pool import LoRAPool
+from loraplane.dataplane.models.loader import load_model
+from loraplane.dataplane.scheduler import SchedulerOutput
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_BUDGET = 4 << 30  # bytes of KV cache at most on CPU (or a quarter of RAM, if less)
+GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading, for the KV cache
+
+
+def _model_max_len(model_dir: str) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    value = config.get("max_position_embeddings") or 4096
+    return int(value)
+
+
+class ModelRunner:
+    """The model on its device, its KV cache, and the adapters in its LoRA slots."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device is 'cuda' but torch sees no CUDA device; use --device cpu")
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.model = load_model(config.model, self.dtype, self.device)
+        spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
+        self.pool = LoRAPool(config.max_loras, spec, self.dtype, self.device)
+        install_lora(self.model, self.pool)
+        self.loras = LoRAManager(self.pool, spec, config.max_lora_rank)
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))
+        if config.num_kv_blocks is None:
+            config = dataclasses.replace(config, num_kv_blocks=self._auto_blocks(config))
+        assert config.num_kv_blocks is not None
+        self.model.allocate_kv_cache(config.num_kv_blocks, config.block_size)
+        self.config = config
+
+    def _auto_blocks(self, config: EngineConfig) -> int:
+        """KV blocks from free memory: all a full batch of max-length sequences could use,
+        capped by a share of the device's free memory."""
+        block_bytes = self.model.kv_cache_block_bytes(config.block_size)
+        max_len = config.max_model_len or 4096
+        wanted = config.max_num_seqs * -(-max_len // config.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_MEMORY_FRACTION)
+        else:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(CPU_KV_BUDGET, ram // 4)
+        return max(1, min(wanted, budget // block_bytes))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, in_use: set[str]) -> torch.Tensor:
+        """Run one step; return fp32 logits [len(out.sampled), vocab].
+
+        `in_use` holds the adapter keys of running sequences (never evicted from their slots).
+        """
+        rows = out.scheduled
+        if not rows:
+            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        self.loras.make_resident(out.lora_keys, in_use)
+        ids: list[int] = []
+        slots: list[int] = []
+        q_lens, ctx_lens, tables = [], [], []
+        for r in rows:
+            seq, end = r.seq, r.start + r.num_new_tokens
+            ids.extend(seq.token_ids[r.start : end])
+            slot = BASE_SLOT if seq.lora is None else self.loras.slot_of(seq.lora.key)
+            slots.extend([slot] * r.num_new_tokens)
+            q_lens.append(r.num_new_tokens)
+            ctx_lens.append(end)
+            tables.append(seq.block_table)
+        dev = self.device
+        attn = AttentionMetadata.build(q_lens, ctx_lens, tables, self.config.block_size, dev)
+        positions = query_positions(q_lens, ctx_lens, dev)
+        lora = None if not out.lora_keys else LoRABatch.from_token_slots(slots, dev)
+        hidden = self.model(torch.tensor(ids, device=dev), positions, attn, lora)
+        cu = attn.host_cu_seqlens_q
+        last = [cu[i + 1] - 1 for i, r in enumerate(rows) if r.sample]
+        if not last:
+            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)]).float().cpu()
