@@ -88,15 +88,18 @@ def module_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 def build_llama(out: Path, seed: int = 0, **shape: Any) -> Path:
-    """Write a seeded random Llama model directory (config, weights, tokenizer, generation)."""
-    vocab = build_tokenizer(out)
+    """Write a seeded random Llama model directory (config, weights, tokenizer, generation).
+
+    `shape` overrides config fields; a `vocab_size` above the tokenizer's pads the embedding.
+    """
+    vocab = max(build_tokenizer(out), shape.pop("vocab_size", 0))
     config = llama_config(vocab, **shape)
     rng = np.random.default_rng(seed)
     hidden = config["hidden_size"]
     spec = BaseModelSpec.from_config(config, out.name)
 
     def init(rows: int, cols: int) -> np.ndarray[Any, Any]:
-        return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
 
     tensors = {
         "model.embed_tokens.weight": init(vocab, hidden),

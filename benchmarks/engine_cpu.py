@@ -1,0 +1,166 @@
+"""Engine throughput on CPU: multi-LoRA mixed batches against the memory-traffic bound, against
+HF transformers + PEFT, and against one batch per adapter, all measured in this run.
+
+Model: Llama-shaped, hidden 1024, 8 layers, 16 heads / 4 KV heads, MLP 2816, vocab 32000, fp32;
+rank-16 adapters on all 7 projections.
+Figures:
+- decode step time of 64 sequences over 8 and over 64 adapters, divided by the same batch with
+  no adapters, next to the bound 1 + adapter bytes / base bytes read per step (goal: within 10%)
+- tokens/s of 64 requests over 8 adapters vs transformers + PEFT generate(adapter_names=...)
+  (goal: at least 3x)
+- the same 64 requests vs one batch per adapter, run one after another (goal: at least 5x)
+Run: .venv/bin/python benchmarks/engine_cpu.py [--gen-tokens N] [--skip-peft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import goal, report
+
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sequence import LoRARef
+from loraplane.demo.build import build_adapter, build_llama
+
+SHAPE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000,
+         "max_position_embeddings": 2048}  # fmt: skip
+RANK = 16
+NUM_SEQS = 64
+PROMPT_LEN = 32
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def make_engine(model: Path, adapters: list[Path], max_loras: int) -> tuple[Engine, list[LoRARef]]:
+    config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_loras=max_loras,
+                          max_num_seqs=NUM_SEQS, max_num_batched_tokens=4096,
+                          num_kv_blocks=NUM_SEQS * 16, enable_prefix_caching=False)  # fmt: skip
+    engine = Engine(config)
+    refs = [engine.register_lora(f"a{i}", path, "bench") for i, path in enumerate(adapters)]
+    return engine, refs
+
+
+def decode_step_seconds(engine: Engine, loras: list[LoRARef | None], steps: int = 8) -> float:
+    """Median time of a decode step of len(loras) sequences (after their prefill)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i, (p, lora) in enumerate(zip(prompts(len(loras), 1), loras, strict=True)):
+        engine.add_request(f"d{i}-{time.monotonic_ns()}", p, params, lora)
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished:
+        engine.step()
+    return statistics.median(times)
+
+
+def engine_tokens_per_s(engine: Engine, batches: list[list[LoRARef | None]], gen: int) -> float:
+    """Tokens/s generating `gen` tokens for every request, one batch after another."""
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    tokens = 0
+    start = time.perf_counter()
+    for loras in batches:
+        outs = engine.generate(prompts(len(loras), 2), params, loras)
+        tokens += sum(len(o.token_ids) for o in outs)
+    return tokens / (time.perf_counter() - start)
+
+
+def peft_tokens_per_s(model: Path, adapters: list[Path], names: list[str], gen: int) -> float:
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    lora = peft.PeftModel.from_pretrained(base, adapters[0], adapter_name="a0")
+    for i, path in enumerate(adapters[1:], start=1):
+        lora.load_adapter(path, adapter_name=f"a{i}")
+    lora.eval()
+    ids = torch.tensor(prompts(len(names), 2))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = lora.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                            adapter_names=names, max_new_tokens=gen, min_new_tokens=gen,
+                            do_sample=False, pad_token_id=0)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    return (out.shape[1] - ids.shape[1]) * len(names) / elapsed
+
+
+def bytes_per_step(engine: Engine, adapters: int) -> tuple[float, float]:
+    """(base weight bytes, adapter weight bytes) read by one decode step."""
+    base = sum(
+        p.numel() * p.element_size()
+        for n, p in engine.runner.model.named_parameters()
+        if "embed_tokens" not in n
+    )  # fmt: skip  (a decode step gathers 64 embedding rows)
+    one = engine.runner.pool.bytes_needed(next(iter(engine.loras._entries.values())).adapter)
+    return float(base), float(one * adapters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gen-tokens", type=int, default=32)
+    parser.add_argument("--skip-peft", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        root = Path(tmp)
+        print("building the benchmark model and 64 rank-16 adapters ...", flush=True)
+        model = build_llama(root / "model", **SHAPE)
+        adapters = [build_adapter(model, root / f"a{i}", r=RANK, lora_alpha=32, seed=i)
+                    for i in range(NUM_SEQS)]  # fmt: skip
+        figures: dict[str, float] = {}
+
+        engine, refs = make_engine(model, adapters, max_loras=NUM_SEQS)
+        base_bytes, eight_bytes = bytes_per_step(engine, 8)
+        decode = {
+            "none": decode_step_seconds(engine, [None] * NUM_SEQS),
+            "8": decode_step_seconds(engine, [refs[i % 8] for i in range(NUM_SEQS)]),
+            "64": decode_step_seconds(engine, refs),
+        }
+        figures["decode_step_ms_no_adapters"] = decode["none"] * 1e3
+        for n in ("8", "64"):
+            ratio = decode[n] / decode["none"]
+            bound = 1 + eight_bytes * int(n) / 8 / base_bytes
+            figures[f"decode_step_ms_{n}_adapters"] = decode[n] * 1e3
+            figures[f"lora_cost_{n}_adapters"] = ratio
+            figures[f"traffic_bound_{n}_adapters"] = bound
+            figures[f"lora_cost_over_bound_{n}_adapters"] = ratio / bound
+
+        mixed = [[refs[i % 8] for i in range(NUM_SEQS)]]
+        ours = engine_tokens_per_s(engine, mixed, args.gen_tokens)
+        per_adapter = [[refs[a]] * 8 for a in range(8)]
+        naive = engine_tokens_per_s(engine, per_adapter, args.gen_tokens)
+        figures["tokens_per_s_mixed_8_adapters"] = ours
+        figures["tokens_per_s_one_batch_per_adapter"] = naive
+        figures["speedup_vs_one_batch_per_adapter"] = ours / naive
+        goals = [
+            goal(figures, "lora_cost_over_bound_8_adapters", "<=", 1.1),
+            goal(figures, "lora_cost_over_bound_64_adapters", "<=", 1.1),
+            goal(figures, "speedup_vs_one_batch_per_adapter", ">=", 5.0),
+        ]
+        if not args.skip_peft:
+            del engine
+            names = [f"a{i % 8}" for i in range(NUM_SEQS)]
+            theirs = peft_tokens_per_s(model, adapters[:8], names, args.gen_tokens)
+            figures["tokens_per_s_peft"] = theirs
+            figures["speedup_vs_peft"] = ours / theirs
+            goals.append(goal(figures, "speedup_vs_peft", ">=", 3.0))
+        report("engine_cpu", figures, goals)
+
+
+if __name__ == "__main__":
+    main()
