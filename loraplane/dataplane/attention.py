@@ -188,7 +188,13 @@ def paged_attention(
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
+    decodes = [i for i in range(len(ctx_lens)) if cu[i + 1] - cu[i] == 1]
+    if len(decodes) > 1:  # one batched call for all single-token queries
+        _decode_attention(q, k_cache, v_cache, meta, decodes, out, scale, sliding_window)
+    batched = set(decodes) if len(decodes) > 1 else set()
     for i, ctx in enumerate(ctx_lens):
+        if i in batched:
+            continue
         start, end = cu[i], cu[i + 1]
         num_blocks = -(-ctx // block_size)
         blocks = meta.block_tables[i, :num_blocks].long()
@@ -206,3 +212,41 @@ def paged_attention(
         )
         out[start:end] = attended.transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    seqs: list[int],  # sequences whose single query is their last position
+    out: torch.Tensor,  # [T, num_heads, head_dim], written at those sequences' rows
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Attention of many one-token queries in one call: their contexts are gathered from the
+    cache into a padded [B, max_ctx] batch and the padding is masked out."""
+    block_size = k_cache.shape[1]
+    cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
+    lens = [ctx_lens[i] for i in seqs]
+    width = -(-max(lens) // block_size)
+    index = torch.tensor(seqs, device=q.device)
+    tables = meta.block_tables[index, :width].long().clamp_min(0)  # [B, width]; -1 pads -> 0
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, width*bs, head_dim]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    rows = torch.tensor([cu[i] for i in seqs], device=q.device)
+    queries = q[rows].unsqueeze(2)  # [B, heads, 1, head_dim]
+    positions = torch.arange(width * block_size, device=q.device)  # [width*bs]
+    ctx = torch.tensor(lens, device=q.device)[:, None]  # [B, 1]
+    allowed = positions < ctx  # [B, width*bs]
+    if sliding_window is not None:
+        allowed &= positions > ctx - 1 - sliding_window
+    attended = F.scaled_dot_product_attention(
+        queries,
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=allowed[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, heads, 1, head_dim]
+    out[rows] = attended.squeeze(2)
