@@ -55,3 +55,12 @@ class ObjectNotFound(StoreError):
     def __init__(self, key: str) -> None:
         super().__init__(f"object not found: {key}")
         self.key = key
+
+
+class IntegrityError(StoreError):
+    """Stored or cached bytes do not hash to the digest they are filed under."""
+
+    def __init__(self, what: str, expected: str, actual: str) -> None:
+        super().__init__(f"{what}: digest {actual[:16]}... does not match {expected[:16]}...")
+        self.expected = expected
+        self.actual = actual

@@ -52,6 +52,10 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # load waiting requests' adapters in the background (off: load when admitted, stalling)
+    enable_lora_prefetch: bool = True
+    # device bytes for adapters (None: only max_loras limits the pool)
+    max_lora_pool_bytes: int | None = None
     # a request deferred by the adapter limit for longer than this many steps stops admission
     # of other adapters until it gets a slot (see scheduler.py)
     max_deferral_steps: int = 32
@@ -90,7 +94,9 @@ class EngineConfig:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}):"
                 " every adapter in the GPU pool is also held in the CPU cache"
             )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        if self.max_lora_pool_bytes is not None:
+            _positive_int("max_lora_pool_bytes", self.max_lora_pool_bytes)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_lora_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

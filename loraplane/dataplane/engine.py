@@ -26,6 +26,7 @@ from loraplane.dataplane.sampler import Sampler, make_generator
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.scheduler import Scheduler
 from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
+from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
 
 
@@ -41,6 +42,7 @@ class RequestOutput:
     logprobs: list[float] | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None  # set when the request failed (e.g. its adapter could not load)
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -68,9 +71,9 @@ class EngineStats:
 class Engine:
     """One base model on one device, serving many adapters in mixed batches."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, disk: DiskTier | None = None) -> None:
         self.tokenizer = Tokenizer.from_dir(config.model)
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, disk)
         self.config = config = self.runner.config  # max_model_len, num_kv_blocks filled in
         assert config.num_kv_blocks is not None
         self.block_manager = BlockManager(
@@ -132,10 +135,13 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return an output for every request that got a token."""
-        out = self.scheduler.schedule(self.loras.is_registered)
+        """Run one forward pass; return an output for every request that got a token (or
+        failed: a request whose adapter cannot be loaded ends with `error` set)."""
+        failed = self._fail_unloadable()
+        self.loras.prefetch({s.lora for s in self.scheduler.waiting if s.lora is not None})
+        out = self.scheduler.schedule(self.loras.ready)
         if not out.scheduled:
-            return []
+            return failed
         logits = self.runner.execute(out, self.scheduler.running_lora_keys)
         rows = out.sampled
         params = [r.seq.params for r in rows]
@@ -148,7 +154,32 @@ class Engine:
             r.num_new_tokens for r in out.scheduled if r.start < r.seq.num_prompt_tokens
         )
         self.stats.generation_tokens += len(live)
-        return [self._emit(seq) for seq in live]
+        return failed + [self._emit(seq) for seq in live]
+
+    def _fail_unloadable(self) -> list[RequestOutput]:
+        """End waiting requests whose adapter's last load failed; other requests go on."""
+        outputs = []
+        for seq in list(self.scheduler.waiting):
+            error = None if seq.lora is None else self.loras.failure(seq.lora)
+            if error is None:
+                continue
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self._detok.pop(seq.request_id, None)
+            self._sent_logprobs.pop(seq.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    token_ids=[],
+                    text="",
+                    finished=True,
+                    finish_reason="error",
+                    logprobs=None,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=0,
+                    error=error,
+                )
+            )
+        return outputs
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         detok = self._detok[seq.request_id]
@@ -205,6 +236,6 @@ class Engine:
                 done.text += out.text
                 done.logprobs.extend(out.logprobs or [])
                 if out.finished:
-                    done.finish_reason = out.finish_reason
+                    done.finish_reason, done.error = out.finish_reason, out.error
                     pending.discard(out.request_id)
         return [results[f"{stamp}-{i}"] for i in range(n)]

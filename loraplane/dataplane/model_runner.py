@@ -23,6 +23,7 @@ from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.loader import load_model
 from loraplane.dataplane.scheduler import SchedulerOutput
+from loraplane.dataplane.tiers.disk import DiskTier
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET = 4 << 30  # bytes of KV cache at most on CPU (or a quarter of RAM, if less)
@@ -38,7 +39,7 @@ def _model_max_len(model_dir: str) -> int:
 class ModelRunner:
     """The model on its device, its KV cache, and the adapters in its LoRA slots."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, disk: DiskTier | None = None) -> None:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device is 'cuda' but torch sees no CUDA device; use --device cpu")
@@ -47,7 +48,15 @@ class ModelRunner:
         spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
         self.pool = LoRAPool(config.max_loras, spec, self.dtype, self.device)
         install_lora(self.model, self.pool)
-        self.loras = LoRAManager(self.pool, spec, config.max_lora_rank)
+        self.loras = LoRAManager(
+            self.pool,
+            spec,
+            config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
+            disk=disk,
+            device_budget_bytes=config.max_lora_pool_bytes,
+            prefetch=config.enable_lora_prefetch,
+        )
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))
         if config.num_kv_blocks is None:

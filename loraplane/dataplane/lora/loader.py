@@ -7,6 +7,7 @@ lora_alpha, use_rslora, rank_pattern and alpha_pattern as validation computed th
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.canonical import canonical_digest
+from loraplane.adapters.errors import IntegrityError
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.safetensors_io import SafetensorsFile
 from loraplane.adapters.source import open_adapter_source
@@ -70,15 +72,24 @@ def _to_torch(weights: SafetensorsFile, name: str) -> torch.Tensor:
 
 
 def load_lora(
-    path: Path | str, base: BaseModelSpec, limits: AdapterLimits | None = None
+    path: Path | str,
+    base: BaseModelSpec,
+    limits: AdapterLimits | None = None,
+    expected_digest: str | None = None,
 ) -> LoadedAdapter:
     """Validate the adapter at `path` (folder or archive) against `base`; copy its weights.
 
-    Raises `AdapterRejected` with the reason code when any check fails. The weights file is
-    closed before returning.
+    Raises `AdapterRejected` with the reason code when any check fails. With
+    `expected_digest` (a stored version: validated in full when it was ingested) the NaN/Inf
+    scan is skipped and the digest, computed on a second thread while the weights are copied,
+    must match, else IntegrityError. The weights file is closed before returning.
     """
-    with open_adapter_source(path, limits or AdapterLimits()) as files:
-        adapter = validate_adapter(files, base, limits or AdapterLimits())
+    limits = limits or AdapterLimits()
+    with open_adapter_source(path, limits) as files:
+        adapter = validate_adapter(files, base, limits, scan_weights=expected_digest is None)
+        digest: list[str] = []
+        hasher = threading.Thread(target=lambda: digest.append(canonical_digest(adapter)))
+        hasher.start()
         try:
             modules = {
                 (m.layer, m.module): LoRAWeights(
@@ -88,7 +99,11 @@ def load_lora(
                 )
                 for m in adapter.modules
             }
-            digest = canonical_digest(adapter)
         finally:
+            hasher.join()
             adapter.close()
-    return LoadedAdapter(source=str(path), modules=modules, digest=digest)
+    if not digest:  # pragma: no cover - canonical_digest only fails on I/O errors
+        raise IntegrityError(str(path), expected_digest or "", "")
+    if expected_digest is not None and digest[0] != expected_digest:
+        raise IntegrityError(str(path), expected_digest, digest[0])
+    return LoadedAdapter(source=str(path), modules=modules, digest=digest[0])

@@ -1,57 +1,128 @@
-"""Which adapters the engine knows (host copies) and which sit in the device pool's slots.
+"""Adapter versions the engine knows, and where each one is: disk, host memory, device slot.
 
-Registration validates the adapter through the shared core and keeps a host copy; a step's
-adapters are put in slots just before the step runs. A slot is reused least-recently-used
-first, and never while a running sequence uses its adapter (the scheduler admits at most
-`max_loras` distinct adapters among running sequences, so a free or evictable slot exists).
+Registration records a version: eagerly for static adapters (`register`: validated and read
+now, so a bad one fails at start) and lazily for stored ones (`register_stored`: read when a
+request needs it). Host copies live in an LRU of `max_cpu_loras`; device slots in an LRU of
+`max_loras` (and an optional byte budget). Nothing used by a running request is evicted.
+
+Loads from disk into host memory run on a background thread: the scheduler asks `ready(ref)`
+before admitting a request and waiting requests' adapters are `prefetch`ed, so a cold adapter
+loads while the current batch runs. A load that fails (digest mismatch, store unreachable after
+retries) marks the version failed for `retry_after_s`: the engine fails only the requests that
+need it, and the next request after that window tries again.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import threading
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.errors import AdapterRejected, IntegrityError, StoreError
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.loader import LoadedAdapter, load_lora
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    COLD = "cold"  # registered; bytes on disk or in the store only
+    LOADING = "loading"  # being read into host memory in the background
+    HOST = "host"  # in host memory (and maybe in a device slot)
+    FAILED = "failed"  # the last load failed; `error` says why
 
 
 @dataclass(slots=True)
 class _Entry:
     ref: LoRARef
-    adapter: LoadedAdapter
+    local_path: Path | None = None  # static adapters: a folder or archive on this machine
+    store_path: str | None = None  # stored versions: their folder in the object store
+    state: State = State.COLD
+    host: LoadedAdapter | None = None
     slot: int | None = None
     last_used: int = 0
+    error: str | None = None
+    failed_at: float = 0.0
+    future: Future[None] | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters per tier, for `loraplane_adapter_*` metrics."""
+
+    loads: int = 0
+    failures: int = 0
+    hits: int = 0
+    evictions: int = 0
+    load_seconds: list[float] = field(default_factory=list)
 
 
 class LoRAManager:
-    """Registry of adapter versions (by `LoRARef.key`) and their slots in a `LoRAPool`."""
+    """Registry of adapter versions (by `LoRARef.key`) across the host and device tiers."""
 
-    def __init__(self, pool: LoRAPool, base: BaseModelSpec, max_lora_rank: int) -> None:
+    def __init__(
+        self,
+        pool: LoRAPool,
+        base: BaseModelSpec,
+        max_lora_rank: int,
+        max_cpu_loras: int | None = None,
+        disk: DiskTier | None = None,
+        device_budget_bytes: int | None = None,
+        prefetch: bool = True,
+        retry_after_s: float = 5.0,
+    ) -> None:
         self.pool = pool
         self.base = base
         self.limits = AdapterLimits(max_rank=max_lora_rank)
+        self.max_cpu_loras = max_cpu_loras or pool.max_loras
+        if self.max_cpu_loras < pool.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({pool.max_loras})"
+            )
+        self.disk = disk
+        self.device_budget_bytes = device_budget_bytes
+        self.prefetch_enabled = prefetch
+        self.retry_after_s = retry_after_s
+        self.host_stats, self.device_stats = TierStats(), TierStats()
         self._entries: dict[str, _Entry] = {}  # ref.key -> entry
         self._names: dict[tuple[str, str], str] = {}  # (tenant, name) -> newest ref.key
         self._slots: dict[int, str] = {}  # slot -> ref.key
+        self._lock = threading.RLock()
         self._clock = 0
-        self.loads_total = 0
-        self.evictions_total = 0
-        self.hits_total = 0
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
+
+    # -- registry ---------------------------------------------------------------------------
 
     def register(self, name: str, path: Path | str, tenant: str = "default") -> LoRARef:
-        """Validate and load the adapter at `path` as (tenant, name); return its reference.
+        """Validate and read a static adapter now (AdapterRejected if refused); return its ref.
 
-        Raises AdapterRejected (reason code in `.code`). The same content registered again
-        returns the same reference; new content becomes the name's current version.
+        The same content again returns the same ref; new content becomes the current version.
         """
         adapter = load_lora(path, self.base, self.limits)
         ref = LoRARef(name=name, tenant=tenant, digest=adapter.digest)
-        self._entries.setdefault(ref.key, _Entry(ref, adapter))
-        self._names[(tenant, name)] = ref.key
+        with self._lock:
+            entry = self._entries.setdefault(ref.key, _Entry(ref, local_path=Path(path)))
+            if entry.host is None:
+                self._to_host(entry, adapter)
+            self._names[(tenant, name)] = ref.key
+        return ref
+
+    def register_stored(self, ref: LoRARef, store_path: str) -> LoRARef:
+        """Record a stored version (read from the disk tier when a request first needs it)."""
+        if self.disk is None:
+            raise ValueError("no disk tier configured: stored adapters cannot be loaded")
+        with self._lock:
+            self._entries.setdefault(ref.key, _Entry(ref, store_path=store_path))
+            self._names[(ref.tenant, ref.name)] = ref.key
         return ref
 
     def lookup(self, name: str, tenant: str = "default") -> LoRARef | None:
@@ -60,17 +131,19 @@ class LoRAManager:
         return None if key is None else self._entries[key].ref
 
     def unregister(self, name: str, tenant: str = "default") -> list[LoRARef]:
-        """Forget every version of (tenant, name) and free their slots.
+        """Forget every version of (tenant, name), freeing host and device memory.
 
-        The caller must make sure no scheduled or running request uses them.
+        The caller makes sure no scheduled or running request uses them.
         """
-        self._names.pop((tenant, name), None)
-        gone = [e for e in self._entries.values() if (e.ref.tenant, e.ref.name) == (tenant, name)]
-        for entry in gone:
-            if entry.slot is not None:
-                self.pool.free(entry.slot)
-                del self._slots[entry.slot]
-            del self._entries[entry.ref.key]
+        with self._lock:
+            self._names.pop((tenant, name), None)
+            gone = [
+                e for e in self._entries.values() if (e.ref.tenant, e.ref.name) == (tenant, name)
+            ]
+            for entry in gone:
+                self._drop_slot(entry)
+                entry.host = None
+                del self._entries[entry.ref.key]
         return [e.ref for e in gone]
 
     def is_registered(self, ref: LoRARef) -> bool:
@@ -78,52 +151,179 @@ class LoRAManager:
 
     @property
     def registered(self) -> list[LoRARef]:
-        return [e.ref for e in self._entries.values()]
+        return [e.ref for e in list(self._entries.values())]
 
     @property
     def resident(self) -> list[LoRARef]:
         """Adapters in device slots now."""
-        return [self._entries[k].ref for k in self._slots.values()]
+        return [self._entries[k].ref for k in list(self._slots.values())]
+
+    @property
+    def in_host(self) -> list[LoRARef]:
+        """Adapters in host memory now."""
+        return [e.ref for e in list(self._entries.values()) if e.host is not None]
+
+    # compatibility names used by metrics (device tier)
+    @property
+    def loads_total(self) -> int:
+        return self.device_stats.loads
+
+    @property
+    def evictions_total(self) -> int:
+        return self.device_stats.evictions
+
+    @property
+    def hits_total(self) -> int:
+        return self.device_stats.hits
+
+    # -- host tier ----------------------------------------------------------------------------
+
+    def ready(self, ref: LoRARef) -> bool:
+        """True when `ref` can run in the next step (in host memory). Otherwise a load starts
+        (in the background, or right now when prefetch is off) and False is returned."""
+        entry = self._entries.get(ref.key)
+        if entry is None:
+            return False
+        if entry.state is State.HOST:
+            return True
+        self._start_load(entry, wait=not self.prefetch_enabled)
+        return entry.host is not None  # loaded now (prefetch off), or by a racing load
+
+    def prefetch(self, refs: Iterable[LoRARef]) -> None:
+        """Start background loads for adapters that waiting requests will need."""
+        if not self.prefetch_enabled:
+            return
+        for ref in refs:
+            entry = self._entries.get(ref.key)
+            if entry is not None and entry.state is not State.HOST:
+                self._start_load(entry, wait=False)
+
+    def failure(self, ref: LoRARef) -> str | None:
+        """Why `ref` cannot be loaded now (its last load failed recently), or None."""
+        entry = self._entries.get(ref.key)
+        if entry is None:
+            return f"adapter {ref.name} is not registered"
+        if entry.state is State.FAILED and time.monotonic() - entry.failed_at < self.retry_after_s:
+            return entry.error
+        return None
+
+    def _start_load(self, entry: _Entry, wait: bool) -> None:
+        with self._lock:
+            if entry.state is State.FAILED:
+                if time.monotonic() - entry.failed_at < self.retry_after_s:
+                    return
+                entry.state = State.COLD
+            if entry.state is State.COLD:
+                entry.state = State.LOADING
+                entry.future = self._pool.submit(self._load, entry)
+            future = entry.future
+        if wait and future is not None:
+            future.result()
+
+    def _load(self, entry: _Entry) -> None:
+        start = time.perf_counter()
+        try:
+            adapter = self._read(entry)
+        except (AdapterRejected, StoreError, OSError) as e:
+            with self._lock:
+                entry.state, entry.error, entry.failed_at = State.FAILED, str(e), time.monotonic()
+                self.host_stats.failures += 1
+            log.warning("loading adapter %s failed: %s", entry.ref.key, e)
+            return
+        with self._lock:
+            if entry.ref.key in self._entries:  # not unregistered meanwhile
+                self._to_host(entry, adapter)
+                self.host_stats.load_seconds.append(time.perf_counter() - start)
+
+    def _read(self, entry: _Entry) -> LoadedAdapter:
+        ref = entry.ref
+        if entry.local_path is not None:
+            return load_lora(entry.local_path, self.base, self.limits, ref.digest)
+        if self.disk is None or entry.store_path is None:  # pragma: no cover - register_stored
+            raise StoreError(f"adapter {ref.key} has no source")
+        for attempt in (1, 2):
+            folder = self.disk.folder(entry.store_path, ref.digest)
+            try:
+                return load_lora(folder, self.base, self.limits, ref.digest)
+            except IntegrityError:
+                self.disk.discard(ref.digest)  # a corrupted local copy: fetch it again
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _to_host(self, entry: _Entry, adapter: LoadedAdapter) -> None:
+        entry.host, entry.state, entry.error = adapter, State.HOST, None
+        self._clock += 1
+        entry.last_used = self._clock
+        self.host_stats.loads += 1
+        # No eviction here: this may run on a loader thread while the engine thread is between
+        # `ready` and `make_resident`; the engine thread trims the host tier in make_resident.
+
+    def _evict_host(self, in_use: Iterable[str] = ()) -> None:
+        in_use = set(in_use)
+        hosted = [e for e in self._entries.values() if e.host is not None]
+        excess = len(hosted) - self.max_cpu_loras
+        for victim in sorted(hosted, key=lambda e: e.last_used):
+            if excess <= 0:
+                break
+            if victim.slot is not None or victim.ref.key in in_use:
+                continue
+            victim.host, victim.state = None, State.COLD
+            self.host_stats.evictions += 1
+            excess -= 1
+
+    # -- device tier --------------------------------------------------------------------------
 
     def slot_of(self, key: str) -> int:
-        """The slot holding adapter `key` (it must have been made resident for this step)."""
+        """The slot holding adapter `key` (made resident for this step)."""
         slot = self._entries[key].slot
         if slot is None:
             raise KeyError(f"adapter {key} is not in a device slot")
         return slot
 
     def make_resident(self, keys: Iterable[str], in_use: Iterable[str]) -> None:
-        """Put every adapter in `keys` into a slot, evicting least-recently-used adapters that
-        are neither in `keys` nor in `in_use` (adapters of running sequences)."""
-        self._clock += 1
+        """Put every adapter in `keys` (all in host memory) into a device slot, evicting
+        least-recently-used adapters that are neither in `keys` nor `in_use`."""
+        keys = list(keys)
         keep = set(keys) | set(in_use)
-        for key in keys:
-            entry = self._entries[key]
-            entry.last_used = self._clock
-            if entry.slot is not None:
-                self.hits_total += 1
-                continue
-            slot = self._free_slot(keep)
-            self.pool.load(slot, entry.adapter)
-            entry.slot = slot
-            self._slots[slot] = key
-            self.loads_total += 1
+        with self._lock:
+            self._clock += 1
+            for key in keys:
+                entry = self._entries[key]
+                entry.last_used = self._clock
+                if entry.slot is not None:
+                    self.device_stats.hits += 1
+                    continue
+                if entry.host is None:
+                    raise RuntimeError(f"adapter {key} is not in host memory")
+                start = time.perf_counter()
+                slot = self._free_slot(keep, self.pool.bytes_needed(entry.host))
+                self.pool.load(slot, entry.host)
+                entry.slot = slot
+                self._slots[slot] = key
+                self.device_stats.loads += 1
+                self.device_stats.load_seconds.append(time.perf_counter() - start)
+            self._evict_host(keep)
 
-    def _free_slot(self, keep: set[str]) -> int:
-        free = self.pool.free_slots()
-        if free:
-            return free[0]
-        victims = [e for k in self._slots.values() if k not in keep for e in [self._entries[k]]]
-        if not victims:
-            raise RuntimeError(
-                f"all {self.pool.max_loras} adapter slots are in use by running requests"
-            )
-        victim = min(victims, key=lambda e: e.last_used)
-        slot = victim.slot
-        if slot is None:  # pragma: no cover - victims come from the resident set
-            raise RuntimeError(f"adapter {victim.ref.key} has no slot")
-        self.pool.free(slot)
-        victim.slot = None
-        del self._slots[slot]
-        self.evictions_total += 1
-        return slot
+    def _free_slot(self, keep: set[str], needed: int) -> int:
+        def over_budget() -> bool:
+            budget = self.device_budget_bytes
+            return budget is not None and self.pool.bytes_used + needed > budget
+
+        while not self.pool.free_slots() or over_budget():
+            victims = [self._entries[k] for k in self._slots.values() if k not in keep]
+            if not victims:
+                raise RuntimeError("every adapter slot (or byte) is in use by running requests")
+            self._drop_slot(min(victims, key=lambda e: e.last_used))
+            self.device_stats.evictions += 1
+        return self.pool.free_slots()[0]
+
+    def _drop_slot(self, entry: _Entry) -> None:
+        if entry.slot is not None:
+            self.pool.free(entry.slot)
+            del self._slots[entry.slot]
+            entry.slot = None
+
+    def close(self) -> None:
+        """Stop the background loader threads."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,115 @@
+"""The local disk tier: stored adapter versions copied next to the data plane, LRU by bytes.
+
+A LocalStore already is a local disk, so its versions are read in place. For a remote store
+(S3) each version is downloaded once into `<root>/<digest>/` (through a temp folder, renamed
+when complete) and kept while the byte budget allows, least recently used out first. Reads
+verify the digest (the host loader hashes while it copies); a copy that fails the check is
+discarded and fetched again. An unreachable store gets a few retries with backoff, then
+StoreError, which fails only the requests that need this adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from loraplane.adapters.errors import StoreError
+from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME
+from loraplane.adapters.store.base import ObjectStore
+from loraplane.adapters.store.local import LocalStore
+
+log = logging.getLogger(__name__)
+FILES = (CONFIG_NAME, WEIGHTS_NAME)
+
+
+class DiskTier:
+    """Local folders of stored adapter versions, within `budget_bytes` (remote stores only)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        root: Path | str | None = None,
+        budget_bytes: int = 20 << 30,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        self.store = store
+        self.local = isinstance(store, LocalStore)
+        self.root = Path(root or tempfile.mkdtemp(prefix="loraplane-disk-"))
+        self.budget_bytes = budget_bytes
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._lru: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, oldest first
+        self._lock = threading.Lock()
+        self.hits_total = self.loads_total = self.evictions_total = self.failures_total = 0
+        if not self.local:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for folder in sorted(self.root.iterdir(), key=lambda p: p.stat().st_mtime):
+                if folder.is_dir() and all((folder / f).is_file() for f in FILES):
+                    self._lru[folder.name] = sum((folder / f).stat().st_size for f in FILES)
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(self._lru.values())
+
+    def folder(self, store_path: str, digest: str) -> Path:
+        """A local folder holding the version's two files (downloaded if needed)."""
+        if self.local:
+            self.hits_total += 1
+            return Path(self.store.url()) / store_path
+        target = self.root / digest
+        with self._lock:
+            if digest in self._lru and all((target / f).is_file() for f in FILES):
+                self._lru.move_to_end(digest)
+                self.hits_total += 1
+                return target
+        self._download(store_path, target)
+        size = sum((target / f).stat().st_size for f in FILES)
+        with self._lock:
+            self._lru[digest] = size
+            self._lru.move_to_end(digest)
+            self.loads_total += 1
+            self._evict(keep=digest)
+        return target
+
+    def discard(self, digest: str) -> None:
+        """Drop a local copy that failed its digest check (the next read downloads it again)."""
+        with self._lock:
+            self._lru.pop(digest, None)
+        if not self.local:
+            shutil.rmtree(self.root / digest, ignore_errors=True)
+
+    def _download(self, store_path: str, target: Path) -> None:
+        last: StoreError | None = None
+        for attempt in range(self.retries + 1):
+            tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=self.root))
+            try:
+                for name in FILES:
+                    self.store.download(store_path + name, tmp / name)
+                shutil.rmtree(target, ignore_errors=True)
+                tmp.rename(target)
+                return
+            except StoreError as e:
+                last = e
+                self.failures_total += 1
+                log.warning("fetching %s failed (attempt %d): %s", store_path, attempt + 1, e)
+                time.sleep(self.backoff_s * 2**attempt)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        raise StoreError(f"cannot fetch {store_path} after {self.retries + 1} attempts: {last}")
+
+    def _evict(self, keep: str) -> None:
+        while self.bytes_used > self.budget_bytes and len(self._lru) > 1:
+            digest = next(iter(self._lru))
+            if digest == keep:
+                break
+            del self._lru[digest]
+            shutil.rmtree(self.root / digest, ignore_errors=True)
+            self.evictions_total += 1
