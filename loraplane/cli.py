@@ -1,7 +1,9 @@
 """The `loraplane` command.
 
-Sub-commands exist only for what is built: `adapters validate` and `demo`. The control plane,
-the data plane server and the operator join as their issues land (see README.md).
+Sub-commands exist only for what is built: `adapters validate`, `demo`, `controlplane`
+(and `controlplane migrate`). The data plane server and the operator join as their issues
+land (see README.md). Each component registers its own sub-commands; their imports happen
+when a command runs, so `loraplane --help` stays fast and the control plane never loads torch.
 """
 
 from __future__ import annotations
@@ -138,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("--json", action="store_true", help="print one JSON object")
     validate.set_defaults(func=_cmd_validate)
+
+    from loraplane.controlplane.cli import add_commands as add_controlplane
+
+    add_controlplane(sub)
     return parser
 
 

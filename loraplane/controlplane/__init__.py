@@ -1,1 +1,5 @@
-"""loraplane.controlplane: not built yet (see the project's issues)."""
+"""The control plane: tenants, API keys, pools, adapter versions, audit and usage (FastAPI).
+
+Start with `loraplane controlplane`; `main.create_app(settings)` builds the app. Never imports
+`loraplane.dataplane` (this image carries no torch). See docs/controlplane.md.
+"""

@@ -1,0 +1,195 @@
+"""Tenant routes: adapters and their versions. A tenant sees only its own adapters: any other
+name, whoever owns it, is 404."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request, Response, status
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from loraplane.controlplane.api.deps import CallerDep, ContextDep, SessionDep
+from loraplane.controlplane.api.responses import errors
+from loraplane.controlplane.crud import adapters as crud
+from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge
+from loraplane.controlplane.ingestion import fetch_import, ingest_adapter
+from loraplane.controlplane.schemas.adapters import (
+    AdapterImport,
+    AdapterPublic,
+    AdapterUpdate,
+    UploadResult,
+    VersionPublic,
+)
+from loraplane.controlplane.uploads import FILE_FIELD, receive_multipart
+
+router = APIRouter(
+    prefix="/v1/adapters", tags=["tenant: adapters"], responses=errors(400, 401, 429)
+)
+MAX_JSON_BYTES = 64 << 10
+
+UPLOAD_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "base_model", FILE_FIELD],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "base_model": {"type": "string"},
+                        FILE_FIELD: {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                            "description": "adapter_config.json + adapter_model.safetensors, "
+                            "or one .tar.gz/.zip holding them",
+                        },
+                    },
+                }
+            },
+            "application/json": {"schema": AdapterImport.model_json_schema()},
+        },
+    }
+}
+
+
+def adapter_public(view: crud.AdapterView) -> AdapterPublic:
+    """The API shape of an adapter and the version it serves."""
+    a = view.adapter
+    return AdapterPublic(
+        name=a.name,
+        base_model=a.base_model,
+        current_version=a.current_version,
+        latest_version=view.latest_version,
+        created_at=a.created_at,
+        updated_at=a.updated_at,
+        current=VersionPublic.model_validate(view.current) if view.current else None,
+    )
+
+
+@router.post(
+    "",
+    response_model=UploadResult,
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        **errors(409, 413, 422),
+        200: {"model": UploadResult, "description": "identical content: that version"},
+    },
+    openapi_extra=UPLOAD_BODY,
+)
+async def upload_adapter(
+    request: Request,
+    response: Response,
+    ctx: ContextDep,
+    session: SessionDep,
+    caller: CallerDep,
+) -> UploadResult:
+    """Upload an adapter (multipart) or import one from an allowlisted S3 bucket (JSON).
+
+    New content becomes the next version (201); content identical to a version answers that
+    version (200); a rejected adapter answers 422 with its reason code and stores nothing.
+    """
+    cap = ctx.settings.max_upload_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap:
+        raise PayloadTooLarge(f"the upload is larger than the limit of {cap} bytes")
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    workdir = Path(tempfile.mkdtemp(prefix="upload-", dir=ctx.store.staging_dir()))
+    try:
+        if kind == "multipart/form-data":
+            upload = await receive_multipart(
+                request.stream(), request.headers["content-type"], workdir, max_bytes=cap
+            )
+            missing = [f for f in ("name", "base_model") if not upload.fields.get(f)]
+            if missing:
+                raise InvalidRequest(f"missing form field(s): {', '.join(missing)}")
+            name, base_model = upload.fields["name"], upload.fields["base_model"]
+            source = upload.source()
+        elif kind == "application/json":
+            body = await _json_body(request)
+            name, base_model = body.name, body.base_model
+            source = await run_in_threadpool(
+                fetch_import, ctx.settings, body.source_uri, workdir, max_bytes=cap
+            )
+        else:
+            raise InvalidRequest("send multipart/form-data (files) or application/json (import)")
+        result = await run_in_threadpool(
+            lambda: ingest_adapter(
+                session,
+                factory=ctx.sessions,
+                store=ctx.store,
+                settings=ctx.settings,
+                tenant=caller.tenant,
+                name=name,
+                base_model=base_model,
+                source=source,
+                actor=caller.actor,
+            )
+        )
+    finally:
+        await run_in_threadpool(shutil.rmtree, workdir, True)
+    response.status_code = status.HTTP_201_CREATED if result.created else status.HTTP_200_OK
+    return UploadResult(
+        name=result.adapter.name,
+        created=result.created,
+        current_version=result.adapter.current_version,
+        version=VersionPublic.model_validate(result.version),
+    )
+
+
+async def _json_body(request: Request) -> AdapterImport:
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_JSON_BYTES:
+            raise PayloadTooLarge(f"a JSON body is limited to {MAX_JSON_BYTES} bytes")
+    try:
+        return AdapterImport.model_validate_json(bytes(raw))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"{where}: {first['msg']}") from None
+
+
+@router.get("", response_model=list[AdapterPublic])
+def list_adapters(session: SessionDep, caller: CallerDep) -> list[AdapterPublic]:
+    """The caller's adapters."""
+    return [adapter_public(v) for v in crud.list_adapters(session, tenant=caller.tenant)]
+
+
+@router.get("/{name}", response_model=AdapterPublic, responses=errors(404))
+def get_adapter(name: str, session: SessionDep, caller: CallerDep) -> AdapterPublic:
+    """One of the caller's adapters."""
+    return adapter_public(crud.get_adapter_view(session, tenant=caller.tenant, name=name))
+
+
+@router.get("/{name}/versions", response_model=list[VersionPublic], responses=errors(404))
+def list_versions(name: str, session: SessionDep, caller: CallerDep) -> list[VersionPublic]:
+    """Every version of one of the caller's adapters, oldest first."""
+    rows = crud.list_versions(session, tenant=caller.tenant, name=name)
+    return [VersionPublic.model_validate(v) for v in rows]
+
+
+@router.patch("/{name}", response_model=AdapterPublic, responses=errors(404))
+def update_adapter(
+    name: str, body: AdapterUpdate, session: SessionDep, caller: CallerDep
+) -> AdapterPublic:
+    """Serve another recorded version for the unpinned name (pin or roll back)."""
+    crud.set_current_version(
+        session,
+        tenant=caller.tenant,
+        name=name,
+        version=body.current_version,
+        actor=caller.actor,
+    )
+    return adapter_public(crud.get_adapter_view(session, tenant=caller.tenant, name=name))
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404))
+def delete_adapter(name: str, session: SessionDep, caller: CallerDep) -> None:
+    """Stop serving an adapter; its versions stay stored and recorded."""
+    crud.delete_adapter(session, tenant=caller.tenant, name=name, actor=caller.actor)

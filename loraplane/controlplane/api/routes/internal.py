@@ -1,0 +1,97 @@
+"""Internal routes (service token): resolution for the data plane, pressure reports, and
+versions stored by the operator."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response, status
+from starlette.concurrency import run_in_threadpool
+
+from loraplane.controlplane.api.deps import ContextDep, ServiceDep, SessionDep
+from loraplane.controlplane.api.responses import errors
+from loraplane.controlplane.context import AppContext
+from loraplane.controlplane.crud import adapters as crud_adapters
+from loraplane.controlplane.crud import pools as crud_pools
+from loraplane.controlplane.crud.resolve import resolve
+from loraplane.controlplane.crud.tenants import get_tenant
+from loraplane.controlplane.crud.usage import add_usage
+from loraplane.controlplane.db import session_scope
+from loraplane.controlplane.models import utcnow
+from loraplane.controlplane.schemas.adapters import UploadResult, VersionPublic
+from loraplane.controlplane.schemas.internal import (
+    PressureAccepted,
+    PressureReport,
+    Resolved,
+    VersionRecord,
+)
+
+router = APIRouter(prefix="/internal/v1", tags=["internal"], responses=errors(400, 401))
+TENANT_KEY_HEADER = "X-Tenant-Key"
+
+
+@router.get("/resolve", response_model=Resolved, responses=errors(404))
+async def resolve_model(
+    ctx: ContextDep,
+    _: ServiceDep,
+    model: Annotated[str, Query(min_length=1, max_length=300)],
+    tenant_key: Annotated[str, Header(alias=TENANT_KEY_HEADER, max_length=200)],
+) -> Resolved:
+    """What `model` (`name`, `name@version` or a base model's name) means for the tenant
+    whose API key the data plane forwards in the X-Tenant-Key header."""
+    # The hot path: one trip through the threadpool for all of its database work.
+    return await run_in_threadpool(_resolve, ctx, tenant_key, model)
+
+
+def _resolve(ctx: AppContext, secret: str, model: str) -> Resolved:
+    with session_scope(ctx.autocommit_sessions) as session:
+        found = resolve(session, secret=secret, model=model)
+    v = found.version
+    return Resolved(
+        tenant=found.tenant.name,
+        base_model=found.base_model,
+        adapter=found.adapter,
+        version=v.version if v else None,
+        digest=v.digest if v else None,
+        path=v.path if v else None,
+        rank=v.rank if v else None,
+        alpha=v.alpha if v else None,
+        requests_per_minute=found.tenant.requests_per_minute,
+        tokens_per_minute=found.tenant.tokens_per_minute,
+    )
+
+
+@router.post("/pressure", response_model=PressureAccepted, responses=errors(404))
+def report_pressure(body: PressureReport, session: SessionDep, _: ServiceDep) -> PressureAccepted:
+    """A replica's slot pressure (kept per replica on its pool) and usage since last time."""
+    report = body.model_dump(exclude={"pool", "replica", "usage"})
+    crud_pools.get_pool(session, name=body.pool)
+    recorded, skipped = add_usage(session, rows=body.usage, day=utcnow().date())
+    crud_pools.record_pressure(session, name=body.pool, replica=body.replica, report=report)
+    return PressureAccepted(
+        pool=body.pool, replica=body.replica, usage_rows=recorded, usage_skipped=skipped
+    )
+
+
+@router.post(
+    "/versions",
+    response_model=UploadResult,
+    status_code=status.HTTP_201_CREATED,
+    responses={**errors(404, 409), 200: {"model": UploadResult, "description": "already recorded"}},
+)
+def record_version(
+    body: VersionRecord, response: Response, session: SessionDep, actor: ServiceDep
+) -> UploadResult:
+    """Record a version the operator stored (idempotent: 200 if already recorded)."""
+    tenant = get_tenant(session, name=body.tenant)
+    stored = crud_adapters.StoredVersion(**body.model_dump(exclude={"tenant", "name"}))
+    adapter, row, created = crud_adapters.record_version(
+        session, tenant=tenant, name=body.name, stored=stored, actor=actor
+    )
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return UploadResult(
+        name=adapter.name,
+        created=created,
+        current_version=adapter.current_version,
+        version=VersionPublic.model_validate(row),
+    )

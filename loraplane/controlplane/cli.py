@@ -1,0 +1,72 @@
+"""`loraplane controlplane [--host H] [--port 8080]` and `loraplane controlplane migrate`.
+
+`add_commands` registers both on the `loraplane` command's sub-parsers. Settings are read
+when a command runs, never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loraplane.controlplane.main import create_app
+    from loraplane.controlplane.settings import Settings, StartupError
+
+    try:
+        app = create_app(Settings())
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from loraplane.controlplane import db
+    from loraplane.controlplane.settings import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine = db.make_engine(settings.effective_database_url)
+    try:
+        before = db.current_revision(engine)
+        db.upgrade(engine, args.revision)
+        after = db.current_revision(engine)
+    except Exception as exc:
+        print(f"error: migration failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    print(f"database schema: {before or 'empty'} -> {after}")
+    return 0
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `controlplane` (serve) and `controlplane migrate` on `subparsers`."""
+    cp = subparsers.add_parser(
+        "controlplane",
+        help="run the control plane (REST API, catalog)",
+        description="Serve the control plane's REST API. Settings come from LORAPLANE_* "
+        "variables; every default serves the embedded mode (SQLite and a local store under "
+        "./.loraplane/).",
+    )
+    cp.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    cp.add_argument("--port", type=int, default=8080, help="port to listen on")
+    cp.add_argument("--log-level", default="info", help="uvicorn log level")
+    cp.set_defaults(func=_serve)
+    actions = cp.add_subparsers(dest="controlplane_command", metavar="ACTION")
+    migrate = actions.add_parser(
+        "migrate",
+        help="migrate the catalog database to the latest schema (alembic upgrade head)",
+    )
+    migrate.add_argument("--revision", default="head", help="target revision")
+    migrate.set_defaults(func=_migrate)

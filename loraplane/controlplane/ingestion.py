@@ -1,0 +1,158 @@
+"""Embedded-mode ingest: a tenant's upload or import -> the adapter core -> the catalog.
+
+The adapter is validated against the base model of the pools that serve it (the lowest of
+their `max_lora_rank`s) and the tenant's quotas, stored by the shared `ingest` pipeline, and
+recorded in the catalog under the version number the store gave it. A rejected adapter
+stores nothing and is audited as rejected.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.adapters.ingest import ingest
+from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME
+from loraplane.adapters.store.base import ObjectStore
+from loraplane.controlplane import basemodels, s3
+from loraplane.controlplane.crud import adapters as crud_adapters
+from loraplane.controlplane.crud import audit
+from loraplane.controlplane.crud.pools import pools_for_base_model
+from loraplane.controlplane.errors import (
+    InvalidRequest,
+    SourceNotAllowed,
+    SourceNotFound,
+    UnknownBaseModel,
+)
+from loraplane.controlplane.models import Adapter, AdapterVersion, Tenant
+from loraplane.controlplane.settings import Settings
+
+ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9._]{0,61}[a-z0-9])?$")
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    """The outcome of an upload: the adapter, the version, and whether it is new."""
+
+    adapter: Adapter
+    version: AdapterVersion
+    created: bool
+
+
+def check_adapter_name(name: str) -> str:
+    """InvalidRequest unless `name` is DNS-safe (no '@': it pins versions; no '/')."""
+    if not ADAPTER_NAME.match(name):
+        raise InvalidRequest(
+            f"adapter name {name[:80]!r} must be 1 to 63 of a-z, 0-9, '-', '.', '_' and start "
+            "and end with a letter or digit"
+        )
+    return name
+
+
+def limits_for(
+    session: Session, *, tenant: Tenant, base_model: str, settings: Settings
+) -> tuple[BaseModelSpec, AdapterLimits]:
+    """The base model's shapes and the limits an upload for it must meet."""
+    pools = pools_for_base_model(session, base_model=base_model)
+    if not pools:
+        raise UnknownBaseModel(
+            f"no pool serves base model {base_model!r}; ask an admin to register one"
+        )
+    spec = basemodels.spec_of(pools[0].base_model_config, base_model)
+    limits = AdapterLimits(max_archive_bytes=settings.max_upload_bytes).tightened(
+        max_rank=min(p.max_lora_rank for p in pools)
+    )
+    return spec, limits.tightened(max_rank=tenant.max_rank, max_bytes=tenant.max_bytes)
+
+
+def ingest_adapter(
+    session: Session,
+    *,
+    factory: sessionmaker[Session],
+    store: ObjectStore,
+    settings: Settings,
+    tenant: Tenant,
+    name: str,
+    base_model: str,
+    source: Path,
+    actor: str,
+) -> Ingested:
+    """Validate, store and record one adapter (blocking: run it off the event loop)."""
+    check_adapter_name(name)
+    target = f"tenants/{tenant.name}/adapters/{name}"
+    spec, limits = limits_for(session, tenant=tenant, base_model=base_model, settings=settings)
+    crud_adapters.check_adapter_quota(session, tenant=tenant, name=name)
+    session.rollback()  # hold no transaction (no SQLite lock) while the adapter is checked
+    try:
+        stored = ingest(source, tenant.name, name, spec, limits, store, created_by=actor)
+    except AdapterRejected as exc:
+        audit.record_failure(
+            factory,
+            actor=actor,
+            action="adapter.upload",
+            target=target,
+            outcome=f"rejected:{ReasonCode(exc.code).value}",
+            detail={"message": exc.message[:500]},
+        )
+        raise
+    record = crud_adapters.StoredVersion(
+        version=stored.version,
+        digest=stored.digest,
+        path=stored.path,
+        rank=stored.rank,
+        alpha=stored.alpha,
+        target_modules=list(stored.target_modules),
+        size_bytes=stored.size_bytes,
+        base_model=base_model,
+        created_by=actor,
+    )
+    adapter, row, created = crud_adapters.record_version(
+        session, tenant=tenant, name=name, stored=record, actor=actor
+    )
+    return Ingested(adapter, row, created)
+
+
+def fetch_import(settings: Settings, source_uri: str, workdir: Path, *, max_bytes: int) -> Path:
+    """Download an import source into `workdir`: an archive object or a folder's two files.
+
+    Only `s3://` URIs in allowlisted buckets (LORAPLANE_IMPORT_BUCKETS); no other scheme,
+    no redirects. Returns what the adapter core should read.
+    """
+    try:
+        bucket, key = s3.split_uri(source_uri)
+    except ValueError:
+        raise SourceNotAllowed(
+            "only s3:// sources in the allowlisted buckets can be imported"
+        ) from None
+    if bucket not in settings.import_buckets:
+        raise SourceNotAllowed(f"bucket {bucket!r} is not in the import allowlist")
+    client = s3.make_client(settings.s3_endpoint_url)
+    key = key.strip("/")
+    if not key:
+        raise SourceNotFound(f"{source_uri} names no object or folder")
+    wanted = (
+        [(key, workdir / ("adapter" + _archive_suffix(key)))]
+        if key.lower().endswith(ARCHIVE_SUFFIXES)
+        else [(f"{key}/{f}", workdir / "adapter" / f) for f in (CONFIG_NAME, WEIGHTS_NAME)]
+    )
+    for object_key, dest in wanted:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            s3.download(client, bucket, object_key, dest, max_bytes=max_bytes)
+        except s3.ObjectTooLarge as exc:
+            raise AdapterRejected(ReasonCode.TOO_LARGE, str(exc)) from exc
+        except s3.S3ReadError as exc:  # missing, or not readable by this service
+            raise SourceNotFound(str(exc)) from exc
+    return wanted[0][1] if len(wanted) == 1 else workdir / "adapter"
+
+
+def _archive_suffix(key: str) -> str:
+    lower = key.lower()
+    return next(s for s in ARCHIVE_SUFFIXES if lower.endswith(s))

@@ -1,0 +1,93 @@
+"""`create_app`: the control plane's FastAPI application, built from settings read once.
+
+Start-up fails fast (StartupError, naming the variable) on a weak or missing token in a
+deployment, an unreachable database, or an outdated schema outside embedded mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from loraplane.adapters.store import open_store
+from loraplane.controlplane import db
+from loraplane.controlplane.api.routes import adapters, health, internal, pools, tenants, usage
+from loraplane.controlplane.context import AppContext
+from loraplane.controlplane.errors import install_error_handlers
+from loraplane.controlplane.metrics import Metrics, MetricsMiddleware
+from loraplane.controlplane.ratelimit import RateLimiter
+from loraplane.controlplane.settings import Settings, StartupError, resolve_tokens
+
+log = logging.getLogger(__name__)
+
+
+def build_context(settings: Settings) -> AppContext:
+    """Check the settings, reach the database (migrating SQLite), open the store."""
+    settings = resolve_tokens(settings)
+    try:
+        store = open_store(settings.effective_store)
+    except ValueError as exc:
+        raise StartupError(f"LORAPLANE_STORE: {exc}") from exc
+    try:
+        engine = db.make_engine(
+            settings.effective_database_url,
+            pool_size=settings.db_pool_size,
+            connect_timeout=settings.db_connect_timeout_seconds,
+        )
+    except Exception as exc:
+        raise StartupError(f"LORAPLANE_DATABASE_URL: {exc}") from exc
+    db.prepare_schema(engine, migrate=settings.is_sqlite)
+    return AppContext(
+        settings=settings,
+        engine=engine,
+        sessions=db.make_session_factory(engine),
+        autocommit_sessions=db.make_session_factory(
+            engine.execution_options(isolation_level="AUTOCOMMIT")
+        ),
+        store=store,
+        limiter=RateLimiter(),
+        metrics=Metrics(),
+    )
+
+
+def create_app(settings: Settings | None = None, *, context: AppContext | None = None) -> FastAPI:
+    """The control plane app; `settings` default to the environment (read here, once)."""
+    ctx = context or build_context(settings if settings is not None else Settings())
+    app = FastAPI(
+        title="loraplane control plane",
+        version="1",
+        summary="Tenants, API keys, pools and LoRA adapter versions",
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app, retry_after=ctx.settings.retry_after_seconds)
+    app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
+    for module in (health, tenants, pools, adapters, usage, internal):
+        app.include_router(module.router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    log.info(
+        "control plane ready: database %s, store %s",
+        ctx.engine.url.render_as_string(hide_password=True),
+        ctx.store.url(),
+    )
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with request validation errors shown as the 400 they are."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            responses = op.get("responses", {})
+            default = responses.get("422", {})
+            ref = str(default.get("content", {}).get("application/json", {}).get("schema", {}))
+            if "HTTPValidationError" in ref:
+                del responses["422"]
+    schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+    schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+    app.openapi_schema = schema
+    return schema

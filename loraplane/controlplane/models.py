@@ -1,0 +1,197 @@
+"""The catalog's tables, as SQLAlchemy 2 typed models.
+
+Versions are immutable rows (nothing updates them); tenants and adapters are soft-deleted so
+their history (versions, audit, usage) stays whole. Times are timezone-aware UTC everywhere,
+SQLite included (`UTCDateTime`).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Date,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+NAME_LEN = 63  # a DNS label: tenants are Kubernetes namespaces
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored as UTC and always read back timezone-aware (SQLite drops zones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime: the catalog stores aware UTC times only")
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base with a constraint naming convention (stable migration names)."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UTCDateTime(),
+        date: Date(),
+        dict[str, Any]: JSON(),
+    }
+
+
+class Tenant(Base):
+    """A tenant (a Kubernetes namespace in a cluster) and its quotas."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
+    namespace: Mapped[str] = mapped_column(String(NAME_LEN))
+    max_adapters: Mapped[int] = mapped_column(Integer)
+    max_rank: Mapped[int] = mapped_column(Integer)
+    max_bytes: Mapped[int] = mapped_column(BigInteger)
+    requests_per_minute: Mapped[int] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int] = mapped_column(BigInteger)
+    deleted: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ApiKey(Base):
+    """A tenant API key: only its SHA-256 hash and a lookup prefix are kept."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(100), default="")
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+    tenant: Mapped[Tenant] = relationship(lazy="joined", innerjoin=True)
+
+
+class Adapter(Base):
+    """A tenant's named adapter; `current_version` is what an unpinned name resolves to."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
+    base_model: Mapped[str] = mapped_column(String(200))
+    current_version: Mapped[int | None]
+    deleted: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class AdapterVersion(Base):
+    """One immutable stored version of an adapter (its number comes from the store)."""
+
+    __tablename__ = "adapter_versions"
+    __table_args__ = (UniqueConstraint("adapter_id", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id"))
+    version: Mapped[int] = mapped_column(Integer)
+    digest: Mapped[str] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(String(512))
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    base_model: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(200), default="")
+
+
+class AuditEvent(Base):
+    """Who did what to which resource, and how it ended."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    time: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(100))
+    target: Mapped[str] = mapped_column(String(300))
+    outcome: Mapped[str] = mapped_column(String(100))
+    detail: Mapped[dict[str, Any] | None]
+
+
+class Usage(Base):
+    """Requests and tokens per tenant, adapter ("" for the base model) and UTC day."""
+
+    __tablename__ = "usage"
+    __table_args__ = (UniqueConstraint("tenant_id", "adapter", "day"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    adapter: Mapped[str] = mapped_column(String(NAME_LEN))
+    day: Mapped[date]
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Pool(Base):
+    """A serving pool: one base model, its LoRA limits and the latest reported pressure."""
+
+    __tablename__ = "pools"
+    __table_args__ = (Index(None, "base_model_name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
+    base_model_name: Mapped[str] = mapped_column(String(200))
+    base_model_uri: Mapped[str] = mapped_column(String(1024))
+    # The base model's config.json as read when the pool was registered: uploads are
+    # validated against it without reading the model again.
+    base_model_config: Mapped[dict[str, Any]]
+    max_lora_rank: Mapped[int] = mapped_column(Integer)
+    max_loras: Mapped[int] = mapped_column(Integer)
+    max_cpu_loras: Mapped[int] = mapped_column(Integer)
+    pressure: Mapped[dict[str, Any] | None]
+    pressure_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    @property
+    def base_model(self) -> dict[str, str]:
+        """The base model as the API shows it: its name and config location."""
+        return {"name": self.base_model_name, "uri": self.base_model_uri}

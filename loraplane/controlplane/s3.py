@@ -1,0 +1,99 @@
+"""Reading from S3 for the control plane: base model configs and adapter imports.
+
+Only `s3://` locations are read (boto3 talks to the S3 API alone and follows no redirects
+elsewhere); reads are bounded in size and time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+_CHUNK = 1 << 20
+
+
+class S3ReadError(Exception):
+    """An S3 object could not be read; `missing` tells a missing object from a fault."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class ObjectTooLarge(S3ReadError):
+    """The object is over the size cap."""
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """`s3://bucket/key` -> (bucket, key); ValueError if it is not an S3 URI with a bucket."""
+    if not uri.startswith("s3://"):
+        raise ValueError(f"{uri!r} is not an s3:// URI")
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if not bucket:
+        raise ValueError(f"{uri!r} names no bucket")
+    return bucket, key
+
+
+def make_client(endpoint_url: str | None) -> S3Client:
+    """A client with short timeouts and few retries: a request must not hang on S3."""
+    config = Config(
+        connect_timeout=3, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"}
+    )
+    client: S3Client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
+    return client
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, ClientError):
+        err: dict[str, Any] = dict(exc.response.get("Error", {}))
+        return f"{err.get('Code', 'error')}: {err.get('Message', '')}".rstrip(": ")
+    return type(exc).__name__
+
+
+def _missing(exc: Exception) -> bool:
+    if not isinstance(exc, ClientError):
+        return False
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code in {"NoSuchKey", "NotFound", "404", "NoSuchBucket"}
+
+
+def download(client: S3Client, bucket: str, key: str, dest: Path, *, max_bytes: int) -> int:
+    """Stream one object into `dest`, refusing more than `max_bytes`; returns its size."""
+    try:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    except (ClientError, BotoCoreError) as exc:
+        raise S3ReadError(
+            f"cannot read s3://{bucket}/{key}: {_describe(exc)}", missing=_missing(exc)
+        ) from exc
+    size = 0
+    try:
+        with body, open(dest, "wb") as out:
+            for chunk in body.iter_chunks(_CHUNK):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ObjectTooLarge(f"s3://{bucket}/{key} is larger than {max_bytes} bytes")
+                out.write(chunk)
+    except (ClientError, BotoCoreError) as exc:
+        raise S3ReadError(f"cannot read s3://{bucket}/{key}: {_describe(exc)}") from exc
+    return size
+
+
+def read_bytes(client: S3Client, bucket: str, key: str, *, max_bytes: int) -> bytes:
+    """A small object's bytes, refusing more than `max_bytes`."""
+    try:
+        response = client.get_object(Bucket=bucket, Key=key)
+        data = response["Body"].read(max_bytes + 1)
+    except (ClientError, BotoCoreError) as exc:
+        raise S3ReadError(
+            f"cannot read s3://{bucket}/{key}: {_describe(exc)}", missing=_missing(exc)
+        ) from exc
+    if len(data) > max_bytes:
+        raise ObjectTooLarge(f"s3://{bucket}/{key} is larger than {max_bytes} bytes")
+    return data

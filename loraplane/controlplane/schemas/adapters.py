@@ -1,0 +1,68 @@
+"""Adapters, their versions, and usage (the tenant API)."""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+
+from pydantic import BaseModel, Field
+
+from loraplane.controlplane.schemas.common import INT32, ModelName, Public, ResourceName, Strict
+
+
+class AdapterImport(Strict):
+    """Import an adapter from an allowlisted S3 bucket (a folder or a .tar.gz/.zip object)."""
+
+    name: ResourceName
+    base_model: ModelName
+    source_uri: str = Field(min_length=1, max_length=1024)
+
+
+class AdapterUpdate(Strict):
+    """Pin the version an unpinned name resolves to (or roll back to an older one)."""
+
+    current_version: int = Field(ge=1, le=INT32)
+
+
+class VersionPublic(Public):
+    """One immutable version of an adapter."""
+
+    version: int
+    digest: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+    base_model: str
+    created_at: datetime
+    created_by: str
+
+
+class AdapterPublic(BaseModel):
+    """An adapter, with the version it serves."""
+
+    name: str
+    base_model: str
+    current_version: int | None
+    latest_version: int | None
+    created_at: datetime
+    updated_at: datetime
+    current: VersionPublic | None
+
+
+class UploadResult(BaseModel):
+    """The version an upload produced (`created`) or matched (identical content)."""
+
+    name: str
+    created: bool
+    current_version: int | None
+    version: VersionPublic
+
+
+class UsagePublic(Public):
+    """A day of one adapter's use ("" is the base model)."""
+
+    adapter: str
+    day: date
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int

@@ -1,0 +1,63 @@
+"""Serving pools: a base model and its LoRA limits."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from loraplane.controlplane.schemas.common import (
+    Count,
+    ModelName,
+    Public,
+    Rank,
+    ResourceName,
+    Strict,
+)
+
+
+class BaseModelRef(Strict):
+    """A base model: its served name and where its config.json is (a path or s3:// URI)."""
+
+    name: ModelName
+    uri: str = Field(min_length=1, max_length=1024, pattern=r"^(s3://[^\s]+|/[^\s]*)$")
+
+
+class PoolCreate(Strict):
+    """A new pool (in a cluster the operator mirrors each ServingPool here)."""
+
+    name: ResourceName
+    base_model: BaseModelRef
+    max_lora_rank: Rank = 64
+    max_loras: Count = 8
+    max_cpu_loras: Count = 32
+
+
+class PoolUpdate(Strict):
+    """New limits; fields left out keep their value (the base model is immutable)."""
+
+    max_lora_rank: Rank | None = None
+    max_loras: Count | None = None
+    max_cpu_loras: Count | None = None
+
+
+class BaseModelPublic(BaseModel):
+    """A pool's base model."""
+
+    name: str
+    uri: str
+
+
+class PoolPublic(Public):
+    """A pool, with the latest pressure each replica reported."""
+
+    name: str
+    base_model: BaseModelPublic
+    max_lora_rank: int
+    max_loras: int
+    max_cpu_loras: int
+    pressure: dict[str, Any] | None
+    pressure_at: datetime | None
+    created_at: datetime
+    updated_at: datetime

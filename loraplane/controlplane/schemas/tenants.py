@@ -1,0 +1,76 @@
+"""Tenants, their quotas, and their API keys."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import Field
+
+from loraplane.controlplane.schemas.common import (
+    Bytes,
+    Count,
+    PerMinute,
+    Public,
+    Rank,
+    Strict,
+    TenantName,
+)
+
+
+class TenantCreate(Strict):
+    """A new tenant; the namespace defaults to its name (the tenant is the namespace)."""
+
+    name: TenantName
+    namespace: TenantName | None = None
+    max_adapters: Count = 100
+    max_rank: Rank = 64
+    max_bytes: Bytes = 1 << 30
+    requests_per_minute: PerMinute = 600
+    tokens_per_minute: PerMinute = 1_000_000
+
+
+class TenantUpdate(Strict):
+    """New quotas; fields left out keep their value."""
+
+    max_adapters: Count | None = None
+    max_rank: Rank | None = None
+    max_bytes: Bytes | None = None
+    requests_per_minute: PerMinute | None = None
+    tokens_per_minute: PerMinute | None = None
+
+
+class TenantPublic(Public):
+    """A tenant and its quotas (`max_bytes` caps each adapter's weights)."""
+
+    name: str
+    namespace: str
+    max_adapters: int
+    max_rank: int
+    max_bytes: int
+    requests_per_minute: int
+    tokens_per_minute: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class KeyCreate(Strict):
+    """A new API key; `name` is a label for people."""
+
+    name: str = Field(default="", max_length=100)
+
+
+class KeyPublic(Public):
+    """A key as listed: its id, label and prefix, never the key or its hash."""
+
+    id: int
+    name: str
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class KeyCreated(KeyPublic):
+    """The answer to creating a key: the only time the key itself is shown."""
+
+    key: str

@@ -1,0 +1,229 @@
+"""Fixtures for the control plane: the app on SQLite and on a real PostgreSQL, a tiny base
+model, tenants with keys, and adapters crafted by the adapter core's test helpers.
+
+PostgreSQL: LORAPLANE_TEST_DATABASE_URL if set (a server where databases may be created),
+else a throwaway cluster started for the session from /usr/lib/postgresql/*/bin, else the
+postgres-marked tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+from sqlalchemy import create_engine, text
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.controlplane import db
+from loraplane.controlplane.main import create_app
+from loraplane.controlplane.models import Base
+from loraplane.controlplane.settings import Settings
+from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
+from tests.controlplane import pg
+
+ADMIN = "admin-" + "a1b2c3d4e5f6g7h8i9j0" * 2
+SERVICE = "service-" + "k1l2m3n4o5p6q7r8s9t0" * 2
+BASE_NAME = "tiny"
+BASE_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+BASE = BaseModelSpec.from_config(BASE_CONFIG, BASE_NAME)
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> Iterator[str]:
+    """A URL on a PostgreSQL server where the tests may create databases."""
+    given = os.environ.get("LORAPLANE_TEST_DATABASE_URL")
+    if given:
+        yield Settings(database_url=given).effective_database_url
+        return
+    bindir = pg.find_bin()
+    if bindir is None:
+        pytest.skip("no PostgreSQL: set LORAPLANE_TEST_DATABASE_URL or install postgresql")
+    cluster = pg.PgCluster(bindir)
+    try:
+        cluster.start()
+        yield cluster.url()
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def pg_test_url(pg_admin_url: str) -> str:
+    """One migrated database for the session; tests truncate it before use."""
+    url = pg.create_database(pg_admin_url, f"cp_{uuid.uuid4().hex[:8]}")
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    engine.dispose()
+    return url
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite catalog migrated once; each test gets a copy."""
+    path = tmp_path_factory.mktemp("sqlite") / "template.db"
+    engine = db.make_engine(f"sqlite:///{path}")
+    db.upgrade(engine)
+    engine.dispose()
+    return path
+
+
+def truncate_all(url: str) -> None:
+    """Empty every table (and restart ids) in a PostgreSQL catalog."""
+    engine = create_engine(url)
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with engine.begin() as conn:
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty catalog: a SQLite file, or the session's PostgreSQL database."""
+    if request.param == "sqlite":
+        path = tmp_path / "catalog.db"
+        shutil.copy(request.getfixturevalue("sqlite_template"), path)
+        return f"sqlite:///{path}"
+    url: str = request.getfixturevalue("pg_test_url")
+    truncate_all(url)
+    return url
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the tiny base model's config.json (all a pool needs)."""
+    folder = tmp_path_factory.mktemp("base-model")
+    (folder / "config.json").write_text(json.dumps(BASE_CONFIG))
+    return folder
+
+
+def make_settings(tmp: Path, database_url: str, **overrides: Any) -> Settings:
+    """Settings for a test app: strong tokens, a local store in `tmp`."""
+    values: dict[str, Any] = {
+        "data_dir": tmp / "state",
+        "database_url": database_url,
+        "store": str(tmp / "store"),
+        "admin_token": SecretStr(ADMIN),
+        "service_token": SecretStr(SERVICE),
+        **overrides,
+    }
+    return Settings(**values)
+
+
+@pytest.fixture
+def settings(tmp_path: Path, database_url: str) -> Settings:
+    """The test app's settings."""
+    return make_settings(tmp_path, database_url)
+
+
+@pytest.fixture
+def app(settings: Settings) -> Iterator[FastAPI]:
+    """The control plane app; its engine is disposed afterwards."""
+    application = create_app(settings)
+    yield application
+    application.state.ctx.engine.dispose()
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[TestClient]:
+    """A TestClient of the app."""
+    with TestClient(app) as c:
+        yield c
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def bearer(token: str) -> dict[str, str]:
+    """The Authorization header for a token."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+ADMIN_H = bearer(ADMIN)
+SERVICE_H = bearer(SERVICE)
+
+
+@dataclass
+class Api:
+    """Short-hands over a client: admin set-up and tenant uploads."""
+
+    client: TestClient
+    base_model_dir: Path
+    work: Path
+    keys: dict[str, str] = field(default_factory=dict)
+
+    def tenant(self, name: str, **quotas: Any) -> str:
+        """Create a tenant and one key; return the key."""
+        r = self.client.post("/v1/tenants", json={"name": name, **quotas}, headers=ADMIN_H)
+        assert r.status_code == 201, r.text
+        r = self.client.post(f"/v1/tenants/{name}/keys", json={"name": "k"}, headers=ADMIN_H)
+        assert r.status_code == 201, r.text
+        self.keys[name] = r.json()["key"]
+        return self.keys[name]
+
+    def pool(self, name: str = "pool-a", **limits: Any) -> dict[str, Any]:
+        """Register a pool serving the tiny base model."""
+        body = {
+            "name": name,
+            "base_model": {"name": BASE_NAME, "uri": str(self.base_model_dir)},
+            **limits,
+        }
+        r = self.client.post("/v1/pools", json=body, headers=ADMIN_H)
+        assert r.status_code == 201, r.text
+        result: dict[str, Any] = r.json()
+        return result
+
+    def adapter_dir(self, seed: int = 0, r: int = 8, **config: Any) -> Path:
+        """A valid adapter folder with distinct content per seed."""
+        out = self.work / f"adapter-{uuid.uuid4().hex[:8]}"
+        return write_adapter(out, lora_config(r=r, **config), lora_tensors(BASE, r, seed=seed))
+
+    def upload(self, key: str, name: str, source: Path, base_model: str = BASE_NAME) -> Any:
+        """POST /v1/adapters with a folder's files or one archive; the response."""
+        paths = sorted(source.iterdir()) if source.is_dir() else [source]
+        files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in paths]
+        return self.client.post(
+            "/v1/adapters",
+            data={"name": name, "base_model": base_model},
+            files=files,
+            headers=bearer(key),
+        )
+
+
+@pytest.fixture
+def api(client: TestClient, base_model_dir: Path, tmp_path: Path) -> Api:
+    """Helpers over `client`."""
+    work = tmp_path / "work"
+    work.mkdir()
+    return Api(client, base_model_dir, work)
+
+
+@pytest.fixture
+def ready(api: Api) -> Api:
+    """A pool and two tenants (acme, globex) with keys."""
+    api.pool()
+    api.tenant("acme")
+    api.tenant("globex")
+    return api

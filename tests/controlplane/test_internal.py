@@ -1,0 +1,90 @@
+"""Internal API (service token): resolve, pressure reports, operator-recorded versions."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.controlplane.conftest import ADMIN_H, BASE_NAME, SERVICE_H, Api, bearer
+
+
+def resolve(api: Api, key: str, model: str, token: dict[str, str] = SERVICE_H) -> object:
+    return api.client.get(
+        "/internal/v1/resolve", params={"model": model}, headers={**token, "X-Tenant-Key": key}
+    )
+
+
+def test_resolve_current_pinned_and_base(ready: Api) -> None:
+    key = ready.keys["acme"]
+    v1 = ready.upload(key, "bot", ready.adapter_dir(seed=1)).json()["version"]
+    ready.upload(key, "bot", ready.adapter_dir(seed=2))
+    r = resolve(ready, key, "bot")
+    body = r.json()  # type: ignore[attr-defined]
+    assert body["version"] == 2 and body["tenant"] == "acme" and body["adapter"] == "bot"
+    assert body["path"].startswith("adapters/acme/bot/v2-") and body["rank"] == 8
+    assert body["base_model"] == BASE_NAME and body["requests_per_minute"] == 600
+    pinned = resolve(ready, key, "bot@1").json()  # type: ignore[attr-defined]
+    assert pinned["version"] == 1 and pinned["digest"] == v1["digest"]
+    base = resolve(ready, key, BASE_NAME).json()  # type: ignore[attr-defined]
+    assert base["adapter"] is None and base["base_model"] == BASE_NAME and base["path"] is None
+    # rolling back changes what the unpinned name resolves to
+    ready.client.patch("/v1/adapters/bot", json={"current_version": 1}, headers=bearer(key))
+    assert resolve(ready, key, "bot").json()["version"] == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("model", ["nope", "bot@3", "bot@0", "bot@x", "@1", "bot@99999999999"])
+def test_resolve_unknown_model_or_version_is_404(ready: Api, model: str) -> None:
+    key = ready.keys["acme"]
+    ready.upload(key, "bot", ready.adapter_dir(seed=1))
+    r = resolve(ready, key, model)
+    assert r.status_code == 404, r.text  # type: ignore[attr-defined]
+
+
+def test_resolve_needs_the_service_token_and_a_valid_tenant_key(ready: Api) -> None:
+    key = ready.keys["acme"]
+    assert resolve(ready, key, "x", ADMIN_H).status_code == 401  # type: ignore[attr-defined]
+    assert resolve(ready, key, "x", bearer(key)).status_code == 401  # type: ignore[attr-defined]
+    bad = "lp_" + "A" * 43
+    assert resolve(ready, bad, BASE_NAME).status_code == 401  # type: ignore[attr-defined]
+    assert resolve(ready, "junk", BASE_NAME).status_code == 401  # type: ignore[attr-defined]
+    r = ready.client.get("/internal/v1/resolve", params={"model": "x"}, headers=SERVICE_H)
+    assert r.status_code == 400  # no tenant key header
+
+
+def test_pressure_is_kept_per_replica_on_the_pool(ready: Api) -> None:
+    c = ready.client
+    for replica, deferred in (("r0", 3), ("r1", 5), ("r0", 4)):
+        body = {
+            "pool": "pool-a", "replica": replica, "deferred": deferred, "waiting_adapters": 2,
+            "running_adapters": 4, "slots_used": 4, "gpu_bytes": 1 << 20, "kv_usage": 0.5,
+            "adapters_waiting": [{"tenant": "acme", "adapter": "bot", "waiting_requests": 2}],
+        }  # fmt: skip
+        r = c.post("/internal/v1/pressure", json=body, headers=SERVICE_H)
+        assert r.status_code == 200, r.text
+    pool = c.get("/v1/pools/pool-a", headers=ADMIN_H).json()
+    replicas = pool["pressure"]["replicas"]
+    assert {k: v["deferred"] for k, v in replicas.items()} == {"r0": 4, "r1": 5}
+    assert replicas["r0"]["adapters_waiting"][0]["waiting_requests"] == 2
+    assert pool["pressure_at"] is not None
+    r = c.post("/internal/v1/pressure", json={"pool": "nope", "replica": "r"}, headers=SERVICE_H)
+    assert r.status_code == 404
+    r = c.post("/internal/v1/pressure", json={"pool": "pool-a", "replica": "r"}, headers=ADMIN_H)
+    assert r.status_code == 401
+
+
+def test_operator_recorded_version_is_idempotent_and_conflicts_are_409(ready: Api) -> None:
+    record = {
+        "tenant": "acme", "name": "gitops", "version": 1, "digest": "a" * 64,
+        "path": "adapters/acme/gitops/v1-aaaaaaaaaaaa/", "rank": 8, "alpha": 16.0,
+        "target_modules": ["q_proj"], "size_bytes": 123, "base_model": BASE_NAME,
+    }  # fmt: skip
+    c = ready.client
+    assert c.post("/internal/v1/versions", json=record, headers=SERVICE_H).status_code == 201
+    assert c.post("/internal/v1/versions", json=record, headers=SERVICE_H).status_code == 200
+    clash = {**record, "digest": "b" * 64}
+    r = c.post("/internal/v1/versions", json=clash, headers=SERVICE_H)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "Conflict"
+    assert resolve(ready, ready.keys["acme"], "gitops").json()["version"] == 1  # type: ignore[attr-defined]
+    r = c.post("/internal/v1/versions", json={**record, "tenant": "nobody"}, headers=SERVICE_H)
+    assert r.status_code == 404
+    r = c.post("/internal/v1/versions", json={**record, "path": None}, headers=SERVICE_H)
+    assert r.status_code == 400
