@@ -20,6 +20,7 @@ from loraplane.adapters.store import LocalStore, S3Store
 from loraplane.adapters.store.base import ObjectStore
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.lora.loader import load_lora
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier
@@ -233,8 +234,10 @@ def test_device_pool_byte_budget_is_respected(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: dict[str, list[int]]
 ) -> None:
     probe = engine_for(tiny_llama_dir, None, max_loras=4)
-    sizes = {n: probe.runner.pool.bytes_needed(probe.loras._entries[probe.register_lora(n, p).key].host)  # type: ignore[arg-type]
-             for n, p in peft_adapters.items()}  # fmt: skip
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    sizes = {
+        n: probe.runner.pool.bytes_needed(load_lora(p, spec)) for n, p in peft_adapters.items()
+    }
     budget = sizes["r64"] + sizes["r4"]  # room for r64 and a small one, not two large ones
     engine = engine_for(tiny_llama_dir, None, max_loras=4, max_lora_pool_bytes=budget)
     for name in ("r64", "r4", "r32-mlp", "r64", "r16"):
