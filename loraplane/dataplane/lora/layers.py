@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
-from loraplane.dataplane.kernels.sgmv_torch import lora_apply
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
 
@@ -80,16 +80,8 @@ class LinearWithLoRA(nn.Module):
         batch = self.context.batch if self.context is not None else None
         if batch is None or batch.is_empty or self.slots is None:
             return y
-        return lora_apply(
-            y,
-            x,
-            batch.token_order,
-            batch.seg_slots,
-            batch.seg_bounds,
-            self.slots.lora_a,
-            self.slots.lora_b,
-            self.slots.scales,
-        )
+        # Triton SGMV kernels on CUDA, the torch reference elsewhere (kernels/dispatch.py)
+        return dispatch.lora_apply(y, x, batch, self.slots)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, module={self.module_name}"

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The SGMV kernels' GPU checks, in one run on a lent GPU machine (torch, triton, transformers,
+# peft installed; no registry, no virtualenv). Run from the repository root:
+#   bash benchmarks/gpu_check.sh            # logs and results under $OUT (default ./gpu-out)
+# Steps: the kernel tests on CUDA with compiled Triton (the bf16 `gpu` tests, then the rest of
+# the module, which runs on CUDA tensors when TRITON_INTERPRET is unset), then the benchmark.
+# Each step has a time limit so the whole run ends within ~8 minutes; a failing step does not
+# stop the others, but the script exits non-zero if any failed.
+set -u
+
+OUT="${OUT:-./gpu-out}"
+PYTHON="${PYTHON:-python}"
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}."
+export HF_HUB_OFFLINE=1
+unset TRITON_INTERPRET  # compiled kernels: the interpreter gets bf16 tl.dot wrong
+
+failed=()
+summary=()
+
+step() {  # step NAME SECONDS COMMAND... : run with a time limit, log to $OUT/NAME.log
+    local name="$1" limit="$2"
+    shift 2
+    local start=$SECONDS rc
+    echo "== $name: $*"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    tail -n 5 "$OUT/$name.log"
+    if [ "$rc" -eq 0 ]; then
+        summary+=("ok     $name ($((SECONDS - start)) s)")
+    else
+        [ "$rc" -eq 124 ] && echo "   (timed out after $limit s)"
+        summary+=("FAILED $name (rc $rc, $((SECONDS - start)) s, see $OUT/$name.log)")
+        failed+=("$name")
+    fi
+}
+
+{
+    echo "date: $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "cuda available", torch.cuda.is_available())' 2>&1
+} | tee "$OUT/env.log"
+
+step tests-gpu 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
+    --junitxml="$OUT/tests-gpu.xml" tests/dataplane/test_kernels_triton.py
+step tests-cuda 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m "not gpu" \
+    --junitxml="$OUT/tests-cuda.xml" tests/dataplane/test_kernels_triton.py
+step bench 240 "$PYTHON" benchmarks/kernels_gpu.py
+if [ -f benchmarks/results/kernels_gpu.json ]; then
+    cp benchmarks/results/kernels_gpu.json "$OUT/"
+fi
+
+echo "== summary ($OUT)"
+printf '  %s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
+echo "all steps passed"
