@@ -210,6 +210,12 @@ class SafetensorsFile:
         bad = np.flatnonzero((bits & mask) == mask)
         return int(bad[0]) if bad.size else None
 
+    def will_need(self) -> None:
+        """Ask the kernel to read the whole file ahead (one sequential read, not page faults)."""
+        if self._mmap is not None and hasattr(mmap, "MADV_WILLNEED"):
+            with contextlib.suppress(OSError):
+                self._mmap.madvise(mmap.MADV_WILLNEED)
+
     def close(self) -> None:
         if self._mmap is not None:
             # With numpy views still alive the map cannot close now; it closes when they go.

@@ -87,6 +87,7 @@ def load_lora(
     limits = limits or AdapterLimits()
     with open_adapter_source(path, limits) as files:
         adapter = validate_adapter(files, base, limits, scan_weights=expected_digest is None)
+        adapter.weights.will_need()
         digest: list[str] = []
         hasher = threading.Thread(target=lambda: digest.append(canonical_digest(adapter)))
         hasher.start()
