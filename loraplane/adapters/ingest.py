@@ -185,6 +185,11 @@ def publish(
             "created_by": created_by,
         }
         stored, created = _complete(store, vpath, canon, manifest)
+        if stored.get("digest") != canon.digest:  # an existing object is checked, not trusted
+            raise StoreError(
+                f"{vpath} in {store.url()} holds digest {str(stored.get('digest'))[:16]}..., "
+                f"not {canon.digest[:16]}...: the store was changed outside loraplane"
+            )
         return AdapterVersion.from_manifest(stored, vpath, created)
     raise StoreError(
         f"could not claim a version for {tenant}/{name} after {MAX_CLAIM_ATTEMPTS} tries"

@@ -149,3 +149,26 @@ def test_an_interrupted_ingest_is_completed_by_the_next_one(tmp_path: Path) -> N
     assert store.exists(version_path("acme", "bot", 1, v.digest) + "manifest.json")
     assert [x.version for x in list_versions(store, "acme", "bot")] == [1]
     assert list((tmp_path / "store" / ".staging").iterdir()) == []
+
+
+def test_extra_files_are_ignored_never_stored_or_run(store: ObjectStore, tmp_path: Path) -> None:
+    src = adapter(tmp_path, 0, auto_map={"AutoModel": "evil.Model"})
+    (src / "modeling_evil.py").write_text("raise SystemExit('executed!')\n")
+    (src / "tokenizer.json").write_text("{}")
+    (src / "README.md").write_text("# my adapter")
+    v = ingest(src, "acme", "bot", BASE, LIMITS, store)
+    names = {key.rsplit("/", 1)[-1] for key in store.list_keys(v.path)}
+    assert names == {"adapter_config.json", "adapter_model.safetensors", "manifest.json"}
+    assert b"auto_map" not in store.get_bytes(v.path + "adapter_config.json")
+
+
+def test_a_version_folder_changed_outside_loraplane_is_refused(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    v = ingest(adapter(tmp_path, 0), "acme", "bot", BASE, LIMITS, store)
+    manifest = Path(store.url()) / v.path / "manifest.json"
+    forged = json.loads(manifest.read_text())
+    forged["digest"] = "f" * 64
+    manifest.chmod(0o644)
+    manifest.write_text(json.dumps(forged))
+    with pytest.raises(StoreError, match="changed outside loraplane"):
+        ingest(adapter(tmp_path / "again", 0), "acme", "bot", BASE, LIMITS, store)
