@@ -42,26 +42,26 @@ def run_demo(workdir: Path, once: bool = False) -> int:
     start = time.perf_counter()
     model_dir = workdir / "model"
     if not (model_dir / "config.json").exists():
-        _say(f"[1/4] building a small Llama model in {model_dir} ...")
+        _say(f"[1/5] building a small Llama model in {model_dir} ...")
         build_llama(model_dir, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
     else:
-        _say(f"[1/4] using the model built earlier in {model_dir}")
+        _say(f"[1/5] using the model built earlier in {model_dir}")
     base = BaseModelSpec.from_dir(model_dir, name="demo-llama")
     store = LocalStore(workdir / "store")
 
-    _say(f"[2/4] validating and storing three tenants' adapters in {store.url()}")
+    _say(f"[2/5] validating and storing three tenants' adapters in {store.url()}")
     for i, (tenant, rank) in enumerate(TENANTS.items()):
         src = build_adapter(
             model_dir, workdir / "uploads" / tenant, r=rank, lora_alpha=2 * rank, seed=i
         )
         _show(ingest(src, tenant, "support-bot", base, POOL_LIMITS, store))
 
-    _say("[3/4] re-uploading acme's adapter unchanged, then changed")
+    _say("[3/5] re-uploading acme's adapter unchanged, then changed")
     _show(ingest(workdir / "uploads" / "acme", "acme", "support-bot", base, POOL_LIMITS, store))
     changed = build_adapter(model_dir, workdir / "uploads" / "acme-v2", r=8, lora_alpha=16, seed=99)
     _show(ingest(changed, "acme", "support-bot", base, POOL_LIMITS, store))
 
-    _say("[4/4] uploading bad adapters: each is rejected with its reason, nothing is stored")
+    _say("[4/5] uploading bad adapters: each is rejected with its reason, nothing is stored")
     too_big = build_adapter(model_dir, workdir / "uploads" / "rank128", r=128, lora_alpha=16)
     pickled = workdir / "uploads" / "pickled"
     pickled.mkdir(parents=True, exist_ok=True)
@@ -75,11 +75,42 @@ def run_demo(workdir: Path, once: bool = False) -> int:
         except AdapterRejected as e:
             _say(f"    {what}: rejected: {e.code.value}: {e.message}")
 
+    _serve_mixed_batch(model_dir, store, base)
     _say(f"done in {time.perf_counter() - start:.1f} s.")
     _say(
-        "Still to come (see the project's issues): the engine and the OpenAI-compatible server "
-        "(serving these adapters), the control plane REST API, the operator."
+        "Still to come (see the project's issues): the control plane and the OpenAI-compatible "
+        "server in this demo, the operator, the Helm chart."
     )
     if not once:
-        _say("Nothing is served yet, so the demo exits here.")
+        _say("The demo does not serve over HTTP yet, so it exits here.")
     return 0
+
+
+def _serve_mixed_batch(model_dir: Path, store: LocalStore, base: BaseModelSpec) -> None:
+    """One continuous batch on CPU: the base model and every tenant's stored adapter."""
+    from loraplane.adapters.ingest import list_versions
+    from loraplane.dataplane.config import EngineConfig
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.sampling import SamplingParams
+    from loraplane.dataplane.sequence import LoRARef
+    from loraplane.dataplane.tiers.disk import DiskTier
+
+    _say("[5/5] serving one mixed batch: the base model and each tenant's adapter, from the store")
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_loras=4,
+                          num_kv_blocks=256, served_model_name=base.name)  # fmt: skip
+    engine = Engine(config, disk=DiskTier(store))
+    refs: list[LoRARef | None] = [None]
+    for tenant in TENANTS:
+        newest = list_versions(store, tenant, "support-bot")[-1]
+        ref = LoRARef("support-bot", tenant, newest.digest)
+        refs.append(engine.loras.register_stored(ref, newest.path))
+    prompt = "Many tenants share one base model"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = engine.generate([prompt] * len(refs), params, refs)
+    for ref, out in zip(refs, outs, strict=True):
+        who = "base model" if ref is None else f"{ref.tenant}/{ref.name}"
+        _say(f"    {who:<22} -> token ids {out.token_ids[:8]}...")
+    distinct = len({tuple(o.token_ids) for o in outs})
+    _say(f"    {len(outs)} requests in one batch, {distinct} distinct outputs "
+         "(the model is random: the point is that each adapter changes it)")  # fmt: skip
+    engine.loras.close()
