@@ -107,8 +107,8 @@ def _serve_mixed_batch(model_dir: Path, store: LocalStore, base: BaseModelSpec) 
     prompt = "Many tenants share one base model"
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = engine.generate([prompt] * len(refs), params, refs)
-    for ref, out in zip(refs, outs, strict=True):
-        who = "base model" if ref is None else f"{ref.tenant}/{ref.name}"
+    for used, out in zip(refs, outs, strict=True):
+        who = "base model" if used is None else f"{used.tenant}/{used.name}"
         _say(f"    {who:<22} -> token ids {out.token_ids[:8]}...")
     distinct = len({tuple(o.token_ids) for o in outs})
     _say(f"    {len(outs)} requests in one batch, {distinct} distinct outputs "
