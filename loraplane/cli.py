@@ -1,9 +1,9 @@
 """The `loraplane` command.
 
-Sub-commands exist only for what is built: `adapters validate`, `demo`, `controlplane`
-(and `controlplane migrate`). The data plane server and the operator join as their issues
-land (see README.md). Each component registers its own sub-commands; their imports happen
-when a command runs, so `loraplane --help` stays fast and the control plane never loads torch.
+Sub-commands exist only for what is built: `adapters validate`, `demo`, `serve` (the data
+plane) and `controlplane` (and `controlplane migrate`); the operator joins when its issue
+lands. Each component registers its own sub-commands and imports its heavy modules only when
+a command runs, so `loraplane --help` stays fast and the control plane never loads torch.
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=_cmd_validate)
 
     from loraplane.controlplane.cli import add_commands as add_controlplane
+    from loraplane.dataplane.server.cli import add_commands as add_serve
 
+    add_serve(sub)
     add_controlplane(sub)
     return parser
 

@@ -1,0 +1,184 @@
+"""HTTP serving overhead on CPU: the engine benchmark's workload streamed through the server vs
+run on the engine directly, in one run.
+
+Workload (benchmarks/engine_cpu.py's model and helpers): Llama-shaped, hidden 1024, 8 layers,
+fp32; 64 requests of 32 prompt tokens over 8 rank-16 adapters, greedy, `--gen-tokens` tokens
+each (default 32, EOS ignored). The server runs as its own process (`python -m
+loraplane.dataplane.server serve`); 64 concurrent streaming /v1/completions requests are sent
+by a minimal client and their server-sent events counted as they arrive. The model's random
+tokens mostly decode to no text (its vocabulary is padded past the tokenizer's), and the server
+sends no chunk for a token without text, so requests ask for `logprobs: 0`: then every token
+gets its chunk (for the inter-token latency) and the usage chunk counts the tokens.
+Figures: tokens/s of each, their ratio (goal: HTTP at least 0.8 of the engine), and time to
+first token and inter-token latency p50/p99 as the client sees them.
+The client runs on the same machine: the server's torch threads default to cores - 1 so the
+client and the server's event loop keep a core (on 2 cores, 2 torch threads next to a busy client
+make every OpenMP barrier wait, ~0.56 of the engine instead of ~0.8).
+Rounds alternate engine and HTTP runs; the best of each is kept (the machine may be shared).
+Run: .venv/bin/python benchmarks/server_http.py [--gen-tokens N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from _common import goal, report
+from engine_cpu import NUM_SEQS, RANK, SHAPE, engine_tokens_per_s, make_engine, prompts
+
+from loraplane.demo.build import build_adapter, build_llama
+
+NUM_ADAPTERS = 8
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(
+    model: Path, adapters: list[Path], port: int, threads: int | None
+) -> subprocess.Popen[bytes]:
+    modules = [f"a{i}={path}" for i, path in enumerate(adapters)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_NUM_KV_BLOCKS": str(NUM_SEQS * 16)}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "loraplane.dataplane.server", "serve", "--model", str(model),
+           "--port", str(port), "--max-loras", str(NUM_ADAPTERS), "--max-num-seqs",
+           str(NUM_SEQS), "--lora-modules", *modules]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("server not ready")
+
+
+async def one_stream(port: int, body: dict[str, object]) -> tuple[int, float, list[float]]:
+    """(tokens, time to first token, inter-token gaps) of one streaming request.
+
+    A minimal HTTP/1.1 client on a raw connection: on a 2-core machine the client shares the
+    CPU with the server, and httpx's line parsing would cost more than the server's work.
+    """
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    )
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head.encode() + payload)
+    stamps: list[float] = []
+    received = bytearray()
+    while data := await reader.read(1 << 16):
+        now = time.perf_counter()
+        stamps.extend([now] * data.count(b'"choices": [{'))
+        received += data
+    writer.close()
+    if not received.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(received[:300].decode(errors="replace"))
+    usage = received.rsplit(b'"completion_tokens": ', 1)[1]
+    tokens = int(usage[: usage.index(b",")])
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return tokens, stamps[0] - start, gaps
+
+
+async def http_run(port: int, gen: int) -> tuple[float, list[float], list[float]]:
+    """tokens/s, TTFTs and inter-token gaps of the 64 requests, all sent at once."""
+    bodies = [
+        {"model": f"a{i % NUM_ADAPTERS}", "prompt": p, "max_tokens": gen, "temperature": 0,
+         "stream": True, "ignore_eos": True, "logprobs": 0,
+         "stream_options": {"include_usage": True}}
+        for i, p in enumerate(prompts(NUM_SEQS, 2))
+    ]  # fmt: skip
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one_stream(port, b) for b in bodies))
+    elapsed = time.perf_counter() - start
+    tokens = sum(r[0] for r in results)
+    return tokens / elapsed, [r[1] for r in results], [g for r in results for g in r[2]]
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gen-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="torch threads of the server (default: cores - 1, a core left to the client)",
+    )
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        root = Path(tmp)
+        print("building the benchmark model and 8 rank-16 adapters ...", flush=True)
+        model = build_llama(root / "model", **SHAPE)
+        adapters = [build_adapter(model, root / f"a{i}", r=RANK, lora_alpha=32, seed=i)
+                    for i in range(NUM_ADAPTERS)]  # fmt: skip
+        engine, refs = make_engine(model, adapters, max_loras=NUM_ADAPTERS)
+        mixed = [[refs[i % NUM_ADAPTERS] for i in range(NUM_SEQS)]]
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(model, adapters, port, args.server_threads)
+        direct: list[float] = []
+        http: list[float] = []
+        try:
+            wait_ready(url, proc)
+            engine_tokens_per_s(engine, mixed, 4)  # warm up both
+            asyncio.run(http_run(port, 4))
+            # interleaved rounds, best of each: other load on a shared machine hits both alike
+            for _ in range(args.rounds):
+                direct.append(engine_tokens_per_s(engine, mixed, args.gen_tokens))
+                tps, ttft, itl = asyncio.run(http_run(port, args.gen_tokens))
+                if not http or tps > max(http):
+                    best_ttft, best_itl = ttft, itl
+                http.append(tps)
+                print(f"  round: engine {direct[-1]:.1f} tok/s, http {tps:.1f} tok/s", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        ttft, itl = best_ttft, best_itl
+        figures = {
+            "tokens_per_s_engine": max(direct),
+            "tokens_per_s_http_streaming": max(http),
+            "http_over_engine": max(http) / max(direct),
+            "ttft_ms_p50": pct(ttft, 50) * 1e3,
+            "ttft_ms_p99": pct(ttft, 99) * 1e3,
+            "itl_ms_p50": pct(itl, 50) * 1e3,
+            "itl_ms_p99": pct(itl, 99) * 1e3,
+            "gen_tokens": float(args.gen_tokens),
+            "rounds": float(args.rounds),
+        }
+        report("server_http", figures, [goal(figures, "http_over_engine", ">=", 0.8)])
+
+
+if __name__ == "__main__":
+    main()

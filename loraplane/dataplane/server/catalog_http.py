@@ -1,0 +1,140 @@
+"""Catalog mode: resolve tenants' keys and model names through the control plane.
+
+`GET {url}/internal/v1/resolve?model=...` with the service token as bearer and the caller's key
+in `X-Tenant-Key` (DESIGN.md section 6); answers are cached for `ttl` seconds per (key, model),
+so a revoked key or a deleted adapter stops working within the TTL. Failures are cached too
+(401/404 for the same TTL), so a flood of bad keys does not become a flood of control plane
+calls. /v1/models lists the tenant's adapters with `GET {url}/v1/adapters` under its own key.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from loraplane.dataplane.server.catalog import ModelEntry, Resolved
+from loraplane.dataplane.server.errors import (
+    APIError,
+    ModelNotFound,
+    Unauthorized,
+    Unavailable,
+    UpstreamError,
+)
+
+TENANT_KEY_HEADER = "X-Tenant-Key"
+CACHE_ENTRIES = 10_000
+
+
+class HttpCatalog:
+    """A `Catalog` backed by the control plane's internal API, with a short TTL cache."""
+
+    def __init__(
+        self,
+        url: str,
+        service_token: str | None,
+        base_model: str,
+        ttl: float = 5.0,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.base_model = base_model
+        self.ttl = ttl
+        self._token = service_token
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._clock = clock
+        # sha256(key) + model -> (expiry, Resolved or the error to raise again)
+        self._cache: OrderedDict[tuple[str, str], tuple[float, Resolved | APIError]] = OrderedDict()
+
+    async def resolve(self, api_key: str | None, model: str) -> Resolved:
+        """See Catalog.resolve."""
+        if not api_key:
+            raise Unauthorized("send Authorization: Bearer <your API key>")
+        # the cache never holds a key in clear
+        cache_key = (hashlib.sha256(api_key.encode()).hexdigest(), model)
+        now = self._clock()
+        hit = self._cache.get(cache_key)
+        if hit is not None and hit[0] > now:
+            self._cache.move_to_end(cache_key)
+            return _unwrap(hit[1])
+        try:
+            result: Resolved | APIError = await self._fetch(api_key, model)
+        except (Unauthorized, ModelNotFound) as e:
+            result = e
+        self._cache[cache_key] = (now + self.ttl, result)
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return _unwrap(result)
+
+    async def _fetch(self, api_key: str, model: str) -> Resolved:
+        headers = {TENANT_KEY_HEADER: api_key}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        data = await self._get("/internal/v1/resolve", headers, model, params={"model": model})
+        if not isinstance(data, dict) or not isinstance(data.get("tenant"), str):
+            raise UpstreamError("the control plane answered an unexpected resolve body")
+        version = data.get("version")
+        return Resolved(
+            tenant=data["tenant"],
+            adapter=data.get("adapter"),
+            version=None if version is None else str(version),
+            digest=data.get("digest"),
+            path=data.get("path"),
+            rank=data.get("rank"),
+            requests_per_minute=int(data.get("requests_per_minute") or 0),
+            tokens_per_minute=int(data.get("tokens_per_minute") or 0),
+        )
+
+    async def _get(
+        self, path: str, headers: dict[str, str], model: str, params: dict[str, str] | None = None
+    ) -> Any:
+        try:
+            response = await self._client.get(self.url + path, headers=headers, params=params)
+        except httpx.HTTPError as e:
+            raise Unavailable(
+                f"the catalog is unreachable: {type(e).__name__}", retry_after=5
+            ) from e
+        if response.status_code == 401:
+            raise Unauthorized("Incorrect API key provided.")
+        if response.status_code == 404:
+            raise ModelNotFound(model)
+        if response.status_code in (429, 503):
+            raise Unavailable("the catalog is busy", retry_after=5)
+        if response.status_code != 200:
+            raise UpstreamError(f"the catalog answered HTTP {response.status_code}")
+        try:
+            return response.json()
+        except ValueError as e:
+            raise UpstreamError("the catalog answered invalid JSON") from e
+
+    async def list_models(self, api_key: str | None) -> list[ModelEntry]:
+        """The base model and the tenant's adapters of this base model (current versions)."""
+        if not api_key:
+            raise Unauthorized("send Authorization: Bearer <your API key>")
+        data = await self._get("/v1/adapters", {"Authorization": f"Bearer {api_key}"}, "")
+        rows = [ModelEntry(self.base_model, None)]
+        for item in data if isinstance(data, list) else []:
+            if (
+                isinstance(item, dict)
+                and item.get("base_model") == self.base_model
+                and item.get("current_version") is not None
+                and isinstance(item.get("name"), str)
+            ):
+                rows.append(ModelEntry(item["name"], self.base_model))
+        return rows
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._client.aclose()
+
+
+def _unwrap(result: Resolved | APIError) -> Resolved:
+    if isinstance(result, APIError):
+        raise copy.copy(result)  # a fresh instance: tracebacks do not pile up on a cached one
+    return result

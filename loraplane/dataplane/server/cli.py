@@ -1,0 +1,64 @@
+"""`loraplane serve`: the data plane server (DESIGN.md section 9's flags, plus --admin-token).
+
+Flags override `LORAPLANE_*` environment variables. SIGTERM or SIGINT drain the server: it stops
+accepting connections, lets running requests finish for up to LORAPLANE_SHUTDOWN_GRACE_S
+seconds (then aborts them), stops the engine and exits 0. A start that fails (a bad model, a
+rejected `--lora-modules` adapter) exits 1 with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register `serve` on the `loraplane` command's sub-parsers."""
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API for a base model and its LoRA adapters",
+        description="Serve the OpenAI-compatible data plane (settings also from LORAPLANE_*).",
+    )
+    serve.add_argument("--model", help="base model directory (HF format)")
+    serve.add_argument("--served-model-name", help="the base model's name in the API")
+    serve.add_argument(
+        "--lora-modules", nargs="+", metavar="NAME=DIR", help="trusted static adapters"
+    )
+    for flag, what in (
+        ("--max-loras", "distinct adapters per batch (device pool slots)"),
+        ("--max-lora-rank", "largest adapter rank accepted"),
+        ("--max-cpu-loras", "adapters kept in host memory"),
+        ("--max-num-seqs", "requests per batch"),
+    ):
+        serve.add_argument(flag, type=int, help=what)
+    serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--device", choices=["cpu", "cuda"])
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int, help="default 8000")
+    serve.add_argument("--controlplane-url", help="catalog mode: the control plane's URL")
+    serve.add_argument("--api-key", help="standalone mode: the key every /v1 route needs")
+    serve.add_argument("--admin-token", help="enables /v1/load_lora_adapter and unload")
+    serve.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until it is told to stop; return the exit code."""
+    from loraplane.dataplane.server.settings import ServerSettings, SettingsError
+
+    flags = {
+        k: getattr(args, k, None)
+        for k in ("model", "served_model_name", "lora_modules", "max_loras", "max_lora_rank",
+                  "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
+                  "controlplane_url", "api_key", "admin_token")
+    }  # fmt: skip
+    try:
+        settings = ServerSettings.load(**flags)
+    except (SettingsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    from loraplane.dataplane.server.serving import serve  # torch and uvicorn: only now
+
+    return serve(settings)

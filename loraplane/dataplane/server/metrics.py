@@ -1,0 +1,225 @@
+"""Prometheus metrics of one server (its own registry): DESIGN.md section 7's names and labels.
+
+Engine state (queues, KV usage, adapters resident and waiting, the engine's counters) is read
+as an `EngineSnapshot`, taken on the engine thread when /metrics is scraped, so no scrape
+reads a queue while a step mutates it. Request-side figures (tokens, time to first token,
+inter-token latency, host-tier loads) are fed by the routes as requests run; device-tier load
+times by a wrapper the runtime puts around the adapter manager's `make_resident`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from loraplane.adapters.base_model import SUPPORTED_MODULES
+from loraplane.dataplane.engine import Engine
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0)  # fmt: skip
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """The engine state the gauges show, read at one point between steps."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    deferred: int = 0
+    deferred_total: int = 0
+    max_loras: int = 0
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    resident: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, name)
+    registered: Counter[tuple[str, str]] = field(default_factory=Counter)
+    waiting_per_adapter: Counter[tuple[str, str]] = field(default_factory=Counter)
+    gpu_loads: int = 0
+    gpu_hits: int = 0
+    gpu_evictions: int = 0
+    gpu_bytes_used: int = 0
+    gpu_bytes_capacity: int = 0
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineSnapshot:
+        """Read `engine` (call on the engine thread, between steps)."""
+        sched, loras = engine.scheduler, engine.loras
+        names = {r.key: r.name for r in loras.registered}
+        return cls(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_usage=engine.block_manager.usage,
+            deferred=sched.num_deferred,
+            deferred_total=sched.deferred_total,
+            max_loras=engine.config.max_loras,
+            running_adapters=sorted({names.get(k, k) for k in sched.running_lora_keys}),
+            waiting_adapters=sorted({names.get(k, k) for k in sched.waiting_lora_keys}),
+            resident=Counter((r.tenant, r.name) for r in loras.resident),
+            registered=Counter((r.tenant, r.name) for r in loras.registered),
+            waiting_per_adapter=Counter(
+                {(r.tenant, r.name): n for r, n in sched.waiting_per_lora().items()}
+            ),
+            gpu_loads=loras.loads_total,
+            gpu_hits=loras.hits_total,
+            gpu_evictions=loras.evictions_total,
+            gpu_bytes_used=engine.runner.pool.bytes_used,
+            gpu_bytes_capacity=pool_capacity_bytes(engine),
+        )
+
+
+def pool_capacity_bytes(engine: Engine) -> int:
+    """Device bytes of `max_loras` adapters at `max_lora_rank` on every module: the most the
+    rank-exact pool can hold (it has no separate byte budget yet)."""
+    pool, rank = engine.runner.pool, engine.config.max_lora_rank
+    spec = pool.spec
+    per_layer = sum(rank * sum(spec.module_shape(m)) for m in SUPPORTED_MODULES)
+    element = torch.empty(0, dtype=pool.dtype).element_size()
+    return pool.max_loras * spec.num_layers * per_layer * element
+
+
+class _EngineCollector(Collector):
+    """Emits the gauges and engine counters from the latest snapshot."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self._m.snapshot, self._m
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running and waiting adapters (value: time of the reading)",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric(
+            [",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)],
+            time.time(),
+        )
+        yield info
+        yield _gauge("vllm:num_requests_running", "Requests in the running batch", s.running)
+        yield _gauge("vllm:num_requests_waiting", "Requests waiting for admission", s.waiting)
+        yield _gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use", s.kv_usage)
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason", "Waiting requests by reason", labels=["reason"]
+        )
+        by_reason.add_metric(["deferred"], s.deferred)
+        yield by_reason
+        resident = GaugeMetricFamily(
+            "loraplane_adapter_resident",
+            "Adapter versions held per tier",
+            labels=["tenant", "adapter", "tier"],
+        )
+        for tier, held in (("gpu", s.resident), ("cpu", s.registered)):
+            for (tenant, name), count in sorted(held.items()):
+                resident.add_metric([tenant, name, tier], count)
+        yield resident
+        waiting = GaugeMetricFamily(
+            "loraplane_adapter_waiting_requests",
+            "Waiting requests per adapter",
+            labels=["tenant", "adapter"],
+        )
+        # every registered adapter has a series (0 when nothing waits), so dashboards see it
+        for tenant, name in sorted(set(s.registered) | set(s.waiting_per_adapter)):
+            waiting.add_metric([tenant, name], s.waiting_per_adapter[(tenant, name)])
+        yield waiting
+        loads = CounterMetricFamily(
+            "loraplane_adapter_loads", "Adapter loads per tier", labels=["tier", "result"]
+        )
+        loads.add_metric(["gpu", "ok"], s.gpu_loads)
+        loads.add_metric(["gpu", "error"], m.gpu_load_errors)
+        for result in ("ok", "rejected", "error"):
+            loads.add_metric(["cpu", result], m.cpu_loads[result])
+        yield loads
+        hits = CounterMetricFamily(
+            "loraplane_adapter_cache_hits", "Adapter lookups served by a tier", labels=["tier"]
+        )
+        hits.add_metric(["gpu"], s.gpu_hits)
+        hits.add_metric(["cpu"], m.cpu_hits)
+        yield hits
+        evictions = CounterMetricFamily(
+            "loraplane_adapter_evictions", "Adapters evicted from a tier", labels=["tier"]
+        )
+        evictions.add_metric(["gpu"], s.gpu_evictions)
+        evictions.add_metric(["cpu"], m.cpu_evictions)
+        yield evictions
+        yield _gauge("loraplane_gpu_adapter_bytes_used", "Device bytes of pool", s.gpu_bytes_used)
+        yield _gauge(
+            "loraplane_gpu_adapter_bytes_capacity",
+            "Device bytes the adapter pool can hold",
+            s.gpu_bytes_capacity,
+        )
+        deferred = CounterMetricFamily(
+            "loraplane_requests_deferred", "Requests deferred by the adapter limit"
+        )
+        deferred.add_metric([], s.deferred_total)
+        yield deferred
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """The registry of one app and the request-side instruments."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.snapshot = EngineSnapshot()
+        self.cpu_loads: Counter[str] = Counter()  # result -> host-tier loads (registrations)
+        self.cpu_hits = 0  # catalog-mode resolutions found already registered
+        self.cpu_evictions = 0  # adapters unregistered (unload)
+        self.gpu_load_errors = 0
+        self.tokens = PromCounter(
+            "loraplane_tokens",
+            "Prompt and completion tokens per tenant",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
+        self.load_seconds = Histogram(
+            "loraplane_adapter_load_seconds",
+            "Time to load an adapter into a tier",
+            ["tier"],
+            buckets=LOAD_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "loraplane_time_to_first_token_seconds",
+            "Time from request arrival to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "loraplane_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        for tier in ("gpu", "cpu"):
+            self.load_seconds.labels(tier=tier)  # series exist before the first load
+        self.registry.register(_EngineCollector(self))
+
+    def add_tenant(self, tenant: str) -> None:
+        """Create the tenant's token series at 0 (standalone mode's one tenant, at start)."""
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(tenant=tenant, kind=kind)
+
+    def count_tokens(self, tenant: str, prompt: int, completion: int) -> None:
+        """Add a request's tokens to loraplane_tokens_total."""
+        if prompt:
+            self.tokens.labels(tenant=tenant, kind="prompt").inc(prompt)
+        if completion:
+            self.tokens.labels(tenant=tenant, kind="completion").inc(completion)
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)

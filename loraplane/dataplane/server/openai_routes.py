@@ -1,0 +1,220 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Each completion request: check the key, resolve `model` through the catalog, tokenize (the chat
+template for chat), fit max_tokens to the context (vLLM's rule: 400 when prompt + max_tokens
+exceeds it), lease the adapter, pass the tenant's rate limits, then run `n` engine requests per
+prompt and answer a JSON body or an SSE stream ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from loraplane.dataplane.server import openai_format as fmt
+from loraplane.dataplane.server.catalog import Resolved
+from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RuntimeDep
+from loraplane.dataplane.server.errors import APIError, InvalidRequest
+from loraplane.dataplane.server.generation import (
+    Job,
+    collect,
+    fit_max_tokens,
+    make_choices,
+    run_job,
+)
+from loraplane.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest, Generation
+from loraplane.dataplane.server.runtime import Lease, Runtime
+from loraplane.dataplane.server.streaming import ClientGone, EventStream, unless_disconnected
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["openai"])
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions and vLLM
+
+
+@router.get("/models")
+async def list_models(runtime: RuntimeDep, catalog: CatalogDep, key: CallerKeyDep) -> Any:
+    """The base model and the caller's adapters (each with `parent` = the base model)."""
+    created = int(time.time())
+    rows = await catalog.list_models(key)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": row.id,
+                "object": "model",
+                "created": created,
+                "owned_by": "loraplane",
+                "root": row.id,
+                "parent": row.parent,
+                "max_model_len": runtime.max_model_len,
+            }
+            for row in rows
+        ],
+    }
+
+
+@router.post("/completions")
+async def completions(
+    body: CompletionRequest,
+    request: Request,
+    runtime: RuntimeDep,
+    catalog: CatalogDep,
+    key: CallerKeyDep,
+) -> Response:
+    """Text completion of one or more prompts."""
+    body.check_supported()
+    resolved = await catalog.resolve(key, body.model)
+    tokenizer = runtime.require_engine().engine.tokenizer
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    top = body.logprobs
+    return await _serve(
+        request, runtime, resolved, body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, top, chat=False
+    )
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    runtime: RuntimeDep,
+    catalog: CatalogDep,
+    key: CallerKeyDep,
+) -> Response:
+    """Chat completion, the prompt rendered with the base model's chat template."""
+    body.check_supported()
+    resolved = await catalog.resolve(key, body.model)
+    tokenizer = runtime.require_engine().engine.tokenizer
+    messages = [m.to_template() for m in body.messages]
+    try:
+        prompt = tokenizer.encode_chat(messages, body.add_generation_prompt)
+    except (jinja2.TemplateError, ValueError) as e:
+        raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from None
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return await _serve(request, runtime, resolved, body, [prompt], None, top, chat=True)
+
+
+def _check_tokens(runtime: Runtime, prompts: list[list[int]]) -> None:
+    vocab = runtime.require_engine().engine.runner.model.config.vocab_size
+    for tokens in prompts:
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
+
+
+async def _serve(
+    request: Request,
+    runtime: Runtime,
+    resolved: Resolved,
+    body: Generation,
+    prompts: list[list[int]],
+    default_max: int | None,
+    top: int | None,
+    *,
+    chat: bool,
+) -> Response:
+    _check_tokens(runtime, prompts)
+    limit = runtime.max_model_len
+    wanted = body.requested_max_tokens
+    limits = [fit_max_tokens(len(p), wanted, default_max, limit) for p in prompts]
+    params = body.sampling_params(max_tokens=1, logprobs=top is not None)
+    choices = make_choices(prompts, params, body.n, limits)
+    lease = await runtime.lease(resolved, body.model)
+    try:
+        runtime.limiter.admit(
+            resolved.tenant,
+            requests_per_minute=resolved.requests_per_minute,
+            tokens_per_minute=resolved.tokens_per_minute,
+            prompt_tokens=sum(len(p) for p in prompts),
+        )
+    except APIError:
+        lease.release()
+        raise
+    prefix = "chatcmpl" if chat else "cmpl"
+    job = Job(
+        f"{prefix}-{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
+        tokens_per_minute=resolved.tokens_per_minute,
+    )  # fmt: skip
+    created, model = int(time.time()), body.model
+    text = _token_text(runtime)
+    if body.stream:
+        events = _events(runtime, job, created, model, top, chat=chat, usage=body.include_usage)
+        return EventStream(events, on_close=lease.release)
+    return await _answer(request, runtime, job, lease, created, model, top, chat, text)
+
+
+async def _answer(
+    request: Request,
+    runtime: Runtime,
+    job: Job,
+    lease: Lease,
+    created: int,
+    model: str,
+    top: int | None,
+    chat: bool,
+    text: fmt.TokenText,
+) -> Response:
+    try:
+        await unless_disconnected(request, asyncio.create_task(collect(runtime, job)))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        lease.release()
+    build = fmt.chat_body if chat else fmt.completion_body
+    return JSONResponse(build(job, job.request_id, created, model, top, text))
+
+
+def _token_text(runtime: Runtime) -> fmt.TokenText:
+    tokenizer = runtime.require_engine().engine.tokenizer
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def _events(
+    runtime: Runtime,
+    job: Job,
+    created: int,
+    model: str,
+    top: int | None,
+    *,
+    chat: bool,
+    usage: bool,
+) -> AsyncGenerator[bytes, None]:
+    rid, text = job.request_id, _token_text(runtime)
+
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        return fmt.sse(fmt.chunk(rid, created, model, choices, chat=chat, include_usage=usage))
+
+    try:
+        if chat:
+            for c in job.choices:
+                role = {"role": "assistant", "content": ""}
+                yield chunk([{"index": c.index, "delta": role, "logprobs": None,
+                              "finish_reason": None}])  # fmt: skip
+        async with contextlib.aclosing(run_job(runtime, job)) as outputs:
+            async for choice, out in outputs:
+                if not (out.text or out.finished or (top is not None and out.logprobs)):
+                    continue  # nothing to show yet (a partial character or a possible stop)
+                reason = out.finish_reason if out.finished else None
+                entry = fmt.stream_choice(
+                    choice, out.token_ids, out.text, out.logprobs, reason,
+                    chat=chat, top=top, text=text,
+                )  # fmt: skip
+                yield chunk([entry])
+        if usage:
+            yield fmt.sse(
+                fmt.chunk(rid, created, model, [], chat=chat, include_usage=True,
+                          usage_body=fmt.usage(job))
+            )  # fmt: skip
+    except APIError as e:
+        yield fmt.sse(e.body())
+    except Exception:
+        log.exception("stream %s failed", rid)
+        yield fmt.sse(APIError("internal server error").body())
+    yield fmt.DONE

@@ -1,0 +1,141 @@
+"""Slot pressure and usage reports to the control plane (catalog mode).
+
+Every `interval` seconds the reporter posts `POST {url}/internal/v1/pressure` (DESIGN.md
+sections 6 and 8) with the replica's pressure, read from an engine snapshot: requests deferred
+now, running and waiting adapters, adapters and bytes in the device pool, KV usage, waiting
+requests per adapter, and the tokens used per tenant and adapter since the last report. A
+report that fails keeps its usage for the next one; a failing control plane never stops
+serving. The body follows the control plane's `PressureReport` schema (it forbids unknown
+fields), so the host cache size, which that schema has no field for yet, is not sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from loraplane.dataplane.server.metrics import EngineSnapshot
+
+log = logging.getLogger(__name__)
+Key = tuple[str, str]  # (tenant, adapter name; "" for the base model)
+
+
+class UsageLog:
+    """Requests and tokens per (tenant, adapter) since the last drain."""
+
+    def __init__(self) -> None:
+        self._rows: dict[Key, list[int]] = {}
+
+    def add(
+        self, tenant: str, adapter: str | None, *, requests: int, prompt: int, completion: int
+    ) -> None:
+        """Count one finished (or aborted) request's usage."""
+        row = self._rows.setdefault((tenant, adapter or ""), [0, 0, 0])
+        row[0] += requests
+        row[1] += prompt
+        row[2] += completion
+
+    def drain(self) -> dict[Key, list[int]]:
+        """Take everything counted so far."""
+        rows, self._rows = self._rows, {}
+        return rows
+
+    def restore(self, rows: dict[Key, list[int]]) -> None:
+        """Put drained rows back (their report failed)."""
+        for (tenant, adapter), (req, prompt, completion) in rows.items():
+            self.add(tenant, adapter, requests=req, prompt=prompt, completion=completion)
+
+
+def pressure_body(
+    pool: str, replica: str, snap: EngineSnapshot, usage: dict[Key, list[int]]
+) -> dict[str, Any]:
+    """The JSON body of one report."""
+    return {
+        "pool": pool,
+        "replica": replica,
+        "deferred": snap.deferred,
+        "waiting_adapters": len(snap.waiting_adapters),
+        "running_adapters": len(snap.running_adapters),
+        "slots_used": sum(snap.resident.values()),
+        "gpu_bytes": snap.gpu_bytes_used,
+        "kv_usage": min(1.0, max(0.0, snap.kv_usage)),
+        "adapters_waiting": [
+            {"tenant": t, "adapter": a, "waiting_requests": n}
+            for (t, a), n in sorted(snap.waiting_per_adapter.items())
+        ],
+        "usage": [
+            {"tenant": t, "adapter": a, "requests": r, "prompt_tokens": p, "completion_tokens": c}
+            for (t, a), (r, p, c) in sorted(usage.items())
+        ],
+    }
+
+
+class PressureReporter:
+    """Posts a pressure report every `interval` seconds until stopped."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        pool: str,
+        replica: str,
+        snapshot: Callable[[], Awaitable[EngineSnapshot]],
+        usage: UsageLog,
+        interval: float = 5.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.url = url.rstrip("/") + "/internal/v1/pressure"
+        self.pool, self.replica, self.interval = pool, replica, interval
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._snapshot = snapshot
+        self._usage = usage
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._task: asyncio.Task[None] | None = None
+        self.reports_ok = self.reports_failed = 0
+
+    async def report_once(self) -> bool:
+        """Send one report; True when the control plane accepted it."""
+        snap = await self._snapshot()
+        rows = self._usage.drain()
+        body = pressure_body(self.pool, self.replica, snap, rows)
+        try:
+            response = await self._client.post(self.url, json=body, headers=self._headers)
+            ok = response.status_code == 200
+            if not ok:
+                log.warning("pressure report refused: HTTP %s", response.status_code)
+        except httpx.HTTPError as e:
+            log.warning("pressure report failed: %s", type(e).__name__)
+            ok = False
+        if ok:
+            self.reports_ok += 1
+        else:
+            self.reports_failed += 1
+            self._usage.restore(rows)
+        return ok
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.report_once()
+            except Exception:  # a bad snapshot must not end the reporter
+                log.exception("pressure report failed")
+
+    def start(self) -> None:
+        """Start the background task (in the running loop)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pressure")
+
+    async def stop(self) -> None:
+        """Stop the task, send a last report, close the client."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self.report_once()
+        await self._client.aclose()

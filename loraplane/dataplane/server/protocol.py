@@ -1,0 +1,197 @@
+"""Request bodies of the server's routes (pydantic), and their translation to engine params.
+
+OpenAI routes accept fields they do not know (clients send new ones all the time, and vLLM
+accepts them too) but refuse known features the engine does not implement with a clear 400
+rather than silently ignoring them. Admin routes forbid unknown fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.server.errors import InvalidRequest
+from loraplane.dataplane.server.settings import MAX_N
+
+MAX_STOP = 16  # stop strings per request at most
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: only include_usage has an effect."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class Generation(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, max_length=300)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(default=None, ge=-1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def check_supported(self) -> None:
+        """400 for requested features the engine does not have."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported by this server", param=name)
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
+        if self.top_k == 0:
+            raise InvalidRequest("top_k must be -1 (off) or >= 1", param="top_k")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest(
+                "stream_options is only allowed with stream", param="stream_options"
+            )
+
+    def stop_list(self) -> list[str]:
+        """`stop` as a list of non-empty strings."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise InvalidRequest(f"at most {MAX_STOP} stop sequences", param="stop")
+        return [s for s in stops if s]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The client's limit on generated tokens per choice, if any."""
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        """Engine sampling params for one choice (n is the server's business)."""
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                seed=None if self.seed is None else self.seed % 2**63,
+                max_tokens=max_tokens,
+                stop=self.stop_list(),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+
+class CompletionRequest(Generation):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        """400 for requested features the engine does not have."""
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of other than n is not supported", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one text or token list each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [[x for x in p if isinstance(x, int)]]
+        if all(isinstance(x, str) for x in p):
+            return [x for x in p if isinstance(x, str)]
+        return [list(x) for x in p if isinstance(x, list)]
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat; content is text or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The dict the chat template sees: role and content text."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(
+                        "only text content parts are supported", param="messages.content"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(Generation):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # vLLM's extension
+
+    def check_supported(self) -> None:
+        """400 for requested features the engine does not have."""
+        super().check_supported()
+        if self.tools:
+            raise InvalidRequest("tools are not supported by this server", param="tools")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, or the older max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class LoadLoRARequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's shape); `lora_path` is refused, never used."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=300)
+    lora_path: str | None = None
+
+
+class UnloadLoRARequest(BaseModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=300)
+    lora_int_id: int | None = None

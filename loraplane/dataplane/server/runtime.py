@@ -1,0 +1,313 @@
+"""The live server: the engine on its thread, the catalog, limits, metrics, adapter leases.
+
+`Runtime.start()` builds the engine off the event loop (so /health answers while the model
+loads), registers the static `--lora-modules` (an invalid one fails start with
+`adapter NAME rejected: <ReasonCode>: <message>`), and starts the pressure reporter in catalog
+mode. Requests hold a `Lease` on their adapter while they run; unloading an adapter first stops
+new requests from resolving it, waits for its leases, then frees it on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from loraplane.adapters.errors import AdapterRejected
+from loraplane.dataplane.async_engine import AsyncEngine
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.server.catalog import DEFAULT_TENANT, Catalog, Resolved, StaticCatalog
+from loraplane.dataplane.server.catalog_http import HttpCatalog
+from loraplane.dataplane.server.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    Unavailable,
+    UpstreamError,
+)
+from loraplane.dataplane.server.limits import RateLimiter
+from loraplane.dataplane.server.metrics import EngineSnapshot, ServerMetrics
+from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
+from loraplane.dataplane.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SNAPSHOT_TIMEOUT_S = 2.0
+
+
+class StartupError(RuntimeError):
+    """The server cannot serve (bad model, rejected static adapter)."""
+
+
+@dataclass(slots=True)
+class Lease:
+    """A request's hold on its adapter version (None: the base model)."""
+
+    ref: LoRARef | None
+    _runtime: Runtime | None
+
+    def release(self) -> None:
+        """Let go (idempotent); an unload waiting for this adapter may proceed."""
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None and self.ref is not None:
+            runtime._release(self.ref.key)
+
+
+class Runtime:
+    """Everything a route needs, built once per app."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.usage = UsageLog()
+        self.limiter = RateLimiter()
+        self.base_model = settings.served_model_name or os.path.basename(
+            os.path.normpath(settings.model)
+        )
+        self.engine: AsyncEngine | None = None
+        self.catalog: Catalog | None = None
+        self.static: StaticCatalog | None = None
+        self.max_model_len = 0
+        self.ready = False
+        self.draining = False
+        self.fatal: str | None = None  # why start failed
+        self._inflight: Counter[str] = Counter()  # adapter key -> leases
+        self._released = asyncio.Condition()
+        self._loading: dict[str, asyncio.Future[LoRARef]] = {}
+        self._reporter: PressureReporter | None = None
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model and static adapters, then serve. Raises StartupError."""
+        engine = await asyncio.to_thread(self._build_engine)
+        self.max_model_len = engine.config.max_model_len or 0
+        self.engine = AsyncEngine(engine)
+        s = self.settings
+        if s.controlplane_url:
+            self.catalog = HttpCatalog(
+                s.controlplane_url, s.service_token, self.base_model, ttl=s.resolve_ttl_s
+            )
+            replica = s.replica or f"{socket.gethostname()}:{s.port}"
+            self._reporter = PressureReporter(
+                s.controlplane_url, s.service_token, s.pool, replica, self.snapshot, self.usage,
+                interval=s.pressure_interval_s,
+            )  # fmt: skip
+            self._reporter.start()
+        else:
+            self.static = StaticCatalog(
+                self.base_model, s.api_key, s.requests_per_minute, s.tokens_per_minute
+            )
+            for ref in engine.loras.registered:
+                self.static.add(ref.name, ref.digest)
+            self.catalog = self.static
+            self.metrics.add_tenant(DEFAULT_TENANT)
+        self.ready = True
+
+    def _build_engine(self) -> Engine:
+        try:
+            engine = Engine(self.settings.engine_config())
+        except (ValueError, OSError) as e:
+            raise StartupError(f"cannot load model {self.settings.model}: {e}") from e
+        self._time_device_loads(engine)
+        for name, path in self.settings.adapter_dirs().items():
+            start = time.perf_counter()
+            try:
+                engine.register_lora(name, path, DEFAULT_TENANT)
+            except AdapterRejected as e:
+                raise StartupError(f"adapter {name} rejected: {e.code.value}: {e.message}") from e
+            self.metrics.cpu_loads["ok"] += 1
+            self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
+        return engine
+
+    def _time_device_loads(self, engine: Engine) -> None:
+        """Wrap make_resident to time device-pool loads (the engine has no load hook)."""
+        loras, inner, metrics = engine.loras, engine.loras.make_resident, self.metrics
+
+        def timed(keys: object, in_use: object) -> None:
+            before, start = loras.loads_total, time.perf_counter()
+            try:
+                inner(keys, in_use)  # type: ignore[arg-type]
+            except Exception:
+                metrics.gpu_load_errors += 1
+                raise
+            loaded = loras.loads_total - before
+            for _ in range(loaded):
+                metrics.load_seconds.labels(tier="gpu").observe(
+                    (time.perf_counter() - start) / loaded
+                )
+
+        loras.make_resident = timed  # type: ignore[method-assign]
+
+    async def stop(self) -> None:
+        """Stop reporting and stop the engine thread."""
+        self.draining, self.ready = True, False
+        if self._reporter is not None:
+            await self._reporter.stop()
+        if self.catalog is not None:
+            await self.catalog.aclose()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def require_engine(self) -> AsyncEngine:
+        """The engine, or 503 while loading or shutting down."""
+        if self.engine is None or not self.ready or self.draining:
+            raise Unavailable("the server is not ready", retry_after=1)
+        return self.engine
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps; return its result."""
+        engine = self.engine
+        if engine is None:
+            raise Unavailable("the server is not ready", retry_after=1)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        def run(e: Engine) -> None:
+            try:
+                result = fn(e)
+            except Exception as error:
+                loop.call_soon_threadsafe(settle, None, error)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        engine.call(run)
+        return await future
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The engine state, read on its thread (racy read if the thread does not answer)."""
+        try:
+            snap = await asyncio.wait_for(self.call(EngineSnapshot.of), SNAPSHOT_TIMEOUT_S)
+        except (TimeoutError, Unavailable):
+            if self.engine is None:
+                return self.metrics.snapshot
+            with contextlib.suppress(RuntimeError):  # a queue changed size while read
+                snap = EngineSnapshot.of(self.engine.engine)
+                self.metrics.snapshot = snap
+            return self.metrics.snapshot
+        self.metrics.snapshot = snap
+        return snap
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    async def lease(self, resolved: Resolved, model: str) -> Lease:
+        """Hold the adapter `resolved` names (loading it in catalog mode) for one request."""
+        if resolved.adapter is None:
+            return Lease(None, None)
+        if resolved.digest is None:
+            raise UpstreamError("the catalog resolved an adapter without a digest")
+        ref = LoRARef(resolved.adapter, resolved.tenant, resolved.digest)
+        if self.static is not None:
+            if self.static.get(ref.name) is None:  # unloaded since it was resolved
+                raise ModelNotFound(model)
+        else:
+            await self._ensure_loaded(ref, resolved)
+        self._inflight[ref.key] += 1
+        return Lease(ref, self)
+
+    def _release(self, key: str) -> None:
+        self._inflight[key] -= 1
+        if self._inflight[key] <= 0:
+            del self._inflight[key]
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._released:
+            self._released.notify_all()
+
+    async def _wait_idle(self, keys: Callable[[], list[str]]) -> None:
+        async with self._released:
+            await self._released.wait_for(lambda: not any(self._inflight[k] for k in keys()))
+
+    async def _ensure_loaded(self, ref: LoRARef, resolved: Resolved) -> None:
+        engine = self.require_engine().engine
+        if engine.loras.is_registered(ref):  # a dict lookup: safe from this thread
+            self.metrics.cpu_hits += 1
+            return
+        pending = self._loading.get(ref.key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._register_from_store(ref, resolved))
+            self._loading[ref.key] = pending
+            pending.add_done_callback(lambda _: self._loading.pop(ref.key, None))
+        await asyncio.shield(pending)
+
+    async def _register_from_store(self, ref: LoRARef, resolved: Resolved) -> LoRARef:
+        root = Path(self.settings.store).resolve()
+        path = (root / (resolved.path or "")).resolve()
+        if not resolved.path or not path.is_relative_to(root):  # catalog paths only
+            raise UpstreamError("the catalog resolved an adapter outside the store")
+        start = time.perf_counter()
+        try:
+            got = await self.call(lambda e: e.register_lora(ref.name, path, ref.tenant))
+        except AdapterRejected as e:
+            self.metrics.cpu_loads["rejected"] += 1
+            raise UpstreamError(f"stored adapter rejected: {e.code.value}: {e.message}") from e
+        except OSError as e:
+            self.metrics.cpu_loads["error"] += 1
+            raise Unavailable(f"cannot read the stored adapter: {e}", retry_after=5) from e
+        self.metrics.cpu_loads["ok"] += 1
+        self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
+        if got.digest != ref.digest:
+            raise UpstreamError("the stored adapter's digest differs from the catalog's")
+        return got
+
+    async def load_static(self, name: str) -> bool:
+        """Register static adapter `name` again; False if it is already served."""
+        if self.static is None:
+            raise InvalidRequest("in catalog mode adapters load on first use", param="lora_name")
+        path = self.settings.adapter_dirs().get(name)
+        if path is None:
+            raise NotFound(f"no adapter {name!r} among --lora-modules", param="lora_name")
+        if self.static.get(name) is not None:
+            return False
+        start = time.perf_counter()
+        try:
+            ref = await self.call(lambda e: e.register_lora(name, path, DEFAULT_TENANT))
+        except AdapterRejected as e:
+            self.metrics.cpu_loads["rejected"] += 1
+            raise InvalidRequest(f"adapter {name} rejected: {e.message}", code=e.code.value) from e
+        self.metrics.cpu_loads["ok"] += 1
+        self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
+        self.static.add(name, ref.digest)
+        return True
+
+    async def unload(self, lora_name: str) -> None:
+        """Stop serving an adapter, wait for its requests, then free it on the engine thread.
+
+        Standalone: `lora_name` is a --lora-modules name. Catalog mode: `tenant/name`.
+        """
+        self.require_engine()
+        tenant, _, name = lora_name.rpartition("/")
+        tenant = tenant or DEFAULT_TENANT
+        if self.static is not None and (
+            tenant != DEFAULT_TENANT or self.static.remove(name) is None
+        ):
+            raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
+
+        def keys() -> list[str]:
+            return [k for k in self._inflight if k.startswith(f"{tenant}/{name}@")]
+
+        await self._wait_idle(keys)
+        gone = await self.call(lambda e: e.loras.unregister(name, tenant))
+        if not gone and self.static is None:
+            raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
+        self.metrics.cpu_evictions += len(gone)

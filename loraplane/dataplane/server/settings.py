@@ -1,0 +1,125 @@
+"""The server's settings: `LORAPLANE_*` environment variables, overridden by CLI flags.
+
+Read once at start (`ServerSettings.load(**flags)`); a bad value fails start with a message that
+names the variable. Every default runs on a CPU-only machine (device cpu, dtype float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from loraplane.dataplane.config import EngineConfig
+
+MAX_N = 8  # choices per request (`n`) at most
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names the environment variable or flag."""
+
+
+class ServerSettings(BaseSettings):
+    """Everything `loraplane serve` needs; env var = `LORAPLANE_` + the field name, upper case."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLANE_", extra="ignore", frozen=True)
+
+    model: str = Field(min_length=1)
+    served_model_name: str | None = None
+    # name -> adapter directory; env: `NAME=DIR,NAME=DIR`
+    lora_modules: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    max_loras: int = Field(default=8, ge=1)
+    max_lora_rank: int = Field(default=64, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: by device
+    device: Literal["cpu", "cuda"] = "cpu"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    controlplane_url: str | None = None
+    api_key: str | None = None
+    admin_token: str | None = None
+    service_token: str | None = None  # catalog mode: this replica's credential
+    store: str = ".loraplane/store"  # catalog mode: local store root the catalog paths live in
+    pool: str = "default"  # catalog mode: the ServingPool this replica reports pressure for
+    replica: str | None = None  # catalog mode: this replica's name (default: hostname:port)
+    resolve_ttl_s: float = Field(default=5.0, ge=0)
+    pressure_interval_s: float = Field(default=5.0, gt=0)
+    requests_per_minute: int = Field(default=0, ge=0)  # standalone tenant; 0 = unlimited
+    tokens_per_minute: int = Field(default=0, ge=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # engine sizing, env only (tests and small machines)
+    max_model_len: int | None = Field(default=None, ge=2)
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    max_num_batched_tokens: int = Field(default=4096, ge=1)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_modules(cls, value: Any) -> Any:
+        """`NAME=DIR` strings (flags, or a comma-separated env var) into a dict."""
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if isinstance(value, list | tuple):
+            return dict(parse_lora_module(v) for v in value)
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerSettings:
+        for name in self.lora_modules:
+            if not name or "@" in name or "/" in name:
+                raise ValueError(f"lora_modules: bad adapter name {name!r} (no '@' or '/')")
+        if self.served_model_name is not None and self.served_model_name in self.lora_modules:
+            raise ValueError("lora_modules: an adapter may not take the base model's name")
+        return self
+
+    @classmethod
+    def load(cls, **overrides: Any) -> ServerSettings:
+        """Environment first, then `overrides` (flags; None means not given)."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        try:
+            return cls(**given)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"][:1]) or "settings"
+            raise SettingsError(
+                f"LORAPLANE_{field.upper()} / --{field.replace('_', '-')}: {err['msg']}"
+            ) from None
+
+    @property
+    def effective_dtype(self) -> Literal["float32", "float16", "bfloat16"]:
+        """float32 on CPU, bfloat16 on CUDA, unless set."""
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's config (raises ValueError naming the field when it is inconsistent)."""
+        return EngineConfig(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            dtype=self.effective_dtype,
+            device=self.device,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+        )
+
+    def adapter_dirs(self) -> dict[str, Path]:
+        """The static `--lora-modules`, name -> directory."""
+        return {name: Path(path) for name, path in self.lora_modules.items()}
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`NAME=DIR` -> (NAME, DIR); ValueError otherwise."""
+    name, sep, path = str(text).strip().partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"expected NAME=DIR, got {text!r}")
+    return name, path

@@ -1,0 +1,121 @@
+"""A real server (uvicorn in a thread, on a free 127.0.0.1 port) over the tiny Llama and 20
+adapters (the 8 fixture adapters under 20 names), plus helpers to start one as a subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from loraplane.dataplane.server.app import create_app
+from loraplane.dataplane.server.runtime import Runtime
+from loraplane.dataplane.server.settings import ServerSettings
+
+API_KEY = "sk-test-tenant"
+ADMIN_TOKEN = "admin-test-token"
+NUM_ADAPTERS = 20
+REPO = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Running:
+    """A server running in this process."""
+
+    url: str
+    runtime: Runtime
+    settings: ServerSettings
+    adapters: dict[str, Path]
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+def wait_ready(url: str, timeout: float = 60.0, proc: subprocess.Popen[str] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+@contextlib.contextmanager
+def start_server(settings: ServerSettings) -> Iterator[tuple[str, Runtime]]:
+    app = create_app(settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url)
+        yield url, app.state.runtime
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def adapter_names(peft_adapters: dict[str, Path]) -> dict[str, Path]:
+    """20 adapter names over the 8 fixture adapters."""
+    paths = list(peft_adapters.values())
+    return {f"ad{i:02d}": paths[i % len(paths)] for i in range(NUM_ADAPTERS)}
+
+
+def server_settings(model: Path, adapters: dict[str, Path], **overrides: object) -> ServerSettings:
+    values: dict[str, object] = {
+        "model": str(model),
+        "served_model_name": "tiny-llama",
+        "lora_modules": [f"{name}={path}" for name, path in adapters.items()],
+        "max_loras": 8,
+        "max_cpu_loras": 32,
+        "num_kv_blocks": 512,
+        "api_key": API_KEY,
+        "admin_token": ADMIN_TOKEN,
+    }
+    values.update(overrides)
+    return ServerSettings.load(**values)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama_dir: Path, adapter_names: dict[str, Path]) -> Iterator[Running]:
+    """The shared server: api key and admin token set, 20 adapters, max_loras 8."""
+    settings = server_settings(tiny_llama_dir, adapter_names)
+    with start_server(settings) as (url, runtime):
+        yield Running(url, runtime, settings, adapter_names)
+
+
+def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`python -m loraplane.dataplane.server serve ARGS` in a subprocess."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "loraplane.dataplane.server", "serve", *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible API through the `openai` client against a real server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.dataplane.server.conftest import API_KEY, Running
+
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture
+def client(server: Running) -> OpenAI:
+    return OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0)
+
+
+def test_models_lists_the_base_model_and_adapters_with_parent_and_no_path(
+    client: OpenAI, server: Running
+) -> None:
+    models = client.models.list().data
+    ids = [m.id for m in models]
+    assert ids[0] == "tiny-llama"
+    assert set(ids[1:]) == set(server.adapters)
+    for m in models[1:]:
+        assert m.model_extra is not None and m.model_extra["parent"] == "tiny-llama"
+    text = json.dumps([m.model_dump() for m in models])
+    assert all(str(p) not in text for p in server.adapters.values())
+    assert "/" not in text.replace("\\/", "")
+
+
+def test_completion_returns_text_usage_and_finish_reason(client: OpenAI) -> None:
+    out = client.completions.create(model="ad00", prompt="The quick brown", max_tokens=7, **GREEDY)
+    assert out.object == "text_completion" and out.model == "ad00"
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage is not None and out.usage.completion_tokens <= 7
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_adapters_change_the_output(client: OpenAI) -> None:
+    texts = {
+        client.completions.create(
+            model=m, prompt="Many tenants share", max_tokens=12, extra_body={"ignore_eos": True},
+            **GREEDY,
+        ).choices[0].text
+        for m in ("tiny-llama", "ad00", "ad05")
+    }  # fmt: skip
+    assert len(texts) == 3
+
+
+def test_name_at_version_pins_the_adapter(client: OpenAI, server: Running) -> None:
+    digest = server.runtime.static.get("ad01").digest  # type: ignore[union-attr]
+    base = client.completions.create(model="ad01", prompt="LoRA adds", max_tokens=6, **GREEDY)
+    for pin in ("1", digest[:12]):
+        out = client.completions.create(
+            model=f"ad01@{pin}", prompt="LoRA adds", max_tokens=6, **GREEDY
+        )
+        assert out.choices[0].text == base.choices[0].text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="ad01@2", prompt="x", max_tokens=1)
+
+
+def test_n_choices_and_seeded_sampling_repeat(client: OpenAI) -> None:
+    args = {"model": "ad02", "prompt": "Serving", "max_tokens": 8, "n": 3, "seed": 7}
+    first = client.completions.create(temperature=1.0, **args)
+    again = client.completions.create(temperature=1.0, **args)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1  # seed + i per choice
+    assert first.usage is not None and 3 <= first.usage.completion_tokens <= 24
+
+
+def test_n_above_the_cap_is_refused(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="ad02", prompt="x", max_tokens=1, n=9)
+    assert e.value.status_code == 400
+
+
+def test_completion_logprobs_hold_the_chosen_token(client: OpenAI) -> None:
+    out = client.completions.create(
+        model="ad03", prompt="Hello", max_tokens=5, logprobs=1, extra_body={"ignore_eos": True},
+        **GREEDY,
+    )  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5
+    assert lp.top_logprobs is not None
+    assert all(list(top) == [tok] for top, tok in zip(lp.top_logprobs, lp.tokens, strict=True))
+    assert all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_chat_completion_uses_the_chat_template(client: OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="ad04", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        logprobs=True, top_logprobs=1, **GREEDY,
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.logprobs is not None and choice.logprobs.content
+    entry = choice.logprobs.content[0]
+    assert [t.token for t in entry.top_logprobs] == [entry.token]
+    # '<|user|>hi</s><|assistant|>' is more than the two words' tokens
+    assert out.usage is not None and out.usage.prompt_tokens > 3
+
+
+def test_chat_stream_has_role_then_content_then_finish_then_usage(client: OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="ad05", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(
+        model="ad05", messages=[{"role": "user", "content": "hi"}], max_tokens=6, **GREEDY
+    )
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_completion_stream_ends_with_done(server: Running) -> None:
+    body = {"model": "ad06", "prompt": "fox", "max_tokens": 4, "stream": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(server.v1 + "/completions", json=body, headers=headers, timeout=30)
+    events = [e for e in r.text.split("\n\n") if e]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert first["object"] == "text_completion" and "usage" not in first
+
+
+def test_stop_strings_end_the_text(client: OpenAI) -> None:
+    args = {"model": "ad07", "prompt": "The quick", "max_tokens": 20, **GREEDY}
+    full = client.completions.create(extra_body={"ignore_eos": True}, **args).choices[0].text
+    if len(full) < 4:
+        pytest.skip("greedy text too short to cut")
+    stop = full[2:4]
+    cut = client.completions.create(stop=[stop], **args).choices[0]
+    assert cut.text == full[: full.index(stop)]
+    assert cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model_not_found"),
+        (
+            {"model": "tiny-llama", "prompt": "x", "max_tokens": 10_000},
+            400,
+            "context_length_exceeded",
+        ),
+        ({"model": "tiny-llama", "prompt": "x " * 400}, 400, "context_length_exceeded"),
+        ({"model": "tiny-llama", "prompt": "x", "temperature": -1}, 400, None),
+        ({"model": "tiny-llama", "prompt": "x", "frequency_penalty": 1.0}, 400, None),
+        ({"model": "tiny-llama", "prompt": [99999]}, 400, None),
+        ({"prompt": "x"}, 400, None),
+    ],
+)
+def test_errors_are_openai_shaped(
+    server: Running, body: dict[str, object], status: int, code: str | None
+) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(server.v1 + "/completions", json=body, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["code"] == code
+
+
+def test_malformed_json_is_a_400(server: Running) -> None:
+    r = httpx.post(
+        server.v1 + "/completions",
+        content=b'{"model": ',
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+
+
+def test_a_wrong_or_missing_api_key_is_a_401(server: Running) -> None:
+    bad = OpenAI(base_url=server.v1, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.post(server.v1 + "/completions", json={"model": "tiny-llama", "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_health_and_ready(server: Running) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").json() == {"ready": True}

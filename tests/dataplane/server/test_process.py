@@ -1,0 +1,76 @@
+"""`serve` as a process: SIGTERM drains and exits 0; a rejected --lora-modules adapter fails
+start with its reason code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.dataplane.server.conftest import free_port, spawn, wait_ready
+
+
+def test_sigterm_finishes_running_requests_and_exits_0(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    proc = spawn(
+        ["--model", str(tiny_llama_dir), "--port", str(port)],
+        env={"LORAPLANE_SHUTDOWN_GRACE_S": "20", "LORAPLANE_NUM_KV_BLOCKS": "64"},
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc=proc)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "fox", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        received: list[str] = []
+        started = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    if line:
+                        received.append(line)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        reader.join(30)
+        assert proc.returncode == 0, err
+        assert received[-1] == "data: [DONE]"  # the running request was finished, not cut
+        last = json.loads(received[-2][6:])
+        assert last["choices"][0]["finish_reason"] == "length"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_rejected_lora_module_fails_start_with_its_reason(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    bad = tmp_path / "dora"
+    shutil.copytree(peft_adapters["r4"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    config["use_dora"] = True
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    proc = spawn(
+        ["--model", str(tiny_llama_dir), "--port", str(free_port()), "--lora-modules",
+         f"good={peft_adapters['r4']}", f"bad={bad}"]
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "adapter bad rejected: DoRANotSupported:" in err
+
+
+def test_bad_settings_are_a_usage_error(tiny_llama_dir: Path) -> None:
+    proc = spawn(["--model", str(tiny_llama_dir), "--lora-modules", "no-equals-sign"])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "LORAPLANE_LORA_MODULES" in err and "NAME=DIR" in err

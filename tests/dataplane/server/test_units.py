@@ -1,0 +1,180 @@
+"""Unit tests: rate limiter, settings, CLI flags, and the catalog-mode clients (resolve with a
+TTL cache, pressure reports) against a small FastAPI app standing in for the control plane.
+The end-to-end test against the real control plane comes with catalog mode's issue."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Header, HTTPException, Request
+
+from loraplane.dataplane.server.catalog import StaticCatalog
+from loraplane.dataplane.server.catalog_http import HttpCatalog
+from loraplane.dataplane.server.cli import add_commands
+from loraplane.dataplane.server.errors import ModelNotFound, RateLimited, Unauthorized
+from loraplane.dataplane.server.limits import RateLimiter
+from loraplane.dataplane.server.metrics import EngineSnapshot
+from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
+from loraplane.dataplane.server.settings import ServerSettings, SettingsError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_requests_per_minute_answer_429_with_retry_after_then_refill() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    for _ in range(3):
+        limiter.admit("t", requests_per_minute=3, tokens_per_minute=0, prompt_tokens=5)
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("t", requests_per_minute=3, tokens_per_minute=0, prompt_tokens=5)
+    assert e.value.status == 429 and e.value.retry_after == pytest.approx(20.0)
+    limiter.admit("other", requests_per_minute=3, tokens_per_minute=0, prompt_tokens=5)
+    clock.now = 20.0
+    limiter.admit("t", requests_per_minute=3, tokens_per_minute=0, prompt_tokens=5)
+
+
+def test_generated_tokens_count_against_tokens_per_minute() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    limiter.admit("t", requests_per_minute=0, tokens_per_minute=600, prompt_tokens=100)
+    limiter.charge("t", tokens_per_minute=600, tokens=600)  # now 100 below zero
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("t", requests_per_minute=0, tokens_per_minute=600, prompt_tokens=10)
+    assert e.value.retry_after == pytest.approx(11.0)  # 110 tokens at 10 per second
+    clock.now = 11.0
+    limiter.admit("t", requests_per_minute=0, tokens_per_minute=600, prompt_tokens=10)
+
+
+def test_settings_come_from_env_and_flags_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLANE_MODEL", "/models/m")
+    monkeypatch.setenv("LORAPLANE_LORA_MODULES", "a=/x,b=/y")
+    monkeypatch.setenv("LORAPLANE_MAX_LORAS", "4")
+    s = ServerSettings.load(max_loras=None, port=9000)
+    assert s.lora_modules == {"a": "/x", "b": "/y"}
+    assert (s.max_loras, s.port, s.device, s.effective_dtype) == (4, 9000, "cpu", "float32")
+    assert ServerSettings.load(device="cuda").effective_dtype == "bfloat16"
+    monkeypatch.setenv("LORAPLANE_MAX_LORAS", "zero")
+    with pytest.raises(SettingsError, match="LORAPLANE_MAX_LORAS"):
+        ServerSettings.load()
+
+
+def test_serve_has_design_section_9_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    args = parser.parse_args(
+        ["serve", "--model", "m", "--served-model-name", "n", "--lora-modules", "a=/x", "b=/y",
+         "--max-loras", "2", "--max-lora-rank", "16", "--max-cpu-loras", "4",
+         "--max-num-seqs", "8", "--dtype", "float32", "--device", "cpu", "--host", "0.0.0.0",
+         "--port", "8001", "--controlplane-url", "http://cp", "--api-key", "k",
+         "--admin-token", "t"]
+    )  # fmt: skip
+    assert args.lora_modules == ["a=/x", "b=/y"] and args.port == 8001 and args.func
+
+
+def test_static_catalog_pins_and_keys() -> None:
+    catalog = StaticCatalog("base", api_key="k")
+    catalog.add("a", "0123456789abcdef" * 4)
+    found = asyncio.run(catalog.resolve("k", "a@01234567"))
+    assert (found.tenant, found.adapter, found.version) == ("default", "a", "1")
+    for model in ("a@0123", "a@2", "b"):
+        with pytest.raises(ModelNotFound):
+            asyncio.run(catalog.resolve("k", model))
+    with pytest.raises(Unauthorized):
+        asyncio.run(catalog.resolve("wrong", "base"))
+
+
+def stand_in() -> tuple[FastAPI, dict[str, Any]]:
+    """A tiny control plane: one tenant key, one adapter; counts calls; records reports."""
+    app = FastAPI()
+    state: dict[str, Any] = {"calls": Counter(), "keys": {"lp_good"}, "reports": []}
+
+    @app.get("/internal/v1/resolve")
+    def resolve(
+        model: str, x_tenant_key: str = Header(), authorization: str = Header()
+    ) -> dict[str, Any]:
+        state["calls"][model] += 1
+        if authorization != "Bearer svc":
+            raise HTTPException(401)
+        if x_tenant_key not in state["keys"]:
+            raise HTTPException(401)
+        if model != "bot":
+            raise HTTPException(404)
+        return {"tenant": "acme", "base_model": "base", "adapter": "bot", "version": 3,
+                "digest": "ab" * 32, "path": "adapters/acme/bot/v3-abababababab", "rank": 8,
+                "alpha": 16.0, "requests_per_minute": 60, "tokens_per_minute": 0}  # fmt: skip
+
+    @app.post("/internal/v1/pressure")
+    async def pressure(request: Request) -> dict[str, Any]:
+        state["reports"].append(await request.json())
+        return {"pool": "p", "replica": "r", "usage_rows": 0, "usage_skipped": 0}
+
+    return app, state
+
+
+def test_http_catalog_resolves_and_caches_for_its_ttl() -> None:
+    app, state = stand_in()
+    clock = Clock()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    catalog = HttpCatalog("http://cp", "svc", "base", ttl=5.0, client=client, clock=clock)
+
+    async def run() -> None:
+        found = await catalog.resolve("lp_good", "bot")
+        assert (found.tenant, found.adapter, found.version, found.rank) == ("acme", "bot", "3", 8)
+        assert found.requests_per_minute == 60
+        await catalog.resolve("lp_good", "bot")
+        assert state["calls"]["bot"] == 1  # cached
+        with pytest.raises(ModelNotFound):
+            await catalog.resolve("lp_good", "other")
+        state["keys"].clear()  # the key is revoked
+        await catalog.resolve("lp_good", "bot")  # still cached
+        clock.now = 5.1
+        with pytest.raises(Unauthorized):
+            await catalog.resolve("lp_good", "bot")  # stops working within the TTL
+        await catalog.aclose()
+
+    asyncio.run(run())
+
+
+def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
+    app, state = stand_in()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    usage = UsageLog()
+    usage.add("acme", "bot", requests=2, prompt=30, completion=12)
+    snap = EngineSnapshot(
+        deferred=3,
+        waiting_adapters=["x"],
+        running_adapters=["bot"],
+        resident=Counter({("acme", "bot"): 1}),
+        gpu_bytes_used=1024,
+        kv_usage=0.25,
+        waiting_per_adapter=Counter({("acme", "x"): 3}),
+    )
+
+    async def snapshot() -> EngineSnapshot:
+        return snap
+
+    async def run() -> None:
+        reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, usage, client=client)
+        assert await reporter.report_once()
+
+    asyncio.run(run())
+    (report,) = state["reports"]
+    assert report["deferred"] == 3 and report["slots_used"] == 1 and report["kv_usage"] == 0.25
+    assert report["adapters_waiting"] == [{"tenant": "acme", "adapter": "x", "waiting_requests": 3}]
+    assert report["usage"] == [{"tenant": "acme", "adapter": "bot", "requests": 2,
+                                "prompt_tokens": 30, "completion_tokens": 12}]  # fmt: skip
+    assert usage.drain() == {}
+    # the body fits the control plane's schema (it forbids unknown fields)
+    schemas = pytest.importorskip("loraplane.controlplane.schemas.internal")
+    schemas.PressureReport.model_validate(report)
