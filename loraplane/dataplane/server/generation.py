@@ -21,7 +21,7 @@ from typing import cast
 from loraplane.dataplane.engine import RequestOutput
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
-from loraplane.dataplane.server.errors import ContextTooLong, InvalidRequest
+from loraplane.dataplane.server.errors import ContextTooLong, InvalidRequest, Unavailable
 from loraplane.dataplane.server.runtime import Runtime
 
 
@@ -115,6 +115,8 @@ async def _run_choice(
     try:
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
+                if out.error is not None:  # e.g. its adapter could not be loaded from the store
+                    raise Unavailable(f"request failed: {out.error}", retry_after=5)
                 now = time.perf_counter()
                 (metrics.itl if produced else metrics.ttft).observe(now - last)
                 last, produced = now, produced + len(out.token_ids)

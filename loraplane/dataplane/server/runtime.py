@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from loraplane.adapters.errors import AdapterRejected
@@ -114,8 +113,17 @@ class Runtime:
         self.ready = True
 
     def _build_engine(self) -> Engine:
+        disk = None
+        if self.settings.controlplane_url:  # catalog mode: stored versions, through the tiers
+            from loraplane.adapters.store import open_store
+            from loraplane.dataplane.tiers.disk import DiskTier
+
+            try:
+                disk = DiskTier(open_store(self.settings.store))
+            except ValueError as e:
+                raise StartupError(f"LORAPLANE_STORE: {e}") from e
         try:
-            engine = Engine(self.settings.engine_config())
+            engine = Engine(self.settings.engine_config(), disk=disk)
         except (ValueError, OSError) as e:
             raise StartupError(f"cannot load model {self.settings.model}: {e}") from e
         self._time_device_loads(engine)
@@ -251,24 +259,14 @@ class Runtime:
         await asyncio.shield(pending)
 
     async def _register_from_store(self, ref: LoRARef, resolved: Resolved) -> LoRARef:
-        root = Path(self.settings.store).resolve()
-        path = (root / (resolved.path or "")).resolve()
-        if not resolved.path or not path.is_relative_to(root):  # catalog paths only
-            raise UpstreamError("the catalog resolved an adapter outside the store")
-        start = time.perf_counter()
+        """Record a stored version; its bytes load in the background (store -> disk -> host),
+        digest-checked, when a request needs them (a failure fails only those requests)."""
+        if not resolved.path:
+            raise UpstreamError("the catalog resolved an adapter without a store path")
         try:
-            got = await self.call(lambda e: e.register_lora(ref.name, path, ref.tenant))
-        except AdapterRejected as e:
-            self.metrics.cpu_loads["rejected"] += 1
-            raise UpstreamError(f"stored adapter rejected: {e.code.value}: {e.message}") from e
-        except OSError as e:
-            self.metrics.cpu_loads["error"] += 1
-            raise Unavailable(f"cannot read the stored adapter: {e}", retry_after=5) from e
-        self.metrics.cpu_loads["ok"] += 1
-        self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
-        if got.digest != ref.digest:
-            raise UpstreamError("the stored adapter's digest differs from the catalog's")
-        return got
+            return await self.call(lambda e: e.loras.register_stored(ref, resolved.path or ""))
+        except ValueError as e:  # an unsafe path (object keys are checked by the store)
+            raise UpstreamError(f"the catalog resolved an unusable store path: {e}") from e
 
     async def load_static(self, name: str) -> bool:
         """Register static adapter `name` again; False if it is already served."""

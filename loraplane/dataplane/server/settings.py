@@ -42,7 +42,7 @@ class ServerSettings(BaseSettings):
     api_key: str | None = None
     admin_token: str | None = None
     service_token: str | None = None  # catalog mode: this replica's credential
-    store: str = ".loraplane/store"  # catalog mode: local store root the catalog paths live in
+    store: str = ".loraplane/store"  # catalog mode: the store (a path or s3://bucket/prefix)
     pool: str = "default"  # catalog mode: the ServingPool this replica reports pressure for
     replica: str | None = None  # catalog mode: this replica's name (default: hostname:port)
     resolve_ttl_s: float = Field(default=5.0, ge=0)
