@@ -65,8 +65,9 @@ def test_tenant_upload_is_served_by_the_data_plane_and_isolated(
             keys[tenant] = r.json()["key"]
         src = peft_adapters["r16"]
         files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
-        r = httpx.post(cp + "/v1/adapters", data={"name": "support", "base_model": BASE_NAME},
-                       files=files, headers={"Authorization": f"Bearer {keys['acme']}"})  # fmt: skip
+        acme_h = {"Authorization": f"Bearer {keys['acme']}"}
+        form = {"name": "support", "base_model": BASE_NAME}
+        r = httpx.post(cp + "/v1/adapters", data=form, files=files, headers=acme_h)
         assert r.status_code == 201, r.text
 
         settings = ServerSettings(
@@ -78,12 +79,10 @@ def test_tenant_upload_is_served_by_the_data_plane_and_isolated(
             acme = openai.OpenAI(base_url=url + "/v1", api_key=keys["acme"])
             globex = openai.OpenAI(base_url=url + "/v1", api_key=keys["globex"])
             prompt = "Many tenants share one base model"
-            out = acme.completions.create(model="support", prompt=prompt, max_tokens=8,
-                                          temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-            pinned = acme.completions.create(model="support@1", prompt=prompt, max_tokens=8,
-                                             temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-            base = acme.completions.create(model=BASE_NAME, prompt=prompt, max_tokens=8,
-                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            greedy = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+            out = acme.completions.create(model="support", prompt=prompt, **greedy)  # type: ignore[call-overload]
+            pinned = acme.completions.create(model="support@1", prompt=prompt, **greedy)  # type: ignore[call-overload]
+            base = acme.completions.create(model=BASE_NAME, prompt=prompt, **greedy)  # type: ignore[call-overload]
             assert out.choices[0].text == pinned.choices[0].text
             # the same adapter, run on an engine directly, says the same
             engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu",
@@ -107,8 +106,7 @@ def test_tenant_upload_is_served_by_the_data_plane_and_isolated(
             while time.monotonic() < deadline and not (pressure and usage):
                 time.sleep(0.3)
                 pressure = admin(cp, "GET", f"/v1/pools/{POOL}").json().get("pressure")
-                usage = httpx.get(cp + "/v1/usage",
-                                  headers={"Authorization": f"Bearer {keys['acme']}"}).json()  # fmt: skip
+                usage = httpx.get(cp + "/v1/usage", headers=acme_h).json()
             assert pressure, "no pressure report arrived"
             rows = usage if isinstance(usage, list) else usage.get("items", usage.get("usage", []))
             assert any(
