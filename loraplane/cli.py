@@ -1,9 +1,9 @@
 """The `loraplane` command.
 
-Sub-commands exist only for what is built: `adapters validate`, `demo`, `serve` (the data
-plane) and `controlplane` (and `controlplane migrate`); the operator joins when its issue
-lands. Each component registers its own sub-commands and imports its heavy modules only when
-a command runs, so `loraplane --help` stays fast and the control plane never loads torch.
+Sub-commands: `adapters validate`, `demo`, `serve` (the data plane), `controlplane` (and
+`controlplane migrate`), `operator` (and `operator crds`). Each component registers its own
+sub-commands and imports its heavy modules only when a command runs, so `loraplane --help`
+stays fast and the control plane and operator never load torch.
 """
 
 from __future__ import annotations
@@ -143,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from loraplane.controlplane.cli import add_commands as add_controlplane
     from loraplane.dataplane.server.cli import add_commands as add_serve
+    from loraplane.operator.cli import add_commands as add_operator
 
     add_serve(sub)
     add_controlplane(sub)
+    add_operator(sub)
     return parser
 
 

@@ -1,0 +1,245 @@
+"""Adapter tiers under load: cold loads, rank-exact memory, churn over 2,000 adapters, prefetch.
+
+Figures (all measured in this run, CPU):
+- cold load: a rank-16 adapter shaped like a 7.8B Llama (80 MiB, fp16) from a LocalStore to
+  ready for use (digest-checked in host memory and placed in the device pool), divided by a raw
+  read of the same bytes; the page cache is dropped for the file before each (goal: <= 1.5)
+- rank-exact: decode steps with rank-8 adapters in a pool of max rank 64 vs max rank 8, time
+  and pool bytes (goal: <= 1.2 each)
+- churn: 2,000 stored adapters (q/v, rank 16), Zipf(1.0) popularity, max_loras 8,
+  max_cpu_loras 100, 64 requests in flight, on the CPU benchmark model; tokens/s divided by the
+  same load over only 8 adapters (goal: >= 0.9); failed requests; p99 wait of requests whose
+  adapter was cold; time to first token p99 with prefetch on and off
+Run: .venv/bin/python benchmarks/tiers.py [--adapters 2000] [--requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import goal, report
+from engine_cpu import SHAPE
+from ingest import BASE as BIG_BASE
+from ingest import build_adapter as build_big_adapter
+from safetensors.numpy import save_file
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.ingest import ingest
+from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.store import LocalStore
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.lora.manager import LoRAManager
+from loraplane.dataplane.lora.pool import LoRAPool
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.tiers.disk import DiskTier
+from loraplane.demo.build import build_adapter, build_llama
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cold_load(root: Path, repeats: int) -> dict[str, float]:
+    import torch
+
+    store = LocalStore(root / "big-store")
+    src = build_big_adapter(root / "big-src")
+    version = ingest(src, "bench", "big", BIG_BASE, AdapterLimits(), store)
+    weights = Path(store.url()) / version.path / "adapter_model.safetensors"
+    raw, load = [], []
+    for i in range(repeats):
+        drop_cache(weights)
+        start = time.perf_counter()
+        with open(weights, "rb") as f:
+            f.read()
+        raw.append(time.perf_counter() - start)
+        pool = LoRAPool(1, BIG_BASE, torch.float16, "cpu")
+        manager = LoRAManager(pool, BIG_BASE, 64, disk=DiskTier(store), prefetch=False)
+        ref = manager.register_stored(LoRARef(f"big{i}", "bench", version.digest), version.path)
+        drop_cache(weights)
+        start = time.perf_counter()
+        manager.ready(ref)
+        manager.make_resident([ref.key], [])
+        load.append(time.perf_counter() - start)
+        manager.close()
+    r, c = statistics.median(raw), statistics.median(load)
+    mib = weights.stat().st_size / 2**20
+    return {
+        "cold_load_mib": mib,
+        "raw_read_s": r,
+        "cold_load_s": c,
+        "cold_load_over_raw_read": c / r,
+    }
+
+
+def qv_adapter(spec: BaseModelSpec, out: Path, seed: int, rank: int = 16) -> Path:
+    """A q/v rank-`rank` fp16 adapter (PEFT format), small enough to make thousands."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module in ("q_proj", "v_proj"):
+            fan_in, fan_out = spec.module_shape(module)
+            stem = "base_model.model." + spec.module_key(layer, module)
+            a = rng.standard_normal((rank, fan_in), dtype=np.float32) * 0.02
+            b = rng.standard_normal((fan_out, rank), dtype=np.float32) * 0.02
+            tensors[f"{stem}.lora_A.weight"] = a.astype(np.float16)
+            tensors[f"{stem}.lora_B.weight"] = b.astype(np.float16)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 32,
+                "target_modules": ["q_proj", "v_proj"],
+            }
+        )
+    )
+    return out
+
+
+def run_load(engine: Engine, refs: list[LoRARef], weights: list[float], requests: int,
+             in_flight: int, seed: int) -> dict[str, float]:  # fmt: skip
+    """Closed loop: `in_flight` requests at a time, each for an adapter drawn by `weights`."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    arrived: dict[str, float] = {}
+    cold: set[str] = set()
+    ttft: dict[str, float] = {}
+    tokens = failed = sent = 0
+
+    def send() -> None:
+        nonlocal sent
+        ref = rng.choices(refs, weights)[0]
+        rid = f"q{sent}"
+        prompt = [rng.randrange(3, 32000) for _ in range(16)]
+        if ref.key not in {r.key for r in engine.loras.in_host}:
+            cold.add(rid)
+        arrived[rid] = time.perf_counter()
+        engine.add_request(rid, prompt, params, ref)
+        sent += 1
+
+    for _ in range(min(in_flight, requests)):
+        send()
+    start = time.perf_counter()
+    done = 0
+    while done < requests:
+        for out in engine.step():
+            if out.error:
+                failed += 1
+            if out.request_id not in ttft and out.token_ids:
+                ttft[out.request_id] = time.perf_counter() - arrived[out.request_id]
+            tokens += len(out.token_ids)
+            if out.finished:
+                done += 1
+                if sent < requests:
+                    send()
+    elapsed = time.perf_counter() - start
+    waits = sorted(ttft[r] for r in ttft)
+    cold_waits = sorted(ttft[r] for r in cold if r in ttft)
+
+    def p99(xs: list[float]) -> float:
+        return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else 0.0
+
+    return {"tokens_per_s": tokens / elapsed, "failed": float(failed),
+            "ttft_p99_s": p99(waits), "cold_wait_p99_s": p99(cold_waits),
+            "cold_requests": float(len(cold))}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    figures: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        root = Path(tmp)
+        print("cold loads of an 80 MiB adapter ...", flush=True)
+        figures.update(cold_load(root, args.repeats))
+
+        print("building the benchmark model ...", flush=True)
+        model = build_llama(root / "model", **SHAPE)
+        spec = BaseModelSpec.from_dir(model)
+
+        def engine(**overrides: Any) -> Engine:
+            settings: dict[str, Any] = {
+                "device": "cpu",
+                "dtype": "float32",
+                "max_loras": 8,
+                "max_cpu_loras": 100,
+                "max_num_seqs": 64,
+                "num_kv_blocks": 64 * 8,
+                "enable_prefix_caching": False,
+            }
+            settings.update(overrides)
+            return Engine(EngineConfig(model=str(model), **settings), disk=DiskTier(store))
+
+        print("rank-exact pool: rank-8 adapters under max rank 64 and 8 ...", flush=True)
+        eight = [
+            build_adapter(model, root / f"r8-{i}", r=8, lora_alpha=16, seed=i) for i in range(8)
+        ]
+        from engine_cpu import decode_step_seconds
+
+        store = LocalStore(root / "store")
+        steps, pool_bytes = {}, {}
+        for max_rank in (64, 8):
+            e = engine(max_lora_rank=max_rank)
+            refs = [e.register_lora(f"a{i}", p) for i, p in enumerate(eight)]
+            steps[max_rank] = decode_step_seconds(e, [refs[i % 8] for i in range(64)])
+            pool_bytes[max_rank] = e.runner.pool.bytes_used
+            e.loras.close()
+        figures["rank_exact_step_ratio"] = steps[64] / steps[8]
+        figures["rank_exact_bytes_ratio"] = pool_bytes[64] / pool_bytes[8]
+
+        print(f"ingesting {args.adapters} adapters ...", flush=True)
+        versions = []
+        for i in range(args.adapters):
+            src = qv_adapter(spec, root / "src" / str(i), seed=10_000 + i)
+            versions.append(ingest(src, "bench", f"a{i}", spec, AdapterLimits(), store))
+            for f in src.iterdir():
+                f.unlink()
+        zipf = [1.0 / (k + 1) for k in range(args.adapters)]
+        for label, prefetch, pool in (
+            ("churn", True, args.adapters),
+            ("churn_no_prefetch", False, args.adapters),
+            ("eight", True, 8),
+        ):
+            print(f"load: {label} ...", flush=True)
+            e = engine(enable_lora_prefetch=prefetch)
+            refs = [e.loras.register_stored(LoRARef(v.name, v.tenant, v.digest), v.path)
+                    for v in versions[:pool]]  # fmt: skip
+            result = run_load(e, refs, zipf[:pool], args.requests, 64, seed=1)
+            e.loras.close()
+            for key, value in result.items():
+                figures[f"{label}_{key}"] = value
+        figures["churn_over_eight_adapters"] = (
+            figures["churn_tokens_per_s"] / figures["eight_tokens_per_s"]
+        )
+    report("tiers", figures, [
+        goal(figures, "cold_load_over_raw_read", "<=", 1.5),
+        goal(figures, "rank_exact_step_ratio", "<=", 1.2),
+        goal(figures, "rank_exact_bytes_ratio", "<=", 1.2),
+        goal(figures, "churn_over_eight_adapters", ">=", 0.9),
+        goal(figures, "churn_failed", "<=", 0),
+    ])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

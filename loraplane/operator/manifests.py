@@ -1,0 +1,161 @@
+"""Pure builders of the Deployment and Service a ServingPool owns.
+
+The data plane runs `loraplane serve` with the pool's base model and LoRA limits, in catalog
+mode (`--controlplane-url`), reporting pressure as the pool (`LORAPLANE_POOL`) and the pod
+(`LORAPLANE_REPLICA`). Owner references are added by the caller (`kopf.adopt`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraplane.operator.specs import PoolSpec, SecretKeyRef
+
+PORT = 8000
+CONTAINER = "dataplane"
+STORE_MOUNT = "/var/lib/loraplane/store"
+MANAGED_BY = "loraplane-operator"
+
+
+def labels(pool: str) -> dict[str, str]:
+    """Labels on a pool's children and their pods; `selector_labels` is the stable subset."""
+    return {
+        "app.kubernetes.io/name": "loraplane-dataplane",
+        "app.kubernetes.io/instance": pool,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "loraplane.io/pool": pool,
+    }
+
+
+def selector_labels(pool: str) -> dict[str, str]:
+    """What the Deployment and Service select on (never changes for a pool)."""
+    return {"loraplane.io/pool": pool}
+
+
+def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
+    """The `loraplane serve` arguments for a pool."""
+    return [
+        "serve",
+        "--model",
+        spec.base_model_uri,
+        "--served-model-name",
+        spec.base_model_name,
+        "--max-loras",
+        str(spec.max_loras),
+        "--max-lora-rank",
+        str(spec.max_lora_rank),
+        "--max-cpu-loras",
+        str(spec.max_cpu_loras),
+        "--device",
+        spec.device,
+        "--host",
+        "0.0.0.0",  # noqa: S104 - a pod serves on its own address
+        "--port",
+        str(PORT),
+        "--controlplane-url",
+        controlplane_url,
+    ]
+
+
+def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def _env(pool: str, spec: PoolSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "LORAPLANE_POOL", "value": pool},
+        {"name": "LORAPLANE_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    if spec.service_token:
+        env.append(_secret_env("LORAPLANE_SERVICE_TOKEN", spec.service_token))
+    if spec.admin_token:
+        env.append(_secret_env("LORAPLANE_ADMIN_TOKEN", spec.admin_token))
+    store = spec.store or (STORE_MOUNT if spec.store_volume_claim else None)
+    if store:
+        env.append({"name": "LORAPLANE_STORE", "value": store})
+    return env
+
+
+def _volumes(spec: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if spec.model_volume_claim and not spec.base_model_uri.startswith("s3://"):
+        claim = {"claimName": spec.model_volume_claim, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": spec.base_model_uri, "readOnly": True})
+    if spec.store_volume_claim:
+        claim = {"claimName": spec.store_volume_claim}
+        volumes.append({"name": "store", "persistentVolumeClaim": claim})
+        mounts.append({"name": "store", "mountPath": spec.store or STORE_MOUNT})
+    return volumes, mounts
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 3,
+    }
+
+
+def deployment(
+    name: str,
+    namespace: str,
+    spec: PoolSpec,
+    *,
+    controlplane_url: str,
+    replicas: int | None,
+) -> dict[str, Any]:
+    """The pool's Deployment; `replicas` None leaves the count to someone else (an HPA)."""
+    volumes, mounts = _volumes(spec)
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "command": ["loraplane"],
+        "args": serve_args(spec, controlplane_url),
+        "env": _env(name, spec),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        # Loading a model takes a while: the startup probe covers it, then liveness takes over.
+        "startupProbe": _probe("/health", 10, 60),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 2),
+        "resources": spec.resources,
+        "volumeMounts": mounts,
+    }
+    body: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "template": {
+                "metadata": {"labels": labels(name)},
+                "spec": {"containers": [container], "volumes": volumes},
+            },
+        },
+    }
+    if replicas is not None:
+        body["spec"]["replicas"] = replicas
+    return body
+
+
+def service(name: str, namespace: str) -> dict[str, Any]:
+    """The pool's ClusterIP Service on port 8000."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def initial_replicas(spec: PoolSpec, current: int | None) -> int:
+    """Replicas to write with a spec change: the current count kept within [min, max]."""
+    if current is None:
+        return spec.min_replicas
+    return max(spec.min_replicas, min(spec.max_replicas, current))

@@ -1,0 +1,218 @@
+"""Kopf handlers for ServingPool: children, catalog mirror, status and autoscaling.
+
+On create, update and resume: create or patch the pool's Deployment and Service (owned by
+the pool, so they go when it goes) and mirror the pool into the control plane. A timer reads
+the Deployment's replica counts and the pool's pressure, applies the autoscaling policy
+(`autoscaling`) and writes the status; every scale emits an Event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from typing import Any
+
+import kopf
+
+from loraplane.operator import autoscaling, manifests
+from loraplane.operator.catalog import CatalogError
+from loraplane.operator.conditions import now_iso, set_condition
+from loraplane.operator.context import OperatorContext, backoff, context_of, namespace_of
+from loraplane.operator.specs import GROUP, POOLS, VERSION, PoolSpec, SpecError
+
+REGISTERED = "Registered"
+
+
+def _parse(spec: kopf.Spec) -> PoolSpec:
+    try:
+        return PoolSpec.parse(spec)
+    except SpecError as exc:
+        raise kopf.PermanentError(f"InvalidSpec: {exc}") from None
+
+
+def _children(
+    ctx: OperatorContext, body: kopf.Body, name: str, namespace: str, pool: PoolSpec
+) -> None:
+    """Create or patch the Deployment and Service (blocking)."""
+    current = ctx.kube.read_deployment(namespace, name)
+    replicas: int | None
+    if current is None:
+        replicas = pool.min_replicas
+    elif pool.autoscaling.enabled:
+        replicas = manifests.initial_replicas(pool, current.get("spec", {}).get("replicas"))
+    else:
+        replicas = None  # an HPA or KEDA owns the count
+    deployment = manifests.deployment(
+        name,
+        namespace,
+        pool,
+        controlplane_url=ctx.settings.replicas_controlplane_url,
+        replicas=replicas,
+    )
+    service = manifests.service(name, namespace)
+    kopf.adopt([deployment, service], owner=body)
+    ctx.kube.apply_deployment(deployment, exists=current is not None)
+    ctx.kube.apply_service(service)
+
+
+def _mirror(ctx: OperatorContext, name: str, pool: PoolSpec) -> None:
+    """Register the pool in the catalog (blocking), so uploads validate against it."""
+    ctx.catalog.ensure_pool(
+        name,
+        {"name": pool.base_model_name, "uri": pool.base_model_uri},
+        {
+            "max_lora_rank": pool.max_lora_rank,
+            "max_loras": pool.max_loras,
+            "max_cpu_loras": pool.max_cpu_loras,
+        },
+    )
+
+
+async def reconcile_pool(
+    *,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    name: str,
+    namespace: str | None,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    **_: Any,
+) -> None:
+    """Bring the children and the catalog's copy of the pool to the spec."""
+    ctx = context_of(memo)
+    namespace = namespace_of(namespace)
+    pool = _parse(spec)
+    await asyncio.to_thread(_children, ctx, body, name, namespace, pool)
+    generation = meta.get("generation")
+    patch.status["observedGeneration"] = generation
+    conditions = status.get("conditions") or []
+    if not ctx.catalog.has_admin:
+        patch.status["conditions"] = set_condition(
+            conditions, REGISTERED, None, "NoAdminToken",
+            "set LORAPLANE_ADMIN_TOKEN to mirror pools into the control plane",
+            generation=generation, now=now_iso(),
+        )  # fmt: skip
+        return
+    try:
+        await asyncio.to_thread(_mirror, ctx, name, pool)
+    except CatalogError as exc:
+        patch.status["conditions"] = set_condition(
+            conditions, REGISTERED, False, exc.code, exc.message,
+            generation=generation, now=now_iso(),
+        )  # fmt: skip
+        kopf.warn(body, reason=exc.code, message=exc.message[:1024])
+        if exc.transient:
+            raise kopf.TemporaryError(str(exc), delay=backoff(ctx.settings, retry)) from None
+        return
+    patch.status["conditions"] = set_condition(
+        conditions, REGISTERED, True, "Registered", "mirrored into the control plane",
+        generation=generation, now=now_iso(),
+    )  # fmt: skip
+
+
+def _policy(pool: PoolSpec) -> autoscaling.ScalePolicy:
+    a = pool.autoscaling
+    return autoscaling.ScalePolicy(
+        min_replicas=pool.min_replicas,
+        max_replicas=pool.max_replicas,
+        deferred_per_replica=a.deferred_per_replica,
+        waiting_per_replica=a.waiting_adapters_per_replica,
+        scale_up_seconds=a.scale_up_seconds,
+        scale_down_seconds=a.scale_down_seconds,
+    )
+
+
+def _state(memo: kopf.Memo, status: kopf.Status) -> autoscaling.ScaleState:
+    """This pool's policy state; after a restart, the last scale time comes from status."""
+    state = memo.get("scale_state")
+    if isinstance(state, autoscaling.ScaleState):
+        return state
+    last = status.get("lastScaleTime")
+    when = datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() if last else None
+    return autoscaling.ScaleState(last_scale=when)
+
+
+async def observe_pool(
+    *,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    name: str,
+    namespace: str | None,
+    status: kopf.Status,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """Mirror the Deployment's counts and the pool's pressure into status; autoscale."""
+    ctx = context_of(memo)
+    namespace = namespace_of(namespace)
+    pool = _parse(spec)
+    deployment = await asyncio.to_thread(ctx.kube.read_deployment, namespace, name)
+    if deployment is None:
+        return  # the create/resume handler makes it
+    dep_status = deployment.get("status") or {}
+    current = int(deployment.get("spec", {}).get("replicas") or 0)
+    update: dict[str, Any] = {
+        "replicas": int(dep_status.get("replicas") or 0),
+        "readyReplicas": int(dep_status.get("readyReplicas") or 0),
+    }
+    pressure = None
+    if ctx.catalog.has_admin:
+        try:
+            catalog_pool = await asyncio.to_thread(ctx.catalog.get_pool, name)
+        except CatalogError as exc:
+            kopf.warn(body, reason=exc.code, message=exc.message[:1024])
+            catalog_pool = None
+        report = (catalog_pool or {}).get("pressure")
+        pressure = autoscaling.aggregate(report, time.time(), ctx.settings.pressure_stale_seconds)
+    if pressure is not None:
+        update["pressure"] = {
+            "deferred": pressure.deferred,
+            "waitingAdapters": pressure.waiting_adapters,
+            "runningAdapters": pressure.running_adapters,
+            "slotsUsed": pressure.slots_used,
+            "replicasReporting": pressure.replicas_reporting,
+        }
+    desired = current
+    if pool.autoscaling.enabled:
+        decision = autoscaling.decide(
+            _policy(pool), _state(memo, status), current, pressure, time.time()
+        )
+        memo["scale_state"] = decision.state
+        desired = decision.replicas
+        if decision.scaled:
+            await asyncio.to_thread(ctx.kube.scale_deployment, namespace, name, desired)
+            update["lastScaleTime"] = now_iso()
+            kopf.info(
+                body,
+                reason=decision.reason,
+                message=f"replicas {current} -> {desired} ({_describe(pressure)})",
+            )
+    update["desiredReplicas"] = desired
+    changed = {k: v for k, v in update.items() if status.get(k) != v}
+    if changed:
+        patch.status.update(changed)
+
+
+def _describe(pressure: autoscaling.Pressure | None) -> str:
+    if pressure is None:
+        return "no pressure reported"
+    return (
+        f"deferred {pressure.deferred}, waiting adapters {pressure.waiting_adapters} "
+        f"over {pressure.replicas_reporting} reporting replicas"
+    )
+
+
+def register(registry: kopf.OperatorRegistry, interval: float) -> None:
+    """Register the ServingPool handlers; the timer runs every `interval` seconds."""
+    res = (GROUP, VERSION, POOLS)
+    kopf.on.create(*res, id="children", registry=registry)(reconcile_pool)
+    kopf.on.update(*res, id="rollout", field="spec", registry=registry)(reconcile_pool)
+    kopf.on.resume(*res, id="resume", registry=registry)(reconcile_pool)
+    kopf.timer(*res, id="observe", interval=interval, initial_delay=interval, registry=registry)(
+        observe_pool
+    )

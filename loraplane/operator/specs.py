@@ -1,0 +1,208 @@
+"""Typed views of the two custom resources' specs, with the defaults the CRDs declare.
+
+The API server applies the CRD defaults; these views apply the same ones (from the same
+constants) so the operator behaves identically when a field is missing, e.g. against an API
+server that does not default. Parsing is pure: a spec that can never work raises `SpecError`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+GROUP = "loraplane.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+ADAPTERS = "loraadapters"
+POOLS = "servingpools"
+
+# Patterns shared with the control plane's request schemas (schemas/common.py).
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
+RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9._]{0,61}[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+BASE_MODEL_URI = r"^(s3://[^\s]+|/[^\s]*)$"
+SOURCE_URI = (
+    r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+"
+    r"|https://[A-Za-z0-9.-]+(:[0-9]{1,5})?/[^\s]*"
+    r"|upload://[A-Za-z0-9][A-Za-z0-9._-]{0,127})$"
+)
+
+# ServingPool defaults (the CRD's `default:` values come from here).
+DEFAULT_MIN_REPLICAS = 1
+DEFAULT_MAX_REPLICAS = 1
+DEFAULT_MAX_LORAS = 8
+DEFAULT_MAX_LORA_RANK = 64
+DEFAULT_MAX_CPU_LORAS = 32
+DEFAULT_DEVICE = "cuda"
+DEFAULT_DEFERRED_PER_REPLICA = 4
+DEFAULT_WAITING_ADAPTERS_PER_REPLICA = 2
+DEFAULT_SCALE_UP_SECONDS = 30
+DEFAULT_SCALE_DOWN_SECONDS = 300
+DEFAULT_TOKEN_KEY = "token"  # noqa: S105 - a key name in a Secret, not a secret
+
+
+class SpecError(ValueError):
+    """A spec the operator can never act on (the CRD schema should have refused it)."""
+
+
+def _get(obj: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = obj.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"spec.{key} must be an object")
+    return value
+
+
+def _int(obj: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = obj.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise SpecError(f"{key} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _match(pattern: str, value: object, field: str) -> str:
+    if not isinstance(value, str) or not re.match(pattern, value):
+        raise SpecError(f"{field} {value!r} does not match {pattern}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """A LoRAAdapter's spec: which base model, where the files are, the served name."""
+
+    base_model: str
+    source_uri: str
+    secret_name: str | None
+    served_name: str | None
+
+    @classmethod
+    def parse(cls, spec: Mapping[str, Any]) -> AdapterSpec:
+        """Read and check a LoRAAdapter's spec."""
+        source = _get(spec, "source")
+        secret = source.get("secretRef") or {}
+        served = spec.get("servedName")
+        return cls(
+            base_model=_match(MODEL_NAME, spec.get("baseModel"), "spec.baseModel"),
+            source_uri=_match(SOURCE_URI, source.get("uri"), "spec.source.uri"),
+            secret_name=(
+                _match(DNS_SUBDOMAIN, secret.get("name"), "spec.source.secretRef.name")
+                if secret
+                else None
+            ),
+            served_name=_match(RESOURCE_NAME, served, "spec.servedName") if served else None,
+        )
+
+    def catalog_name(self, metadata_name: str) -> str:
+        """The adapter's name in the catalog and the API: servedName or metadata.name."""
+        name = self.served_name or metadata_name
+        return _match(RESOURCE_NAME, name, "the adapter name (servedName or metadata.name)")
+
+
+@dataclass(frozen=True, slots=True)
+class SecretKeyRef:
+    """A key of a Secret in the pool's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Autoscaling:
+    """The pool's scaling targets (per replica) and stabilization windows."""
+
+    enabled: bool = True
+    deferred_per_replica: int = DEFAULT_DEFERRED_PER_REPLICA
+    waiting_adapters_per_replica: int = DEFAULT_WAITING_ADAPTERS_PER_REPLICA
+    scale_up_seconds: int = DEFAULT_SCALE_UP_SECONDS
+    scale_down_seconds: int = DEFAULT_SCALE_DOWN_SECONDS
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """A ServingPool's spec with defaults applied."""
+
+    base_model_name: str
+    base_model_uri: str
+    model_volume_claim: str | None
+    image: str
+    min_replicas: int
+    max_replicas: int
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    device: str
+    resources: dict[str, Any]
+    autoscaling: Autoscaling
+    service_token: SecretKeyRef | None
+    admin_token: SecretKeyRef | None
+    store: str | None
+    store_volume_claim: str | None
+
+    @classmethod
+    def parse(cls, spec: Mapping[str, Any]) -> PoolSpec:
+        """Read and check a ServingPool's spec."""
+        base = _get(spec, "baseModel")
+        replicas = _get(spec, "replicas")
+        lora = _get(spec, "lora")
+        scaling = _get(spec, "autoscaling")
+        low = _int(replicas, "min", DEFAULT_MIN_REPLICAS, 1, 1000)
+        high = _int(replicas, "max", max(low, DEFAULT_MAX_REPLICAS), 1, 1000)
+        if low > high:
+            raise SpecError(f"spec.replicas.min {low} is above spec.replicas.max {high}")
+        image = spec.get("image")
+        if not isinstance(image, str) or not image:
+            raise SpecError("spec.image must be a container image reference")
+        device = spec.get("device", DEFAULT_DEVICE)
+        if device not in ("cpu", "cuda"):
+            raise SpecError(f"spec.device must be cpu or cuda, got {device!r}")
+        claim = base.get("volumeClaim")
+        store_claim = spec.get("storeVolumeClaim")
+        return cls(
+            base_model_name=_match(MODEL_NAME, base.get("name"), "spec.baseModel.name"),
+            base_model_uri=_match(BASE_MODEL_URI, base.get("uri"), "spec.baseModel.uri"),
+            model_volume_claim=_match(DNS_SUBDOMAIN, claim, "volumeClaim") if claim else None,
+            image=image,
+            min_replicas=low,
+            max_replicas=high,
+            max_loras=_int(lora, "maxLoras", DEFAULT_MAX_LORAS, 1, 1024),
+            max_lora_rank=_int(lora, "maxLoraRank", DEFAULT_MAX_LORA_RANK, 1, 4096),
+            max_cpu_loras=_int(lora, "maxCpuLoras", DEFAULT_MAX_CPU_LORAS, 1, 100_000),
+            device=device,
+            resources=dict(_get(spec, "resources")),
+            autoscaling=Autoscaling(
+                enabled=bool(scaling.get("enabled", True)),
+                deferred_per_replica=_int(
+                    scaling, "deferredPerReplica", DEFAULT_DEFERRED_PER_REPLICA, 1, 1_000_000
+                ),
+                waiting_adapters_per_replica=_int(
+                    scaling,
+                    "waitingAdaptersPerReplica",
+                    DEFAULT_WAITING_ADAPTERS_PER_REPLICA,
+                    1,
+                    1_000_000,
+                ),
+                scale_up_seconds=_int(
+                    scaling, "scaleUpStabilizationSeconds", DEFAULT_SCALE_UP_SECONDS, 0, 3600
+                ),
+                scale_down_seconds=_int(
+                    scaling, "scaleDownStabilizationSeconds", DEFAULT_SCALE_DOWN_SECONDS, 0, 86400
+                ),
+            ),
+            service_token=_secret_ref(spec, "serviceTokenSecretRef"),
+            admin_token=_secret_ref(spec, "adminTokenSecretRef"),
+            store=spec.get("store") or None,
+            store_volume_claim=(
+                _match(DNS_SUBDOMAIN, store_claim, "storeVolumeClaim") if store_claim else None
+            ),
+        )
+
+
+def _secret_ref(spec: Mapping[str, Any], key: str) -> SecretKeyRef | None:
+    ref = _get(spec, key)
+    if not ref:
+        return None
+    return SecretKeyRef(
+        name=_match(DNS_SUBDOMAIN, ref.get("name"), f"spec.{key}.name"),
+        key=str(ref.get("key") or DEFAULT_TOKEN_KEY),
+    )

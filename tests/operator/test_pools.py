@@ -1,0 +1,168 @@
+"""ServingPool end to end: children with owner references, rollout, catalog mirror, status
+and autoscaling from the pressure reported to the control plane."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.operator.conftest import (
+    BASE_NAME,
+    PLATFORM,
+    SERVICE,
+    Cluster,
+    ControlPlane,
+    StartOperator,
+    pool_body,
+)
+from tests.operator.harness import wait_for
+
+pytestmark = pytest.mark.k8s
+
+
+def _deployment(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    for d in cluster.emulator.objects("deployments", group="apps", version="v1"):
+        if d["metadata"]["name"] == name:
+            return d
+    return None
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_pool_gets_its_deployment_and_service_with_arguments_and_owner_references(
+    cluster: Cluster,
+    controlplane: ControlPlane,
+    start_operator: StartOperator,
+    base_model_dir: Path,
+) -> None:
+    start_operator()
+    pool = cluster.create("servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir))
+    dep = wait_for(lambda: _deployment(cluster, "tiny-pool"), what="the Deployment")
+    owner = {
+        "apiVersion": "loraplane.io/v1alpha1",
+        "kind": "ServingPool",
+        "name": "tiny-pool",
+        "uid": pool["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    assert dep["metadata"]["ownerReferences"] == [owner]
+    assert dep["metadata"]["namespace"] == PLATFORM
+    assert dep["spec"]["replicas"] == 1
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert container["command"] == ["loraplane"] and args[0] == "serve"
+    assert _arg(args, "--model") == str(base_model_dir)
+    assert _arg(args, "--served-model-name") == BASE_NAME
+    assert (_arg(args, "--max-loras"), _arg(args, "--max-lora-rank")) == ("4", "16")
+    assert _arg(args, "--max-cpu-loras") == "8"
+    assert _arg(args, "--controlplane-url") == controlplane.url
+    assert _arg(args, "--port") == "8000"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["LORAPLANE_POOL"]["value"] == "tiny-pool"
+    assert env["LORAPLANE_SERVICE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "loraplane-tokens",
+        "key": "service",
+    }
+    svc = wait_for(
+        lambda: [s for s in cluster.emulator.objects("services", group="", version="v1")],
+        what="the Service",
+    )[0]
+    assert svc["metadata"]["ownerReferences"] == [owner]
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["selector"] == {"loraplane.io/pool": "tiny-pool"}
+
+    # the pool is mirrored into the control plane
+    mirrored = wait_for(
+        lambda: (
+            (r := controlplane.admin.get("/v1/pools/tiny-pool")).status_code == 200 and r.json()
+        ),
+        what="the catalog's pool",
+    )
+    assert mirrored["base_model"] == {"name": BASE_NAME, "uri": str(base_model_dir)}
+    assert mirrored["max_lora_rank"] == 16
+
+    # a spec change rolls out (patch), and reaches the catalog
+    cluster.patch("servingpools", PLATFORM, "tiny-pool", {"spec": {"lora": {"maxLoraRank": 32}}})
+    wait_for(
+        lambda: (
+            _arg(
+                _deployment(cluster, "tiny-pool")["spec"]["template"]["spec"]["containers"][0][
+                    "args"
+                ],
+                "--max-lora-rank",
+            )
+            == "32"
+        ),  # type: ignore[index]
+        what="the rollout",
+    )
+    wait_for(
+        lambda: controlplane.admin.get("/v1/pools/tiny-pool").json()["max_lora_rank"] == 32,
+        what="the catalog's new limit",
+    )
+    obj = cluster.get("servingpools", PLATFORM, "tiny-pool")
+    assert obj["metadata"]["generation"] == 2
+    assert obj["spec"]["lora"]["maxLoraRank"] == 32  # as the user wrote it: no spec writes
+    registered = {c["type"]: c for c in obj["status"]["conditions"]}["Registered"]
+    assert registered["status"] == "True"
+
+
+def _report(controlplane: ControlPlane, replica: str, deferred: int) -> None:
+    body = {"pool": "tiny-pool", "replica": replica, "deferred": deferred, "waiting_adapters": 1}
+    r = httpx.post(
+        f"{controlplane.url}/internal/v1/pressure",
+        json=body,
+        headers={"Authorization": f"Bearer {SERVICE}"},
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
+    cluster: Cluster,
+    controlplane: ControlPlane,
+    start_operator: StartOperator,
+    base_model_dir: Path,
+) -> None:
+    start_operator()
+    autoscaling = {"deferredPerReplica": 4, "scaleUpStabilizationSeconds": 0}
+    cluster.create(
+        "servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir, autoscaling=autoscaling)
+    )
+    wait_for(lambda: controlplane.admin.get("/v1/pools/tiny-pool").status_code == 200)
+    # the emulator has no controller: say the Deployment's pods are up
+    cluster.apps.patch_namespaced_deployment_status(
+        "tiny-pool", PLATFORM, {"status": {"replicas": 1, "readyReplicas": 1}}
+    )
+    _report(controlplane, "tiny-pool-a", deferred=11)  # needs ceil(11 / 4) = 3 replicas
+
+    dep = wait_for(
+        lambda: (d := _deployment(cluster, "tiny-pool")) and d["spec"]["replicas"] == 3 and d,
+        what="the scale-up",
+    )
+    assert dep["spec"]["replicas"] == 3
+    status = wait_for(
+        lambda: (
+            (s := cluster.get("servingpools", PLATFORM, "tiny-pool").get("status", {})).get(
+                "desiredReplicas"
+            )
+            == 3
+            and s
+        ),
+        what="the status",
+    )
+    assert status["pressure"]["deferred"] == 11
+    assert status["pressure"]["replicasReporting"] == 1
+    assert status["readyReplicas"] == 1
+    assert status["lastScaleTime"].endswith("Z")
+    events = cluster.events(PLATFORM)
+    assert any(e["reason"] == "ScaledUp" and "1 -> 3" in e["message"] for e in events), json.dumps(
+        events
+    )[:2000]

@@ -1,0 +1,227 @@
+"""The operator's pure parts and clients, without a cluster: specs, manifests, conditions,
+sources (https, upload://, s3 policy), the catalog client, settings and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.adapters.ingest import AdapterVersion
+from loraplane.adapters.store import LocalStore
+from loraplane.operator import cli, crds, manifests
+from loraplane.operator.catalog import CatalogClient, CatalogError
+from loraplane.operator.conditions import Verdict, adapter_status, set_condition
+from loraplane.operator.settings import OperatorSettings, SettingsError
+from loraplane.operator.sources import (
+    SourceError,
+    SourcePolicy,
+    fetch_https,
+    fetch_s3,
+    fetch_upload,
+)
+from loraplane.operator.specs import AdapterSpec, PoolSpec, SpecError
+
+POOL = {
+    "baseModel": {"name": "tiny", "uri": "/models/tiny", "volumeClaim": "weights"},
+    "image": "img:1",
+    "replicas": {"min": 2, "max": 4},
+}
+
+
+def test_pool_spec_applies_the_crd_defaults() -> None:
+    pool = PoolSpec.parse(POOL)
+    assert (pool.max_loras, pool.max_lora_rank, pool.max_cpu_loras) == (8, 64, 32)
+    assert pool.device == "cuda" and pool.autoscaling.enabled
+    crd_lora = crds.pool_schema()["properties"]["spec"]["properties"]["lora"]["properties"]
+    assert crd_lora["maxLoraRank"]["default"] == pool.max_lora_rank
+    with pytest.raises(SpecError, match="min 5 is above"):
+        PoolSpec.parse({**POOL, "replicas": {"min": 5, "max": 4}})
+
+
+def test_adapter_catalog_name_is_served_name_or_metadata_name() -> None:
+    spec = AdapterSpec.parse({"baseModel": "tiny", "source": {"uri": "upload://abc"}})
+    assert spec.catalog_name("bot") == "bot"
+    named = AdapterSpec.parse(
+        {"baseModel": "tiny", "source": {"uri": "upload://a"}, "servedName": "x"}
+    )
+    assert named.catalog_name("bot") == "x"
+    with pytest.raises(SpecError):
+        AdapterSpec.parse({"baseModel": "tiny", "source": {"uri": "file:///etc/passwd"}})
+
+
+def test_deployment_mounts_the_model_and_leaves_replicas_to_an_hpa_when_asked() -> None:
+    pool = PoolSpec.parse(POOL)
+    dep = manifests.deployment("p", "ns", pool, controlplane_url="http://cp:8080", replicas=None)
+    assert "replicas" not in dep["spec"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    assert pod["containers"][0]["volumeMounts"][0]["mountPath"] == "/models/tiny"
+    assert dep["spec"]["selector"]["matchLabels"] == {"loraplane.io/pool": "p"}
+    assert manifests.initial_replicas(pool, None) == 2
+    assert manifests.initial_replicas(pool, 9) == 4
+
+
+def test_condition_keeps_its_transition_time_while_its_status_stays() -> None:
+    first = set_condition([], "Ready", False, "Pending", "m", generation=1, now="T1")
+    same = set_condition(first, "Ready", False, "Other", "m2", generation=2, now="T2")
+    flipped = set_condition(same, "Ready", True, "Ready", "", generation=2, now="T3")
+    assert [c["lastTransitionTime"] for c in (first[0], same[0], flipped[0])] == ["T1", "T1", "T3"]
+    assert same[0]["reason"] == "Other" and same[0]["observedGeneration"] == 2
+
+
+def test_status_is_never_ready_while_not_stored() -> None:
+    status = adapter_status(
+        {}, Verdict("Failed", "StoreUnavailable", "down", None, None), generation=3
+    )
+    ready = {c["type"]: c["status"] for c in status["conditions"]}
+    assert ready == {"Validated": "Unknown", "Stored": "Unknown", "Ready": "False"}
+    assert status["observedGeneration"] == 3
+
+
+POLICY = SourcePolicy(max_bytes=1000, source_hosts=("models.example.com",))
+
+
+def _transport(
+    status: int = 200, body: bytes = b"x", headers: dict[str, str] | None = None
+) -> httpx.MockTransport:
+    return httpx.MockTransport(
+        lambda request: httpx.Response(status, content=body, headers=headers)
+    )
+
+
+def test_https_source_is_fetched_only_from_allowlisted_hosts(tmp_path: Path) -> None:
+    got = fetch_https("https://models.example.com/a.tar.gz", tmp_path, POLICY, _transport())
+    assert got.name == "adapter.tar.gz" and got.read_bytes() == b"x"
+    with pytest.raises(SourceError, match="allowlist") as info:
+        fetch_https("https://evil.example.com/a.tar.gz", tmp_path, POLICY, _transport())
+    assert info.value.permanent and info.value.reason == "SourceNotAllowed"
+
+
+def test_https_redirects_are_refused_and_size_is_capped(tmp_path: Path) -> None:
+    redirect = _transport(302, headers={"location": "http://169.254.169.254/"})
+    with pytest.raises(SourceError, match="redirect"):
+        fetch_https("https://models.example.com/a.zip", tmp_path, POLICY, redirect)
+    with pytest.raises(AdapterRejected) as info:
+        fetch_https(
+            "https://models.example.com/a.zip", tmp_path, POLICY, _transport(body=b"y" * 2000)
+        )
+    assert info.value.code == ReasonCode.TOO_LARGE
+    with pytest.raises(SourceError, match="must name"):
+        fetch_https("https://models.example.com/a.bin", tmp_path, POLICY, _transport())
+
+
+def test_s3_without_secret_is_only_allowed_for_import_buckets(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="secretRef") as info:
+        fetch_s3("s3://other/key", tmp_path, POLICY, None)
+    assert info.value.permanent
+    hostile = {
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_ENDPOINT_URL": "http://10.0.0.1",
+    }
+    with pytest.raises(SourceError, match="endpoint host"):
+        fetch_s3("s3://bucket/key", tmp_path, POLICY, hostile)
+
+
+def test_upload_source_reads_the_staged_files_from_the_store(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("adapter_config.json")
+        tar.addfile(info, io.BytesIO(b""))
+    store.put_bytes("uploads/u1/a.tar.gz", buf.getvalue())
+    got = fetch_upload("upload://u1", tmp_path / "w1", store, 10_000)
+    assert got.read_bytes() == buf.getvalue()
+    store.put_bytes("uploads/u2/adapter_config.json", b"{}")
+    store.put_bytes("uploads/u2/adapter_model.safetensors", b"x")
+    assert (
+        fetch_upload("upload://u2", tmp_path / "w2", store, 10_000) / "adapter_config.json"
+    ).exists()
+    with pytest.raises(SourceError) as missing:
+        fetch_upload("upload://nothing", tmp_path / "w3", store, 10_000)
+    assert missing.value.reason == "SourceNotFound" and not missing.value.permanent
+
+
+def _catalog(handler: Any) -> CatalogClient:
+    return CatalogClient("http://cp", "svc", "adm", transport=httpx.MockTransport(handler))
+
+
+def test_catalog_delete_reports_a_missing_route_as_unsupported() -> None:
+    body = {"error": {"code": "NotFound", "message": "Not Found"}}
+    result = _catalog(lambda r: httpx.Response(404, json=body)).delete_adapter("t", "a")
+    assert (result.deleted, result.supported) == (False, False)
+    gone = {"error": {"code": "NotFound", "message": "adapter 'a' not found"}}
+    assert _catalog(lambda r: httpx.Response(404, json=gone)).delete_adapter("t", "a").supported
+    assert _catalog(lambda r: httpx.Response(204)).delete_adapter("t", "a").deleted
+
+
+def test_catalog_record_sends_the_version_with_the_service_token() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(201, json={})
+
+    version = AdapterVersion("t", "a", 1, "0" * 64, "adapters/t/a/v1-000000000000/", 8, 16.0,
+                             ("q_proj",), 10, "tiny", True)  # fmt: skip
+    assert _catalog(handler).record_version("t", "a", version) is True
+    body = json.loads(seen[0].content)
+    assert seen[0].headers["authorization"] == "Bearer svc"
+    assert (body["tenant"], body["version"], body["created_by"]) == ("t", 1, "operator")
+    down = _catalog(lambda r: httpx.Response(503, json={"error": {"code": "DatabaseUnavailable"}}))
+    with pytest.raises(CatalogError) as info:
+        down.record_version("t", "a", version)
+    assert info.value.transient
+
+
+def test_settings_come_from_the_environment_and_name_the_bad_variable() -> None:
+    env = {
+        "LORAPLANE_CONTROLPLANE_URL": "http://cp:8080",
+        "LORAPLANE_SERVICE_TOKEN": "s",
+        "LORAPLANE_SOURCE_HOSTS": "a.example.com, b.example.com",
+        "LORAPLANE_POOL_INTERVAL_SECONDS": "5",
+    }
+    settings = OperatorSettings.from_env(env)
+    assert settings.source_hosts == ("a.example.com", "b.example.com")
+    assert settings.pool_interval_seconds == 5.0
+    with pytest.raises(SettingsError, match="LORAPLANE_SERVICE_TOKEN"):
+        OperatorSettings.from_env({"LORAPLANE_CONTROLPLANE_URL": "http://cp"})
+    with pytest.raises(SettingsError, match="LORAPLANE_MAX_SOURCE_BYTES"):
+        OperatorSettings.from_env({**env, "LORAPLANE_MAX_SOURCE_BYTES": "lots"})
+
+
+def test_cli_registers_operator_and_prints_the_crds() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["operator", "crds"])
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert args.func(args) == 0
+    assert out.getvalue() == "---\n".join(crds.rendered_files().values())
+    run = parser.parse_args(["operator", "--all-namespaces"])
+    assert run.func is cli.run_operator and run.all_namespaces
+
+
+def test_operator_imports_neither_the_data_plane_nor_the_control_plane() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, loraplane.operator.registry, loraplane.operator.cli;"
+        "bad = [m for m in sys.modules if m.startswith(('loraplane.dataplane', "
+        "'loraplane.controlplane', 'torch', 'fastapi'))];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
