@@ -168,14 +168,9 @@ async def reconcile_adapter(
 
 
 async def _forget(ctx: OperatorContext, body: Body, namespace: str, served: str) -> None:
-    """Mark `served` deleted in the catalog; say so when the catalog cannot."""
-    result = await asyncio.to_thread(ctx.catalog.delete_adapter, namespace, served)
-    if not result.supported:
-        kopf.warn(
-            body,
-            reason="CatalogDeleteUnsupported",
-            message=f"the control plane cannot delete {namespace}/{served} yet; it stays listed",
-        )
+    """Mark `served` deleted in the catalog (its versions stay stored and recorded)."""
+    if await asyncio.to_thread(ctx.catalog.delete_adapter, namespace, served):
+        kopf.info(body, reason="Deleted", message=f"{namespace}/{served} no longer served")
 
 
 async def delete_adapter(

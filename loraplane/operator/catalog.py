@@ -2,24 +2,20 @@
 
 - `POST /internal/v1/versions` (service token): record a version the operator stored.
 - `DELETE /internal/v1/tenants/{tenant}/adapters/{name}` (service token): mark an adapter
-  deleted, its versions kept. The control plane does not serve this route yet; its 404 answer
-  is taken as "nothing to delete" and reported as `deleted=False, supported=False`.
-- `GET/POST/PATCH /v1/pools[/{pool}]` (admin token): mirror a ServingPool and read the pressure
-  its replicas report.
+  deleted, its versions kept (404: nothing to delete).
+- `PUT/GET/DELETE /internal/v1/pools/{pool}` (service token): mirror a ServingPool, read the
+  pressure its replicas report, forget it when the ServingPool is deleted.
 
 Errors are `CatalogError`s carrying the control plane's error code and whether a retry can help.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from loraplane.adapters.ingest import AdapterVersion
-
-ROUTE_MISSING = "Not Found"  # the message of the control plane's 404 for an unknown route
 
 
 class CatalogError(Exception):
@@ -33,14 +29,6 @@ class CatalogError(Exception):
         self.transient = transient
 
 
-@dataclass(frozen=True, slots=True)
-class Deleted:
-    """The outcome of marking an adapter deleted."""
-
-    deleted: bool
-    supported: bool = True
-
-
 class CatalogClient:
     """Synchronous (run it off the event loop) and thread-safe: one httpx client."""
 
@@ -48,7 +36,6 @@ class CatalogClient:
         self,
         base_url: str,
         service_token: str,
-        admin_token: str | None = None,
         *,
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
@@ -57,12 +44,6 @@ class CatalogClient:
             base_url=base_url.rstrip("/"), timeout=timeout, transport=transport
         )
         self._service = {"Authorization": f"Bearer {service_token}"}
-        self._admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
-
-    @property
-    def has_admin(self) -> bool:
-        """Whether pools can be mirrored and their pressure read (needs the admin token)."""
-        return self._admin is not None
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -114,27 +95,19 @@ class CatalogClient:
             raise self._error(response)
         return response.status_code == 201
 
-    def delete_adapter(self, tenant: str, name: str) -> Deleted:
-        """Mark an adapter deleted (versions kept); a missing adapter is already done."""
+    def delete_adapter(self, tenant: str, name: str) -> bool:
+        """Mark an adapter deleted (versions kept); False if the catalog had none live."""
         path = f"/internal/v1/tenants/{tenant}/adapters/{name}"
         response = self._call("DELETE", path, self._service)
-        if response.status_code in (200, 204):
-            return Deleted(deleted=True)
-        if response.status_code in (404, 405):
-            error = self._error(response)
-            return Deleted(deleted=False, supported=error.message != ROUTE_MISSING)
-        raise self._error(response)
-
-    def _admin_headers(self) -> dict[str, str]:
-        if self._admin is None:
-            raise CatalogError(
-                "NoAdminToken", "LORAPLANE_ADMIN_TOKEN is not set", status=None, transient=False
-            )
-        return self._admin
+        if response.status_code == 404:
+            return False
+        if response.status_code not in (200, 204):
+            raise self._error(response)
+        return True
 
     def get_pool(self, name: str) -> dict[str, Any] | None:
         """A pool as the control plane knows it (with pressure), or None."""
-        response = self._call("GET", f"/v1/pools/{name}", self._admin_headers())
+        response = self._call("GET", f"/internal/v1/pools/{name}", self._service)
         if response.status_code == 404:
             return None
         if response.status_code != 200:
@@ -150,30 +123,21 @@ class CatalogClient:
         A pool registered with another base model is a `BaseModelConflict` (not transient):
         the control plane keeps a pool's base model for life.
         """
-        current = self.get_pool(name)
-        if current is None:
-            body = {"name": name, "base_model": base_model, **limits}
-            response = self._call("POST", "/v1/pools", self._admin_headers(), body)
-            if response.status_code == 201:
-                created: dict[str, Any] = response.json()
-                return created
-            if response.status_code != 409:
-                raise self._error(response)
-            current = self.get_pool(name)
-            if current is None:
-                raise CatalogError("Conflict", "pool vanished", status=409, transient=True)
-        if current.get("base_model") != base_model:
-            raise CatalogError(
-                "BaseModelConflict",
-                f"the control plane's pool {name!r} serves {current.get('base_model')}",
-                status=409,
-                transient=False,
-            )
-        changes = {k: v for k, v in limits.items() if current.get(k) != v}
-        if not changes:
-            return current
-        response = self._call("PATCH", f"/v1/pools/{name}", self._admin_headers(), changes)
-        if response.status_code != 200:
+        body = {"name": name, "base_model": base_model, **limits}
+        response = self._call("PUT", f"/internal/v1/pools/{name}", self._service, body)
+        if response.status_code == 409:
+            error = self._error(response)
+            raise CatalogError("BaseModelConflict", error.message, status=409, transient=False)
+        if response.status_code not in (200, 201):
             raise self._error(response)
-        updated: dict[str, Any] = response.json()
-        return updated
+        pool: dict[str, Any] = response.json()
+        return pool
+
+    def delete_pool(self, name: str) -> bool:
+        """Forget a pool whose ServingPool is gone; False if the catalog had none."""
+        response = self._call("DELETE", f"/internal/v1/pools/{name}", self._service)
+        if response.status_code == 404:
+            return False
+        if response.status_code not in (200, 204):
+            raise self._error(response)
+        return True

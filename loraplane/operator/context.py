@@ -63,7 +63,6 @@ class OperatorContext:
             catalog=CatalogClient(
                 settings.controlplane_url,
                 settings.service_token,
-                settings.admin_token,
                 timeout=settings.request_timeout_seconds,
                 transport=catalog_transport,
             ),

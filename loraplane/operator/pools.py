@@ -90,13 +90,6 @@ async def reconcile_pool(
     generation = meta.get("generation")
     patch.status["observedGeneration"] = generation
     conditions = status.get("conditions") or []
-    if not ctx.catalog.has_admin:
-        patch.status["conditions"] = set_condition(
-            conditions, REGISTERED, None, "NoAdminToken",
-            "set LORAPLANE_ADMIN_TOKEN to mirror pools into the control plane",
-            generation=generation, now=now_iso(),
-        )  # fmt: skip
-        return
     try:
         await asyncio.to_thread(_mirror, ctx, name, pool)
     except CatalogError as exc:
@@ -161,14 +154,13 @@ async def observe_pool(
         "readyReplicas": int(dep_status.get("readyReplicas") or 0),
     }
     pressure = None
-    if ctx.catalog.has_admin:
-        try:
-            catalog_pool = await asyncio.to_thread(ctx.catalog.get_pool, name)
-        except CatalogError as exc:
-            kopf.warn(body, reason=exc.code, message=exc.message[:1024])
-            catalog_pool = None
-        report = (catalog_pool or {}).get("pressure")
-        pressure = autoscaling.aggregate(report, time.time(), ctx.settings.pressure_stale_seconds)
+    try:
+        catalog_pool = await asyncio.to_thread(ctx.catalog.get_pool, name)
+    except CatalogError as exc:
+        kopf.warn(body, reason=exc.code, message=exc.message[:1024])
+        catalog_pool = None
+    report = (catalog_pool or {}).get("pressure")
+    pressure = autoscaling.aggregate(report, time.time(), ctx.settings.pressure_stale_seconds)
     if pressure is not None:
         update["pressure"] = {
             "deferred": pressure.deferred,
@@ -207,12 +199,25 @@ def _describe(pressure: autoscaling.Pressure | None) -> str:
     )
 
 
+async def forget_pool(*, name: str, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    """The ServingPool is deleted: its Deployment and Service go with it (owner references);
+    the catalog forgets the pool, so uploads stop validating against it."""
+    ctx = context_of(memo)
+    try:
+        await asyncio.to_thread(ctx.catalog.delete_pool, name)
+    except CatalogError as exc:
+        if exc.transient:
+            raise kopf.TemporaryError(str(exc), delay=backoff(ctx.settings, retry)) from None
+        raise kopf.PermanentError(str(exc)) from None
+
+
 def register(registry: kopf.OperatorRegistry, interval: float) -> None:
     """Register the ServingPool handlers; the timer runs every `interval` seconds."""
     res = (GROUP, VERSION, POOLS)
     kopf.on.create(*res, id="children", registry=registry)(reconcile_pool)
     kopf.on.update(*res, id="rollout", field="spec", registry=registry)(reconcile_pool)
     kopf.on.resume(*res, id="resume", registry=registry)(reconcile_pool)
+    kopf.on.delete(*res, id="forget", registry=registry)(forget_pool)
     kopf.timer(*res, id="observe", interval=interval, initial_delay=interval, registry=registry)(
         observe_pool
     )

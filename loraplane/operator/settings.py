@@ -25,7 +25,6 @@ class OperatorSettings:
 
     controlplane_url: str
     service_token: str
-    admin_token: str | None = None
     store: str = ".loraplane/store"
     s3_endpoint_url: str | None = None
     # https:// sources and extra S3 endpoints may only name these hosts
@@ -91,7 +90,7 @@ class OperatorSettings:
 
 _TUPLES = {"source_hosts", "import_buckets"}
 _INTS = {"max_source_bytes"}
-_OPTIONAL = {"admin_token", "s3_endpoint_url", "dataplane_controlplane_url"}
+_OPTIONAL = {"s3_endpoint_url", "dataplane_controlplane_url"}
 
 
 def _convert(name: str, raw: str) -> Any:

@@ -88,3 +88,49 @@ def test_operator_recorded_version_is_idempotent_and_conflicts_are_409(ready: Ap
     assert r.status_code == 404
     r = c.post("/internal/v1/versions", json={**record, "path": None}, headers=SERVICE_H)
     assert r.status_code == 400
+
+
+def test_operator_mirrors_pools_with_the_service_token(ready: Api) -> None:
+    c = ready.client
+    body = {"name": "pool-b", "base_model": {"name": BASE_NAME, "uri": str(ready.base_model_dir)},
+            "max_lora_rank": 16, "max_loras": 4, "max_cpu_loras": 8}  # fmt: skip
+    assert c.put("/internal/v1/pools/pool-b", json=body, headers=ADMIN_H).status_code == 401
+    assert c.put("/internal/v1/pools/pool-b", json=body, headers=SERVICE_H).status_code == 201
+    changed = {**body, "max_lora_rank": 32}
+    r = c.put("/internal/v1/pools/pool-b", json=changed, headers=SERVICE_H)
+    assert r.status_code == 200
+    assert r.json()["max_lora_rank"] == 32
+    r = c.get("/internal/v1/pools/pool-b", headers=SERVICE_H)
+    assert r.status_code == 200
+    assert r.json()["max_lora_rank"] == 32
+    other = {**body, "base_model": {"name": "other-model", "uri": str(ready.base_model_dir)}}
+    r = c.put("/internal/v1/pools/pool-b", json=other, headers=SERVICE_H)
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "Conflict"
+    r = c.put("/internal/v1/pools/pool-c", json=body, headers=SERVICE_H)
+    assert r.status_code == 400  # the body names another pool
+    assert c.delete("/internal/v1/pools/pool-b", headers=SERVICE_H).status_code == 204
+    assert c.get("/internal/v1/pools/pool-b", headers=SERVICE_H).status_code == 404
+    assert c.delete("/internal/v1/pools/pool-b", headers=SERVICE_H).status_code == 404
+
+
+def test_operator_deletes_an_adapter_and_keeps_its_versions(ready: Api) -> None:
+    c = ready.client
+    key = ready.keys["acme"]
+    assert ready.upload(key, "bot", ready.adapter_dir(seed=3)).status_code == 201
+    path = "/internal/v1/tenants/acme/adapters/bot"
+    assert c.delete(path, headers=bearer(key)).status_code == 401
+    assert c.delete(path, headers=SERVICE_H).status_code == 204
+    assert c.get("/v1/adapters/bot", headers=bearer(key)).status_code == 404
+    assert resolve(ready, key, "bot").status_code == 404  # type: ignore[attr-defined]
+    assert c.delete(path, headers=SERVICE_H).status_code == 404
+    assert (
+        c.delete("/internal/v1/tenants/nobody/adapters/bot", headers=SERVICE_H).status_code == 404
+    )
+
+
+def test_admin_can_delete_a_pool(ready: Api) -> None:
+    c = ready.client
+    assert c.delete("/v1/pools/pool-a", headers=bearer(ready.keys["acme"])).status_code == 401
+    assert c.delete("/v1/pools/pool-a", headers=ADMIN_H).status_code == 204
+    assert c.get("/v1/pools/pool-a", headers=ADMIN_H).status_code == 404

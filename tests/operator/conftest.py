@@ -204,7 +204,6 @@ def operator_settings(
     values: dict[str, Any] = {
         "controlplane_url": controlplane.url,
         "service_token": SERVICE,
-        "admin_token": ADMIN,
         "store": str(tmp_path / "store"),
         "s3_endpoint_url": s3_endpoint,
         "pool_interval_seconds": 0.5,

@@ -241,8 +241,10 @@ def test_source_change_reingests_and_delete_releases_the_finalizer(
         "loraplane.io", "v1alpha1", TENANT, "loraadapters", "bot"
     )
     wait_for(lambda: not cluster.emulator.objects("loraadapters"), what="the adapter to go")
-    # the catalog keeps the versions (the delete endpoint is not there yet: see the report)
-    assert len(controlplane.versions(TENANT, "bot")) == 2
+    # the catalog stops serving it; its two versions stay in the store
+    assert controlplane.versions(TENANT, "bot") == []
+    stored = list_versions(LocalStore(tmp_path / "store"), TENANT, "bot")
+    assert [v.version for v in stored] == [1, 2]
 
 
 def test_unreachable_control_plane_is_failed_and_retried_never_ready(

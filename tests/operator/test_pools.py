@@ -114,6 +114,13 @@ def test_pool_gets_its_deployment_and_service_with_arguments_and_owner_reference
     registered = {c["type"]: c for c in obj["status"]["conditions"]}["Registered"]
     assert registered["status"] == "True"
 
+    # deleting the ServingPool removes it from the catalog (its finalizer is released)
+    cluster.custom.delete_namespaced_custom_object(
+        "loraplane.io", "v1alpha1", PLATFORM, "servingpools", "tiny-pool"
+    )
+    wait_for(lambda: not cluster.emulator.objects("servingpools"), what="the pool to go")
+    assert controlplane.admin.get("/v1/pools/tiny-pool").status_code == 404
+
 
 def _report(controlplane: ControlPlane, replica: str, deferred: int) -> None:
     body = {"pool": "tiny-pool", "replica": replica, "deferred": deferred, "waiting_adapters": 1}

@@ -152,16 +152,21 @@ def test_upload_source_reads_the_staged_files_from_the_store(tmp_path: Path) -> 
 
 
 def _catalog(handler: Any) -> CatalogClient:
-    return CatalogClient("http://cp", "svc", "adm", transport=httpx.MockTransport(handler))
+    return CatalogClient("http://cp", "svc", transport=httpx.MockTransport(handler))
 
 
-def test_catalog_delete_reports_a_missing_route_as_unsupported() -> None:
-    body = {"error": {"code": "NotFound", "message": "Not Found"}}
-    result = _catalog(lambda r: httpx.Response(404, json=body)).delete_adapter("t", "a")
-    assert (result.deleted, result.supported) == (False, False)
+def test_catalog_delete_is_false_for_a_missing_adapter_and_uses_the_service_token() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(204)
+
     gone = {"error": {"code": "NotFound", "message": "adapter 'a' not found"}}
-    assert _catalog(lambda r: httpx.Response(404, json=gone)).delete_adapter("t", "a").supported
-    assert _catalog(lambda r: httpx.Response(204)).delete_adapter("t", "a").deleted
+    assert not _catalog(lambda r: httpx.Response(404, json=gone)).delete_adapter("t", "a")
+    assert _catalog(handler).delete_adapter("t", "a")
+    assert seen[0].url.path == "/internal/v1/tenants/t/adapters/a"
+    assert seen[0].headers["Authorization"] == "Bearer svc"
 
 
 def test_catalog_record_sends_the_version_with_the_service_token() -> None:

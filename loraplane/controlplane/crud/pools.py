@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane.crud import audit
-from loraplane.controlplane.errors import AlreadyExists, NotFound
+from loraplane.controlplane.errors import AlreadyExists, Conflict, NotFound
 from loraplane.controlplane.models import Pool, utcnow
 from loraplane.controlplane.schemas.pools import PoolCreate, PoolUpdate
 
@@ -45,6 +45,40 @@ def create_pool(
         session.rollback()
         raise AlreadyExists(f"pool {data.name!r} already exists") from None
     return pool
+
+
+def put_pool(
+    session: Session,
+    *,
+    data: PoolCreate,
+    actor: str,
+    load_config: Callable[[str, str], dict[str, Any]],
+) -> tuple[Pool, bool]:
+    """Create the pool, or bring an existing one's limits to `data` (the operator mirrors
+    ServingPools this way). The base model of an existing pool never changes: Conflict."""
+    pool = session.scalar(select(Pool).where(Pool.name == data.name))
+    if pool is None:
+        try:
+            return create_pool(session, data=data, actor=actor, load_config=load_config), True
+        except AlreadyExists:  # created concurrently: update it below
+            pool = get_pool(session, name=data.name)
+    if (pool.base_model_name, pool.base_model_uri) != (data.base_model.name, data.base_model.uri):
+        raise Conflict(
+            f"pool {data.name!r} serves base model {pool.base_model_name!r} "
+            f"({pool.base_model_uri}); a pool's base model cannot change"
+        )
+    limits = PoolUpdate(
+        max_lora_rank=data.max_lora_rank, max_loras=data.max_loras, max_cpu_loras=data.max_cpu_loras
+    )
+    return update_pool(session, name=data.name, data=limits, actor=actor), False
+
+
+def delete_pool(session: Session, *, name: str, actor: str) -> None:
+    """Forget a pool (uploads for its base model then need another pool)."""
+    pool = get_pool(session, name=name)
+    session.delete(pool)
+    audit.record(session, actor=actor, action="pool.delete", target=f"pools/{name}")
+    session.commit()
 
 
 def list_pools(session: Session) -> list[Pool]:

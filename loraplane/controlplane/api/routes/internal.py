@@ -1,13 +1,15 @@
-"""Internal routes (service token): resolution for the data plane, pressure reports, and
-versions stored by the operator."""
+"""Internal routes (service token): resolution for the data plane, pressure reports, and the
+operator's: versions it stored, pools it mirrors, adapters whose resource was deleted."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
 from starlette.concurrency import run_in_threadpool
 
+from loraplane.controlplane import basemodels
 from loraplane.controlplane.api.deps import ContextDep, ServiceDep, SessionDep
 from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.context import AppContext
@@ -17,6 +19,7 @@ from loraplane.controlplane.crud.resolve import resolve
 from loraplane.controlplane.crud.tenants import get_tenant
 from loraplane.controlplane.crud.usage import add_usage
 from loraplane.controlplane.db import session_scope
+from loraplane.controlplane.errors import InvalidRequest
 from loraplane.controlplane.models import utcnow
 from loraplane.controlplane.schemas.adapters import UploadResult, VersionPublic
 from loraplane.controlplane.schemas.internal import (
@@ -25,6 +28,7 @@ from loraplane.controlplane.schemas.internal import (
     Resolved,
     VersionRecord,
 )
+from loraplane.controlplane.schemas.pools import PoolCreate, PoolPublic
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], responses=errors(400, 401))
 TENANT_KEY_HEADER = "X-Tenant-Key"
@@ -95,3 +99,47 @@ def record_version(
         current_version=adapter.current_version,
         version=VersionPublic.model_validate(row),
     )
+
+
+# -- the operator: pools it mirrors from ServingPools, adapters whose LoRAAdapter is deleted ---
+
+
+@router.put(
+    "/pools/{pool}",
+    response_model=PoolPublic,
+    responses={**errors(404, 409, 422), 201: {"model": PoolPublic, "description": "created"}},
+)
+def put_pool(
+    pool: str, body: PoolCreate, response: Response, ctx: ContextDep, session: SessionDep,
+    actor: ServiceDep,
+) -> PoolPublic:  # fmt: skip
+    """Create or update a pool (201 or 200); a different base model is 409 Conflict."""
+    if body.name != pool:
+        raise InvalidRequest(f"body name {body.name!r} differs from the path's {pool!r}")
+    load = partial(basemodels.load_config, s3_endpoint_url=ctx.settings.s3_endpoint_url)
+    row, created = crud_pools.put_pool(session, data=body, actor=actor, load_config=load)
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return PoolPublic.model_validate(row)
+
+
+@router.get("/pools/{pool}", response_model=PoolPublic, responses=errors(404))
+def get_pool(pool: str, session: SessionDep, _: ServiceDep) -> PoolPublic:
+    """A pool with the pressure its replicas last reported (the operator's autoscaler)."""
+    return PoolPublic.model_validate(crud_pools.get_pool(session, name=pool))
+
+
+@router.delete("/pools/{pool}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404))
+def delete_pool(pool: str, session: SessionDep, actor: ServiceDep) -> None:
+    """Forget a pool whose ServingPool was deleted."""
+    crud_pools.delete_pool(session, name=pool, actor=actor)
+
+
+@router.delete(
+    "/tenants/{tenant}/adapters/{name}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses=errors(404),
+)
+def delete_adapter(tenant: str, name: str, session: SessionDep, actor: ServiceDep) -> None:
+    """Stop serving an adapter whose LoRAAdapter was deleted (its versions are kept)."""
+    owner = get_tenant(session, name=tenant)
+    crud_adapters.delete_adapter(session, tenant=owner, name=name, actor=actor)

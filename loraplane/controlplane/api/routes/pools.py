@@ -50,3 +50,9 @@ def get_pool(pool: str, session: SessionDep, _: AdminDep) -> PoolPublic:
 def update_pool(pool: str, body: PoolUpdate, session: SessionDep, actor: AdminDep) -> PoolPublic:
     """Change a pool's LoRA limits."""
     return PoolPublic.model_validate(crud.update_pool(session, name=pool, data=body, actor=actor))
+
+
+@router.delete("/{pool}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404))
+def delete_pool(pool: str, session: SessionDep, actor: AdminDep) -> None:
+    """Forget a pool (stored adapters and their versions are not touched)."""
+    crud.delete_pool(session, name=pool, actor=actor)
