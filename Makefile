@@ -41,7 +41,7 @@ format: $(VENV)/.dev
 	$(VENV)/bin/ruff format loraplane tests benchmarks
 
 bench: $(VENV)/.dev
-	@set -e; for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b; done
+	@set -e; for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b; done
 
 clean:
 	rm -rf $(VENV) .loraplane .pytest_cache .mypy_cache .ruff_cache .hypothesis benchmarks/results
