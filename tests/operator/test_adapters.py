@@ -82,8 +82,11 @@ def test_valid_adapter_becomes_ready_with_its_digest_and_stored_path(
     # the operator never writes spec: spec and generation are as created
     assert obj["spec"] == created["spec"]
     assert obj["metadata"]["generation"] == 1
-    reasons = {(e["type"], e["reason"]) for e in cluster.events()}
-    assert ("Normal", "Ready") in reasons
+    # events are posted in the background: wait for them
+    wait_for(
+        lambda: ("Normal", "Ready") in {(e["type"], e["reason"]) for e in cluster.events()},
+        what="the Ready event",
+    )
 
 
 def _one_case_per_code() -> dict[ReasonCode, Any]:
@@ -138,8 +141,13 @@ def test_each_bad_adapter_class_ends_rejected_with_its_reason_code(
         assert conditions["Validated"] == ("False", code)
         assert conditions["Ready"] == ("False", code)
         assert "version" not in status
-    warnings = {e["reason"] for e in cluster.events() if e["type"] == "Warning"}
-    assert set(expected.values()) <= warnings
+    wait_for(
+        lambda: (
+            set(expected.values())
+            <= {e["reason"] for e in cluster.events() if e["type"] == "Warning"}
+        ),
+        what="a Warning event per reason code",
+    )
     assert LocalStore(tmp_path / "store").list_keys("adapters/") == []
 
 

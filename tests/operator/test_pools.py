@@ -3,7 +3,6 @@ and autoscaling from the pressure reported to the control plane."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +168,10 @@ def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
     assert status["pressure"]["replicasReporting"] == 1
     assert status["readyReplicas"] == 1
     assert status["lastScaleTime"].endswith("Z")
-    events = cluster.events(PLATFORM)
-    assert any(e["reason"] == "ScaledUp" and "1 -> 3" in e["message"] for e in events), json.dumps(
-        events
-    )[:2000]
+    # Kopf posts events in the background: wait for it rather than race it
+    wait_for(
+        lambda: any(
+            e["reason"] == "ScaledUp" and "1 -> 3" in e["message"] for e in cluster.events(PLATFORM)
+        ),
+        what="the ScaledUp event",
+    )
