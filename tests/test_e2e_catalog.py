@@ -6,7 +6,6 @@ back. Real HTTP everywhere (uvicorn), SQLite catalog, local object store."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from loraplane.controlplane.main import create_app as create_controlplane
 from loraplane.dataplane.config import EngineConfig
@@ -22,30 +20,22 @@ from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.server.settings import ServerSettings
 from tests.controlplane.conftest import ADMIN, SERVICE, make_settings
-from tests.dataplane.server.conftest import free_port, start_server
+from tests.dataplane.server.conftest import start_server
+from tests.servers import serve_in_thread
 
 POOL, BASE_NAME = "pool-a", "tiny-base"
 
 
 @contextlib.contextmanager
 def controlplane(tmp: Path) -> Iterator[str]:
+    """The control plane on SQLite and a local store under `tmp`, over real HTTP."""
     settings = make_settings(tmp, f"sqlite:///{tmp / 'catalog.db'}")
     app = create_controlplane(settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                break
-        time.sleep(0.05)
     try:
-        yield url
+        with serve_in_thread(app) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(30)
+        app.state.ctx.engine.dispose()
 
 
 def admin(url: str, method: str, path: str, **kw: object) -> httpx.Response:

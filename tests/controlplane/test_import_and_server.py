@@ -3,20 +3,17 @@ server on a free port."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.main import create_app
 from tests import s3server
-from tests.controlplane import pg
 from tests.controlplane.conftest import ADMIN_H, SERVICE_H, Api, bearer, make_settings
+from tests.servers import serve_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +71,8 @@ def test_import_from_allowlisted_bucket_folder(import_api: Api, s3_endpoint: str
 @pytest.fixture
 def live_server(tmp_path: Path, database_url: str) -> Iterator[str]:
     app = create_app(make_settings(tmp_path, database_url))
-    port = pg.free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app) as url:
+        yield url
     app.state.ctx.engine.dispose()
 
 

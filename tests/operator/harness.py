@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -16,14 +15,7 @@ from fastapi import FastAPI
 
 from loraplane.operator.context import OperatorContext
 from loraplane.operator.registry import build_registry
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from tests.servers import free_port
 
 
 class UvicornThread:

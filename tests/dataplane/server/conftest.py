@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,22 +14,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from loraplane.dataplane.server.app import create_app
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings
+from tests.servers import serve_in_thread
 
 API_KEY = "sk-test-tenant"
 ADMIN_TOKEN = "admin-test-token"
 NUM_ADAPTERS = 20
 REPO = Path(__file__).resolve().parents[3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -65,17 +57,9 @@ def wait_ready(url: str, timeout: float = 60.0, proc: subprocess.Popen[str] | No
 @contextlib.contextmanager
 def start_server(settings: ServerSettings) -> Iterator[tuple[str, Runtime]]:
     app = create_app(settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serve_in_thread(app) as url:
         wait_ready(url)
         yield url, app.state.runtime
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="session")
