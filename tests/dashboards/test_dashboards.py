@@ -1,0 +1,75 @@
+"""The dashboards are well-formed Grafana JSON whose queries use only metrics loraplane exports
+(DESIGN.md section 7, the control plane's metrics) or the documented external ones."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.dashboards.dashboards import EXTERNAL, load, metric_names, panels, queries
+
+BOARDS = load()
+
+
+def exported_series_names() -> set[str]:
+    """Every series name the data plane's and the control plane's registries expose."""
+    from loraplane.controlplane.metrics import Metrics
+    from loraplane.dataplane.server.metrics import ServerMetrics
+
+    names: set[str] = set()
+    for text in (ServerMetrics().render(), Metrics().render()):
+        for family in text_string_to_metric_families(text.decode()):
+            suffixes = {
+                "counter": ["_total", "_created"],
+                "histogram": ["_bucket", "_count", "_sum", "_created"],
+            }.get(family.type, [""])
+            names.update(family.name + s for s in suffixes)
+    return names
+
+
+def test_there_are_fleet_adapters_and_autoscaling_dashboards() -> None:
+    assert sorted(BOARDS) == ["adapters.json", "autoscaling.json", "fleet.json"]
+    uids = [b["uid"] for b in BOARDS.values()]
+    assert len(set(uids)) == len(uids)
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_dashboard_is_well_formed(name: str) -> None:
+    board = BOARDS[name]
+    assert board["title"].startswith("loraplane / ")
+    variables = {v["name"] for v in board["templating"]["list"]}
+    assert "datasource" in variables
+    ids = [p["id"] for p in panels(board)]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    for panel in panels(board):
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["description"], panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            used = set(re.findall(r"\$(\w+)", target["expr"])) - {"__rate_interval", "__range"}
+            assert used <= variables, f"{panel['title']}: unknown variables {used - variables}"
+
+
+def test_metric_names_are_read_from_promql() -> None:
+    expr = (
+        'histogram_quantile(0.99, sum by (le, pool) (rate(x_bucket{pool=~"$pool"}'
+        "[$__rate_interval]))) / on (pool) group_left sum(vllm:y) or vector(0)"
+    )
+    assert metric_names(expr) == {"x_bucket", "vllm:y"}
+
+
+def test_queries_use_only_exported_or_documented_external_metrics() -> None:
+    exported = exported_series_names()
+    used: set[str] = set()
+    for query in queries():
+        unknown = query.metrics - exported - set(EXTERNAL)
+        assert not unknown, f"{query.name}: {unknown} are neither exported nor listed as external"
+        used |= query.metrics
+    assert set(EXTERNAL) <= used, f"unused EXTERNAL entries: {set(EXTERNAL) - used}"
+    assert set(EXTERNAL).isdisjoint(exported), "an external metric is exported now: drop it"

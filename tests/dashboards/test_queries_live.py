@@ -1,0 +1,255 @@
+"""Every dashboard query returns data from live components: Debian's Prometheus (1 s scrapes, a
+temporary TSDB, 127.0.0.1 only) scrapes a data plane in catalog mode and the control plane while
+the openai client sends a short, bounded load over several tenants' adapters; each panel's PromQL
+is then evaluated through Prometheus's HTTP API. Queries on EXTERNAL metrics are left out."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from loraplane.dataplane.server.settings import ServerSettings
+from tests.controlplane.conftest import SERVICE
+from tests.dashboards.dashboards import queries, substitute, variable_queries
+from tests.dataplane.server.conftest import start_server
+from tests.servers import free_port
+from tests.test_e2e_catalog import admin, controlplane
+
+PROMETHEUS = Path("/usr/bin/prometheus")
+POOL, BASE = "pool-a", "tiny-base"
+# tenant -> its adapters (fixture adapter names); more adapters than max_loras, so requests are
+# deferred and device-pool slots are evicted and reloaded under the load
+TENANTS = {"acme": ["r4", "r8-qv", "r16"], "globex": ["r16-rslora", "r8-layer1"]}
+MAX_LORAS = 2
+# The load runs until the queries have been evaluated (rates and quantiles need requests in
+# their 15 s window), paced and capped in count and time.
+MAX_REQUESTS, MAX_LOAD_SECONDS, WORKERS, PAUSE_SECONDS = 200, 45.0, 4, 0.4
+SCRAPED_SECONDS = 8  # rate() over 15 s needs a few samples
+
+
+@contextlib.contextmanager
+def prometheus(tmp: Path, dataplane: str, controlplane: str) -> Iterator[str]:
+    """Prometheus on a free 127.0.0.1 port scraping both components every second."""
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            # `pool` is what the chart's ServiceMonitor relabels from the Service's pool label
+            {
+                "job_name": "dataplane",
+                "static_configs": [{"targets": [dataplane], "labels": {"pool": POOL}}],
+            },
+            {"job_name": "controlplane", "static_configs": [{"targets": [controlplane]}]},
+        ],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = (tmp / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [
+            str(PROMETHEUS),
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {(tmp / 'prometheus.log').read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("prometheus not ready after 30 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def instant(prom: str, promql: str) -> list[dict[str, Any]]:
+    """The result of an instant query (raises on a query error)."""
+    r = httpx.get(prom + "/api/v1/query", params={"query": promql}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{promql}: {body}"
+    result: list[dict[str, Any]] = body["data"]["result"]
+    return result
+
+
+@dataclass
+class Load:
+    """A bounded load in background threads: completions and streamed chats over every
+    tenant's adapters and the base model, plus a few requests with unknown keys or models."""
+
+    url: str
+    keys: dict[str, str]
+    stop: threading.Event = field(default_factory=threading.Event)
+    sent: int = 0
+    unexpected: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _next(self) -> int | None:
+        with self.lock:
+            if self.stop.is_set() or self.sent >= MAX_REQUESTS:
+                return None
+            self.sent += 1
+            return self.sent
+
+    def _one(self, n: int, plan: list[tuple[str, str]]) -> None:
+        tenant, model = plan[n % len(plan)]
+        key = self.keys[tenant]
+        expected: type[Exception] | None = None
+        if n % 13 == 0:  # an unknown key: the control plane answers the resolve with 401
+            key, expected = f"lp_unknown{n:04d}", openai.AuthenticationError
+        elif n % 17 == 0:  # an unknown model: 404
+            model, expected = "no-such-adapter", openai.NotFoundError
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=30)
+        try:
+            if n % 2:
+                client.completions.create(
+                    model=model, prompt=f"request {n} of a short load", max_tokens=6,
+                    temperature=0, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+            else:
+                stream = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"hello {n}"}],
+                    max_tokens=6, stream=True, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for _ in stream:
+                    pass
+        except Exception as exc:
+            if expected is None or not isinstance(exc, expected):
+                self.unexpected.append(f"{model} ({tenant}): {exc!r}")
+            return
+        if expected is not None:
+            self.unexpected.append(f"request {n} should have failed with {expected.__name__}")
+
+    def _worker(self, plan: list[tuple[str, str]]) -> None:
+        deadline = time.monotonic() + MAX_LOAD_SECONDS
+        while time.monotonic() < deadline and (n := self._next()) is not None:
+            self._one(n, plan)
+            self.stop.wait(PAUSE_SECONDS)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Load]:
+        plan = [(t, a) for t, adapters in TENANTS.items() for a in adapters] + [("acme", BASE)]
+        threads = [
+            threading.Thread(target=self._worker, args=(plan,), daemon=True) for _ in range(WORKERS)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            self.stop.set()
+            for thread in threads:
+                thread.join(MAX_LOAD_SECONDS)
+
+
+def _catalog(cp: str, tiny_llama_dir: Path, peft_adapters: dict[str, Path]) -> dict[str, str]:
+    """A pool, two tenants with keys, and their adapters uploaded; tenant -> key."""
+    pool = {"name": POOL, "base_model": {"name": BASE, "uri": str(tiny_llama_dir)}}
+    assert admin(cp, "POST", "/v1/pools", json=pool).status_code == 201
+    keys = {}
+    for tenant, adapters in TENANTS.items():
+        assert admin(cp, "POST", "/v1/tenants", json={"name": tenant}).status_code == 201
+        keys[tenant] = admin(cp, "POST", f"/v1/tenants/{tenant}/keys", json={"name": "k"}).json()[
+            "key"
+        ]
+        for name in adapters:
+            src = peft_adapters[name]
+            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+            r = httpx.post(
+                cp + "/v1/adapters",
+                data={"name": name, "base_model": BASE},
+                files=files,
+                headers={"Authorization": f"Bearer {keys[tenant]}"},
+            )
+            assert r.status_code == 201, r.text
+    return keys
+
+
+def _wait_for_scrapes(prom: str) -> None:
+    """Until both targets are up, tokens were counted and SCRAPED_SECONDS of scrapes are held."""
+    deadline = time.monotonic() + 45
+    promql = "min(count_over_time(up[30s]) and on () sum(loraplane_tokens_total) > 0)"
+    while time.monotonic() < deadline:
+        up = instant(prom, "up == 1")
+        result = instant(prom, promql)
+        if len(up) == 2 and result and float(result[0]["value"][1]) >= SCRAPED_SECONDS:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"not enough scrapes: up={instant(prom, 'up')}")
+
+
+def _has_data(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(sample["value"][1])) for sample in result)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not PROMETHEUS.exists(),
+    reason="Debian's prometheus is not installed (run .ci/install-prometheus.sh)",
+)
+def test_every_dashboard_query_returns_data_from_live_components(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    evaluated = [q for q in queries() if not q.external]
+    assert len(evaluated) >= 30
+    with controlplane(tmp_path / "cp") as cp:
+        keys = _catalog(cp, tiny_llama_dir, peft_adapters)
+        settings = ServerSettings(
+            model=str(tiny_llama_dir), served_model_name=BASE, controlplane_url=cp,
+            service_token=SERVICE, store=str(tmp_path / "cp" / "store"), pool=POOL,
+            pressure_interval_s=0.5, num_kv_blocks=256, max_loras=MAX_LORAS,
+        )  # fmt: skip
+        with start_server(settings) as (dp, _):
+            targets = (dp.removeprefix("http://"), cp.removeprefix("http://"))
+            tsdb = tmp_path / "prometheus"
+            tsdb.mkdir()
+            with prometheus(tsdb, *targets) as prom, Load(dp, keys).running() as load:
+                _wait_for_scrapes(prom)
+                results = {q: instant(prom, q.promql()) for q in evaluated}
+                still_running = not load.stop.is_set() and load.sent < MAX_REQUESTS
+                variables = {
+                    (board, label): instant(prom, f"count by ({label}) ({substitute(selector)})")
+                    for board, selector, label in variable_queries()
+                }
+                variables = {
+                    k: [r for r in v if r["metric"].get(k[1])] for k, v in variables.items()
+                }
+    assert not load.unexpected, load.unexpected[:5]
+    assert still_running, f"the load ended ({load.sent} requests) before the queries ran"
+    empty = [q.name for q, result in results.items() if not result]
+    assert not empty, f"queries without data: {empty}"
+    no_value = [q.name for q, result in results.items() if not _has_data(result)]
+    assert not no_value, f"queries whose every value is NaN: {no_value}"
+    assert all(variables.values()), [k for k, v in variables.items() if not v]
+    # both tenants show up where the dashboards split by tenant
+    tokens = {
+        r["metric"]["tenant"] for q, res in results.items() if "Tokens/s" in q.panel for r in res
+    }
+    assert tokens == set(TENANTS)
