@@ -45,9 +45,17 @@ class EngineSnapshot:
     resident: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, name)
     registered: Counter[tuple[str, str]] = field(default_factory=Counter)
     waiting_per_adapter: Counter[tuple[str, str]] = field(default_factory=Counter)
+    in_host: Counter[tuple[str, str]] = field(default_factory=Counter)  # host-memory tier
     gpu_loads: int = 0
     gpu_hits: int = 0
     gpu_evictions: int = 0
+    host_loads: int = 0
+    host_failures: int = 0
+    host_evictions: int = 0
+    disk_loads: int = 0
+    disk_hits: int = 0
+    disk_failures: int = 0
+    disk_evictions: int = 0
     gpu_bytes_used: int = 0
     gpu_bytes_capacity: int = 0
 
@@ -70,9 +78,17 @@ class EngineSnapshot:
             waiting_per_adapter=Counter(
                 {(r.tenant, r.name): n for r, n in sched.waiting_per_lora().items()}
             ),
+            in_host=Counter((r.tenant, r.name) for r in loras.in_host),
             gpu_loads=loras.loads_total,
             gpu_hits=loras.hits_total,
             gpu_evictions=loras.evictions_total,
+            host_loads=loras.host_stats.loads,
+            host_failures=loras.host_stats.failures,
+            host_evictions=loras.host_stats.evictions,
+            disk_loads=loras.disk.loads_total if loras.disk else 0,
+            disk_hits=loras.disk.hits_total if loras.disk else 0,
+            disk_failures=loras.disk.failures_total if loras.disk else 0,
+            disk_evictions=loras.disk.evictions_total if loras.disk else 0,
             gpu_bytes_used=engine.runner.pool.bytes_used,
             gpu_bytes_capacity=pool_capacity_bytes(engine),
         )
@@ -119,7 +135,7 @@ class _EngineCollector(Collector):
             "Adapter versions held per tier",
             labels=["tenant", "adapter", "tier"],
         )
-        for tier, held in (("gpu", s.resident), ("cpu", s.registered)):
+        for tier, held in (("gpu", s.resident), ("cpu", s.in_host)):
             for (tenant, name), count in sorted(held.items()):
                 resident.add_metric([tenant, name, tier], count)
         yield resident
@@ -137,20 +153,27 @@ class _EngineCollector(Collector):
         )
         loads.add_metric(["gpu", "ok"], s.gpu_loads)
         loads.add_metric(["gpu", "error"], m.gpu_load_errors)
-        for result in ("ok", "rejected", "error"):
-            loads.add_metric(["cpu", result], m.cpu_loads[result])
+        # host tier: background loads from disk (and static registrations, which the server
+        # counts itself); disk tier: downloads from the object store
+        loads.add_metric(["cpu", "ok"], s.host_loads)
+        loads.add_metric(["cpu", "rejected"], m.cpu_loads["rejected"])
+        loads.add_metric(["cpu", "error"], s.host_failures + m.cpu_loads["error"])
+        loads.add_metric(["disk", "ok"], s.disk_loads)
+        loads.add_metric(["disk", "error"], s.disk_failures)
         yield loads
         hits = CounterMetricFamily(
             "loraplane_adapter_cache_hits", "Adapter lookups served by a tier", labels=["tier"]
         )
         hits.add_metric(["gpu"], s.gpu_hits)
         hits.add_metric(["cpu"], m.cpu_hits)
+        hits.add_metric(["disk"], s.disk_hits)
         yield hits
         evictions = CounterMetricFamily(
             "loraplane_adapter_evictions", "Adapters evicted from a tier", labels=["tier"]
         )
         evictions.add_metric(["gpu"], s.gpu_evictions)
-        evictions.add_metric(["cpu"], m.cpu_evictions)
+        evictions.add_metric(["cpu"], s.host_evictions + m.cpu_evictions)
+        evictions.add_metric(["disk"], s.disk_evictions)
         yield evictions
         yield _gauge("loraplane_gpu_adapter_bytes_used", "Device bytes of pool", s.gpu_bytes_used)
         yield _gauge(

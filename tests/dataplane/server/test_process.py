@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.dataplane.server.conftest import free_port, spawn, wait_ready
+from tests.dataplane.server.conftest import spawn, wait_ready
+from tests.servers import free_port
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(tiny_llama_dir: Path) -> None:
