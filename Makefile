@@ -22,12 +22,15 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.run: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e ".[dataplane,controlplane,operator]"
+	$(PIP) install --quiet -e ".[dataplane,controlplane,operator,demo]"
 	touch $@
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# DEMO_ARGS: flags for `loraplane demo` (see `loraplane demo --help`), e.g.
+#   make demo DEMO_ARGS=--once      the scripted tour, then exit (0: everything behaved)
+#   make demo DEMO_ARGS="--port 9000 --controlplane-port 9080"   or --rebuild, --workdir DIR
 demo: $(VENV)/.run
 	$(VENV)/bin/loraplane demo $(DEMO_ARGS)
 

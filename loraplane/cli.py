@@ -84,12 +84,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from loraplane.demo.run import run_demo
-
-    return run_demo(Path(args.workdir), once=args.once)
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -107,14 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = sub.add_parser(
-        "demo",
-        help="run what is built so far on this machine (no network)",
-        description="Build a small model and adapters locally, then validate and store them.",
-    )
-    demo.add_argument("--once", action="store_true", help="run the scripted tour and exit")
-    demo.add_argument("--workdir", default=".loraplane/demo", help="where the demo keeps its files")
-    demo.set_defaults(func=_cmd_demo)
+    from loraplane.demo.cli import add_commands as add_demo
+
+    add_demo(sub)
 
     adapters = sub.add_parser("adapters", help="work with LoRA adapter files")
     asub = adapters.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)

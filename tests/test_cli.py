@@ -79,14 +79,3 @@ def test_help_explains_exit_codes() -> None:
     out = run("adapters", "validate", "--help")
     assert out.returncode == 0
     assert "Exit 0: valid" in out.stdout and "--base-model" in out.stdout
-
-
-def test_demo_once_stores_versions_and_rejects_bad_adapters(tmp_path: Path) -> None:
-    out = run("demo", "--once", "--workdir", str(tmp_path / "demo"))
-    assert out.returncode == 0, out.stderr
-    assert "acme/support-bot v1: new version" in out.stdout
-    assert "acme/support-bot v1: existing version (identical content)" in out.stdout
-    assert "acme/support-bot v2: new version" in out.stdout
-    assert "rejected: RankTooLarge" in out.stdout and "rejected: UnsupportedFormat" in out.stdout
-    stored = sorted(p.name for p in (tmp_path / "demo/store/adapters/acme/support-bot").iterdir())
-    assert stored[0].startswith("v1-") and stored[1].startswith("v2-") and stored[2] == "versions"

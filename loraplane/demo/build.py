@@ -1,8 +1,10 @@
 """Build small HF-format artefacts locally with numpy: a tokenizer, a Llama model, adapters.
 
-The demo must run with nothing from outside the machine, and without transformers: these
-writers produce the same files `save_pretrained` would (config.json, model.safetensors,
-tokenizer.json, adapter_config.json, adapter_model.safetensors), seeded.
+Seeded random weights, without transformers: these writers produce the same files
+`save_pretrained` would (config.json, model.safetensors, tokenizer.json, adapter_config.json,
+adapter_model.safetensors). Tests and benchmarks use them; the demo trains its model and
+adapters instead (`train.py`), and uses `build_tokenizer` and, for a rank-too-large upload,
+`build_adapter`.
 """
 
 from __future__ import annotations

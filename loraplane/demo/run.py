@@ -1,116 +1,143 @@
-"""`loraplane demo`: what is built so far, run for real on this machine.
+"""`loraplane demo`: the whole system on this machine, from nothing outside it.
 
-Today that is the adapter core: a small Llama model and three tenants' adapters are built
-locally, validated against the model, stored immutably (content-addressed, versioned) in a
-local object store, re-uploaded (same version), changed (next version), and two bad adapters
-are rejected with their reason codes. Serving joins when the engine and server land.
+1. Build (once; cached in the work folder): a small Llama and three tenants' LoRA adapters,
+   trained on CPU so each tenant's replies have its own voice.
+2. Start the control plane (SQLite, local store) and a data plane (CPU, catalog mode) on
+   localhost; register the pool, create tenants and keys, upload the adapters, all over REST.
+3. Serve until Ctrl-C, printing ready-to-paste examples; or, with `once`, run the scripted tour
+   (`tour.py`) and exit 0 when everything behaved.
 """
 
 from __future__ import annotations
 
-import json
+import signal
+import threading
 import time
 from pathlib import Path
+from types import FrameType
 
-from loraplane.adapters.base_model import BaseModelSpec
-from loraplane.adapters.errors import AdapterRejected
-from loraplane.adapters.ingest import AdapterVersion, ingest
-from loraplane.adapters.limits import AdapterLimits
-from loraplane.adapters.store.local import LocalStore
-from loraplane.demo.build import build_adapter, build_llama
+import httpx
 
-TENANTS = {"acme": 8, "globex": 16, "initech": 32}  # tenant -> adapter rank
-POOL_LIMITS = AdapterLimits(max_rank=64)
+from loraplane.demo import workspace
+from loraplane.demo.console import say, step
+from loraplane.demo.corpus import QUESTIONS
+from loraplane.demo.errors import DemoError
+from loraplane.demo.provision import Tenant, admin_client, provision, register_pool
+from loraplane.demo.stack import MAX_LORA_RANK, MAX_LORAS, POOL, Service, Stack, StackError, running
+from loraplane.demo.workspace import ADAPTERS, BASE_NAME, Workspace
 
-
-def _say(message: str) -> None:
-    print(message, flush=True)
-
-
-def _show(v: AdapterVersion) -> None:
-    state = "new version" if v.created else "existing version (identical content)"
-    _say(f"    {v.tenant}/{v.name} v{v.version}: {state}")
-    _say(
-        f"      rank {v.rank}, alpha {v.alpha:g}, {v.size_bytes / 1024:.0f} KiB, "
-        f"digest {v.digest[:16]}..."
-    )
-    _say(f"      stored at {v.path}")
+TOUR_STEPS = 5
 
 
-def run_demo(workdir: Path, once: bool = False) -> int:
-    """Run the tour; return the process exit code."""
+def _where(service: Service, asked: int) -> str:
+    taken = f" (port {asked} was taken)" if service.fell_back else ""
+    return f"{service.url}{taken}"
+
+
+def _build(ws: Workspace, rebuild: bool, number: int, total: int) -> float | None:
+    """Build unless a complete build is cached; the seconds it took (None: cached)."""
+    if ws.is_built() and not rebuild:
+        step(number, total, f"model and adapters: built earlier, in {ws.root}")
+        return None
+    workspace.require("torch", "transformers", "peft")
+    step(number, total, f"building the model and three tenants' adapters in {ws.root} "
+         "(once; CPU, seeded)")  # fmt: skip
+    seconds = workspace.build(ws, say)
+    say(f"  built in {seconds:.1f} s; later runs reuse it (--rebuild builds again)")
+    return seconds
+
+
+def _set_up(
+    stack: Stack, ws: Workspace, cp_port: int, number: int, total: int
+) -> dict[str, Tenant]:
+    step(number, total, f"control plane on {_where(stack.controlplane, cp_port)} "
+         "(SQLite catalog, local store); set-up through its REST API")  # fmt: skip
+    with admin_client(stack.controlplane.url, stack.admin_token) as admin:
+        register_pool(admin, BASE_NAME, ws.model)
+    say(f"    admin    POST /v1/pools {POOL}: base model {BASE_NAME} ({ws.model}), max rank "
+        f"{MAX_LORA_RANK}, {MAX_LORAS} adapter slots per replica")  # fmt: skip
+    stack.start_dataplane(ws.model, BASE_NAME)  # loads while the tenants are set up
+    adapters = {t: (name, ws.adapter(t)) for t, (name, _) in ADAPTERS.items()}
+    return provision(stack.controlplane.url, stack.admin_token, BASE_NAME, adapters, say)
+
+
+def run_demo(
+    workdir: Path,
+    once: bool = False,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    controlplane_port: int = 8080,
+    rebuild: bool = False,
+) -> int:
+    """Run the demo (see the module doc); return the process exit code."""
     start = time.perf_counter()
-    model_dir = workdir / "model"
-    if not (model_dir / "config.json").exists():
-        _say(f"[1/5] building a small Llama model in {model_dir} ...")
-        build_llama(model_dir, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
-    else:
-        _say(f"[1/5] using the model built earlier in {model_dir}")
-    base = BaseModelSpec.from_dir(model_dir, name="demo-llama")
-    store = LocalStore(workdir / "store")
-
-    _say(f"[2/5] validating and storing three tenants' adapters in {store.url()}")
-    for i, (tenant, rank) in enumerate(TENANTS.items()):
-        src = build_adapter(
-            model_dir, workdir / "uploads" / tenant, r=rank, lora_alpha=2 * rank, seed=i
-        )
-        _show(ingest(src, tenant, "support-bot", base, POOL_LIMITS, store))
-
-    _say("[3/5] re-uploading acme's adapter unchanged, then changed")
-    _show(ingest(workdir / "uploads" / "acme", "acme", "support-bot", base, POOL_LIMITS, store))
-    changed = build_adapter(model_dir, workdir / "uploads" / "acme-v2", r=8, lora_alpha=16, seed=99)
-    _show(ingest(changed, "acme", "support-bot", base, POOL_LIMITS, store))
-
-    _say("[4/5] uploading bad adapters: each is rejected with its reason, nothing is stored")
-    too_big = build_adapter(model_dir, workdir / "uploads" / "rank128", r=128, lora_alpha=16)
-    pickled = workdir / "uploads" / "pickled"
-    pickled.mkdir(parents=True, exist_ok=True)
-    (pickled / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    (pickled / "adapter_model.bin").write_bytes(b"\x80\x04 not unpickled, never opened")
-    for what, src in (("rank 128 (pool max 64)", too_big), ("pickle weights", pickled)):
-        try:
-            ingest(src, "acme", "bad", base, POOL_LIMITS, store)
-            _say(f"    {what}: unexpectedly accepted")
-            return 1
-        except AdapterRejected as e:
-            _say(f"    {what}: rejected: {e.code.value}: {e.message}")
-
-    _serve_mixed_batch(model_dir, store, base)
-    _say(f"done in {time.perf_counter() - start:.1f} s.")
-    _say(
-        "Still to come (see the project's issues): the control plane and the OpenAI-compatible "
-        "server in this demo, the operator, the Helm chart."
-    )
-    if not once:
-        _say("The demo does not serve over HTTP yet, so it exits here.")
+    total = 3 + (TOUR_STEPS if once else 1)
+    ws = Workspace(workdir.absolute())
+    try:
+        workspace.require("openai")  # the clients of the tour and the serving preview
+        build_s = _build(ws, rebuild, 1, total)
+        with running(ws.fresh_run_dir(), host, controlplane_port, port) as stack:
+            tenants = _set_up(stack, ws, controlplane_port, 2, total)
+            stack.wait_ready()
+            ready_s = time.perf_counter() - start
+            step(3, total, f"data plane on {_where(stack.dataplane, port)} (CPU, catalog mode): "
+                 f"ready; the system serves {ready_s:.1f} s after start")  # fmt: skip
+            if once:
+                _tour(stack, ws, tenants, total)
+                built = "cached" if build_s is None else f"{build_s:.1f} s (first run)"
+                say(f"tour done. build {built}, serving after {ready_s:.1f} s, whole run "
+                    f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+            else:
+                _serve(stack, tenants, total)
+        if not once:
+            say("stopped")
+    except DemoError as e:
+        say(f"demo failed: {e}")
+        return 1
+    except httpx.HTTPError as e:
+        say(f"demo failed: HTTP: {type(e).__name__}: {e}")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted; everything started was stopped")
+        return 130
     return 0
 
 
-def _serve_mixed_batch(model_dir: Path, store: LocalStore, base: BaseModelSpec) -> None:
-    """One continuous batch on CPU: the base model and every tenant's stored adapter."""
-    from loraplane.adapters.ingest import list_versions
-    from loraplane.dataplane.config import EngineConfig
-    from loraplane.dataplane.engine import Engine
-    from loraplane.dataplane.sampling import SamplingParams
-    from loraplane.dataplane.sequence import LoRARef
-    from loraplane.dataplane.tiers.disk import DiskTier
+def _tour(stack: Stack, ws: Workspace, tenants: dict[str, Tenant], total: int) -> None:
+    from loraplane.demo.tour import run_tour
 
-    _say("[5/5] serving one mixed batch: the base model and each tenant's adapter, from the store")
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_loras=4,
-                          num_kv_blocks=256, served_model_name=base.name)  # fmt: skip
-    engine = Engine(config, disk=DiskTier(store))
-    refs: list[LoRARef | None] = [None]
-    for tenant in TENANTS:
-        newest = list_versions(store, tenant, "support-bot")[-1]
-        ref = LoRARef("support-bot", tenant, newest.digest)
-        refs.append(engine.loras.register_stored(ref, newest.path))
-    prompt = "Many tenants share one base model"
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = engine.generate([prompt] * len(refs), params, refs)
-    for used, out in zip(refs, outs, strict=True):
-        who = "base model" if used is None else f"{used.tenant}/{used.name}"
-        _say(f"    {who:<22} -> token ids {out.token_ids[:8]}...")
-    distinct = len({tuple(o.token_ids) for o in outs})
-    _say(f"    {len(outs)} requests in one batch, {distinct} distinct outputs "
-         "(the model is random: the point is that each adapter changes it)")  # fmt: skip
-    engine.loras.close()
+    numbers = iter(range(4, total + 1))
+    run_tour(
+        stack.dataplane.url, stack.controlplane.url, stack.admin_token, BASE_NAME, tenants,
+        ws.model, {t: ws.adapter(t) for t in tenants}, ws.run / "scratch",
+        lambda title: step(next(numbers), total, title),
+    )  # fmt: skip
+
+
+def _serve(stack: Stack, tenants: dict[str, Tenant], total: int) -> None:
+    from loraplane.demo.examples import show_examples
+    from loraplane.demo.tour import preview
+
+    step(4, total, "serving; first, one question to the base model and each adapter")
+    preview(stack.dataplane.url, BASE_NAME, tenants, QUESTIONS[0])
+    say("")
+    show_examples(stack.dataplane.url, stack.controlplane.url, stack.admin_token, BASE_NAME,
+                  tenants)  # fmt: skip
+    say("")
+    say("serving until Ctrl-C (both services stop cleanly)")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.is_set():
+            if not (stack.controlplane.thread.is_alive() and stack.dataplane.thread.is_alive()):
+                raise StackError("a service stopped on its own")
+            stop.wait(0.5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    say("stopping: the data plane drains, then the control plane stops")

@@ -1,0 +1,66 @@
+"""Ready-to-paste examples for the running demo: real URLs, real keys."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from loraplane.demo.console import say
+from loraplane.demo.corpus import QUESTIONS
+from loraplane.demo.provision import Tenant
+from loraplane.demo.stack import POOL
+
+
+def curl_chat(dp_url: str, key: str, model: str, question: str) -> str:
+    """A curl command for one chat completion."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": 64,
+    }
+    return (
+        f"curl -s {dp_url}/v1/chat/completions \\\n"
+        f'  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\\n'
+        f"  -d {shlex.quote(json.dumps(body))}"
+    )
+
+
+def openai_snippet(dp_url: str, key: str, model: str, question: str) -> str:
+    """A Python snippet with the openai package."""
+    return (
+        "python - <<'EOF'\n"
+        "from openai import OpenAI\n"
+        f'client = OpenAI(base_url="{dp_url}/v1", api_key="{key}")\n'
+        f"reply = client.chat.completions.create(model={json.dumps(model)}, temperature=0,\n"
+        f'    messages=[{{"role": "user", "content": {json.dumps(question)}}}])\n'
+        "print(reply.choices[0].message.content)\n"
+        "EOF"
+    )
+
+
+def show_examples(
+    dp_url: str, cp_url: str, admin_token: str, base: str, tenants: dict[str, Tenant]
+) -> None:
+    """Print the tenants' keys and examples for both services."""
+    first = next(iter(tenants.values()))
+    say("  tenants, their API keys (shown once by the control plane) and adapters:")
+    for t in tenants.values():
+        say(f"    {t.name:<8} {t.key}  ->  {t.adapter} (rank {t.rank}, v{t.version})")
+    say(f"  admin token (control plane): {admin_token}")
+    say("  the model knows these questions: " + "; ".join(QUESTIONS))
+    say("")
+    say(f"# chat with {first.name}'s adapter (try model {base!r} or another key):")
+    say(curl_chat(dp_url, first.key, first.adapter, QUESTIONS[1]))
+    say("")
+    last = list(tenants.values())[-1]
+    say(f"# with the openai package, as {last.name}:")
+    say(openai_snippet(dp_url, last.key, last.adapter, QUESTIONS[2]))
+    say("")
+    say("# what a tenant's key sees, slot pressure, and the control plane's view:")
+    say(f'curl -s {dp_url}/v1/models -H "Authorization: Bearer {first.key}"')
+    wanted = "^(vllm:|loraplane_adapter_resident|loraplane_tokens)"
+    say(f"curl -s {dp_url}/metrics | grep -E '{wanted}'")
+    say(f'curl -s {cp_url}/v1/pools/{POOL} -H "Authorization: Bearer {admin_token}"')
+    say(f'curl -s {cp_url}/v1/adapters -H "Authorization: Bearer {first.key}"')
+    say(f"# API docs: {cp_url}/docs  (control plane), {dp_url}/docs (data plane)")

@@ -1,0 +1,171 @@
+"""Start and stop the demo's two services on this machine: the control plane and a data plane.
+
+Both run under uvicorn, each on its own thread of this process, on sockets bound here (the
+asked-for port, or a free one when it is taken). The control plane keeps its catalog in SQLite
+and its adapter versions in a local store under the run folder; the data plane runs in catalog
+mode on the CPU, resolving tenants' keys and adapters through the control plane and loading
+stored versions from the same store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from loraplane.demo.errors import DemoError
+
+POOL = "demo"
+MAX_LORAS = 2  # device slots: three tenants' adapters share two, so requests get deferred
+MAX_LORA_RANK = 32
+STARTUP_TIMEOUT_S = 120.0
+
+
+class StackError(DemoError):
+    """A service did not start."""
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """One running uvicorn server."""
+
+    name: str
+    url: str
+    port: int
+    fell_back: bool  # the asked-for port was taken
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the server to exit (finishing its lifespan) and wait for its thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def bind(host: str, port: int) -> tuple[socket.socket, bool]:
+    """A socket bound to `port`, or to a free port if that one is taken; (socket, fell back)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        return sock, False
+    except OSError:
+        sock.bind((host, 0))
+        return sock, True
+
+
+def serve(name: str, app: FastAPI, host: str, port: int) -> Service:
+    """Run `app` under uvicorn on a thread, on `port` or a free one if it is taken."""
+    sock, fell_back = bind(host, port)
+    bound = int(sock.getsockname()[1])
+    config = uvicorn.Config(app, host=host, port=bound, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
+    thread.start()
+    shown = f"[{host}]" if ":" in host else host
+    return Service(name, f"http://{shown}:{bound}", bound, fell_back, server, thread)
+
+
+def wait_ready(service: Service, path: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Poll `path` until it answers 200; StackError if the thread dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not service.thread.is_alive():
+            raise StackError(f"the {service.name} stopped while starting")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(service.url + path, timeout=2).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise StackError(f"the {service.name} at {service.url} was not ready after {timeout:.0f} s")
+
+
+def start_controlplane(run_dir: Path, host: str, port: int, admin: str, service: str) -> Service:
+    """The control plane on SQLite and a local store under `run_dir`, ready to use."""
+    from pydantic import SecretStr
+
+    from loraplane.controlplane.main import create_app
+    from loraplane.controlplane.settings import Settings
+
+    settings = Settings(
+        data_dir=run_dir, database_url=f"sqlite:///{run_dir / 'catalog.db'}",
+        store=str(run_dir / "store"), admin_token=SecretStr(admin),
+        service_token=SecretStr(service),
+    )  # fmt: skip
+    svc = serve("control plane", create_app(settings), host, port)
+    wait_ready(svc, "/readyz")
+    return svc
+
+
+def start_dataplane(
+    model: Path, base_name: str, run_dir: Path, host: str, port: int, cp_url: str, service: str
+) -> Service:
+    """A CPU data plane in catalog mode; it loads the model in the background (see /ready)."""
+    from loraplane.dataplane.server.app import create_app
+    from loraplane.dataplane.server.settings import ServerSettings
+
+    settings = ServerSettings(
+        model=str(model), served_model_name=base_name, controlplane_url=cp_url,
+        service_token=service, store=str(run_dir / "store"), pool=POOL, device="cpu",
+        dtype="float32", host=host, port=port, max_loras=MAX_LORAS,
+        max_lora_rank=MAX_LORA_RANK, max_cpu_loras=8, num_kv_blocks=512,
+        pressure_interval_s=1.0, resolve_ttl_s=5.0, shutdown_grace_s=5.0,
+    )  # fmt: skip
+    return serve("data plane", create_app(settings), host, port)
+
+
+class Stack:
+    """The running system: the control plane, then the data plane, and the demo's tokens."""
+
+    def __init__(self, run_dir: Path, host: str, cp_port: int, dp_port: int) -> None:
+        self.run_dir, self.host, self.dp_port = run_dir, host, dp_port
+        self.admin_token = secrets.token_urlsafe(32)
+        self.service_token = secrets.token_urlsafe(32)
+        self.controlplane = start_controlplane(
+            run_dir, host, cp_port, self.admin_token, self.service_token
+        )
+        self._dataplane: Service | None = None
+
+    @property
+    def dataplane(self) -> Service:
+        """The data plane (StackError before `start_dataplane`)."""
+        if self._dataplane is None:
+            raise StackError("the data plane was not started")
+        return self._dataplane
+
+    def start_dataplane(self, model: Path, base_name: str) -> Service:
+        """Start the data plane; it loads the model in the background (see `wait_ready`)."""
+        self._dataplane = start_dataplane(
+            model, base_name, self.run_dir, self.host, self.dp_port, self.controlplane.url,
+            self.service_token,
+        )  # fmt: skip
+        return self._dataplane
+
+    def wait_ready(self) -> None:
+        """Wait until the data plane has loaded its model."""
+        wait_ready(self.dataplane, "/ready")
+
+    def stop(self) -> None:
+        """Stop the data plane (it drains, then sends its last report), then the control plane."""
+        if self._dataplane is not None:
+            self._dataplane.stop()
+        self.controlplane.stop()
+
+
+@contextlib.contextmanager
+def running(run_dir: Path, host: str, cp_port: int, dp_port: int) -> Iterator[Stack]:
+    """A stack with its control plane up; everything started is stopped on exit."""
+    stack = Stack(run_dir, host, cp_port, dp_port)
+    try:
+        yield stack
+    finally:
+        stack.stop()
