@@ -106,7 +106,8 @@ def bytes_per_step(engine: Engine, adapters: int) -> tuple[float, float]:
         for n, p in engine.runner.model.named_parameters()
         if "embed_tokens" not in n
     )  # fmt: skip  (a decode step gathers 64 embedding rows)
-    one = engine.runner.pool.bytes_needed(next(iter(engine.loras._entries.values())).adapter)
+    first = next(iter(engine.loras.registered))
+    one = engine.runner.pool.bytes_needed(engine.loras.host_copy(first))
     return float(base), float(one * adapters)
 
 

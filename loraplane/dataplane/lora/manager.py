@@ -158,6 +158,13 @@ class LoRAManager:
         """Adapters in device slots now."""
         return [self._entries[k].ref for k in list(self._slots.values())]
 
+    def host_copy(self, ref: LoRARef) -> LoadedAdapter:
+        """The adapter's weights in host memory (KeyError if it is not loaded there)."""
+        host = self._entries[ref.key].host
+        if host is None:
+            raise KeyError(f"adapter {ref.key} is not in host memory")
+        return host
+
     @property
     def in_host(self) -> list[LoRARef]:
         """Adapters in host memory now."""
