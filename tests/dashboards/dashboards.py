@@ -17,7 +17,6 @@ DASHBOARDS = ROOT / "charts" / "loraplane" / "dashboards"
 EXTERNAL: dict[str, str] = {
     "kube_deployment_spec_replicas": "kube-state-metrics (a pool Deployment's desired replicas)",
     "kube_deployment_status_replicas_ready": "kube-state-metrics (its ready replicas)",
-    "loraplane_requests_total": "not exported yet: data plane requests by tenant and code",
     "loraplane_pool_desired_replicas": "not exported yet: the operator's desired replicas",
     "loraplane_pool_replicas_bound": "not exported yet: a pool's replicas.min/max",
     "loraplane_pool_autoscaling_target": "not exported yet: a pool's autoscaling targets",

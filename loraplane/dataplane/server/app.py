@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from loraplane.dataplane.server import admin_routes, openai_routes
 from loraplane.dataplane.server.errors import install_error_handlers
+from loraplane.dataplane.server.request_metrics import RequestCounter
 from loraplane.dataplane.server.runtime import Runtime, StartupError
 from loraplane.dataplane.server.settings import ServerSettings
 
@@ -63,4 +64,5 @@ def create_app(settings: ServerSettings, on_fatal: Callable[[str], None] | None 
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    app.add_middleware(RequestCounter, counter=runtime.metrics.requests)
     return app

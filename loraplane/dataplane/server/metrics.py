@@ -202,6 +202,12 @@ class ServerMetrics:
         self.cpu_hits = 0  # catalog-mode resolutions found already registered
         self.cpu_evictions = 0  # adapters unregistered (unload)
         self.gpu_load_errors = 0
+        self.requests = PromCounter(
+            "loraplane_requests",
+            "Generation requests per tenant and HTTP status code",
+            ["tenant", "code"],
+            registry=self.registry,
+        )
         self.tokens = PromCounter(
             "loraplane_tokens",
             "Prompt and completion tokens per tenant",

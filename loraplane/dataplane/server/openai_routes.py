@@ -120,6 +120,7 @@ async def _serve(
     *,
     chat: bool,
 ) -> Response:
+    request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
     _check_tokens(runtime, prompts)
     limit = runtime.max_model_len
     wanted = body.requested_max_tokens

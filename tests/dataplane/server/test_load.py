@@ -111,6 +111,7 @@ def test_200_concurrent_streams_over_20_adapters_match_requests_run_alone(server
         assert name in after, name
         assert all(labels <= set(lab) for lab, _ in after[name]), name
     moved = [
+        ("loraplane_requests_total", {"tenant": "default", "code": "200"}),
         ("loraplane_tokens_total", {"kind": "completion", "tenant": "default"}),
         ("loraplane_tokens_total", {"kind": "prompt"}),
         ("loraplane_time_to_first_token_seconds_count", {}),
@@ -123,6 +124,10 @@ def test_200_concurrent_streams_over_20_adapters_match_requests_run_alone(server
     ]
     for name, labels in moved:
         assert total(after, name, **labels) > total(before, name, **labels), name
+    served = total(after, "loraplane_requests_total", tenant="default", code="200")
+    assert served - total(before, "loraplane_requests_total", tenant="default", code="200") == (
+        NUM_REQUESTS
+    )
     assert (
         total(after, "loraplane_time_to_first_token_seconds_count")
         - total(before, "loraplane_time_to_first_token_seconds_count")
