@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -11,6 +12,9 @@ from loraplane.adapters.store.base import ObjectStore
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.ratelimit import RateLimiter
 from loraplane.controlplane.settings import Settings
+
+if TYPE_CHECKING:  # the Kubernetes client is needed only in cluster mode
+    from loraplane.controlplane.cluster import AdapterResources
 
 
 @dataclass(slots=True)
@@ -25,6 +29,8 @@ class AppContext:
     store: ObjectStore
     limiter: RateLimiter
     metrics: Metrics
+    # Cluster mode (LORAPLANE_KUBERNETES=1): the tenants' LoRAAdapter resources; else None.
+    cluster: AdapterResources | None = None
 
     @property
     def admin_token(self) -> str:

@@ -135,6 +135,7 @@ STATUS: dict[type[ControlPlaneError], int] = {
     InvalidBaseModel: 422,
     SourceNotAllowed: 422,
     SourceNotFound: 422,
+    RetryLater: 503,  # a dependency that comes back (the database, the Kubernetes API)
     RateLimited: 429,
     DatabaseUnavailable: 503,
 }

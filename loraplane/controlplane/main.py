@@ -7,7 +7,7 @@ deployment, an unreachable database, or an outdated schema outside embedded mode
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -21,11 +21,42 @@ from loraplane.controlplane.metrics import Metrics, MetricsMiddleware
 from loraplane.controlplane.ratelimit import RateLimiter
 from loraplane.controlplane.settings import Settings, StartupError, resolve_tokens
 
+if TYPE_CHECKING:
+    from kubernetes.client import Configuration
+
+    from loraplane.controlplane.cluster import AdapterResources
+
 log = logging.getLogger(__name__)
 
 
-def build_context(settings: Settings) -> AppContext:
-    """Check the settings, reach the database (migrating SQLite), open the store."""
+def open_cluster(
+    settings: Settings, configuration: Configuration | None
+) -> AdapterResources | None:
+    """Cluster mode's Kubernetes API: `configuration` (tests), else in-cluster or KUBECONFIG."""
+    if not settings.kubernetes:
+        return None
+    try:
+        from loraplane.controlplane import cluster
+    except ImportError as exc:
+        raise StartupError(
+            f"LORAPLANE_KUBERNETES=1 needs the kubernetes client (kubernetes==37.0.0): {exc}"
+        ) from exc
+    if configuration is None:
+        try:
+            configuration = cluster.load_configuration()
+        except Exception as exc:
+            raise StartupError(
+                "LORAPLANE_KUBERNETES=1: no Kubernetes credentials (neither in-cluster nor "
+                f"KUBECONFIG): {exc}"
+            ) from exc
+    return cluster.AdapterResources(configuration, retry_after=settings.retry_after_seconds)
+
+
+def build_context(
+    settings: Settings, *, kube_configuration: Configuration | None = None
+) -> AppContext:
+    """Check the settings, reach the database (migrating SQLite), open the store, and in
+    cluster mode the Kubernetes API (`kube_configuration` overrides the environment's)."""
     settings = resolve_tokens(settings)
     try:
         store = open_store(settings.effective_store)
@@ -40,6 +71,7 @@ def build_context(settings: Settings) -> AppContext:
     except Exception as exc:
         raise StartupError(f"LORAPLANE_DATABASE_URL: {exc}") from exc
     db.prepare_schema(engine, migrate=settings.is_sqlite)
+    resources = open_cluster(settings, kube_configuration)
     return AppContext(
         settings=settings,
         engine=engine,
@@ -50,12 +82,20 @@ def build_context(settings: Settings) -> AppContext:
         store=store,
         limiter=RateLimiter(),
         metrics=Metrics(),
+        cluster=resources,
     )
 
 
-def create_app(settings: Settings | None = None, *, context: AppContext | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    context: AppContext | None = None,
+    kube_configuration: Configuration | None = None,
+) -> FastAPI:
     """The control plane app; `settings` default to the environment (read here, once)."""
-    ctx = context or build_context(settings if settings is not None else Settings())
+    ctx = context or build_context(
+        settings if settings is not None else Settings(), kube_configuration=kube_configuration
+    )
     app = FastAPI(
         title="loraplane control plane",
         version="1",
@@ -68,9 +108,10 @@ def create_app(settings: Settings | None = None, *, context: AppContext | None =
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     log.info(
-        "control plane ready: database %s, store %s",
+        "control plane ready: database %s, store %s, %s",
         ctx.engine.url.render_as_string(hide_password=True),
         ctx.store.url(),
+        "cluster mode (uploads become LoRAAdapters)" if ctx.cluster else "in-process ingest",
     )
     return app
 

@@ -35,7 +35,10 @@ class Settings(BaseSettings):
     store: str | None = Field(default=None, description="local directory or s3://bucket/prefix")
     admin_token: SecretStr | None = None
     service_token: SecretStr | None = None
-    kubernetes: bool = False
+    kubernetes: bool = Field(
+        default=False,
+        description="cluster mode: uploads become LoRAAdapter resources the operator ingests",
+    )
     max_upload_bytes: int = Field(default=4 * GiB + (1 << 20), gt=0)
     import_buckets: Annotated[list[str], NoDecode] = Field(default_factory=list)
     s3_endpoint_url: str | None = None
@@ -112,12 +115,6 @@ def resolve_tokens(settings: Settings) -> Settings:
     Returns settings whose admin and service tokens are set. Raises StartupError naming the
     variable when a deployment lacks a token or has a weak one.
     """
-    if settings.kubernetes:
-        raise StartupError(
-            "LORAPLANE_KUBERNETES=1: cluster mode (uploads become LoRAAdapter resources that "
-            "the operator ingests) is not implemented yet; unset LORAPLANE_KUBERNETES to run "
-            "the control plane with in-process ingest"
-        )
     updates: dict[str, SecretStr] = {}
     for field, var, filename in (
         ("admin_token", "LORAPLANE_ADMIN_TOKEN", "admin-token"),

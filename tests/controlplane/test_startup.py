@@ -72,12 +72,6 @@ def test_deployment_with_missing_or_weak_token_fails_naming_the_variable(
         create_app(settings)
 
 
-def test_kubernetes_mode_is_not_implemented_and_says_so(tmp_path: Path) -> None:
-    settings = make_settings(tmp_path, f"sqlite:///{tmp_path}/x.db", kubernetes=True)
-    with pytest.raises(StartupError, match="LORAPLANE_KUBERNETES"):
-        create_app(settings)
-
-
 def test_unreachable_database_fails_at_start(tmp_path: Path) -> None:
     url = f"postgresql+psycopg://u@127.0.0.1:{pg.free_port()}/x"
     settings = make_settings(tmp_path, url, admin_token=SecretStr(STRONG))

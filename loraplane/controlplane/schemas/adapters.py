@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import date, datetime
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -56,6 +57,16 @@ class UploadResult(BaseModel):
     created: bool
     current_version: int | None
     version: VersionPublic
+
+
+class StagedAdapter(BaseModel):
+    """Cluster mode: the upload is staged and the tenant's LoRAAdapter points at it; the
+    operator ingests it and records the version (GET /v1/adapters/{name} then shows it)."""
+
+    name: str
+    state: Literal["staged"] = "staged"
+    source_uri: str
+    resource: str = Field(description="the LoRAAdapter, as <namespace>/<name>")
 
 
 class UsagePublic(Public):

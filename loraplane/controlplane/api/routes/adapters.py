@@ -9,11 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request, Response, status
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from loraplane.controlplane.api.deps import CallerDep, ContextDep, SessionDep
+from loraplane.controlplane import staging
+from loraplane.controlplane.api.deps import Caller, CallerDep, ContextDep, SessionDep
 from loraplane.controlplane.api.responses import errors
+from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud
 from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge
 from loraplane.controlplane.ingestion import fetch_import, ingest_adapter
@@ -21,6 +25,7 @@ from loraplane.controlplane.schemas.adapters import (
     AdapterImport,
     AdapterPublic,
     AdapterUpdate,
+    StagedAdapter,
     UploadResult,
     VersionPublic,
 )
@@ -76,8 +81,12 @@ def adapter_public(view: crud.AdapterView) -> AdapterPublic:
     response_model=UploadResult,
     status_code=status.HTTP_201_CREATED,
     responses={
-        **errors(409, 413, 422),
+        **errors(409, 413, 422, 503),
         200: {"model": UploadResult, "description": "identical content: that version"},
+        202: {
+            "model": StagedAdapter,
+            "description": "cluster mode: staged; the operator ingests it",
+        },
     },
     openapi_extra=UPLOAD_BODY,
 )
@@ -87,11 +96,13 @@ async def upload_adapter(
     ctx: ContextDep,
     session: SessionDep,
     caller: CallerDep,
-) -> UploadResult:
+) -> UploadResult | JSONResponse:
     """Upload an adapter (multipart) or import one from an allowlisted S3 bucket (JSON).
 
     New content becomes the next version (201); content identical to a version answers that
     version (200); a rejected adapter answers 422 with its reason code and stores nothing.
+    In cluster mode a valid adapter is staged and the tenant's LoRAAdapter points at it
+    (202); the operator ingests it and records the version.
     """
     cap = ctx.settings.max_upload_bytes
     length = request.headers.get("content-length", "")
@@ -112,11 +123,15 @@ async def upload_adapter(
         elif kind == "application/json":
             body = await _json_body(request)
             name, base_model = body.name, body.base_model
+            if ctx.cluster is not None:
+                return await _staged(ctx, session, caller, name, base_model, body.source_uri)
             source = await run_in_threadpool(
                 fetch_import, ctx.settings, body.source_uri, workdir, max_bytes=cap
             )
         else:
             raise InvalidRequest("send multipart/form-data (files) or application/json (import)")
+        if ctx.cluster is not None:
+            return await _staged(ctx, session, caller, name, base_model, source)
         result = await run_in_threadpool(
             lambda: ingest_adapter(
                 session,
@@ -139,6 +154,49 @@ async def upload_adapter(
         current_version=result.adapter.current_version,
         version=VersionPublic.model_validate(result.version),
     )
+
+
+async def _staged(
+    ctx: AppContext,
+    session: Session,
+    caller: Caller,
+    name: str,
+    base_model: str,
+    source: Path | str,
+) -> JSONResponse:
+    """Cluster mode: stage an upload (a local path) or point at an import (an s3:// URI)."""
+    resources = ctx.cluster
+    assert resources is not None
+    if isinstance(source, Path):
+        staged = await run_in_threadpool(
+            lambda: staging.stage_upload(
+                session,
+                factory=ctx.sessions,
+                store=ctx.store,
+                resources=resources,
+                settings=ctx.settings,
+                tenant=caller.tenant,
+                name=name,
+                base_model=base_model,
+                source=source,
+                actor=caller.actor,
+            )
+        )
+    else:
+        staged = await run_in_threadpool(
+            lambda: staging.stage_import(
+                session,
+                resources=resources,
+                settings=ctx.settings,
+                tenant=caller.tenant,
+                name=name,
+                base_model=base_model,
+                source_uri=source,
+                actor=caller.actor,
+            )
+        )
+    body = StagedAdapter(name=staged.name, source_uri=staged.source_uri, resource=staged.resource)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status.HTTP_202_ACCEPTED)
 
 
 async def _json_body(request: Request) -> AdapterImport:
@@ -189,7 +247,14 @@ def update_adapter(
     return adapter_public(crud.get_adapter_view(session, tenant=caller.tenant, name=name))
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404))
-def delete_adapter(name: str, session: SessionDep, caller: CallerDep) -> None:
-    """Stop serving an adapter; its versions stay stored and recorded."""
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 503))
+def delete_adapter(name: str, ctx: ContextDep, session: SessionDep, caller: CallerDep) -> None:
+    """Stop serving an adapter; its versions stay stored and recorded.
+
+    In cluster mode the tenant's LoRAAdapter is deleted (the operator's finalizer then marks
+    the catalog); with no such resource the catalog's adapter is marked here.
+    """
+    if ctx.cluster is not None and ctx.cluster.delete(caller.tenant.namespace, name):
+        staging.audit_delete(session, tenant=caller.tenant, name=name, actor=caller.actor)
+        return
     crud.delete_adapter(session, tenant=caller.tenant, name=name, actor=caller.actor)
