@@ -62,10 +62,13 @@ CHART_SECRETS: dict[str, Any] = {
     "controlplane": {"replicas": 2},
 }
 
+CLUSTER_MODE: dict[str, Any] = {**PRODUCTION, "controlplane": {"replicas": 2, "clusterMode": True}}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "default": {},
     "production": PRODUCTION,
     "chart-secrets": CHART_SECRETS,
+    "cluster-mode": CLUSTER_MODE,
 }
 
 

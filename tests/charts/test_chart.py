@@ -19,6 +19,7 @@ from tests.charts.render import (
     ADMIN,
     CHART,
     CHART_SECRETS,
+    CLUSTER_MODE,
     NAMESPACE,
     PRODUCTION,
     RELEASE,
@@ -142,9 +143,8 @@ def test_secrets_the_pods_read_are_rendered_or_named_in_values(
 ) -> None:
     name, docs = scenario
     rendered = {d["metadata"]["name"]: d for d in find(docs, "Secret")}
-    existing = (
-        {"loraplane-tokens", "loraplane-db", "loraplane-s3"} if name == "production" else set()
-    )
+    uses_existing = name in ("production", "cluster-mode")
+    existing = {"loraplane-tokens", "loraplane-db", "loraplane-s3"} if uses_existing else set()
     for workload, pod in pod_specs(docs):
         (container,) = pod["containers"]
         for env in container["env"]:
@@ -163,7 +163,7 @@ def test_secrets_the_pods_read_are_rendered_or_named_in_values(
 def test_pods_run_non_root_with_read_only_root_filesystems_resources_and_probes(
     scenario: tuple[str, list[Manifest]],
 ) -> None:
-    _, docs = scenario
+    name, docs = scenario
     for workload, pod in pod_specs(docs):
         assert pod["securityContext"]["runAsNonRoot"] is True
         (container,) = pod["containers"]
@@ -178,7 +178,8 @@ def test_pods_run_non_root_with_read_only_root_filesystems_resources_and_probes(
         if workload["metadata"]["name"] == f"{FULL}-controlplane":
             assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
             assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-            assert pod["automountServiceAccountToken"] is False
+            # only cluster mode calls the Kubernetes API (it creates LoRAAdapters)
+            assert pod["automountServiceAccountToken"] is (name == "cluster-mode")
 
 
 def test_default_install_uses_the_app_version_image_sqlite_and_no_migrations_job() -> None:
@@ -360,6 +361,25 @@ def test_control_plane_gets_no_kubernetes_api_access() -> None:
     assert f"{FULL}-controlplane" not in subjects
     sa = one(docs, "ServiceAccount", f"{FULL}-controlplane")
     assert sa["automountServiceAccountToken"] is False
+
+
+def test_cluster_mode_gives_the_control_plane_exactly_loraadapter_access() -> None:
+    docs = render(CLUSTER_MODE)
+    role = one(docs, "ClusterRole", f"{FULL}-controlplane")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["loraplane.io"],
+            "resources": ["loraadapters"],
+            "verbs": ["get", "create", "patch", "delete"],
+        }
+    ]
+    binding = one(docs, "ClusterRoleBinding", f"{FULL}-controlplane")
+    assert binding["subjects"][0]["name"] == f"{FULL}-controlplane"
+    deployment = one(docs, "Deployment", f"{FULL}-controlplane")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["LORAPLANE_KUBERNETES"] == "1"
 
 
 def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
