@@ -48,3 +48,27 @@ def peft_adapters(
         name: build_peft_adapter(tiny_llama_dir, root / name, seed=i, **dict(cfg))
         for i, (name, cfg) in enumerate(ADAPTER_CONFIGS.items())
     }
+
+
+@pytest.fixture(scope="session")
+def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with only the tiny base model's config.json (all validation and pools need)."""
+    import json
+
+    from tests.adapters.crafting import TINY_BASE_CONFIG
+
+    folder = tmp_path_factory.mktemp("base-model")
+    (folder / "config.json").write_text(json.dumps(TINY_BASE_CONFIG))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite catalog migrated once; each test copies it."""
+    from loraplane.controlplane import db
+
+    path = tmp_path_factory.mktemp("sqlite") / "template.db"
+    engine = db.make_engine(f"sqlite:///{path}")
+    db.upgrade(engine)
+    engine.dispose()
+    return path

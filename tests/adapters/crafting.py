@@ -13,6 +13,17 @@ from safetensors.numpy import save_file
 from loraplane.adapters.base_model import BaseModelSpec
 
 PREFIX = "base_model.model."
+# The tiny base model the adapter, control plane and operator tests validate against.
+TINY_BASE_NAME = "tiny"
+TINY_BASE_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TINY_BASE = BaseModelSpec.from_config(TINY_BASE_CONFIG, TINY_BASE_NAME)
 
 
 def lora_tensors(

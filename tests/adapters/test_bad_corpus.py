@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.ingest import ingest
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.store.local import LocalStore
 from tests.adapters.crafting import (
     PREFIX,
+    TINY_BASE,
     f32_entry,
     lora_config,
     lora_tensors,
@@ -29,11 +29,7 @@ from tests.adapters.crafting import (
     write_adapter,
 )
 
-BASE = BaseModelSpec.from_config(
-    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
-    "tiny",
-)  # fmt: skip
+BASE = TINY_BASE
 Q0 = PREFIX + "model.layers.0.self_attn.q_proj"
 Code = ReasonCode
 Builder = Callable[[Path], Path]

@@ -8,7 +8,6 @@ postgres-marked tests are skipped with the reason.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -23,26 +22,23 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from sqlalchemy import create_engine, text
 
-from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.controlplane import db
 from loraplane.controlplane.main import create_app
 from loraplane.controlplane.models import Base
 from loraplane.controlplane.settings import Settings
-from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
+from tests.adapters.crafting import (
+    TINY_BASE,
+    TINY_BASE_CONFIG,
+    TINY_BASE_NAME,
+    lora_config,
+    lora_tensors,
+    write_adapter,
+)
 from tests.controlplane import pg
 
 ADMIN = "admin-" + "a1b2c3d4e5f6g7h8i9j0" * 2
 SERVICE = "service-" + "k1l2m3n4o5p6q7r8s9t0" * 2
-BASE_NAME = "tiny"
-BASE_CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-BASE = BaseModelSpec.from_config(BASE_CONFIG, BASE_NAME)
+BASE_NAME, BASE_CONFIG, BASE = TINY_BASE_NAME, TINY_BASE_CONFIG, TINY_BASE
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
@@ -77,16 +73,6 @@ def pg_test_url(pg_admin_url: str) -> str:
     return url
 
 
-@pytest.fixture(scope="session")
-def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A SQLite catalog migrated once; each test gets a copy."""
-    path = tmp_path_factory.mktemp("sqlite") / "template.db"
-    engine = db.make_engine(f"sqlite:///{path}")
-    db.upgrade(engine)
-    engine.dispose()
-    return path
-
-
 def truncate_all(url: str) -> None:
     """Empty every table (and restart ids) in a PostgreSQL catalog."""
     engine = create_engine(url)
@@ -109,14 +95,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 # -- the app ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder with the tiny base model's config.json (all a pool needs)."""
-    folder = tmp_path_factory.mktemp("base-model")
-    (folder / "config.json").write_text(json.dumps(BASE_CONFIG))
-    return folder
 
 
 def make_settings(tmp: Path, database_url: str, **overrides: Any) -> Settings:

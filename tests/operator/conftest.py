@@ -3,7 +3,6 @@ the control plane on SQLite (uvicorn on a free port), and a Kopf operator starte
 
 from __future__ import annotations
 
-import json
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,15 +15,14 @@ import pytest
 from kubernetes import client
 from pydantic import SecretStr
 
-from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.store import LocalStore, ObjectStore
-from loraplane.controlplane import db
 from loraplane.controlplane.main import create_app
 from loraplane.controlplane.settings import Settings
 from loraplane.operator.context import OperatorContext
 from loraplane.operator.settings import OperatorSettings
 from loraplane.operator.specs import API_VERSION, GROUP, VERSION
 from tests import s3server
+from tests.adapters.crafting import TINY_BASE, TINY_BASE_CONFIG, TINY_BASE_NAME
 from tests.operator.emulator import EmulatorThread, running_emulator
 from tests.operator.harness import OperatorThread, UvicornThread, wait_for
 
@@ -35,16 +33,7 @@ ADMIN = "admin-" + "a1b2c3d4e5f6g7h8i9j0" * 2
 SERVICE = "service-" + "k1l2m3n4o5p6q7r8s9t0" * 2
 TENANT = "team-a"
 PLATFORM = "loraplane-system"
-BASE_NAME = "tiny"
-BASE_CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-BASE = BaseModelSpec.from_config(BASE_CONFIG, BASE_NAME)
+BASE_NAME, BASE_CONFIG, BASE = TINY_BASE_NAME, TINY_BASE_CONFIG, TINY_BASE
 BUCKET = "tenant-sources"
 
 
@@ -60,24 +49,6 @@ def s3_endpoint() -> Iterator[str]:
 def s3(s3_endpoint: str) -> S3Client:
     """A boto3 client of the moto server."""
     return s3server.s3_client(s3_endpoint)
-
-
-@pytest.fixture(scope="session")
-def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A base model folder holding only config.json (all validation needs)."""
-    folder = tmp_path_factory.mktemp("base-model")
-    (folder / "config.json").write_text(json.dumps(BASE_CONFIG))
-    return folder
-
-
-@pytest.fixture(scope="session")
-def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A migrated SQLite catalog; each test copies it."""
-    path = tmp_path_factory.mktemp("catalog") / "template.db"
-    engine = db.make_engine(f"sqlite:///{path}")
-    db.upgrade(engine)
-    engine.dispose()
-    return path
 
 
 @dataclass
