@@ -26,13 +26,17 @@ from loraplane.operator.settings import OperatorSettings
 from loraplane.operator.sources import fetch_upload
 from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
 from tests.controlplane.conftest import ADMIN, BASE, BASE_NAME, SERVICE, bearer
-from tests.operator.conftest import PLATFORM, Cluster, pool_body
-from tests.operator.emulator import running_emulator
+from tests.operator.conftest import (  # `cluster` is a fixture: pytest finds it here
+    PLATFORM,
+    TENANT,
+    Cluster,
+    cluster,
+    pool_body,
+)
 from tests.operator.harness import OperatorThread, UvicornThread, wait_for
 
 pytestmark = pytest.mark.k8s
 
-TENANT = "team-a"
 IMPORT_BUCKET = "tenant-imports"
 
 
@@ -54,21 +58,6 @@ class ClusterPlane:
 
     def staged(self) -> list[str]:
         return self.store.list_keys("uploads/")
-
-
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    """A fresh emulated Kubernetes API with the tenant's and the platform's namespaces."""
-    with running_emulator() as emulator:
-        configuration = client.Configuration()
-        configuration.host = emulator.url
-        api = client.ApiClient(configuration)
-        result = Cluster(emulator, api)
-        for ns in (TENANT, PLATFORM):
-            namespace = client.V1Namespace(metadata=client.V1ObjectMeta(name=ns))
-            result.core.create_namespace(namespace)
-        yield result
-        api.close()  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture
