@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,13 +25,20 @@ class AppContext:
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
-    # Autocommit sessions for the read-mostly hot path: no BEGIN/ROLLBACK round trips.
-    autocommit_sessions: sessionmaker[Session]
+    # The resolve path's own engine: autocommit (no BEGIN/ROLLBACK round trips), no pre-ping,
+    # a fixed pool; `resolve_slots` admits as many resolutions at once as it has connections.
+    resolve_engine: Engine
+    resolve_slots: asyncio.Semaphore
     store: ObjectStore
     limiter: RateLimiter
     metrics: Metrics
     # Cluster mode (LORAPLANE_KUBERNETES=1): the tenants' LoRAAdapter resources; else None.
     cluster: AdapterResources | None = None
+
+    def close(self) -> None:
+        """Close every database connection the service holds."""
+        self.engine.dispose()
+        self.resolve_engine.dispose()
 
     @property
     def admin_token(self) -> str:

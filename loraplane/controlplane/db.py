@@ -29,9 +29,20 @@ THREADPOOL_TOKENS = 40  # anyio's default thread limit, which Starlette's thread
 
 
 def make_engine(
-    url: str, *, pool_size: int = 10, connect_timeout: int = 3, echo: bool = False
+    url: str,
+    *,
+    pool_size: int = 10,
+    connect_timeout: int = 3,
+    echo: bool = False,
+    pre_ping: bool = True,
+    max_overflow: int | None = None,
 ) -> Engine:
-    """An engine for `url` with pre-ping; SQLite gets WAL and a busy timeout for threads."""
+    """An engine for `url`, by default with pre-ping; SQLite gets WAL and a busy timeout.
+
+    `pre_ping=False, max_overflow=0` is the resolve path's engine: no ping round trip per
+    checkout (its caller retries once on a connection the database dropped instead), and a
+    fixed set of connections, never opened and closed per request under load.
+    """
     if url.startswith("sqlite"):
         db_path = make_url(url).database
         if db_path and db_path != ":memory:":
@@ -39,7 +50,7 @@ def make_engine(
         engine = create_engine(
             url,
             echo=echo,
-            pool_pre_ping=True,
+            pool_pre_ping=pre_ping,
             connect_args={"check_same_thread": False, "timeout": 30},
         )
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -47,12 +58,12 @@ def make_engine(
     return create_engine(
         url,
         echo=echo,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         pool_size=pool_size,
         # Sync routes run on a threadpool of THREADPOOL_TOKENS threads, and a request gives its
         # connection back in a teardown that needs a thread too: with fewer connections than
         # threads, every thread can end up waiting for a connection no one can return.
-        max_overflow=max(pool_size, THREADPOOL_TOKENS),
+        max_overflow=max(pool_size, THREADPOOL_TOKENS) if max_overflow is None else max_overflow,
         pool_timeout=10,
         connect_args={"connect_timeout": connect_timeout},
     )

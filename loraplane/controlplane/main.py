@@ -6,6 +6,7 @@ deployment, an unreachable database, or an outdated schema outside embedded mode
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -76,9 +77,14 @@ def build_context(
         settings=settings,
         engine=engine,
         sessions=db.make_session_factory(engine),
-        autocommit_sessions=db.make_session_factory(
-            engine.execution_options(isolation_level="AUTOCOMMIT")
-        ),
+        resolve_engine=db.make_engine(
+            settings.effective_database_url,
+            pool_size=settings.db_pool_size,
+            connect_timeout=settings.db_connect_timeout_seconds,
+            pre_ping=False,
+            max_overflow=0,
+        ).execution_options(isolation_level="AUTOCOMMIT"),
+        resolve_slots=asyncio.Semaphore(settings.db_pool_size),
         store=store,
         limiter=RateLimiter(),
         metrics=Metrics(),

@@ -92,7 +92,7 @@ def plane(
     finally:
         admin.close()
         server.stop()
-        app.state.ctx.engine.dispose()
+        app.state.ctx.close()
         app.state.ctx.cluster.close()
 
 

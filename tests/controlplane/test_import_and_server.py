@@ -39,7 +39,7 @@ def import_api(
         api.pool()
         api.tenant("acme")
         yield api
-    app.state.ctx.engine.dispose()
+    app.state.ctx.close()
 
 
 def test_import_from_allowlisted_bucket_folder(import_api: Api, s3_endpoint: str) -> None:
@@ -73,7 +73,7 @@ def live_server(tmp_path: Path, database_url: str) -> Iterator[str]:
     app = create_app(make_settings(tmp_path, database_url))
     with serve_in_thread(app) as url:
         yield url
-    app.state.ctx.engine.dispose()
+    app.state.ctx.close()
 
 
 def test_real_http_server_end_to_end(

@@ -66,4 +66,13 @@ def test_database_outage_is_503_then_recovers(
         assert r.status_code == 200 and r.json()["current_version"] == 1
         r = api.upload(key, "bot", api.adapter_dir(seed=2))
         assert r.status_code == 201 and r.json()["version"]["version"] == 2
-    app.state.ctx.engine.dispose()
+
+        # The resolve path has no pre-ping: a pooled connection the restart dropped is
+        # retried once on a new one, so the first resolution after a restart succeeds.
+        resolve = {**SERVICE_H, "X-Tenant-Key": key}
+        assert client.get("/internal/v1/resolve?model=bot", headers=resolve).status_code == 200
+        cluster.stop()
+        cluster.start()
+        r = client.get("/internal/v1/resolve?model=bot", headers=resolve)
+        assert r.status_code == 200 and r.json()["version"] == 2, r.text
+    app.state.ctx.close()

@@ -39,10 +39,10 @@ def test_embedded_defaults_generate_tokens_in_0600_files(
         # migrated at start: the catalog has its tables
         assert "tenants" in inspect(app.state.ctx.engine).get_table_names()
     finally:
-        app.state.ctx.engine.dispose()
+        app.state.ctx.close()
     again = create_app(Settings(data_dir=tmp_path / "state"))  # the same token on restart
     assert again.state.ctx.admin_token == token
-    again.state.ctx.engine.dispose()
+    again.state.ctx.close()
 
 
 def test_settings_come_from_LORAPLANE_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,7 +95,7 @@ def test_outdated_postgres_schema_refuses_to_start_until_migrated(
     assert args.func(args) == 0
     assert "-> 0001" in capsys.readouterr().out
     app = create_app(settings)
-    app.state.ctx.engine.dispose()
+    app.state.ctx.close()
     engine = db.make_engine(url)
     assert db.current_revision(engine) == db.head_revision()
     engine.dispose()

@@ -1,30 +1,46 @@
 """Resolution, the data plane's hot path: (tenant key, model name[@version]) -> what to load.
 
-One indexed query finds the key by its prefix, its tenant, and the adapter joined to the
-version it serves; only when no adapter matches, a second looks for the base model.
+One round trip: a single Core statement finds the key by its indexed prefix, its tenant, the
+adapter joined to the version it serves, and (as a scalar subquery) whether a pool serves a
+base model of that name. Rows come back as plain tuples: no ORM identity map on this path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import and_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, Integer, Select, String, and_, bindparam, select, update
 
 from loraplane.controlplane import security
-from loraplane.controlplane.crud.keys import verify
-from loraplane.controlplane.errors import NotFound
-from loraplane.controlplane.models import Adapter, AdapterVersion, ApiKey, Pool, Tenant
+from loraplane.controlplane.crud.keys import LAST_USED_RESOLUTION
+from loraplane.controlplane.errors import NotFound, Unauthorized
+from loraplane.controlplane.models import Adapter, AdapterVersion, ApiKey, Pool, Tenant, utcnow
+
+_MISSING_HASH = "0" * 64  # hashed against when no key matched, so timing tells nothing
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedVersion:
+    """The adapter version a resolution points at."""
+
+    version: int
+    digest: str
+    path: str
+    rank: int
+    alpha: float
 
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
     """An adapter version (adapter set) or the base model (adapter None) for a tenant."""
 
-    tenant: Tenant
+    tenant: str
+    requests_per_minute: int
+    tokens_per_minute: int
     base_model: str
     adapter: str | None = None
-    version: AdapterVersion | None = None
+    version: ResolvedVersion | None = None
 
 
 def split_model(model: str) -> tuple[str, int | None]:
@@ -37,17 +53,35 @@ def split_model(model: str) -> tuple[str, int | None]:
     return name, int(pin)
 
 
-def resolve(session: Session, *, secret: str, model: str) -> Resolution:
-    """What `model` means for the tenant whose key is `secret`.
-
-    Unauthorized for a bad key; NotFound when the tenant has no such adapter (or version)
-    and no pool serves a base model of that name.
-    """
-    name, pin = split_model(model)
-    prefix = security.key_prefix(secret) or ""
-    wanted = AdapterVersion.version == (pin if pin is not None else Adapter.current_version)
-    row = session.execute(
-        select(ApiKey, Adapter.name, AdapterVersion)
+def _statement(*, pinned: bool) -> Select[*tuple[Any, ...]]:
+    """The one resolve query; built once per shape (pinned or current), values bound later."""
+    name = bindparam("name", type_=String)
+    wanted = AdapterVersion.version == (
+        bindparam("pin", type_=Integer) if pinned else Adapter.current_version
+    )
+    serving_base = (
+        select(Pool.base_model_name).where(Pool.base_model_name == name).limit(1)
+    ).scalar_subquery()
+    return (
+        select(
+            ApiKey.id,
+            ApiKey.key_hash,
+            ApiKey.revoked_at,
+            ApiKey.last_used_at,
+            Tenant.name.label("tenant"),
+            Tenant.deleted.label("tenant_deleted"),
+            Tenant.requests_per_minute,
+            Tenant.tokens_per_minute,
+            Adapter.name.label("adapter"),
+            AdapterVersion.version,
+            AdapterVersion.digest,
+            AdapterVersion.path,
+            AdapterVersion.rank,
+            AdapterVersion.alpha,
+            AdapterVersion.base_model,
+            serving_base.label("served_base_model"),
+        )
+        .join(Tenant, Tenant.id == ApiKey.tenant_id)
         .outerjoin(
             Adapter,
             and_(
@@ -57,17 +91,37 @@ def resolve(session: Session, *, secret: str, model: str) -> Resolution:
             ),
         )
         .outerjoin(AdapterVersion, and_(AdapterVersion.adapter_id == Adapter.id, wanted))
-        .where(ApiKey.prefix == prefix)
-    ).first()
-    key = verify(session, key=row[0] if row else None, secret=secret)
-    tenant = key.tenant
-    if row is not None and row[2] is not None:
-        version: AdapterVersion = row[2]
-        return Resolution(tenant, version.base_model, adapter=row[1], version=version)
-    if pin is None:
-        base = session.scalar(
-            select(Pool.base_model_name).where(Pool.base_model_name == name).limit(1)
-        )
-        if base is not None:
-            return Resolution(tenant, base)
+        .where(ApiKey.prefix == bindparam("prefix", type_=String))
+    )
+
+
+# Built once: constructing a statement costs more than running it on this path.
+_CURRENT = _statement(pinned=False)
+_PINNED = _statement(pinned=True)
+
+
+def resolve(conn: Connection, *, secret: str, model: str) -> Resolution:
+    """What `model` means for the tenant whose key is `secret`.
+
+    Unauthorized for a bad, revoked or deleted tenant's key; NotFound when the tenant has no
+    such adapter (or version) and no pool serves a base model of that name. Records the key's
+    use at most once a minute.
+    """
+    name, pin = split_model(model)
+    params: dict[str, object] = {"name": name, "prefix": security.key_prefix(secret) or ""}
+    if pin is not None:
+        params["pin"] = pin
+    row = conn.execute(_PINNED if pin is not None else _CURRENT, params).first()
+    matches = security.key_matches(secret, row.key_hash if row is not None else _MISSING_HASH)
+    if row is None or not matches or row.revoked_at is not None or row.tenant_deleted:
+        raise Unauthorized("invalid or revoked API key")
+    now = utcnow()
+    if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
+        conn.execute(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now))
+    tenant = (row.tenant, row.requests_per_minute, row.tokens_per_minute)
+    if row.version is not None:
+        found = ResolvedVersion(row.version, row.digest, row.path, row.rank, row.alpha)
+        return Resolution(*tenant, row.base_model, adapter=row.adapter, version=found)
+    if pin is None and row.served_base_model is not None:
+        return Resolution(*tenant, row.served_base_model)
     raise NotFound(f"model {model!r} not found")

@@ -7,6 +7,7 @@ from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
+from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 
 from loraplane.controlplane import basemodels
@@ -15,10 +16,9 @@ from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import pools as crud_pools
-from loraplane.controlplane.crud.resolve import resolve
+from loraplane.controlplane.crud.resolve import Resolution, resolve
 from loraplane.controlplane.crud.tenants import get_tenant
 from loraplane.controlplane.crud.usage import add_usage
-from loraplane.controlplane.db import session_scope
 from loraplane.controlplane.errors import InvalidRequest
 from loraplane.controlplane.models import utcnow
 from loraplane.controlplane.schemas.adapters import UploadResult, VersionPublic
@@ -43,16 +43,13 @@ async def resolve_model(
 ) -> Resolved:
     """What `model` (`name`, `name@version` or a base model's name) means for the tenant
     whose API key the data plane forwards in the X-Tenant-Key header."""
-    # The hot path: one trip through the threadpool for all of its database work.
-    return await run_in_threadpool(_resolve, ctx, tenant_key, model)
-
-
-def _resolve(ctx: AppContext, secret: str, model: str) -> Resolved:
-    with session_scope(ctx.autocommit_sessions) as session:
-        found = resolve(session, secret=secret, model=model)
+    # The hot path: one trip through the threadpool and one round trip to the database,
+    # at most as many at once as the resolve engine has connections.
+    async with ctx.resolve_slots:
+        found = await run_in_threadpool(_resolve, ctx, tenant_key, model)
     v = found.version
     return Resolved(
-        tenant=found.tenant.name,
+        tenant=found.tenant,
         base_model=found.base_model,
         adapter=found.adapter,
         version=v.version if v else None,
@@ -60,9 +57,22 @@ def _resolve(ctx: AppContext, secret: str, model: str) -> Resolved:
         path=v.path if v else None,
         rank=v.rank if v else None,
         alpha=v.alpha if v else None,
-        requests_per_minute=found.tenant.requests_per_minute,
-        tokens_per_minute=found.tenant.tokens_per_minute,
+        requests_per_minute=found.requests_per_minute,
+        tokens_per_minute=found.tokens_per_minute,
     )
+
+
+def _resolve(ctx: AppContext, secret: str, model: str) -> Resolution:
+    """Resolve on the resolve engine; a connection the database dropped (it restarted) is
+    retried once on a fresh one, which is what pre-ping would have done, paid only on failure."""
+    for attempt in (1, 2):
+        try:
+            with ctx.resolve_engine.connect() as conn:
+                return resolve(conn, secret=secret, model=model)
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+    raise AssertionError("unreachable")
 
 
 @router.post("/pressure", response_model=PressureAccepted, responses=errors(404))
