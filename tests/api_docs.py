@@ -64,7 +64,7 @@ def controlplane_spec() -> dict[str, Any]:
         try:
             spec: dict[str, Any] = app.openapi()
         finally:
-            app.state.ctx.engine.dispose()
+            app.state.ctx.close()
     return spec
 
 

@@ -35,7 +35,7 @@ def controlplane(tmp: Path) -> Iterator[str]:
         with serve_in_thread(app) as url:
             yield url
     finally:
-        app.state.ctx.engine.dispose()
+        app.state.ctx.close()
 
 
 def admin(url: str, method: str, path: str, **kw: object) -> httpx.Response:

@@ -16,6 +16,7 @@ from loraplane.controlplane.settings import Settings
 
 if TYPE_CHECKING:  # the Kubernetes client is needed only in cluster mode
     from loraplane.controlplane.cluster import AdapterResources
+    from loraplane.controlplane.jobs import UploadJobs
 
 
 @dataclass(slots=True)
@@ -34,9 +35,13 @@ class AppContext:
     metrics: Metrics
     # Cluster mode (LORAPLANE_KUBERNETES=1): the tenants' LoRAAdapter resources; else None.
     cluster: AdapterResources | None = None
+    # Embedded mode's background ingest (None in cluster mode, where the operator ingests).
+    uploads: UploadJobs | None = None
 
     def close(self) -> None:
-        """Close every database connection the service holds."""
+        """Finish background ingests, then close every database connection the service holds."""
+        if self.uploads is not None:
+            self.uploads.close()
         self.engine.dispose()
         self.resolve_engine.dispose()
 

@@ -72,6 +72,19 @@ def limits_for(
     return spec, limits.tightened(max_rank=tenant.max_rank, max_bytes=tenant.max_bytes)
 
 
+def precheck(
+    session: Session, *, tenant: Tenant, name: str, base_model: str, settings: Settings
+) -> tuple[BaseModelSpec, AdapterLimits]:
+    """What can be refused before the adapter is read: its name, an unserved base model, the
+    tenant's adapter count. Returns the base model's shapes and the limits to validate with,
+    and leaves no transaction open (no SQLite lock is held while an adapter is checked)."""
+    check_adapter_name(name)
+    spec, limits = limits_for(session, tenant=tenant, base_model=base_model, settings=settings)
+    crud_adapters.check_adapter_quota(session, tenant=tenant, name=name)
+    session.rollback()
+    return spec, limits
+
+
 def ingest_adapter(
     session: Session,
     *,
@@ -85,11 +98,10 @@ def ingest_adapter(
     actor: str,
 ) -> Ingested:
     """Validate, store and record one adapter (blocking: run it off the event loop)."""
-    check_adapter_name(name)
     target = f"tenants/{tenant.name}/adapters/{name}"
-    spec, limits = limits_for(session, tenant=tenant, base_model=base_model, settings=settings)
-    crud_adapters.check_adapter_quota(session, tenant=tenant, name=name)
-    session.rollback()  # hold no transaction (no SQLite lock) while the adapter is checked
+    spec, limits = precheck(
+        session, tenant=tenant, name=name, base_model=base_model, settings=settings
+    )
     try:
         stored = ingest(source, tenant.name, name, spec, limits, store, created_by=actor)
     except AdapterRejected as exc:

@@ -8,16 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.concurrency import run_in_threadpool
 
 from loraplane.adapters.store import open_store
 from loraplane.controlplane import db
-from loraplane.controlplane.api.routes import adapters, health, internal, pools, tenants, usage
+from loraplane.controlplane.api.routes import (
+    adapters,
+    health,
+    internal,
+    pools,
+    tenants,
+    uploads,
+    usage,
+)
 from loraplane.controlplane.context import AppContext
+from loraplane.controlplane.crud import jobs as crud_jobs
 from loraplane.controlplane.errors import install_error_handlers
+from loraplane.controlplane.jobs import UploadJobs
 from loraplane.controlplane.metrics import Metrics, MetricsMiddleware
 from loraplane.controlplane.ratelimit import RateLimiter
 from loraplane.controlplane.settings import Settings, StartupError, resolve_tokens
@@ -73,10 +86,18 @@ def build_context(
         raise StartupError(f"LORAPLANE_DATABASE_URL: {exc}") from exc
     db.prepare_schema(engine, migrate=settings.is_sqlite)
     resources = open_cluster(settings, kube_configuration)
+    sessions = db.make_session_factory(engine)
+    uploads = None
+    if resources is None:
+        if settings.is_sqlite:  # one process owns a SQLite catalog: unfinished jobs were ours
+            with db.session_scope(sessions) as session:
+                if failed := crud_jobs.fail_unfinished(session):
+                    log.warning("%d background uploads were interrupted by a restart", failed)
+        uploads = UploadJobs(sessions, store, settings)
     return AppContext(
         settings=settings,
         engine=engine,
-        sessions=db.make_session_factory(engine),
+        sessions=sessions,
         resolve_engine=db.make_engine(
             settings.effective_database_url,
             pool_size=settings.db_pool_size,
@@ -89,6 +110,7 @@ def build_context(
         limiter=RateLimiter(),
         metrics=Metrics(),
         cluster=resources,
+        uploads=uploads,
     )
 
 
@@ -102,7 +124,16 @@ def create_app(
     ctx = context or build_context(
         settings if settings is not None else Settings(), kube_configuration=kube_configuration
     )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Shutting down: running background ingests finish, queued ones are failed as
+        # Interrupted, connections close.
+        await run_in_threadpool(ctx.close)
+
     app = FastAPI(
+        lifespan=lifespan,
         title="loraplane control plane",
         version="1",
         summary="Tenants, API keys, pools and LoRA adapter versions",
@@ -110,7 +141,7 @@ def create_app(
     app.state.ctx = ctx
     install_error_handlers(app, retry_after=ctx.settings.retry_after_seconds)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
-    for module in (health, tenants, pools, adapters, usage, internal):
+    for module in (health, tenants, pools, adapters, uploads, usage, internal):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     log.info(

@@ -195,3 +195,27 @@ class Pool(Base):
     def base_model(self) -> dict[str, str]:
         """The base model as the API shows it: its name and config location."""
         return {"name": self.base_model_name, "uri": self.base_model_uri}
+
+
+class UploadJob(Base):
+    """An upload ingested in the background (embedded mode, big files or `Prefer:
+    respond-async`): what the tenant polls at `/v1/uploads/{id}` until it has an outcome."""
+
+    __tablename__ = "upload_jobs"
+    __table_args__ = (Index(None, "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # random hex, not guessable
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    adapter: Mapped[str] = mapped_column(String(NAME_LEN))
+    base_model: Mapped[str] = mapped_column(String(200))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    # pending -> running -> succeeded | failed
+    status: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str] = mapped_column(String(200))
+    version: Mapped[int | None]
+    created: Mapped[bool | None]  # a new version (True) or identical to an existing one
+    error_code: Mapped[str | None] = mapped_column(String(100))
+    error_message: Mapped[str | None] = mapped_column(String(1000))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]

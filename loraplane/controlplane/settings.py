@@ -40,6 +40,21 @@ class Settings(BaseSettings):
         description="cluster mode: uploads become LoRAAdapter resources the operator ingests",
     )
     max_upload_bytes: int = Field(default=4 * GiB + (1 << 20), gt=0)
+    background_ingest_bytes: int = Field(
+        default=64 << 20,
+        ge=0,
+        description="embedded mode: uploads at least this big are ingested in the background "
+        "(202 and a job to poll); `Prefer: respond-async` asks for it at any size",
+    )
+    ingest_workers: int = Field(default=2, ge=1, le=64, description="background ingest threads")
+    max_pending_uploads: int = Field(
+        default=16, ge=1, le=10_000, description="background uploads queued at once (429 past)"
+    )
+    upload_job_timeout_seconds: int = Field(
+        default=3600,
+        ge=60,
+        description="an unfinished upload job older than this reads as failed (Interrupted)",
+    )
     import_buckets: Annotated[list[str], NoDecode] = Field(default_factory=list)
     s3_endpoint_url: str | None = None
     retry_after_seconds: int = Field(default=5, ge=1, le=3600)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ def app(settings: Settings) -> Iterator[FastAPI]:
     """The control plane app; its engine is disposed afterwards."""
     application = create_app(settings)
     yield application
-    application.state.ctx.engine.dispose()
+    application.state.ctx.close()
 
 
 @pytest.fixture
@@ -178,7 +179,14 @@ class Api:
         out = self.work / f"adapter-{uuid.uuid4().hex[:8]}"
         return write_adapter(out, lora_config(r=r, **config), lora_tensors(BASE, r, seed=seed))
 
-    def upload(self, key: str, name: str, source: Path, base_model: str = BASE_NAME) -> Any:
+    def upload(
+        self,
+        key: str,
+        name: str,
+        source: Path,
+        base_model: str = BASE_NAME,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         """POST /v1/adapters with a folder's files or one archive; the response."""
         paths = sorted(source.iterdir()) if source.is_dir() else [source]
         files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in paths]
@@ -186,8 +194,20 @@ class Api:
             "/v1/adapters",
             data={"name": name, "base_model": base_model},
             files=files,
-            headers=bearer(key),
+            headers={**bearer(key), **(headers or {})},
         )
+
+    def wait_upload(self, key: str, location: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Poll a background upload until it has an outcome; its last state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.client.get(location, headers=bearer(key))
+            assert r.status_code == 200, r.text
+            job: dict[str, Any] = r.json()
+            if job["status"] in ("succeeded", "failed"):
+                return job
+            assert time.monotonic() < deadline, f"upload still {job['status']} after {timeout}s"
+            time.sleep(0.05)
 
 
 @pytest.fixture

@@ -137,7 +137,7 @@ def test_upload_over_size_cap_is_413(api: Api, tmp_path: Path, database_url: str
             assert r.status_code == 413, r.text
             assert r.json()["error"]["code"] == "PayloadTooLarge"
     finally:
-        app.state.ctx.engine.dispose()
+        app.state.ctx.close()
 
 
 @pytest.mark.parametrize(

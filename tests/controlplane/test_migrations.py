@@ -16,7 +16,10 @@ from loraplane.controlplane import db
 from loraplane.controlplane.models import Base
 from tests.controlplane import pg
 
-TABLES = {"tenants", "api_keys", "adapters", "adapter_versions", "audit_events", "usage", "pools"}
+TABLES = {
+    "tenants", "api_keys", "adapters", "adapter_versions", "audit_events", "usage", "pools",
+    "upload_jobs",
+}  # fmt: skip
 
 
 def fresh_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:

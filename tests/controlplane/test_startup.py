@@ -87,13 +87,18 @@ def test_outdated_postgres_schema_refuses_to_start_until_migrated(
     url = pg.create_database(pg_admin_url, f"old_{uuid.uuid4().hex[:8]}")
     settings = make_settings(tmp_path, url)
     with pytest.raises(StartupError, match="loraplane controlplane migrate"):
+        create_app(settings)  # never migrated
+    engine = db.make_engine(url)
+    db.upgrade(engine, "0001")  # migrated by an older release
+    engine.dispose()
+    with pytest.raises(StartupError, match="at revision 0001 .* run `loraplane controlplane"):
         create_app(settings)
     monkeypatch.setenv("LORAPLANE_DATABASE_URL", url)
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["controlplane", "migrate"])
     assert args.func(args) == 0
-    assert "-> 0001" in capsys.readouterr().out
+    assert f"0001 -> {db.head_revision()}" in capsys.readouterr().out
     app = create_app(settings)
     app.state.ctx.close()
     engine = db.make_engine(url)

@@ -95,7 +95,7 @@ def controlplane(tmp_path: Path, sqlite_template: Path) -> Iterator[ControlPlane
     finally:
         admin.close()
         server.stop()
-        app.state.ctx.engine.dispose()
+        app.state.ctx.close()
 
 
 @dataclass

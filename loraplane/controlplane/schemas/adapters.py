@@ -7,7 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from loraplane.controlplane.schemas.common import INT32, ModelName, Public, ResourceName, Strict
+from loraplane.controlplane.schemas.common import (
+    INT32,
+    ErrorDetail,
+    ModelName,
+    Public,
+    ResourceName,
+    Strict,
+)
 
 
 class AdapterImport(Strict):
@@ -77,3 +84,20 @@ class UsagePublic(Public):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+
+
+class UploadJobPublic(BaseModel):
+    """An upload ingested in the background: poll `GET /v1/uploads/{id}` until `status` is
+    `succeeded` (then `result` is what the synchronous upload would have answered) or
+    `failed` (then `error` holds the code it would have answered with)."""
+
+    id: str
+    name: str
+    base_model: str
+    status: Literal["pending", "running", "succeeded", "failed"]
+    size_bytes: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    result: UploadResult | None = None
+    error: ErrorDetail | None = None

@@ -17,15 +17,17 @@ from starlette.concurrency import run_in_threadpool
 from loraplane.controlplane import staging
 from loraplane.controlplane.api.deps import Caller, CallerDep, ContextDep, SessionDep
 from loraplane.controlplane.api.responses import errors
+from loraplane.controlplane.api.routes.uploads import UPLOADS_PATH, job_public
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud
 from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge
-from loraplane.controlplane.ingestion import fetch_import, ingest_adapter
+from loraplane.controlplane.ingestion import fetch_import, ingest_adapter, precheck
 from loraplane.controlplane.schemas.adapters import (
     AdapterImport,
     AdapterPublic,
     AdapterUpdate,
     StagedAdapter,
+    UploadJobPublic,
     UploadResult,
     VersionPublic,
 )
@@ -84,8 +86,10 @@ def adapter_public(view: crud.AdapterView) -> AdapterPublic:
         **errors(409, 413, 422, 503),
         200: {"model": UploadResult, "description": "identical content: that version"},
         202: {
-            "model": StagedAdapter,
-            "description": "cluster mode: staged; the operator ingests it",
+            "model": UploadJobPublic | StagedAdapter,
+            "description": "embedded mode, a big upload or `Prefer: respond-async`: an "
+            "UploadJob to poll at its Location; cluster mode: staged (StagedAdapter), the "
+            "operator ingests it",
         },
     },
     openapi_extra=UPLOAD_BODY,
@@ -101,6 +105,9 @@ async def upload_adapter(
 
     New content becomes the next version (201); content identical to a version answers that
     version (200); a rejected adapter answers 422 with its reason code and stores nothing.
+    Uploads of at least LORAPLANE_BACKGROUND_INGEST_BYTES (default 64 MiB), and any upload or
+    import sent with `Prefer: respond-async`, are ingested in the background: 202 with an
+    UploadJob whose `Location` (`/v1/uploads/{id}`) the client polls.
     In cluster mode a valid adapter is staged and the tenant's LoRAAdapter points at it
     (202); the operator ingests it and records the version.
     """
@@ -109,8 +116,11 @@ async def upload_adapter(
     if length.isdigit() and int(length) > cap:
         raise PayloadTooLarge(f"the upload is larger than the limit of {cap} bytes")
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    respond_async = "respond-async" in request.headers.get("prefer", "").lower()
     workdir = Path(tempfile.mkdtemp(prefix="upload-", dir=ctx.store.staging_dir()))
+    owned = True  # the request removes its work folder, unless a background job takes it
     try:
+        size = 0
         if kind == "multipart/form-data":
             upload = await receive_multipart(
                 request.stream(), request.headers["content-type"], workdir, max_bytes=cap
@@ -119,19 +129,47 @@ async def upload_adapter(
             if missing:
                 raise InvalidRequest(f"missing form field(s): {', '.join(missing)}")
             name, base_model = upload.fields["name"], upload.fields["base_model"]
-            source = upload.source()
+            source: Path | str = upload.source()
+            size = sum(f.stat().st_size for f in upload.files)
         elif kind == "application/json":
             body = await _json_body(request)
-            name, base_model = body.name, body.base_model
-            if ctx.cluster is not None:
-                return await _staged(ctx, session, caller, name, base_model, body.source_uri)
-            source = await run_in_threadpool(
-                fetch_import, ctx.settings, body.source_uri, workdir, max_bytes=cap
-            )
+            name, base_model, source = body.name, body.base_model, body.source_uri
         else:
             raise InvalidRequest("send multipart/form-data (files) or application/json (import)")
         if ctx.cluster is not None:
             return await _staged(ctx, session, caller, name, base_model, source)
+        uploads = ctx.uploads
+        # Imports are downloaded by their job: only `Prefer: respond-async` moves them.
+        big = isinstance(source, Path) and size >= ctx.settings.background_ingest_bytes
+        if uploads is not None and (respond_async or big):
+            await run_in_threadpool(
+                lambda: precheck(
+                    session,
+                    tenant=caller.tenant,
+                    name=name,
+                    base_model=base_model,
+                    settings=ctx.settings,
+                )
+            )
+            job = await run_in_threadpool(
+                lambda: uploads.submit(
+                    session,
+                    tenant=caller.tenant,
+                    name=name,
+                    base_model=base_model,
+                    source=source,
+                    workdir=workdir,
+                    size_bytes=size,
+                    actor=caller.actor,
+                )
+            )
+            owned = False
+            return _accepted(job_public(session, job), respond_async)
+        if isinstance(source, str):
+            source = await run_in_threadpool(
+                fetch_import, ctx.settings, source, workdir, max_bytes=cap
+            )
+        local = source
         result = await run_in_threadpool(
             lambda: ingest_adapter(
                 session,
@@ -141,18 +179,29 @@ async def upload_adapter(
                 tenant=caller.tenant,
                 name=name,
                 base_model=base_model,
-                source=source,
+                source=local,
                 actor=caller.actor,
             )
         )
     finally:
-        await run_in_threadpool(shutil.rmtree, workdir, True)
+        if owned:
+            await run_in_threadpool(shutil.rmtree, workdir, True)
     response.status_code = status.HTTP_201_CREATED if result.created else status.HTTP_200_OK
     return UploadResult(
         name=result.adapter.name,
         created=result.created,
         current_version=result.adapter.current_version,
         version=VersionPublic.model_validate(result.version),
+    )
+
+
+def _accepted(job: UploadJobPublic, respond_async: bool) -> JSONResponse:
+    """202 for a background upload: the job, and where to poll it."""
+    headers = {"Location": f"{UPLOADS_PATH}/{job.id}"}
+    if respond_async:
+        headers["Preference-Applied"] = "respond-async"
+    return JSONResponse(
+        job.model_dump(mode="json"), status_code=status.HTTP_202_ACCEPTED, headers=headers
     )
 
 
