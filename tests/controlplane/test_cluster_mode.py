@@ -62,9 +62,15 @@ class ClusterPlane:
 
 @pytest.fixture
 def plane(
-    cluster: Cluster, tmp_path: Path, sqlite_template: Path, base_model_dir: Path
+    cluster: Cluster,
+    tmp_path: Path,
+    sqlite_template: Path,
+    base_model_dir: Path,
+    request: pytest.FixtureRequest,
 ) -> Iterator[ClusterPlane]:
-    """The control plane in cluster mode with the tenant registered (namespace = its name)."""
+    """The control plane in cluster mode with the tenant registered: its namespace is TENANT,
+    and so is its name unless the test asks for another name (indirect parameter)."""
+    tenant_name = getattr(request, "param", TENANT)
     catalog = tmp_path / "catalog.db"
     catalog.write_bytes(sqlite_template.read_bytes())
     settings = Settings(
@@ -84,8 +90,9 @@ def plane(
     server.start()
     admin = httpx.Client(base_url=server.url, headers=bearer(ADMIN), timeout=30)
     try:
-        assert admin.post("/v1/tenants", json={"name": TENANT}).status_code == 201
-        key = admin.post(f"/v1/tenants/{TENANT}/keys", json={"name": "k"}).json()["key"]
+        created = admin.post("/v1/tenants", json={"name": tenant_name, "namespace": TENANT})
+        assert created.status_code == 201, created.text
+        key = admin.post(f"/v1/tenants/{tenant_name}/keys", json={"name": "k"}).json()["key"]
         tenant = httpx.Client(base_url=server.url, headers=bearer(key), timeout=30)
         yield ClusterPlane(server.url, admin, tenant, LocalStore(tmp_path / "store"))
         tenant.close()
@@ -142,6 +149,8 @@ def direct_digest(source: Path, tmp: Path) -> str:
     return ingest(source, "direct", "x", BASE, AdapterLimits(), LocalStore(tmp / "direct")).digest
 
 
+# The tenant named as its namespace, and named otherwise (the operator finds it by namespace).
+@pytest.mark.parametrize("plane", [TENANT, "acme"], indirect=True)
 def test_upload_is_staged_as_a_loraadapter_the_operator_makes_ready(
     cluster: Cluster,
     plane: ClusterPlane,

@@ -91,7 +91,7 @@ def test_outdated_postgres_schema_refuses_to_start_until_migrated(
     engine = db.make_engine(url)
     db.upgrade(engine, "0001")  # migrated by an older release
     engine.dispose()
-    with pytest.raises(StartupError, match="at revision 0001 .* run `loraplane controlplane"):
+    with pytest.raises(StartupError, match=r"at revision 0001 .* run `loraplane controlplane"):
         create_app(settings)
     monkeypatch.setenv("LORAPLANE_DATABASE_URL", url)
     parser = argparse.ArgumentParser()

@@ -27,6 +27,20 @@ def test_tenant_lifecycle_create_get_list_patch_delete(api: Api) -> None:
     assert c.get("/v1/tenants", headers=ADMIN_H).json() == []
 
 
+def test_a_namespace_belongs_to_one_live_tenant(api: Api) -> None:
+    c = api.client
+    assert c.post("/v1/tenants", json={"name": "acme"}, headers=ADMIN_H).status_code == 201
+    r = c.post("/v1/tenants", json={"name": "other", "namespace": "acme"}, headers=ADMIN_H)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "AlreadyExists"
+    assert "tenant 'acme'" in r.json()["error"]["message"]
+    body = {"name": "team", "namespace": "team-ns"}
+    assert c.post("/v1/tenants", json=body, headers=ADMIN_H).json()["namespace"] == "team-ns"
+    # Once its tenant is deleted, a namespace can be given to a new tenant.
+    assert c.delete("/v1/tenants/acme", headers=ADMIN_H).status_code == 204
+    r = c.post("/v1/tenants", json={"name": "other", "namespace": "acme"}, headers=ADMIN_H)
+    assert r.status_code == 201, r.text
+
+
 def test_deleting_a_tenant_revokes_its_keys_and_stops_its_adapters(ready: Api) -> None:
     key = ready.keys["acme"]
     assert ready.upload(key, "bot", ready.adapter_dir()).status_code == 201

@@ -17,7 +17,14 @@ def create_tenant(session: Session, *, data: TenantCreate, actor: str) -> Tenant
     if session.scalar(select(Tenant.id).where(Tenant.name == data.name)) is not None:
         raise AlreadyExists(f"tenant {data.name!r} already exists")
     fields = data.model_dump()
-    fields["namespace"] = data.namespace or data.name
+    fields["namespace"] = namespace = data.namespace or data.name
+    # A namespace is one tenant's (the operator finds the tenant by the namespace its
+    # LoRAAdapters live in).
+    holder = session.scalar(
+        select(Tenant.name).where(Tenant.namespace == namespace, Tenant.deleted.is_(False))
+    )
+    if holder is not None:
+        raise AlreadyExists(f"namespace {namespace!r} already belongs to tenant {holder!r}")
     tenant = Tenant(**fields)
     session.add(tenant)
     audit.record(session, actor=actor, action="tenant.create", target=f"tenants/{data.name}")
@@ -40,6 +47,17 @@ def get_tenant(session: Session, *, name: str) -> Tenant:
     tenant = session.scalar(select(Tenant).where(Tenant.name == name, Tenant.deleted.is_(False)))
     if tenant is None:
         raise NotFound(f"tenant {name!r} not found")
+    return tenant
+
+
+def get_tenant_by_namespace(session: Session, *, namespace: str) -> Tenant:
+    """The live tenant whose namespace this is (where its LoRAAdapters live); NotFound
+    otherwise."""
+    tenant = session.scalar(
+        select(Tenant).where(Tenant.namespace == namespace, Tenant.deleted.is_(False)).limit(1)
+    )
+    if tenant is None:
+        raise NotFound(f"no tenant has namespace {namespace!r}")
     return tenant
 
 

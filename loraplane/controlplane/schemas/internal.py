@@ -76,7 +76,9 @@ class PressureAccepted(BaseModel):
 class VersionRecord(Strict):
     """A version the operator stored with the shared ingest code."""
 
-    tenant: TenantName
+    tenant: TenantName = Field(
+        description="the LoRAAdapter's namespace: the tenant whose namespace it is"
+    )
     name: ResourceName
     version: int = Field(ge=1, le=INT32)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")

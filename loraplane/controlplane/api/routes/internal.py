@@ -17,7 +17,7 @@ from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import pools as crud_pools
 from loraplane.controlplane.crud.resolve import Resolution, resolve
-from loraplane.controlplane.crud.tenants import get_tenant
+from loraplane.controlplane.crud.tenants import get_tenant_by_namespace
 from loraplane.controlplane.crud.usage import add_usage
 from loraplane.controlplane.errors import InvalidRequest
 from loraplane.controlplane.models import utcnow
@@ -96,8 +96,9 @@ def report_pressure(body: PressureReport, session: SessionDep, _: ServiceDep) ->
 def record_version(
     body: VersionRecord, response: Response, session: SessionDep, actor: ServiceDep
 ) -> UploadResult:
-    """Record a version the operator stored (idempotent: 200 if already recorded)."""
-    tenant = get_tenant(session, name=body.tenant)
+    """Record a version the operator stored (idempotent: 200 if already recorded); `tenant` is
+    the namespace of the LoRAAdapter, which names the tenant it belongs to."""
+    tenant = get_tenant_by_namespace(session, namespace=body.tenant)
     stored = crud_adapters.StoredVersion(**body.model_dump(exclude={"tenant", "name"}))
     adapter, row, created = crud_adapters.record_version(
         session, tenant=tenant, name=body.name, stored=stored, actor=actor
@@ -150,6 +151,7 @@ def delete_pool(pool: str, session: SessionDep, actor: ServiceDep) -> None:
     responses=errors(404),
 )
 def delete_adapter(tenant: str, name: str, session: SessionDep, actor: ServiceDep) -> None:
-    """Stop serving an adapter whose LoRAAdapter was deleted (its versions are kept)."""
-    owner = get_tenant(session, name=tenant)
+    """Stop serving an adapter whose LoRAAdapter was deleted (its versions are kept);
+    `tenant` is the LoRAAdapter's namespace."""
+    owner = get_tenant_by_namespace(session, namespace=tenant)
     crud_adapters.delete_adapter(session, tenant=owner, name=name, actor=actor)
