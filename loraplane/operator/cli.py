@@ -31,7 +31,21 @@ def add_commands(subparsers: Any) -> None:
         "-n", "--namespace", action="append", default=[], help="watch this namespace (repeat)"
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    op.add_argument("--liveness", metavar="URL", help="e.g. http://0.0.0.0:8080/healthz")
+    op.add_argument("--liveness", metavar="URL", help="e.g. http://0.0.0.0:8081/healthz")
+    op.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        metavar="PORT",
+        help="serve Prometheus metrics (per ServingPool: replicas, bounds, targets, pressure, "
+        "scale events) at :PORT/metrics; 0 turns them off (default: 8080)",
+    )
+    op.add_argument(  # in a pod, Prometheus scrapes the pod's IP: every interface
+        "--metrics-host",
+        default="0.0.0.0",  # noqa: S104
+        metavar="HOST",
+        help="address for --metrics-port (default: 0.0.0.0)",
+    )
     op.add_argument("--verbose", action="store_true", help="debug logging")
     op.set_defaults(func=run_operator)
     sub = op.add_subparsers(dest="operator_command", metavar="ACTION")
@@ -68,8 +82,19 @@ def run_operator(args: argparse.Namespace) -> int:
     if not args.namespace and not args.all_namespaces:
         print("error: pass --namespace NS (repeatable) or --all-namespaces", file=sys.stderr)
         return EXIT_USAGE
+    if not 0 <= args.metrics_port <= 65535:
+        print(f"error: --metrics-port {args.metrics_port} is not a port", file=sys.stderr)
+        return EXIT_USAGE
     kopf.configure(verbose=args.verbose)
-    memo = kopf.Memo(ctx=OperatorContext.create(settings))
+    ctx = OperatorContext.create(settings)
+    if args.metrics_port:
+        try:
+            ctx.metrics.serve(args.metrics_host, args.metrics_port)
+        except OSError as exc:
+            print(f"error: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
+                  f"{exc}", file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
+    memo = kopf.Memo(ctx=ctx)
     kopf.run(
         registry=build_registry(pool_interval=settings.pool_interval_seconds),
         standalone=True,

@@ -18,6 +18,7 @@ from loraplane.adapters.store import ObjectStore, open_store
 from loraplane.operator.basemodels import BaseModelCache
 from loraplane.operator.catalog import CatalogClient
 from loraplane.operator.kube import KubeApi, load_configuration
+from loraplane.operator.metrics import PoolMetrics
 from loraplane.operator.settings import OperatorSettings
 from loraplane.operator.sources import SourcePolicy
 
@@ -31,6 +32,7 @@ class OperatorContext:
     catalog: CatalogClient
     kube: KubeApi
     base_models: BaseModelCache
+    metrics: PoolMetrics = field(default_factory=PoolMetrics)
     # for https:// sources; None means the network (tests pass a mock transport)
     http_transport: httpx.BaseTransport | None = None
     extra: dict[str, Any] = field(default_factory=dict)

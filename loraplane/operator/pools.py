@@ -170,14 +170,14 @@ async def observe_pool(
             "replicasReporting": pressure.replicas_reporting,
         }
     desired = current
+    policy = _policy(pool)
     if pool.autoscaling.enabled:
-        decision = autoscaling.decide(
-            _policy(pool), _state(memo, status), current, pressure, time.time()
-        )
+        decision = autoscaling.decide(policy, _state(memo, status), current, pressure, time.time())
         memo["scale_state"] = decision.state
         desired = decision.replicas
         if decision.scaled:
             await asyncio.to_thread(ctx.kube.scale_deployment, namespace, name, desired)
+            ctx.metrics.scaled(namespace, name, current, desired)
             update["lastScaleTime"] = now_iso()
             kopf.info(
                 body,
@@ -185,6 +185,14 @@ async def observe_pool(
                 message=f"replicas {current} -> {desired} ({_describe(pressure)})",
             )
     update["desiredReplicas"] = desired
+    ctx.metrics.observe(
+        namespace,
+        name,
+        replicas=desired,
+        ready=update["readyReplicas"],
+        policy=policy,
+        pressure=pressure,
+    )
     changed = {k: v for k, v in update.items() if status.get(k) != v}
     if changed:
         patch.status.update(changed)
@@ -199,10 +207,13 @@ def _describe(pressure: autoscaling.Pressure | None) -> str:
     )
 
 
-async def forget_pool(*, name: str, memo: kopf.Memo, retry: int, **_: Any) -> None:
+async def forget_pool(
+    *, name: str, namespace: str | None, memo: kopf.Memo, retry: int, **_: Any
+) -> None:
     """The ServingPool is deleted: its Deployment and Service go with it (owner references);
     the catalog forgets the pool, so uploads stop validating against it."""
     ctx = context_of(memo)
+    ctx.metrics.forget(namespace_of(namespace), name)
     try:
         await asyncio.to_thread(ctx.catalog.delete_pool, name)
     except CatalogError as exc:

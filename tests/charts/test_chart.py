@@ -114,10 +114,11 @@ def test_containers_run_loraplane_commands_that_parse(
             port = container["ports"][0]["containerPort"]
             assert (args.host, args.port) == ("0.0.0.0", port)
         if name.endswith("-operator"):
-            # the liveness probe asks Kopf's --liveness endpoint
-            port = container["ports"][0]["containerPort"]
-            assert args.liveness == f"http://0.0.0.0:{port}/healthz"
+            # the liveness probe asks Kopf's --liveness endpoint; metrics on their own port
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert args.liveness == f"http://0.0.0.0:{ports['liveness']}/healthz"
             assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+            assert (args.metrics_host, args.metrics_port) == ("0.0.0.0", ports["metrics"])
     assert {f"{FULL}-controlplane", f"{FULL}-operator"} <= seen
 
 
@@ -231,15 +232,30 @@ def test_production_values_wire_the_database_secret_replicas_and_monitoring() ->
     job_env = job["spec"]["template"]["spec"]["containers"][0]["env"]
     assert job_env[0]["valueFrom"]["secretKeyRef"] == {"name": "loraplane-db", "key": "url"}
     monitors = {m["metadata"]["name"]: m for m in find(docs, "ServiceMonitor")}
-    assert set(monitors) == {f"{FULL}-controlplane", f"{FULL}-dataplane"}
-    for monitor in monitors.values():
+    assert set(monitors) == {f"{FULL}-controlplane", f"{FULL}-operator", f"{FULL}-dataplane"}
+    ports = {f"{FULL}-controlplane": "http", f"{FULL}-operator": "metrics"}
+    for name, monitor in monitors.items():
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         (endpoint,) = monitor["spec"]["endpoints"]
-        assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+        assert (endpoint["port"], endpoint["path"]) == (ports.get(name, "http"), "/metrics")
     cp_selector = monitors[f"{FULL}-controlplane"]["spec"]["selector"]["matchLabels"]
     service = one(docs, "Service", f"{FULL}-controlplane")
     assert cp_selector.items() <= service["metadata"]["labels"].items()
     assert service["spec"]["ports"][0]["name"] == "http"
+    # The operator's monitor selects its metrics Service, whose port reaches the container's.
+    op_selector = monitors[f"{FULL}-operator"]["spec"]["selector"]["matchLabels"]
+    op_service = one(docs, "Service", f"{FULL}-operator-metrics")
+    assert op_selector.items() <= op_service["metadata"]["labels"].items()
+    operator = one(docs, "Deployment", f"{FULL}-operator")
+    pod_labels = operator["spec"]["template"]["metadata"]["labels"]
+    assert op_service["spec"]["selector"].items() <= pod_labels.items()
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert op_service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert (
+        str(container_ports["metrics"])
+        == container["args"][container["args"].index("--metrics-port") + 1]
+    )
 
 
 def test_dataplane_service_monitor_selects_the_services_the_operator_builds() -> None:

@@ -1,5 +1,4 @@
-"""The chart's Grafana dashboards: their queries, the metric names those use, and which of them
-come from outside loraplane (or are not exported yet)."""
+"""The chart's Grafana dashboards: their queries and the metric names those use."""
 
 from __future__ import annotations
 
@@ -11,16 +10,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "charts" / "loraplane" / "dashboards"
-
-# Metrics panels query that loraplane's own components do not export, each with its source.
-# A query using one is not evaluated against the live components.
-EXTERNAL: dict[str, str] = {
-    "kube_deployment_spec_replicas": "kube-state-metrics (a pool Deployment's desired replicas)",
-    "kube_deployment_status_replicas_ready": "kube-state-metrics (its ready replicas)",
-    "loraplane_pool_desired_replicas": "not exported yet: the operator's desired replicas",
-    "loraplane_pool_replicas_bound": "not exported yet: a pool's replicas.min/max",
-    "loraplane_pool_autoscaling_target": "not exported yet: a pool's autoscaling targets",
-}
 
 # Grafana's variables, as the live test substitutes them.
 SUBSTITUTIONS = {
@@ -50,10 +39,6 @@ class Query:
     @property
     def metrics(self) -> set[str]:
         return metric_names(self.expr)
-
-    @property
-    def external(self) -> set[str]:
-        return self.metrics & set(EXTERNAL)
 
     def promql(self) -> str:
         """The expression with Grafana's variables replaced."""

@@ -1,7 +1,8 @@
 """Every dashboard query returns data from live components: Debian's Prometheus (1 s scrapes, a
-temporary TSDB, 127.0.0.1 only) scrapes a data plane in catalog mode and the control plane while
-the openai client sends a short, bounded load over several tenants' adapters; each panel's PromQL
-is then evaluated through Prometheus's HTTP API. Queries on EXTERNAL metrics are left out."""
+temporary TSDB, 127.0.0.1 only) scrapes a data plane in catalog mode, the control plane, and the
+operator (Kopf, on kmock's emulated Kubernetes API, running the ServingPool the data plane
+reports for) while the openai client sends a short, bounded load over several tenants'
+adapters; each panel's PromQL is then evaluated through Prometheus's HTTP API."""
 
 from __future__ import annotations
 
@@ -19,11 +20,19 @@ import httpx
 import openai
 import pytest
 import yaml
+from kubernetes import client
 
+from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.operator.context import OperatorContext
+from loraplane.operator.settings import OperatorSettings
+from loraplane.operator.specs import GROUP, POOLS, VERSION
 from tests.controlplane.conftest import SERVICE
 from tests.dashboards.dashboards import queries, substitute, variable_queries
 from tests.dataplane.server.conftest import start_server
+from tests.operator.conftest import PLATFORM, pool_body
+from tests.operator.emulator import running_emulator
+from tests.operator.harness import OperatorThread
 from tests.servers import free_port
 from tests.test_e2e_catalog import admin, controlplane
 
@@ -40,8 +49,8 @@ SCRAPED_SECONDS = 8  # rate() over 15 s needs a few samples
 
 
 @contextlib.contextmanager
-def prometheus(tmp: Path, dataplane: str, controlplane: str) -> Iterator[str]:
-    """Prometheus on a free 127.0.0.1 port scraping both components every second."""
+def prometheus(tmp: Path, dataplane: str, controlplane: str, operator: str) -> Iterator[str]:
+    """Prometheus on a free 127.0.0.1 port scraping the three components every second."""
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [
@@ -51,6 +60,7 @@ def prometheus(tmp: Path, dataplane: str, controlplane: str) -> Iterator[str]:
                 "static_configs": [{"targets": [dataplane], "labels": {"pool": POOL}}],
             },
             {"job_name": "controlplane", "static_configs": [{"targets": [controlplane]}]},
+            {"job_name": "operator", "static_configs": [{"targets": [operator]}]},
         ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -199,10 +209,44 @@ def _wait_for_scrapes(prom: str) -> None:
     while time.monotonic() < deadline:
         up = instant(prom, "up == 1")
         result = instant(prom, promql)
-        if len(up) == 2 and result and float(result[0]["value"][1]) >= SCRAPED_SECONDS:
+        if len(up) == 3 and result and float(result[0]["value"][1]) >= SCRAPED_SECONDS:
             return
         time.sleep(0.5)
     raise TimeoutError(f"not enough scrapes: up={instant(prom, 'up')}")
+
+
+@contextlib.contextmanager
+def operator(cp: str, store: Path, tiny_llama_dir: Path) -> Iterator[str]:
+    """The operator on an emulated Kubernetes API, running the ServingPool POOL (the pool the
+    data plane reports for); the address of its metrics."""
+    with running_emulator() as emulator:
+        configuration = client.Configuration()
+        configuration.host = emulator.url
+        api = client.ApiClient(configuration)
+        client.CoreV1Api(api).create_namespace({"metadata": {"name": PLATFORM}})
+        settings = OperatorSettings(
+            controlplane_url=cp, service_token=SERVICE, store=str(store),
+            pool_interval_seconds=0.5, retry_base_seconds=0.3, retry_max_seconds=1.0,
+        )  # fmt: skip
+        ctx = OperatorContext.create(
+            settings, kube_configuration=configuration, store=LocalStore(store)
+        )
+        op = OperatorThread(ctx, emulator.url, pool_interval=0.5)
+        server, _ = ctx.metrics.serve("127.0.0.1", free_port())
+        op.start()
+        try:
+            body = pool_body(POOL, tiny_llama_dir)
+            body["spec"]["baseModel"]["name"] = BASE
+            client.CustomObjectsApi(api).create_namespaced_custom_object(
+                GROUP, VERSION, PLATFORM, POOLS, body
+            )
+            yield f"127.0.0.1:{server.server_port}"
+        finally:
+            server.shutdown()
+            if not op.finished.is_set():
+                op.stop()
+            ctx.close()
+            api.close()
 
 
 def _has_data(result: list[dict[str, Any]]) -> bool:
@@ -217,17 +261,18 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
 def test_every_dashboard_query_returns_data_from_live_components(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
-    evaluated = [q for q in queries() if not q.external]
+    evaluated = queries()
     assert len(evaluated) >= 30
+    store = tmp_path / "cp" / "store"
     with controlplane(tmp_path / "cp") as cp:
         keys = _catalog(cp, tiny_llama_dir, peft_adapters)
         settings = ServerSettings(
             model=str(tiny_llama_dir), served_model_name=BASE, controlplane_url=cp,
-            service_token=SERVICE, store=str(tmp_path / "cp" / "store"), pool=POOL,
+            service_token=SERVICE, store=str(store), pool=POOL,
             pressure_interval_s=0.5, num_kv_blocks=256, max_loras=MAX_LORAS,
         )  # fmt: skip
-        with start_server(settings) as (dp, _):
-            targets = (dp.removeprefix("http://"), cp.removeprefix("http://"))
+        with operator(cp, store, tiny_llama_dir) as op, start_server(settings) as (dp, _):
+            targets = (dp.removeprefix("http://"), cp.removeprefix("http://"), op)
             tsdb = tmp_path / "prometheus"
             tsdb.mkdir()
             with prometheus(tsdb, *targets) as prom, Load(dp, keys).running() as load:

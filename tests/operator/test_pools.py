@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.operator.conftest import (
     BASE_NAME,
@@ -19,6 +20,7 @@ from tests.operator.conftest import (
     pool_body,
 )
 from tests.operator.harness import wait_for
+from tests.servers import free_port
 
 pytestmark = pytest.mark.k8s
 
@@ -137,7 +139,9 @@ def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
     start_operator: StartOperator,
     base_model_dir: Path,
 ) -> None:
-    start_operator()
+    op = start_operator()
+    server, _ = op.ctx.metrics.serve("127.0.0.1", free_port())
+    metrics_url = f"http://127.0.0.1:{server.server_port}/metrics"
     autoscaling = {"deferredPerReplica": 4, "scaleUpStabilizationSeconds": 0}
     cluster.create(
         "servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir, autoscaling=autoscaling)
@@ -175,3 +179,40 @@ def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
         ),
         what="the ScaledUp event",
     )
+
+    # The operator's /metrics (the Autoscaling dashboard's source), scraped over HTTP.
+    def scraped() -> dict[str, float]:
+        text = httpx.get(metrics_url, timeout=5).text
+        found = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                if labels.pop("pool", None) != "tiny-pool":
+                    continue
+                assert labels.pop("pool_namespace") == PLATFORM
+                found[sample.name + "".join(f",{k}={v}" for k, v in sorted(labels.items()))] = (
+                    sample.value
+                )
+        return found
+
+    metrics = wait_for(
+        lambda: (m := scraped()).get("loraplane_pool_ready_replicas") == 1 and m,
+        what="the pool's metrics",
+    )
+    try:
+        assert metrics["loraplane_pool_replicas"] == 3
+        assert metrics["loraplane_pool_needed_replicas"] == 3  # ceil(11 / 4)
+        assert metrics["loraplane_pool_replicas_bound,bound=min"] == 1
+        assert metrics["loraplane_pool_replicas_bound,bound=max"] == 3
+        assert metrics["loraplane_pool_autoscaling_target,signal=deferred_per_replica"] == 4
+        assert metrics["loraplane_pool_pressure,signal=deferred"] == 11
+        assert metrics["loraplane_pool_pressure,signal=replicas_reporting"] == 1
+        assert metrics["loraplane_pool_scale_events_total,direction=up"] == 1
+        assert metrics["loraplane_pool_scale_events_total,direction=down"] == 0
+        # A deleted pool's series go with it.
+        cluster.custom.delete_namespaced_custom_object(
+            "loraplane.io", "v1alpha1", PLATFORM, "servingpools", "tiny-pool"
+        )
+        wait_for(lambda: not scraped(), what="the pool's series to go")
+    finally:
+        server.shutdown()

@@ -13,13 +13,16 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.ingest import AdapterVersion
 from loraplane.adapters.store import LocalStore
 from loraplane.operator import cli, crds, manifests
+from loraplane.operator.autoscaling import Pressure, ScalePolicy
 from loraplane.operator.catalog import CatalogClient, CatalogError
 from loraplane.operator.conditions import Verdict, adapter_status, set_condition
+from loraplane.operator.metrics import PoolMetrics
 from loraplane.operator.settings import OperatorSettings, SettingsError
 from loraplane.operator.sources import (
     SourceError,
@@ -230,3 +233,40 @@ def test_operator_imports_neither_the_data_plane_nor_the_control_plane() -> None
         [sys.executable, "-c", code], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _samples(metrics: PoolMetrics) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            extra = {k: v for k, v in s.labels.items() if k not in ("pool", "pool_namespace")}
+            out[s.name + "".join(f",{v}" for _, v in sorted(extra.items()))] = s.value
+    return out
+
+
+def test_pool_metrics_without_fresh_pressure_hold_the_need_at_the_current_count() -> None:
+    metrics = PoolMetrics()
+    policy = ScalePolicy(1, 5, 4.0, 2.0, 0.0, 60.0)
+    metrics.observe("ns", "p", replicas=2, ready=1, policy=policy, pressure=Pressure(deferred=17))
+    seen = _samples(metrics)
+    assert seen["loraplane_pool_needed_replicas"] == 5  # ceil(17 / 4) = 5, within max
+    assert seen["loraplane_pool_pressure,deferred"] == 17
+    metrics.scaled("ns", "p", 2, 5)
+    metrics.scaled("ns", "p", 5, 5)  # no change, no event
+    metrics.observe("ns", "p", replicas=5, ready=2, policy=policy, pressure=None)
+    seen = _samples(metrics)
+    assert seen["loraplane_pool_needed_replicas"] == 5  # holds: the need is the current count
+    assert not any(k.startswith("loraplane_pool_pressure") for k in seen)
+    assert seen["loraplane_pool_scale_events_total,up"] == 1
+    assert seen["loraplane_pool_scale_events_total,down"] == 0
+    metrics.forget("ns", "p")
+    assert _samples(metrics) == {}
+
+
+def test_operator_refuses_a_bad_metrics_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLANE_CONTROLPLANE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("LORAPLANE_SERVICE_TOKEN", "s" * 40)
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["operator", "-A", "--metrics-port", "70000"])
+    assert args.func(args) == cli.EXIT_USAGE
