@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplane.controlplane.settings import StartupError
 
-# migrations/ sits beside the package in the source tree (DESIGN.md section 2).
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+# Shipped inside the package, so an installed wheel (the container image) can migrate.
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 THREADPOOL_TOKENS = 40  # anyio's default thread limit, which Starlette's threadpool uses
 
 
@@ -104,7 +104,7 @@ def alembic_config(url: str) -> Config:
 
 
 def head_revision() -> str | None:
-    """The newest migration in migrations/."""
+    """The newest migration in MIGRATIONS_DIR."""
     script = ScriptDirectory.from_config(alembic_config("sqlite://"))
     return script.get_current_head()
 
