@@ -131,12 +131,9 @@ def ingest_adapter(
     return Ingested(adapter, row, created)
 
 
-def fetch_import(settings: Settings, source_uri: str, workdir: Path, *, max_bytes: int) -> Path:
-    """Download an import source into `workdir`: an archive object or a folder's two files.
-
-    Only `s3://` URIs in allowlisted buckets (LORAPLANE_IMPORT_BUCKETS); no other scheme,
-    no redirects. Returns what the adapter core should read.
-    """
+def import_location(settings: Settings, source_uri: str) -> tuple[str, str]:
+    """The (bucket, key) an import may read: SourceNotAllowed unless an `s3://` URI in an
+    allowlisted bucket (LORAPLANE_IMPORT_BUCKETS), SourceNotFound when it names nothing."""
     try:
         bucket, key = s3.split_uri(source_uri)
     except ValueError:
@@ -145,10 +142,20 @@ def fetch_import(settings: Settings, source_uri: str, workdir: Path, *, max_byte
         ) from None
     if bucket not in settings.import_buckets:
         raise SourceNotAllowed(f"bucket {bucket!r} is not in the import allowlist")
-    client = s3.make_client(settings.s3_endpoint_url)
     key = key.strip("/")
     if not key:
         raise SourceNotFound(f"{source_uri} names no object or folder")
+    return bucket, key
+
+
+def fetch_import(settings: Settings, source_uri: str, workdir: Path, *, max_bytes: int) -> Path:
+    """Download an import source into `workdir`: an archive object or a folder's two files.
+
+    Only `s3://` URIs in allowlisted buckets (LORAPLANE_IMPORT_BUCKETS); no other scheme,
+    no redirects. Returns what the adapter core should read.
+    """
+    bucket, key = import_location(settings, source_uri)
+    client = s3.make_client(settings.s3_endpoint_url)
     wanted = (
         [(key, workdir / ("adapter" + _archive_suffix(key)))]
         if key.lower().endswith(ARCHIVE_SUFFIXES)

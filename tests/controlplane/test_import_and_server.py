@@ -68,6 +68,28 @@ def test_import_from_allowlisted_bucket_folder(import_api: Api, s3_endpoint: str
     assert r.status_code == 400
 
 
+def test_import_in_the_background(import_api: Api, s3_endpoint: str) -> None:
+    s3 = s3server.s3_client(s3_endpoint)
+    s3.create_bucket(Bucket="allowed")
+    for p in import_api.adapter_dir(seed=5).iterdir():
+        s3.put_object(Bucket="allowed", Key=f"team/bot/{p.name}", Body=p.read_bytes())
+    key = import_api.keys["acme"]
+    prefer = {**bearer(key), "Prefer": "respond-async"}
+    body = {"name": "bot", "base_model": "tiny", "source_uri": "s3://allowed/team/bot"}
+    r = import_api.client.post("/v1/adapters", json=body, headers=prefer)
+    assert r.status_code == 202, r.text
+    job = import_api.wait_upload(key, r.headers["Location"])
+    assert job["status"] == "succeeded" and job["result"]["version"]["version"] == 1, job
+    # A URI outside the allowlist is refused at once; a missing object fails its job.
+    refused = {**body, "source_uri": "s3://other/team/bot"}
+    r = import_api.client.post("/v1/adapters", json=refused, headers=prefer)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "SourceNotAllowed"
+    missing = {**body, "source_uri": "s3://allowed/nothing-here"}
+    r = import_api.client.post("/v1/adapters", json=missing, headers=prefer)
+    job = import_api.wait_upload(key, r.headers["Location"])
+    assert job["status"] == "failed" and job["error"]["code"] == "SourceNotFound", job
+
+
 @pytest.fixture
 def live_server(tmp_path: Path, database_url: str) -> Iterator[str]:
     app = create_app(make_settings(tmp_path, database_url))

@@ -21,7 +21,12 @@ from loraplane.controlplane.api.routes.uploads import UPLOADS_PATH, job_public
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud
 from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge
-from loraplane.controlplane.ingestion import fetch_import, ingest_adapter, precheck
+from loraplane.controlplane.ingestion import (
+    fetch_import,
+    import_location,
+    ingest_adapter,
+    precheck,
+)
 from loraplane.controlplane.schemas.adapters import (
     AdapterImport,
     AdapterPublic,
@@ -142,6 +147,8 @@ async def upload_adapter(
         # Imports are downloaded by their job: only `Prefer: respond-async` moves them.
         big = isinstance(source, Path) and size >= ctx.settings.background_ingest_bytes
         if uploads is not None and (respond_async or big):
+            if isinstance(source, str):
+                import_location(ctx.settings, source)  # refuse a disallowed URI at once
             await run_in_threadpool(
                 lambda: precheck(
                     session,
