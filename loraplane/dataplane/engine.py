@@ -29,6 +29,10 @@ from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, Sequen
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
 
+# A step with nothing to run because every waiting request's adapter is loading waits this
+# long at most for a load to end (a new request arriving meanwhile waits as long).
+LOAD_WAIT_S = 0.02
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
@@ -141,6 +145,8 @@ class Engine:
         self.loras.prefetch({s.lora for s in self.scheduler.waiting if s.lora is not None})
         out = self.scheduler.schedule(self.loras.ready)
         if not out.scheduled:
+            if self.scheduler.waiting:  # every waiting request waits for its adapter's load
+                self.loras.wait_for_load(LOAD_WAIT_S)
             return failed
         logits = self.runner.execute(out, self.scheduler.running_lora_keys)
         rows = out.sampled

@@ -19,7 +19,7 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.store import LocalStore, S3Store
 from loraplane.adapters.store.base import ObjectStore
 from loraplane.dataplane.config import EngineConfig
-from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.engine import LOAD_WAIT_S, Engine
 from loraplane.dataplane.lora.loader import load_lora
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
@@ -256,3 +256,37 @@ def test_pool_memory_is_rank_exact_whatever_the_max_rank(
         tokens(engine, ref)
         used.append(engine.runner.pool.bytes_used)
     assert used[0] == used[1] > 0
+
+
+def test_an_engine_with_only_cold_requests_waits_for_the_load_instead_of_spinning(
+    tiny_llama_dir: Path,
+    peft_adapters: dict[str, Path],
+    expected: dict[str, list[int]],
+    s3_endpoint: str,
+    tmp_path: Path,
+) -> None:
+    client = s3server.s3_client(s3_endpoint)
+    client.create_bucket(Bucket="tiers-w")
+    store = GatedStore("tiers-w", "root", client=client)
+    store.gate = threading.Event()
+    store.gate.set()
+    versions = stored(store, tiny_llama_dir, {"r16": peft_adapters["r16"]})
+    store.gate.clear()
+    engine = engine_for(tiny_llama_dir, DiskTier(store, tmp_path / "disk"))
+    ref = register(engine, versions)["r16"]
+    engine.add_request("cold", PROMPT, GREEDY, ref)
+    # Nothing can run while the download is held: each step waits (up to LOAD_WAIT_S) for a
+    # load to end instead of returning at once, so half a second holds a few dozen steps at
+    # most, not the many thousands a spinning loop would make.
+    steps, end = 0, time.monotonic() + 0.5
+    while time.monotonic() < end:
+        assert engine.step() == []
+        steps += 1
+    assert steps <= 0.5 / LOAD_WAIT_S + 10, steps
+    store.gate.set()
+    out: list[int] = []
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished and time.monotonic() < deadline:
+        for o in engine.step():
+            out += o.token_ids
+    assert out == expected["r16"]

@@ -97,6 +97,8 @@ class LoRAManager:
         self._names: dict[tuple[str, str], str] = {}  # (tenant, name) -> newest ref.key
         self._slots: dict[int, str] = {}  # slot -> ref.key
         self._lock = threading.RLock()
+        self._load_ended = threading.Condition(self._lock)  # notified as each load ends
+        self._loads_in_flight = 0
         self._clock = 0
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
 
@@ -222,12 +224,21 @@ class LoRAManager:
                 entry.state = State.COLD
             if entry.state is State.COLD:
                 entry.state = State.LOADING
+                self._loads_in_flight += 1
                 entry.future = self._pool.submit(self._load, entry)
             future = entry.future
         if wait and future is not None:
             future.result()
 
     def _load(self, entry: _Entry) -> None:
+        try:
+            self._load_once(entry)
+        finally:
+            with self._load_ended:
+                self._loads_in_flight -= 1
+                self._load_ended.notify_all()
+
+    def _load_once(self, entry: _Entry) -> None:
         start = time.perf_counter()
         try:
             adapter = self._read(entry)
@@ -241,6 +252,16 @@ class LoRAManager:
             if entry.ref.key in self._entries:  # not unregistered meanwhile
                 self._to_host(entry, adapter)
                 self.host_stats.load_seconds.append(time.perf_counter() - start)
+
+    def wait_for_load(self, timeout: float) -> bool:
+        """Block until a background load ends, for at most `timeout` seconds; False at once
+        when none is in flight. The engine calls it when every waiting request waits for an
+        adapter: spinning empty steps would only take the CPU (and the GIL) from the loads."""
+        with self._load_ended:
+            if self._loads_in_flight == 0:
+                return False
+            self._load_ended.wait(timeout)
+            return True
 
     def _read(self, entry: _Entry) -> LoadedAdapter:
         ref = entry.ref
