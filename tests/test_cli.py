@@ -79,3 +79,13 @@ def test_help_explains_exit_codes() -> None:
     out = run("adapters", "validate", "--help")
     assert out.returncode == 0
     assert "Exit 0: valid" in out.stdout and "--base-model" in out.stdout
+
+
+def test_controlplane_help_lists_every_setting_with_its_default() -> None:
+    from loraplane.controlplane.settings import Settings
+
+    out = run("controlplane", "--help")
+    assert out.returncode == 0
+    for name in Settings.model_fields:
+        assert f"LORAPLANE_{name.upper()} (default: " in out.stdout, name
+    assert "LORAPLANE_DB_POOL_SIZE (default: 10)" in out.stdout

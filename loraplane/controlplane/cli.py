@@ -52,12 +52,16 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `controlplane` (serve) and `controlplane migrate` on `subparsers`."""
+    from loraplane.controlplane.settings import settings_help
+
     cp = subparsers.add_parser(
         "controlplane",
         help="run the control plane (REST API, catalog)",
         description="Serve the control plane's REST API. Settings come from LORAPLANE_* "
         "variables; every default serves the embedded mode (SQLite and a local store under "
         "./.loraplane/).",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     cp.add_argument("--port", type=int, default=8080, help="port to listen on")

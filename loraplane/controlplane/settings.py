@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -31,15 +32,29 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAPLANE_", extra="ignore")
 
     data_dir: Path = Field(default=Path(".loraplane"), description="embedded-mode state")
-    database_url: str | None = Field(default=None, description="SQLAlchemy URL")
-    store: str | None = Field(default=None, description="local directory or s3://bucket/prefix")
-    admin_token: SecretStr | None = None
-    service_token: SecretStr | None = None
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL; postgresql:// uses psycopg 3 (unset: SQLite in the data dir)",
+    )
+    store: str | None = Field(
+        default=None,
+        description="local directory or s3://bucket/prefix (unset: <data dir>/store)",
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="admin API token (embedded mode: generated into <data dir>/admin-token)",
+    )
+    service_token: SecretStr | None = Field(
+        default=None,
+        description="token of the data plane and operator (embedded: <data dir>/service-token)",
+    )
     kubernetes: bool = Field(
         default=False,
         description="cluster mode: uploads become LoRAAdapter resources the operator ingests",
     )
-    max_upload_bytes: int = Field(default=4 * GiB + (1 << 20), gt=0)
+    max_upload_bytes: int = Field(
+        default=4 * GiB + (1 << 20), gt=0, description="request body cap (413 past it)"
+    )
     background_ingest_bytes: int = Field(
         default=64 << 20,
         ge=0,
@@ -55,11 +70,21 @@ class Settings(BaseSettings):
         ge=60,
         description="an unfinished upload job older than this reads as failed (Interrupted)",
     )
-    import_buckets: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    s3_endpoint_url: str | None = None
-    retry_after_seconds: int = Field(default=5, ge=1, le=3600)
-    db_pool_size: int = Field(default=10, ge=1, le=1000)
-    db_connect_timeout_seconds: int = Field(default=3, ge=1, le=120)
+    import_buckets: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated S3 buckets JSON imports may read"
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint for the store, imports and base model configs"
+    )
+    retry_after_seconds: int = Field(
+        default=5, ge=1, le=3600, description="Retry-After of 503 answers"
+    )
+    db_pool_size: int = Field(
+        default=10, ge=1, le=1000, description="database connections (and resolves at once)"
+    )
+    db_connect_timeout_seconds: int = Field(
+        default=3, ge=1, le=120, description="database connect timeout"
+    )
 
     @field_validator("import_buckets", mode="before")
     @classmethod
@@ -101,6 +126,22 @@ class Settings(BaseSettings):
     def embedded(self) -> bool:
         """Embedded mode: SQLite and no Kubernetes. Anything else is a deployment."""
         return self.is_sqlite and not self.kubernetes
+
+
+def settings_help() -> str:
+    """The LORAPLANE_* variables, their defaults and meanings (for `--help`)."""
+    prefix = str(Settings.model_config.get("env_prefix", ""))
+    lines = ["environment variables:"]
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "unset" if default in (None, []) else str(default)
+        if isinstance(default, bool):
+            shown = "1" if default else "0"
+        lines.append(f"  {(prefix + name).upper()} (default: {shown})")
+        lines += textwrap.wrap(
+            field.description or "", 88, initial_indent=" " * 6, subsequent_indent=" " * 6
+        )
+    return "\n".join(lines)
 
 
 def token_weakness(token: str) -> str | None:
