@@ -18,13 +18,15 @@ EXIT_OK, EXIT_USAGE = 0, 2
 
 def add_commands(subparsers: Any) -> None:
     """Register `operator` (and `operator crds`) on the `loraplane` command's sub-parsers."""
+    from loraplane.operator.settings import settings_help
+
     op = subparsers.add_parser(
         "operator",
         help="run the Kubernetes operator (LoRAAdapter, ServingPool)",
-        description=(
-            "Run the Kopf operator in this process. Settings: LORAPLANE_CONTROLPLANE_URL, "
-            "LORAPLANE_SERVICE_TOKEN, LORAPLANE_ADMIN_TOKEN, LORAPLANE_STORE, ..."
-        ),
+        description="Run the Kopf operator in this process (standalone: one at a time). "
+        "Settings come from the LORAPLANE_* variables below.",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     scope = op.add_mutually_exclusive_group()
     scope.add_argument(

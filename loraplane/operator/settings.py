@@ -7,8 +7,9 @@ so this is one frozen dataclass checked in `__post_init__`; a bad value fails at
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 GiB = 1 << 30
@@ -23,23 +24,51 @@ class SettingsError(ValueError):
 class OperatorSettings:
     """Everything the operator reads from its environment (env var = LORAPLANE_ + NAME)."""
 
-    controlplane_url: str
-    service_token: str
-    store: str = ".loraplane/store"
-    s3_endpoint_url: str | None = None
-    # https:// sources and extra S3 endpoints may only name these hosts
-    source_hosts: tuple[str, ...] = ()
-    # S3 buckets readable with the operator's own credentials (sources without a secretRef)
-    import_buckets: tuple[str, ...] = ()
-    max_source_bytes: int = 4 * GiB + (1 << 20)
-    # the control plane URL the data plane replicas use (default: controlplane_url)
-    dataplane_controlplane_url: str | None = None
-    pool_interval_seconds: float = 15.0
-    pool_wait_seconds: float = 30.0
-    retry_base_seconds: float = 5.0
-    retry_max_seconds: float = 300.0
-    pressure_stale_seconds: float = 60.0
-    request_timeout_seconds: float = 10.0
+    controlplane_url: str = field(metadata={"help": "the control plane's URL (required)"})
+    service_token: str = field(metadata={"help": "the control plane's service token (required)"})
+    store: str = field(
+        default=".loraplane/store",
+        metadata={"help": "where versions are stored: a directory or s3://bucket/prefix"},
+    )
+    s3_endpoint_url: str | None = field(
+        default=None, metadata={"help": "S3 endpoint for the store and s3:// sources"}
+    )
+    source_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "comma-separated hosts https:// sources (and Secrets' S3 endpoints) "
+                  "may name"},
+    )  # fmt: skip
+    import_buckets: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "comma-separated S3 buckets read with the operator's own credentials "
+                  "(sources without a secretRef)"},
+    )  # fmt: skip
+    max_source_bytes: int = field(
+        default=4 * GiB + (1 << 20), metadata={"help": "cap on one adapter source's bytes"}
+    )
+    dataplane_controlplane_url: str | None = field(
+        default=None,
+        metadata={"help": "the control plane URL pool replicas get (unset: the one above)"},
+    )
+    pool_interval_seconds: float = field(
+        default=15.0, metadata={"help": "seconds between a pool's status and autoscaling passes"}
+    )
+    pool_wait_seconds: float = field(
+        default=30.0,
+        metadata={"help": "retry delay while no ServingPool serves an adapter's base model"},
+    )
+    retry_base_seconds: float = field(
+        default=5.0, metadata={"help": "first retry delay after a transient failure"}
+    )
+    retry_max_seconds: float = field(
+        default=300.0, metadata={"help": "longest retry delay (exponential backoff)"}
+    )
+    pressure_stale_seconds: float = field(
+        default=60.0, metadata={"help": "replica pressure reports older than this are ignored"}
+    )
+    request_timeout_seconds: float = field(
+        default=10.0, metadata={"help": "timeout of calls to the control plane"}
+    )
     finalizer: str = field(default=FINALIZER)
 
     def __post_init__(self) -> None:
@@ -86,6 +115,21 @@ class OperatorSettings:
             if not values.get(required):
                 raise SettingsError(f"LORAPLANE_{required.upper()} is not set")
         return cls(**values)
+
+
+def settings_help() -> str:
+    """The LORAPLANE_* variables the operator reads, their defaults and meanings."""
+    lines = ["environment variables:"]
+    for f in fields(OperatorSettings):
+        if f.name == "finalizer":
+            continue
+        default = "required" if f.default is MISSING else f.default
+        shown = "unset" if default in (None, ()) else str(default)
+        lines.append(f"  LORAPLANE_{f.name.upper()} (default: {shown})")
+        lines += textwrap.wrap(
+            f.metadata.get("help", ""), 88, initial_indent=" " * 6, subsequent_indent=" " * 6
+        )
+    return "\n".join(lines)
 
 
 _TUPLES = {"source_hosts", "import_buckets"}

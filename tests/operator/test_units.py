@@ -270,3 +270,18 @@ def test_operator_refuses_a_bad_metrics_port(monkeypatch: pytest.MonkeyPatch) ->
     cli.add_commands(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["operator", "-A", "--metrics-port", "70000"])
     assert args.func(args) == cli.EXIT_USAGE
+
+
+def test_operator_help_lists_every_setting_with_its_default() -> None:
+    from dataclasses import fields
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers(dest="command"))
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        parser.parse_args(["operator", "--help"])
+    text = out.getvalue()
+    for f in fields(OperatorSettings):
+        if f.name != "finalizer":
+            assert f"LORAPLANE_{f.name.upper()} (default: " in text, f.name
+    assert "LORAPLANE_POOL_INTERVAL_SECONDS (default: 15.0)" in text
