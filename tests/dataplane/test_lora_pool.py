@@ -99,3 +99,22 @@ def test_an_adapter_shaped_for_another_model_is_refused() -> None:
     deep = LoadedAdapter("deep", {(5, "q_proj"): _adapter(4).modules[(0, "q_proj")]})
     with pytest.raises(ValueError, match="layer 5"):
         pool.load(0, deep)
+
+
+def test_a_host_copy_of_the_pools_device_and_dtype_is_read_in_place_others_are_copied() -> None:
+    adapter = _adapter(8)  # float32 on the CPU
+    same = LoRAPool(2, SPEC, torch.float32, "cpu")
+    same.load(0, adapter)
+    w = adapter.modules[(1, "q_proj")]
+    table = same.module_slots(1, "q_proj")
+    assert table.lora_a[0] is w.a and table.lora_b[0] is w.b  # no second copy
+    assert same.slot_bytes(0) == same.bytes_needed(adapter)
+    other = LoRAPool(2, SPEC, torch.bfloat16, "cpu")
+    other.load(0, adapter)
+    copied = other.module_slots(1, "q_proj").lora_a[0]
+    assert copied is not None and copied.dtype == torch.bfloat16
+    assert torch.equal(copied, w.a.to(torch.bfloat16))
+    # Freeing the slot drops its reference; the host copy is untouched.
+    same.free(0)
+    assert table.lora_a[0] is None and not same.is_loaded(0)
+    assert w.a.shape == (8, 64)

@@ -2,8 +2,10 @@
 
 Rank-exact: a slot's memory is one buffer sized to its adapter's own A and B tensors (vLLM
 pads every slot to max_lora_rank instead), so a rank-8 adapter costs an eighth of a rank-64
-one. The LoRA layers read the pool through `ModuleSlots`, one per (layer, module), whose
-per-slot lists the kernels index by slot id.
+one. Where the host copy already has the slot's device and dtype (CPU serving), the slot reads
+it in place: no second copy, and no second set of bytes. The LoRA layers read the pool
+through `ModuleSlots`, one per (layer, module), whose per-slot lists the kernels index by
+slot id.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class LoRAPool:
             for layer in range(model_spec.num_layers)
             for module in SUPPORTED_MODULES
         }
-        self._buffers: list[torch.Tensor | None] = [None] * max_loras  # slot -> flat storage
+        # slot -> its storage: one flat buffer, or the host copy's tensors read in place
+        self._buffers: list[list[torch.Tensor] | None] = [None] * max_loras
 
     def module_slots(self, layer: int, module: str) -> ModuleSlots:
         """The slot table the LoRA layer at (layer, module) reads."""
@@ -69,7 +72,8 @@ class LoRAPool:
         return elements * torch.empty(0, dtype=self.dtype).element_size()
 
     def load(self, slot: int, adapter: LoadedAdapter) -> None:
-        """Copy `adapter` into a free slot, at its own ranks, in the pool's dtype and device."""
+        """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a
+        copy, unless the host copy already is that: then it is read in place)."""
         self._check_slot(slot)
         if self._buffers[slot] is not None:
             raise ValueError(f"slot {slot} already holds an adapter; free it first")
@@ -82,7 +86,18 @@ class LoRAPool:
                     f"layer {layer} {module}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not "
                     f"fit in_features {fan_in}, out_features {fan_out}"
                 )
-        elements = sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
+        tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
+        if all(self._can_share(t) for t in tensors):
+            # The host copy already is what a slot would hold (same device and dtype): the
+            # slot reads it in place. Host copies are never written, and the slot keeps them
+            # alive after the host tier drops them.
+            for (layer, module), w in adapter.modules.items():
+                table = self._modules[(layer, module)]
+                table.lora_a[slot], table.lora_b[slot] = w.a, w.b
+                table.scales[slot] = w.scale
+            self._buffers[slot] = tensors
+            return
+        elements = sum(t.numel() for t in tensors)
         buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
         offset = 0
         for (layer, module), w in adapter.modules.items():
@@ -95,7 +110,10 @@ class LoRAPool:
             table = self._modules[(layer, module)]
             table.lora_a[slot], table.lora_b[slot] = views
             table.scales[slot] = w.scale
-        self._buffers[slot] = buffer
+        self._buffers[slot] = [buffer]
+
+    def _can_share(self, t: torch.Tensor) -> bool:
+        return t.device == self.device and t.dtype == self.dtype and t.is_contiguous()
 
     def free(self, slot: int) -> None:
         """Release the slot's memory; its tokens must no longer be scheduled."""
@@ -117,8 +135,8 @@ class LoRAPool:
     def slot_bytes(self, slot: int) -> int:
         """Device bytes the slot's adapter occupies (0 when free)."""
         self._check_slot(slot)
-        buffer = self._buffers[slot]
-        return 0 if buffer is None else buffer.numel() * buffer.element_size()
+        storage = self._buffers[slot]
+        return 0 if storage is None else sum(t.numel() * t.element_size() for t in storage)
 
     @property
     def bytes_used(self) -> int:
