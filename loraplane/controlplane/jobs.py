@@ -14,6 +14,7 @@ import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -97,6 +98,8 @@ class UploadJobs:
             )
             work = JobWork(job.id, tenant.id, name, base_model, source, workdir, actor)
             self._queued[job.id] = work
+        retention = timedelta(days=self.settings.upload_job_retention_days)
+        crud.prune_finished(session, older_than=retention)  # the table stays small
         self._pool.submit(self._run, work)
         log.info("upload %s queued: %s for %s (%d bytes)", job.id, name, actor, size_bytes)
         return job

@@ -70,6 +70,12 @@ class Settings(BaseSettings):
         ge=60,
         description="an unfinished upload job older than this reads as failed (Interrupted)",
     )
+    upload_job_retention_days: int = Field(
+        default=7,
+        ge=1,
+        le=3650,
+        description="finished upload jobs are deleted this many days after they end",
+    )
     import_buckets: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated S3 buckets JSON imports may read"
     )

@@ -205,3 +205,27 @@ def test_unfinished_jobs_read_as_interrupted(app_with: Any, database_url: str) -
         restarted = app_with()
         job = restarted.client.get(f"/v1/uploads/{fresh.id}", headers=bearer(key)).json()
         assert job["status"] == "pending"
+
+
+def test_finished_jobs_are_pruned_after_the_retention_period(ready: Api) -> None:
+    key = ready.keys["acme"]
+    first = ready.wait_upload(key, accepted(ready.upload(key, "a", ready.adapter_dir(seed=1),
+                                                         headers=ASYNC)))  # fmt: skip
+    second = ready.wait_upload(key, accepted(ready.upload(key, "b", ready.adapter_dir(seed=2),
+                                                          headers=ASYNC)))  # fmt: skip
+    ctx = ready.client.app.state.ctx  # type: ignore[attr-defined]
+    with db.session_scope(ctx.sessions) as session:
+        session.execute(
+            update(UploadJob)
+            .where(UploadJob.id == first["id"])
+            .values(finished_at=utcnow() - timedelta(days=8))
+        )
+        session.commit()
+    # The next queued upload prunes jobs that ended more than 7 days ago (the default).
+    third = accepted(ready.upload(key, "c", ready.adapter_dir(seed=3), headers=ASYNC))
+    ready.wait_upload(key, third)
+    assert ready.client.get(f"/v1/uploads/{first['id']}", headers=bearer(key)).status_code == 404
+    listed = [j["id"] for j in ready.client.get("/v1/uploads", headers=bearer(key)).json()]
+    assert second["id"] in listed and third.rsplit("/", 1)[1] in listed
+    # The version the pruned job made is untouched: jobs are a view, the catalog is the record.
+    assert ready.client.get("/v1/adapters/a", headers=bearer(key)).json()["current_version"] == 1

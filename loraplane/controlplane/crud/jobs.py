@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from datetime import timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane.errors import NotFound
@@ -96,6 +96,17 @@ def fail_unfinished(
             error_code=INTERRUPTED,
             error_message=INTERRUPTED_MESSAGE,
             finished_at=utcnow(),
+        )
+    )
+    session.commit()
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+def prune_finished(session: Session, *, older_than: timedelta) -> int:
+    """Delete jobs that ended more than `older_than` ago; how many went."""
+    result = session.execute(
+        delete(UploadJob).where(
+            UploadJob.status.not_in(UNFINISHED), UploadJob.finished_at < utcnow() - older_than
         )
     )
     session.commit()
