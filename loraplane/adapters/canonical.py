@@ -51,6 +51,23 @@ def canonical_digest(adapter: ValidatedAdapter) -> str:
     return h.hexdigest()
 
 
+def stored_digest_start(adapter: ValidatedAdapter) -> hashlib._Hash | None:
+    """For an adapter whose weights file already is canonical (a stored version): the digest
+    with the config fed in, so that feeding it the weights file's bytes in order gives the
+    canonical digest. None when the file is not canonical (use `canonical_digest`)."""
+    config, header, sources = _layout(adapter)
+    weights = adapter.weights
+    pos = len(header)
+    for name in sources:
+        info = weights.tensors[name]
+        if info.start != pos:
+            return None
+        pos = info.end
+    if pos != weights.size or weights.head(len(header)) != header:
+        return None
+    return _start_digest(config)
+
+
 def write_canonical(
     adapter: ValidatedAdapter, out_dir: Path, *, scan_weights: bool = False
 ) -> CanonicalAdapter:

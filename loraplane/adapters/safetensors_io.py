@@ -179,6 +179,12 @@ class SafetensorsFile:
         _check_tiling(tensors, size - data_start, data_start)
         return tensors, metadata
 
+    def head(self, n: int) -> bytes:
+        """The file's first `n` bytes (at most its size)."""
+        if self._mmap is None:
+            return b""
+        return bytes(self._mmap[:n])
+
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, as a view into the memory map (no copy)."""
         info = self.tensors[name]

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
-from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.adapters.errors import AdapterRejected, IntegrityError, ReasonCode
+from loraplane.adapters.ingest import ingest
 from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.safetensors_io import TensorInfo
+from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.lora import load_lora
+from loraplane.dataplane.lora.loader import _tensor_view
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +108,52 @@ def test_an_adapter_for_another_base_model_shape_is_rejected(
     with pytest.raises(AdapterRejected) as err:
         load_lora(peft_adapters["r4"], other)
     assert err.value.code == ReasonCode.SHAPE_MISMATCH
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_stored_version_reads_in_one_pass_equal_to_the_validating_path(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(peft_adapters["r8-patterns"], src)
+    weights = src / "adapter_model.safetensors"
+    save_file({k: v.to(dtype) for k, v in load_file(str(weights)).items()}, str(weights))
+    version = ingest(src, "acme", "bot", spec, AdapterLimits(), LocalStore(tmp_path / "store"))
+    stored = tmp_path / "store" / version.path
+    fast = load_lora(stored, spec, expected_digest=version.digest)  # one read, hashed on the way
+    slow = load_lora(src, spec)  # the tenant's own (non-canonical) file, validated in full
+    assert fast.digest == slow.digest == version.digest
+    assert fast.modules.keys() == slow.modules.keys()
+    for key, w in fast.modules.items():
+        assert w.a.dtype == dtype and w.scale == slow.modules[key].scale
+        assert torch.equal(w.a, slow.modules[key].a) and torch.equal(w.b, slow.modules[key].b)
+    # one buffer is the only copy: the tensors sit in it back to back, as in the file
+    spans = sorted((t.data_ptr(), t.nbytes) for w in fast.modules.values() for t in (w.a, w.b))
+    assert all(p + n == q for (p, n), (q, _) in itertools.pairwise(spans))
+    assert str(stored / "adapter_model.safetensors") not in Path("/proc/self/maps").read_text()
+
+
+def test_a_stored_version_with_a_flipped_byte_fails_its_digest(
+    peft_adapters: dict[str, Path], spec: BaseModelSpec, tmp_path: Path
+) -> None:
+    version = ingest(
+        peft_adapters["r4"], "acme", "bot", spec, AdapterLimits(), LocalStore(tmp_path / "s")
+    )
+    weights = tmp_path / "s" / version.path / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # a tensor byte: the layout still parses, the content changed
+    weights.chmod(0o644)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError):
+        load_lora(weights.parent, spec, expected_digest=version.digest)
+
+
+def test_a_tensor_at_an_unaligned_offset_is_copied_not_viewed() -> None:
+    values = np.arange(6, dtype="<f4")
+    buf = np.zeros(2 + values.nbytes, dtype=np.uint8)
+    buf[2:] = np.frombuffer(values.tobytes(), dtype=np.uint8)
+    info = TensorInfo("t", "F32", (2, 3), 2, 2 + values.nbytes)
+    tensor = _tensor_view(buf, info)
+    assert tensor.shape == (2, 3) and torch.equal(tensor.flatten(), torch.from_numpy(values))
