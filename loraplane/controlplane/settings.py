@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-import textwrap
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from loraplane.envhelp import PREFIX, format_env_help
 
 MIN_TOKEN_CHARS = 32
 MIN_TOKEN_DISTINCT = 10
@@ -29,7 +30,7 @@ class StartupError(RuntimeError):
 class Settings(BaseSettings):
     """Everything the control plane reads from its environment, validated at start."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAPLANE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore")
 
     data_dir: Path = Field(default=Path(".loraplane"), description="embedded-mode state")
     database_url: str | None = Field(
@@ -136,18 +137,10 @@ class Settings(BaseSettings):
 
 def settings_help() -> str:
     """The LORAPLANE_* variables, their defaults and meanings (for `--help`)."""
-    prefix = str(Settings.model_config.get("env_prefix", ""))
-    lines = ["environment variables:"]
-    for name, field in Settings.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        shown = "unset" if default in (None, []) else str(default)
-        if isinstance(default, bool):
-            shown = "1" if default else "0"
-        lines.append(f"  {(prefix + name).upper()} (default: {shown})")
-        lines += textwrap.wrap(
-            field.description or "", 88, initial_indent=" " * 6, subsequent_indent=" " * 6
-        )
-    return "\n".join(lines)
+    return format_env_help(
+        (name, field.get_default(call_default_factory=True), field.description or "")
+        for name, field in Settings.model_fields.items()
+    )
 
 
 def token_weakness(token: str) -> str | None:

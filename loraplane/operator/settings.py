@@ -7,10 +7,11 @@ so this is one frozen dataclass checked in `__post_init__`; a bad value fails at
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from loraplane.envhelp import format_env_help
 
 GiB = 1 << 30
 FINALIZER = "loraplane.io/finalizer"
@@ -119,17 +120,11 @@ class OperatorSettings:
 
 def settings_help() -> str:
     """The LORAPLANE_* variables the operator reads, their defaults and meanings."""
-    lines = ["environment variables:"]
-    for f in fields(OperatorSettings):
-        if f.name == "finalizer":
-            continue
-        default = "required" if f.default is MISSING else f.default
-        shown = "unset" if default in (None, ()) else str(default)
-        lines.append(f"  LORAPLANE_{f.name.upper()} (default: {shown})")
-        lines += textwrap.wrap(
-            f.metadata.get("help", ""), 88, initial_indent=" " * 6, subsequent_indent=" " * 6
-        )
-    return "\n".join(lines)
+    return format_env_help(
+        (f.name, "required" if f.default is MISSING else f.default, f.metadata.get("help", ""))
+        for f in fields(OperatorSettings)
+        if f.name != "finalizer"
+    )
 
 
 _TUPLES = {"source_hosts", "import_buckets"}

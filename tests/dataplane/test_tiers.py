@@ -187,6 +187,27 @@ class GatedStore(S3Store):
         super().download(key, dest)
 
 
+def gated_engine(
+    bucket: str,
+    name: str,
+    model: Path,
+    adapters: dict[str, Path],
+    s3_endpoint: str,
+    tmp_path: Path,
+) -> tuple[Engine, GatedStore, LoRARef]:
+    """An engine whose one stored adapter `name` is cold and whose download is held until
+    `store.gate` is set."""
+    client = s3server.s3_client(s3_endpoint)
+    client.create_bucket(Bucket=bucket)
+    store = GatedStore(bucket, "root", client=client)
+    store.gate = threading.Event()
+    store.gate.set()
+    versions = stored(store, model, {name: adapters[name]})
+    store.gate.clear()
+    engine = engine_for(model, DiskTier(store, tmp_path / "disk"))
+    return engine, store, register(engine, versions)[name]
+
+
 def test_a_cold_load_does_not_stall_running_requests(
     tiny_llama_dir: Path,
     peft_adapters: dict[str, Path],
@@ -194,15 +215,9 @@ def test_a_cold_load_does_not_stall_running_requests(
     s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
-    client = s3server.s3_client(s3_endpoint)
-    client.create_bucket(Bucket="tiers-c")
-    store = GatedStore("tiers-c", "root", client=client)
-    store.gate = threading.Event()
-    store.gate.set()
-    versions = stored(store, tiny_llama_dir, {"r32-mlp": peft_adapters["r32-mlp"]})
-    store.gate.clear()
-    engine = engine_for(tiny_llama_dir, DiskTier(store, tmp_path / "disk"))
-    ref = register(engine, versions)["r32-mlp"]
+    engine, store, ref = gated_engine(
+        "tiers-c", "r32-mlp", tiny_llama_dir, peft_adapters, s3_endpoint, tmp_path
+    )
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine.add_request("base", PROMPT, long)
     engine.add_request("cold", PROMPT, GREEDY, ref)
@@ -265,15 +280,9 @@ def test_an_engine_with_only_cold_requests_waits_for_the_load_instead_of_spinnin
     s3_endpoint: str,
     tmp_path: Path,
 ) -> None:
-    client = s3server.s3_client(s3_endpoint)
-    client.create_bucket(Bucket="tiers-w")
-    store = GatedStore("tiers-w", "root", client=client)
-    store.gate = threading.Event()
-    store.gate.set()
-    versions = stored(store, tiny_llama_dir, {"r16": peft_adapters["r16"]})
-    store.gate.clear()
-    engine = engine_for(tiny_llama_dir, DiskTier(store, tmp_path / "disk"))
-    ref = register(engine, versions)["r16"]
+    engine, store, ref = gated_engine(
+        "tiers-w", "r16", tiny_llama_dir, peft_adapters, s3_endpoint, tmp_path
+    )
     engine.add_request("cold", PROMPT, GREEDY, ref)
     # Nothing can run while the download is held: each step waits (up to LOAD_WAIT_S) for a
     # load to end instead of returning at once, so half a second holds a few dozen steps at
