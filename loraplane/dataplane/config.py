@@ -8,6 +8,7 @@ be built and tested without a whole engine.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,46 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 Device = Literal["cpu", "cuda"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
+# Device memory for adapter slots, by default: a tenth of what the weights leave free. On a
+# 24 GiB CPU host that is ~2 GiB: ~1,300 rank-16 q/v adapters of a 1B model, or ~25 rank-16
+# all-module adapters of an 8B one in bf16 (docs/dataplane.md, "Sizing the adapter memory").
+DEFAULT_LORA_MEMORY = 0.1
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20,
+          "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str | int | float) -> int | float:
+    """`--lora-memory`: a byte size (`2GiB`, `512MiB`, `1G`, plain `1073741824`) or a fraction
+    in (0, 1] (`0.1`) of the device memory the weights leave free.
+
+    Returns an int (bytes) or a float (fraction); ValueError with the accepted forms otherwise.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"lora_memory must be a size or a fraction, got {text!r}")
+    if isinstance(text, int | float):
+        value: int | float = text
+    else:
+        match = _SIZE.match(text)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"lora_memory must be a size such as 2GiB, 512MiB or 1073741824, or a fraction"
+                f" in (0, 1] such as 0.1; got {text!r}"
+            )
+        number = match.group(1)
+        if unit == "" and "." in number:
+            value = float(number)
+        else:
+            value = int(float(number) * _UNITS[unit])
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"lora_memory as a fraction must be in (0, 1], got {value!r}")
+        return value
+    if value < 1:
+        raise ValueError(f"lora_memory must be at least 1 byte, got {value!r}")
+    return value
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -47,15 +88,18 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    max_loras: int = 8
+    # distinct adapters per step at most; None ("auto"): whatever fits in lora_memory, at most
+    # max_num_seqs (and max_cpu_loras, when that is set)
+    max_loras: int | None = None
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    # device memory for adapter slots: bytes (int) or a fraction in (0, 1] (float) of the
+    # device memory the weights leave free; the scheduler admits adapters within it
+    lora_memory: int | float = DEFAULT_LORA_MEMORY
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # load waiting requests' adapters in the background (off: load when admitted, stalling)
     enable_lora_prefetch: bool = True
-    # device bytes for adapters (None: only max_loras limits the pool)
-    max_lora_pool_bytes: int | None = None
     # a request deferred by the adapter limit for longer than this many steps stops admission
     # of other adapters until it gets a slot (see scheduler.py)
     max_deferral_steps: int = 32
@@ -78,7 +122,6 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
-            "max_loras",
             "max_lora_rank",
             "max_deferral_steps",
         ):
@@ -86,16 +129,17 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         _check_model_len(self.max_model_len)
+        if self.max_loras is not None:
+            _positive_int("max_loras", self.max_loras)
         if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.max_loras
+            self.max_cpu_loras = self.lora_slots
         _positive_int("max_cpu_loras", self.max_cpu_loras)
-        if self.max_cpu_loras < self.max_loras:
+        if self.max_loras is not None and self.max_cpu_loras < self.lora_slots:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}):"
                 " every adapter in the GPU pool is also held in the CPU cache"
             )
-        if self.max_lora_pool_bytes is not None:
-            _positive_int("max_lora_pool_bytes", self.max_lora_pool_bytes)
+        self.lora_memory = parse_memory(self.lora_memory)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_lora_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -112,12 +156,20 @@ class EngineConfig:
                 " must fit in one step"
             )
 
+    @property
+    def lora_slots(self) -> int:
+        """Device pool slots: the most distinct adapters one step can hold (max_loras, or for
+        "auto" max_num_seqs and max_cpu_loras, whichever is lower; memory limits them too)."""
+        if self.max_loras is not None:
+            return min(self.max_loras, self.max_num_seqs)
+        return min(self.max_num_seqs, self.max_cpu_loras or self.max_num_seqs)
+
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's view of this config."""
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_loras=self.max_loras,
+            max_loras=self.lora_slots,
             max_deferral_steps=self.max_deferral_steps,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=self.max_model_len,

@@ -7,7 +7,8 @@
         for out in engine.step(): print(out.request_id, out.text, out.finished)
 
 One `step()` is one forward pass over a mixed batch: prefill chunks and decode tokens of many
-requests, each with its own adapter (or none), at most `max_loras` distinct adapters per step.
+requests, each with its own adapter (or none), as many distinct adapters per step as the
+adapter memory (`lora_memory`) holds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from loraplane.dataplane.tokenizer import Tokenizer
 # A step with nothing to run because every waiting request's adapter is loading waits this
 # long at most for a load to end (a new request arriving meanwhile waits as long).
 LOAD_WAIT_S = 0.02
+# A step with seats free waits for the loads of waiting requests' adapters for at most this
+# share of a step's time (its moving average): a cold adapter loads in a few milliseconds from
+# the disk tier, and a request that misses the step by that much waits a whole step instead.
+LOAD_WAIT_FRACTION = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,7 @@ class Engine:
         self.stats = EngineStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent_logprobs: dict[str, int] = {}
+        self._step_seconds = 0.0  # moving average of a step's time
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -142,18 +148,27 @@ class Engine:
         """Run one forward pass; return an output for every request that got a token (or
         failed: a request whose adapter cannot be loaded ends with `error` set)."""
         failed = self._fail_unloadable()
-        self.loras.prefetch({s.lora for s in self.scheduler.waiting if s.lora is not None})
-        out = self.scheduler.schedule(self.loras.ready)
+        # the waiting queue is the prefetch list: the next requests' adapters load first,
+        # in the background, a bounded number at a time
+        waiting = self.scheduler.waiting_loras()
+        self.loras.prefetch(waiting)
+        if waiting and len(self.scheduler.running) < self.config.max_num_seqs:
+            self.loras.wait_for(waiting, LOAD_WAIT_FRACTION * self._step_seconds)
+        start = time.perf_counter()
+        out = self.scheduler.schedule(self.loras)
         if not out.scheduled:
             if self.scheduler.waiting:  # every waiting request waits for its adapter's load
                 self.loras.wait_for_load(LOAD_WAIT_S)
             return failed
-        logits = self.runner.execute(out, self.scheduler.running_lora_keys)
+        wanted = self.scheduler.waiting_lora_keys  # evicted only after every other idle one
+        logits = self.runner.execute(out, self.scheduler.running_lora_keys, wanted)
         rows = out.sampled
         params = [r.seq.params for r in rows]
         sampled = self.sampler(logits, params, [r.seq.generator for r in rows])
         live = [r.seq for r in rows if r.seq.status is SequenceStatus.RUNNING]
         self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs)
+        elapsed = time.perf_counter() - start
+        self._step_seconds += 0.2 * (elapsed - self._step_seconds)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
         self.stats.prompt_tokens += sum(

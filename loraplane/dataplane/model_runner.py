@@ -1,6 +1,8 @@
 """Turns a scheduled step into logits: owns the model, its paged KV cache and the LoRA pool.
 
-Per step it puts the step's adapters into device slots, lays the rows end to end as one flat
+The adapter pool gets `lora_memory` bytes (or that share of the device memory the weights leave
+free; on CUDA the KV cache is sized from what remains after it). Per step it puts the step's
+adapters into device slots, lays the rows end to end as one flat
 batch (input ids, positions, KV slot mapping, per-token adapter slot), runs the model once and
 returns the logits of the rows that sample, in `SchedulerOutput.sampled` order.
 """
@@ -36,6 +38,18 @@ def _model_max_len(model_dir: str) -> int:
     return int(value)
 
 
+def lora_budget_bytes(lora_memory: int | float, device: torch.device) -> int:
+    """`lora_memory` in bytes: as given, or that fraction of the device memory free now (after
+    the weights: CUDA's free memory, or on CPU the RAM available to new allocations)."""
+    if isinstance(lora_memory, int):
+        return lora_memory
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return max(1, int(free * lora_memory))
+
+
 class ModelRunner:
     """The model on its device, its KV cache, and the adapters in its LoRA slots."""
 
@@ -46,15 +60,16 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model = load_model(config.model, self.dtype, self.device)
         spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
-        self.pool = LoRAPool(config.max_loras, spec, self.dtype, self.device)
+        self.pool = LoRAPool(config.lora_slots, spec, self.dtype, self.device)
         install_lora(self.model, self.pool)
+        self.lora_budget_bytes = lora_budget_bytes(config.lora_memory, self.device)
         self.loras = LoRAManager(
             self.pool,
             spec,
             config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
             disk=disk,
-            device_budget_bytes=config.max_lora_pool_bytes,
+            device_budget_bytes=self.lora_budget_bytes,
             prefetch=config.enable_lora_prefetch,
         )
         if config.max_model_len is None:
@@ -73,22 +88,26 @@ class ModelRunner:
         wanted = config.max_num_seqs * -(-max_len // config.block_size)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * GPU_MEMORY_FRACTION)
+            # the adapter pool fills up later: its budget is not KV memory
+            budget = int(free * GPU_MEMORY_FRACTION) - self.lora_budget_bytes
         else:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             budget = min(CPU_KV_BUDGET, ram // 4)
         return max(1, min(wanted, budget // block_bytes))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, in_use: set[str]) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, in_use: set[str], wanted: set[str] | None = None
+    ) -> torch.Tensor:
         """Run one step; return fp32 logits [len(out.sampled), vocab].
 
-        `in_use` holds the adapter keys of running sequences (never evicted from their slots).
+        `in_use` holds the adapter keys of running sequences (never evicted from their slots),
+        `wanted` those of waiting ones (evicted only after every other idle adapter).
         """
         rows = out.scheduled
         if not rows:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        self.loras.make_resident(out.lora_keys, in_use)
+        self.loras.make_resident(out.lora_keys, in_use, wanted or ())
         ids: list[int] = []
         slots: list[int] = []
         q_lens, ctx_lens, tables = [], [], []

@@ -9,19 +9,25 @@ Then, if nothing was preempted, waiting sequences are admitted while seats (`max
 tokens (`max_num_batched_tokens`) and KV blocks last; the first that does not fit stops
 admission, so a large request is not overtaken forever by small ones.
 
-Adapter rules (DESIGN.md section 8). At most `max_loras` distinct adapter versions run at once
-(so at most that many in a step); base model requests never count. A waiting request whose
-adapter is not running while `max_loras` are is *deferred*: it stays waiting, others may pass it,
-and it is counted (`num_deferred` now, `deferred_total` once per request). Among admissible
-requests: preempted ones first, then the tenant with the fewest running sequences (tenants take
-turns), then age. No starvation: once a request has been deferred in more than
-`max_deferral_steps` steps, the oldest such request raises a barrier: only its adapter's
-requests (first) and base model requests are admitted, so running adapters drain and it takes
-the first free slot. With max_loras=1 and other adapters' requests finishing within M steps of
-admission, a request waits at most max_deferral_steps + M + 1 steps (see test_scheduler.py).
+Adapter rules (DESIGN.md section 8, memory-limited). The running adapter versions must fit in
+the adapter memory budget (`Adapters.budget_bytes`, the sum of their `device_bytes`) and be at
+most `max_loras` distinct ones (the pool's slots: by default as many as `max_num_seqs`, so
+memory is the real limit); base model requests never count. A request is admitted only once
+its adapter is `ready` (in host memory: the engine loads waiting requests' adapters in the
+background meanwhile). A waiting request whose ready adapter is not running and does not fit
+beside the running ones is *deferred*: it stays waiting, others may pass it, and it is counted
+(`num_deferred` now, `deferred_total` once per request). Among admissible requests: preempted
+ones first, then the tenant with the fewest running sequences (tenants take turns), then age.
+No starvation: once a request has been deferred in more than `max_deferral_steps` steps, the
+oldest such request whose adapter is ready raises a barrier: only its adapter's requests
+(first) and base model requests are admitted, so running adapters drain and it takes the first
+memory that frees up. A request still waiting for its adapter's load never raises the barrier
+(a slow store must not stop every other tenant). With room for one adapter and other adapters'
+requests finishing within M steps of admission, a request waits at most
+max_deferral_steps + M + 1 steps after its adapter is ready (see test_scheduler.py).
 
 The engine's step:
-    out = scheduler.schedule(lora_ready)   # may preempt; out.scheduled is the batch, in order
+    out = scheduler.schedule(adapters)     # may preempt; out.scheduled is the batch, in order
     # per row r: tokens r.seq.token_ids[r.start : r.start + r.num_new_tokens] at positions
     #   r.start.., K/V slots from r.seq.block_table, adapter r.seq.lora; run the model and keep
     #   the last token's logits of each row in out.sampled, in order
@@ -38,14 +44,67 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import SchedulerConfig
 from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
 
-Ready = Callable[[LoRARef], bool] | None  # may this adapter run now (is it loaded)?
+
+class Adapters(Protocol):
+    """What admission asks of the adapter tiers (the engine passes its LoRAManager)."""
+
+    def ready(self, ref: LoRARef) -> bool:
+        """May `ref` run in the next step (is it in host memory)?"""
+        ...
+
+    def device_bytes(self, ref: LoRARef) -> int:
+        """Device bytes `ref` takes in the adapter pool (known once it is ready)."""
+        ...
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """Device bytes all running adapters together may take (None: no limit)."""
+        ...
+
+
+class _AllReady:
+    """No adapter tiers (tests of the scheduler alone): every adapter is ready and free."""
+
+    budget_bytes = None
+
+    def ready(self, ref: LoRARef) -> bool:
+        return True
+
+    def device_bytes(self, ref: LoRARef) -> int:
+        return 0
+
+
+_ALL_READY = _AllReady()
+
+
+class _Room:
+    """The running adapters and what is left of the slots and the memory budget."""
+
+    def __init__(self, running: list[Sequence], adapters: Adapters, max_loras: int) -> None:
+        self.adapters, self.max_loras = adapters, max_loras
+        self.keys: set[str] = set()
+        self.used = 0
+        for seq in running:
+            if seq.lora is not None and seq.lora.key not in self.keys:
+                self.add(seq.lora)
+
+    def fits(self, ref: LoRARef) -> bool:
+        """Could `ref` (ready, not running) run beside the running adapters?"""
+        budget = self.adapters.budget_bytes
+        return len(self.keys) < self.max_loras and (
+            budget is None or self.used + self.adapters.device_bytes(ref) <= budget
+        )
+
+    def add(self, ref: LoRARef) -> None:
+        self.keys.add(ref.key)
+        self.used += self.adapters.device_bytes(ref)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,18 +193,22 @@ class Scheduler:
         seq.status = reason.status
         seq.finish_reason = reason
 
-    def schedule(self, lora_ready: Ready = None) -> SchedulerOutput:
-        """Form the next step's batch. A waiting request whose adapter is not `lora_ready`
-        (still loading: the engine prefetches it meanwhile) is skipped this step."""
+    def schedule(self, adapters: Adapters | None = None) -> SchedulerOutput:
+        """Form the next step's batch. A waiting request whose adapter is not `ready` (still
+        loading: the engine prefetches it meanwhile) is skipped this step; one whose adapter
+        does not fit in the adapter memory beside the running ones is deferred."""
+        adapters = adapters or _ALL_READY
         self.step += 1
         batch: list[ScheduledSeq] = []
         preempted: list[str] = []
         budget = self._schedule_running(batch, preempted)
-        barrier = self._barrier_key()
+        barrier = self._barrier_key(adapters)
+        room = _Room(self.running, adapters, self.config.max_loras)
         if not preempted:
-            self._admit(batch, budget, barrier, lora_ready)
+            self._admit(batch, budget, barrier, room)
         keys = frozenset(k for r in batch if (k := r.seq.lora_key) is not None)
-        return SchedulerOutput(self.step, batch, keys, preempted, *self._count_deferred(barrier))
+        deferred = self._count_deferred(barrier, room)
+        return SchedulerOutput(self.step, batch, keys, preempted, *deferred)
 
     def _chunk(self, want: int, budget: int) -> int:
         """Tokens to compute now out of `want`: a chunk, or all-or-nothing without chunking."""
@@ -186,17 +249,21 @@ class Scheduler:
         start = seq.num_computed_tokens
         batch.append(ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens))
 
-    def _barrier_key(self) -> str | None:
-        """The adapter of the oldest request deferred too long, if any."""
+    def _barrier_key(self, adapters: Adapters) -> str | None:
+        """The adapter of the oldest request deferred too long whose adapter is ready."""
         limit = self.config.max_deferral_steps
-        starving = [s for s in self.waiting if s.deferred and s.deferred_steps > limit]
+        starving = [
+            s
+            for s in self.waiting
+            if s.deferred and s.deferred_steps > limit and s.lora is not None
+            and adapters.ready(s.lora)
+        ]  # fmt: skip
         return min(starving, key=lambda s: s.arrival_step).lora_key if starving else None
 
     def _admit(
-        self, batch: list[ScheduledSeq], budget: int, barrier: str | None, ready: Ready
+        self, batch: list[ScheduledSeq], budget: int, barrier: str | None, room: _Room
     ) -> None:
         cfg = self.config
-        keys = {k for s in self.running if (k := s.lora_key) is not None}
         load = Counter(s.tenant for s in self.running)
         # (rank, tenant load when pushed, queue position): lower is admitted first
         heap: list[tuple[int, int, int, Sequence]] = []
@@ -213,11 +280,12 @@ class Scheduler:
             if seen_load != load[seq.tenant]:  # its tenant got a seat since: re-rank
                 heapq.heappush(heap, (rank, load[seq.tenant], pos, seq))
                 continue
-            key = seq.lora_key
-            if key is not None and key not in keys and len(keys) >= cfg.max_loras:
-                continue  # deferred
-            if seq.lora is not None and ready is not None and not ready(seq.lora):
-                continue  # still loading
+            lora = seq.lora
+            if lora is not None and lora.key not in room.keys:
+                if not room.adapters.ready(lora):
+                    continue  # still loading
+                if not room.fits(lora):
+                    continue  # deferred
             n = self._chunk(
                 seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq), budget
             )
@@ -229,21 +297,26 @@ class Scheduler:
             self._run(seq, n, batch)
             budget -= n
             load[seq.tenant] += 1
-            if key is not None:
-                keys.add(key)
+            if lora is not None and lora.key not in room.keys:
+                room.add(lora)
             admitted.add(seq)
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
 
-    def _count_deferred(self, barrier: str | None) -> tuple[int, int]:
-        keys = self.running_lora_keys
-        full = len(keys) >= self.config.max_loras
+    def _count_deferred(self, barrier: str | None, room: _Room) -> tuple[int, int]:
         count = newly = 0
+        held: dict[str, bool] = {}  # adapter key -> held back by the adapter rules
         for seq in self.waiting:
-            key = seq.lora_key
-            seq.deferred = key is not None and (
-                (full and key not in keys) or (barrier is not None and key != barrier)
-            )
+            lora = seq.lora
+            if lora is None:
+                seq.deferred = False
+                continue
+            key = lora.key
+            if key not in held:
+                held[key] = (barrier is not None and key != barrier) or (
+                    key not in room.keys and room.adapters.ready(lora) and not room.fits(lora)
+                )
+            seq.deferred = held[key]
             if seq.deferred:
                 seq.deferred_steps += 1
                 count, newly = count + 1, newly + (seq.deferred_steps == 1)
@@ -287,6 +360,11 @@ class Scheduler:
     def waiting_lora_keys(self) -> set[str]:
         """Adapter versions of waiting sequences."""
         return {k for s in self.waiting if (k := s.lora_key) is not None}
+
+    def waiting_loras(self) -> list[LoRARef]:
+        """Distinct adapter versions of waiting requests, the oldest request's first (the
+        order the engine prefetches them in: preempted requests lead the queue)."""
+        return list(dict.fromkeys(s.lora for s in self.waiting if s.lora is not None))
 
     def waiting_per_lora(self) -> Counter[LoRARef]:
         """Waiting requests per adapter version (loraplane_adapter_waiting_requests)."""

@@ -15,7 +15,9 @@ def test_defaults_are_valid_and_name_the_model_after_its_folder() -> None:
     assert config.max_num_seqs == 256
     assert config.max_num_batched_tokens == 4096
     assert config.block_size == 16
-    assert config.max_loras == 8
+    assert config.max_loras is None  # auto: memory decides, at most max_num_seqs
+    assert config.lora_slots == 256
+    assert config.lora_memory == 0.1
     assert config.max_lora_rank == 64
     assert config.max_model_len is None
     assert config.num_kv_blocks is None
@@ -31,6 +33,39 @@ def test_config_is_a_slots_dataclass() -> None:
 
 def test_max_cpu_loras_defaults_to_max_loras() -> None:
     assert EngineConfig(model="m", max_loras=5).max_cpu_loras == 5
+
+
+def test_auto_max_loras_is_bounded_by_max_num_seqs_and_max_cpu_loras() -> None:
+    assert EngineConfig(model="m", max_num_seqs=64).lora_slots == 64
+    assert EngineConfig(model="m", max_num_seqs=64, max_cpu_loras=10).lora_slots == 10
+    assert EngineConfig(model="m", max_num_seqs=64, max_loras=100).lora_slots == 64
+    assert EngineConfig(model="m", max_num_seqs=64).scheduler_config().max_loras == 64
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("2GiB", 2 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5 GiB", 3 << 29),
+        ("1G", 10**9),
+        ("64k", 64_000),
+        ("1073741824", 1 << 30),
+        ("0.1", 0.1),
+        ("1.0", 1.0),
+        (4096, 4096),
+        (0.25, 0.25),
+    ],
+)
+def test_lora_memory_takes_sizes_and_fractions(text: str | int | float, value: float) -> None:
+    parsed = EngineConfig(model="m", lora_memory=text).lora_memory
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("text", ["2 parsecs", "", "-1", "0", "1.5", "0.0", "GiB", True])
+def test_a_bad_lora_memory_is_rejected_naming_the_field(text: object) -> None:
+    with pytest.raises(ValueError, match="lora_memory"):
+        EngineConfig(model="m", lora_memory=text)  # type: ignore[arg-type]
 
 
 def test_max_cpu_loras_below_max_loras_is_rejected_naming_both() -> None:

@@ -128,10 +128,10 @@ def test_max_loras_defers_requests_and_every_step_holds_at_most_that_many_adapte
     seen: list[frozenset[str]] = []
     execute = engine.runner.execute
 
-    def spy(out: Any, in_use: set[str]) -> torch.Tensor:
+    def spy(out: Any, in_use: set[str], wanted: set[str]) -> torch.Tensor:
         seen.append(out.lora_keys)
         assert len(engine.runner.loras.resident) <= 2
-        return execute(out, in_use)
+        return execute(out, in_use, wanted)
 
     engine.runner.execute = spy  # type: ignore[method-assign]
     names = ["r4", "r16", "r64", "r8-qv", "r4", "r16", "r64", "r8-qv"]

@@ -57,14 +57,39 @@ def adapter(name: str, tenant: str = "t") -> LoRARef:
     return LoRARef(name, tenant, f"digest-{name}")
 
 
-def step(sched: Scheduler, token: int = TOKEN) -> tuple[SchedulerOutput, list[Sequence]]:
+class Tiers:
+    """Adapter tiers as admission sees them: names still loading, bytes per adapter, a budget."""
+
+    def __init__(
+        self,
+        loading: set[str] | None = None,
+        sizes: dict[str, int] | None = None,
+        budget_bytes: int | None = None,
+    ) -> None:
+        self.loading = loading or set()
+        self.sizes = sizes or {}
+        self.budget_bytes = budget_bytes
+
+    def ready(self, ref: LoRARef) -> bool:
+        return ref.name not in self.loading
+
+    def device_bytes(self, ref: LoRARef) -> int:
+        return self.sizes.get(ref.name, 1)
+
+
+def step(
+    sched: Scheduler, token: int = TOKEN, tiers: Tiers | None = None
+) -> tuple[SchedulerOutput, list[Sequence]]:
     """One engine step with invariants that every step must keep."""
-    out = sched.schedule()
+    out = sched.schedule(tiers)
     cfg, bm = sched.config, sched.block_manager
     assert out.num_batched_tokens <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
     assert len(out.lora_keys) <= cfg.max_loras
     assert len(sched.running_lora_keys) <= cfg.max_loras
+    if tiers is not None and tiers.budget_bytes is not None:
+        running = {s.lora for s in sched.running if s.lora is not None}
+        assert sum(tiers.device_bytes(r) for r in running) <= tiers.budget_bytes
     assert len({id(r.seq) for r in out.scheduled}) == len(out.scheduled)
     for r in out.scheduled:
         assert r.seq.status is SequenceStatus.RUNNING
@@ -392,7 +417,7 @@ def test_an_adapter_that_is_not_ready_is_skipped_without_blocking_others() -> No
     cold, warm = seq(lora=adapter("cold")), seq(lora=adapter("warm"))
     sched.add(cold)
     sched.add(warm)
-    out = sched.schedule(lora_ready=lambda ref: ref.name != "cold")
+    out = sched.schedule(Tiers(loading={"cold"}))
     assert set(rows(out)) == {warm.request_id}
     assert not cold.deferred
 

@@ -254,7 +254,7 @@ def test_device_pool_byte_budget_is_respected(
         n: probe.runner.pool.bytes_needed(load_lora(p, spec)) for n, p in peft_adapters.items()
     }
     budget = sizes["r64"] + sizes["r4"]  # room for r64 and a small one, not two large ones
-    engine = engine_for(tiny_llama_dir, None, max_loras=4, max_lora_pool_bytes=budget)
+    engine = engine_for(tiny_llama_dir, None, max_loras=4, lora_memory=budget)
     for name in ("r64", "r4", "r32-mlp", "r64", "r16"):
         ref = engine.register_lora(name, peft_adapters[name], "acme")
         assert tokens(engine, ref) == expected[name]

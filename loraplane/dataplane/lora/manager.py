@@ -2,14 +2,23 @@
 
 Registration records a version: eagerly for static adapters (`register`: validated and read
 now, so a bad one fails at start) and lazily for stored ones (`register_stored`: read when a
-request needs it). Host copies live in an LRU of `max_cpu_loras`; device slots in an LRU of
-`max_loras` (and an optional byte budget). Nothing used by a running request is evicted.
+request needs it). Host copies live in an LRU of `max_cpu_loras`; device slots are limited by
+memory: `device_budget_bytes` (the resolved `--lora-memory`) bounds the bytes in the pool, and
+the slot count (`EngineConfig.lora_slots`) only bounds how many distinct adapters one step may
+use. The scheduler admits a new adapter only while the running adapters and it fit in the
+budget (`device_bytes`, `budget_bytes`); idle adapters stay resident as a cache and are evicted
+least recently used first, those that no waiting request needs before those that one does.
+Nothing used by a running request is evicted.
 
-Loads from disk into host memory run on a background thread: the scheduler asks `ready(ref)`
-before admitting a request and waiting requests' adapters are `prefetch`ed, so a cold adapter
-loads while the current batch runs. A load that fails (digest mismatch, store unreachable after
-retries) marks the version failed for `retry_after_s`: the engine fails only the requests that
-need it, and the next request after that window tries again.
+Loads from disk into host memory run on background threads, off the engine's critical path:
+the engine hands `prefetch` the waiting requests' adapters each step, oldest request first
+(the waiting queue is the prefetch list); the first `prefetch_depth` of them are loaded in that
+order, `max_loads_in_flight` at a time, each loader thread taking the next one as it finishes,
+so the requests next in line get their adapters first while the current batch runs. The
+scheduler admits a request once `ready` says its adapter is in host memory. A load that fails (any exception:
+digest mismatch, store unreachable after retries, a bad path) marks the version failed for
+`retry_after_s`: the engine fails only the requests that need it, and the next request after
+that window tries again. An adapter larger than the whole budget fails the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ class _Entry:
     last_used: int = 0
     error: str | None = None
     failed_at: float = 0.0
+    device_bytes: int = 0  # bytes it takes in the device pool (known once in host memory)
     future: Future[None] | None = field(default=None, repr=False)
 
 
@@ -79,6 +89,8 @@ class LoRAManager:
         device_budget_bytes: int | None = None,
         prefetch: bool = True,
         retry_after_s: float = 5.0,
+        max_loads_in_flight: int = 2,
+        prefetch_depth: int | None = None,
     ) -> None:
         self.pool = pool
         self.base = base
@@ -92,6 +104,11 @@ class LoRAManager:
         self.device_budget_bytes = device_budget_bytes
         self.prefetch_enabled = prefetch
         self.retry_after_s = retry_after_s
+        self.max_loads_in_flight = max_loads_in_flight
+        # adapters loaded ahead at most: half the host tier, so a prefetched copy is not
+        # evicted by later prefetches before its request runs
+        self.prefetch_depth = prefetch_depth or max(1, self.max_cpu_loras // 2)
+        self._queue: list[_Entry] = []  # the latest prefetch list, in load order
         self.host_stats, self.device_stats = TierStats(), TierStats()
         self._entries: dict[str, _Entry] = {}  # ref.key -> entry
         self._names: dict[tuple[str, str], str] = {}  # (tenant, name) -> newest ref.key
@@ -99,8 +116,11 @@ class LoRAManager:
         self._lock = threading.RLock()
         self._load_ended = threading.Condition(self._lock)  # notified as each load ends
         self._loads_in_flight = 0
+        self._closed = False
         self._clock = 0
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-load")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_loads_in_flight, thread_name_prefix="lora-load"
+        )
 
     # -- registry ---------------------------------------------------------------------------
 
@@ -188,47 +208,119 @@ class LoRAManager:
     # -- host tier ----------------------------------------------------------------------------
 
     def ready(self, ref: LoRARef) -> bool:
-        """True when `ref` can run in the next step (in host memory). Otherwise a load starts
-        (in the background, or right now when prefetch is off) and False is returned."""
+        """True when `ref` can run in the next step (in host memory). With prefetch off, a
+        cold adapter is loaded right now (stalling the step); with prefetch on, loads start
+        only in `prefetch`, in the order the engine gives."""
         entry = self._entries.get(ref.key)
         if entry is None:
             return False
         if entry.state is State.HOST:
             return True
-        self._start_load(entry, wait=not self.prefetch_enabled)
+        if not self.prefetch_enabled:
+            self._start_load(entry, wait=True)
         return entry.host is not None  # loaded now (prefetch off), or by a racing load
 
-    def prefetch(self, refs: Iterable[LoRARef]) -> None:
-        """Start background loads for adapters that waiting requests will need."""
+    def prefetch(self, refs: Iterable[LoRARef]) -> int:
+        """Load the adapters that waiting requests need in the background, in the order given
+        (the engine passes the oldest request's first): the first `prefetch_depth` of them,
+        `max_loads_in_flight` at a time. Replaces the previous list; returns the loads started
+        now (each loader thread goes on with the next adapter of the list as it finishes)."""
         if not self.prefetch_enabled:
-            return
-        for ref in refs:
-            entry = self._entries.get(ref.key)
-            if entry is not None and entry.state is not State.HOST:
-                self._start_load(entry, wait=False)
+            return 0
+        started = 0
+        with self._lock:
+            queue: list[_Entry] = []
+            for ref in refs:
+                entry = self._entries.get(ref.key)
+                if entry is not None:
+                    queue.append(entry)
+                    if len(queue) >= self.prefetch_depth:
+                        break
+            self._queue = queue
+            while self._loads_in_flight < self.max_loads_in_flight:
+                entry = self._next_queued()
+                if entry is None:
+                    break
+                self._begin_load(entry)
+                started += 1
+        return started
+
+    def _next_queued(self) -> _Entry | None:
+        """The first adapter of the prefetch list that needs a load now (under the lock)."""
+        now = time.monotonic()
+        for entry in self._queue:
+            if entry.state is State.COLD or (
+                entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s
+            ):
+                return entry
+        return None
+
+    def _begin_load(self, entry: _Entry) -> None:
+        entry.state = State.LOADING
+        self._loads_in_flight += 1
+        entry.future = self._pool.submit(self._load, entry)
+
+    def loading(self) -> list[LoRARef]:
+        """Adapters being loaded now."""
+        with self._lock:
+            return [e.ref for e in self._entries.values() if e.state is State.LOADING]
+
+    def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> None:
+        """Block until none of `refs` is loading any more, for at most `timeout` seconds."""
+        keys = {r.key for r in refs}
+        deadline = time.monotonic() + timeout
+        with self._load_ended:
+            while True:
+                if not any(
+                    (e := self._entries.get(k)) is not None and e.state is State.LOADING
+                    for k in keys
+                ):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._load_ended.wait(left)
+
+    def device_bytes(self, ref: LoRARef) -> int:
+        """Device bytes `ref` takes in the pool (0 until it is in host memory)."""
+        entry = self._entries.get(ref.key)
+        return 0 if entry is None else entry.device_bytes
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The adapter memory budget of the device pool (None: unlimited)."""
+        return self.device_budget_bytes
 
     def failure(self, ref: LoRARef) -> str | None:
-        """Why `ref` cannot be loaded now (its last load failed recently), or None."""
+        """Why `ref` cannot run now (its last load failed recently, or it is larger than the
+        whole adapter memory budget), or None."""
         entry = self._entries.get(ref.key)
         if entry is None:
             return f"adapter {ref.name} is not registered"
         if entry.state is State.FAILED and time.monotonic() - entry.failed_at < self.retry_after_s:
             return entry.error
+        budget = self.device_budget_bytes
+        if budget is not None and entry.device_bytes > budget:
+            return (
+                f"adapter {ref.name} needs {entry.device_bytes} bytes of device memory, more"
+                f" than the whole adapter memory budget ({budget} bytes, --lora-memory)"
+            )
         return None
 
-    def _start_load(self, entry: _Entry, wait: bool) -> None:
+    def _start_load(self, entry: _Entry, wait: bool) -> bool:
+        started = False
         with self._lock:
             if entry.state is State.FAILED:
                 if time.monotonic() - entry.failed_at < self.retry_after_s:
-                    return
+                    return False
                 entry.state = State.COLD
             if entry.state is State.COLD:
-                entry.state = State.LOADING
-                self._loads_in_flight += 1
-                entry.future = self._pool.submit(self._load, entry)
+                self._begin_load(entry)
+                started = True
             future = entry.future
         if wait and future is not None:
             future.result()
+        return started
 
     def _load(self, entry: _Entry) -> None:
         try:
@@ -237,16 +329,23 @@ class LoRAManager:
             with self._load_ended:
                 self._loads_in_flight -= 1
                 self._load_ended.notify_all()
+                if self.prefetch_enabled and not self._closed:
+                    following = self._next_queued()  # go on down the prefetch list
+                    if following is not None:
+                        self._begin_load(following)
 
     def _load_once(self, entry: _Entry) -> None:
         start = time.perf_counter()
         try:
             adapter = self._read(entry)
-        except (AdapterRejected, StoreError, OSError) as e:
+        except Exception as e:  # whatever the cause, the version fails, never stays LOADING
+            message = str(e) if isinstance(e, AdapterRejected | StoreError | OSError) else (
+                f"{type(e).__name__}: {e}"
+            )
             with self._lock:
-                entry.state, entry.error, entry.failed_at = State.FAILED, str(e), time.monotonic()
+                entry.state, entry.error, entry.failed_at = State.FAILED, message, time.monotonic()
                 self.host_stats.failures += 1
-            log.warning("loading adapter %s failed: %s", entry.ref.key, e)
+            log.warning("loading adapter %s failed: %s", entry.ref.key, message)
             return
         with self._lock:
             if entry.ref.key in self._entries:  # not unregistered meanwhile
@@ -281,6 +380,7 @@ class LoRAManager:
 
     def _to_host(self, entry: _Entry, adapter: LoadedAdapter) -> None:
         entry.host, entry.state, entry.error = adapter, State.HOST, None
+        entry.device_bytes = self.pool.bytes_needed(adapter)
         self._clock += 1
         entry.last_used = self._clock
         self.host_stats.loads += 1
@@ -309,11 +409,15 @@ class LoRAManager:
             raise KeyError(f"adapter {key} is not in a device slot")
         return slot
 
-    def make_resident(self, keys: Iterable[str], in_use: Iterable[str]) -> None:
+    def make_resident(
+        self, keys: Iterable[str], in_use: Iterable[str], wanted: Iterable[str] = ()
+    ) -> None:
         """Put every adapter in `keys` (all in host memory) into a device slot, evicting
-        least-recently-used adapters that are neither in `keys` nor `in_use`."""
+        least-recently-used adapters that are neither in `keys` nor `in_use`; those in
+        `wanted` (needed by waiting requests) go only after every other idle one."""
         keys = list(keys)
         keep = set(keys) | set(in_use)
+        wanted = set(wanted)
         with self._lock:
             self._clock += 1
             for key in keys:
@@ -325,26 +429,31 @@ class LoRAManager:
                 if entry.host is None:
                     raise RuntimeError(f"adapter {key} is not in host memory")
                 start = time.perf_counter()
-                slot = self._free_slot(keep, self.pool.bytes_needed(entry.host))
+                slot = self._free_slot(keep, wanted, entry.device_bytes)
                 self.pool.load(slot, entry.host)
                 entry.slot = slot
                 self._slots[slot] = key
                 self.device_stats.loads += 1
                 self.device_stats.load_seconds.append(time.perf_counter() - start)
-            self._evict_host(keep)
+            self._evict_host(keep | wanted)
 
-    def _free_slot(self, keep: set[str], needed: int) -> int:
-        def over_budget() -> bool:
-            budget = self.device_budget_bytes
-            return budget is not None and self.pool.bytes_used + needed > budget
-
-        while not self.pool.free_slots() or over_budget():
-            victims = [self._entries[k] for k in self._slots.values() if k not in keep]
+    def _free_slot(self, keep: set[str], wanted: set[str], needed: int) -> int:
+        budget = self.device_budget_bytes
+        victims: list[_Entry] | None = None
+        while True:
+            slot = self.pool.free_slot()
+            if slot is not None and (budget is None or self.pool.bytes_used + needed <= budget):
+                return slot
+            if victims is None:  # idle residents; the first to evict (unwanted, oldest) last
+                idle = [self._entries[k] for k in self._slots.values() if k not in keep]
+                victims = sorted(idle, key=lambda e: (e.ref.key not in wanted, -e.last_used))
             if not victims:
-                raise RuntimeError("every adapter slot (or byte) is in use by running requests")
-            self._drop_slot(min(victims, key=lambda e: e.last_used))
+                raise RuntimeError(
+                    "the adapters of running requests fill the adapter memory: the scheduler"
+                    " admitted more than fits"
+                )
+            self._drop_slot(victims.pop())
             self.device_stats.evictions += 1
-        return self.pool.free_slots()[0]
 
     def _drop_slot(self, entry: _Entry) -> None:
         if entry.slot is not None:
@@ -354,4 +463,6 @@ class LoRAManager:
 
     def close(self) -> None:
         """Stop the background loader threads."""
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)

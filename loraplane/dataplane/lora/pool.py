@@ -1,4 +1,8 @@
-"""The device-resident adapter pool: `max_loras` slots, each holding one adapter at its own rank.
+"""The device-resident adapter pool: slots, each holding one adapter at its own rank.
+
+A slot is only a row in per-(layer, module) tables, so slots are cheap: the pool has as many
+as one step can use (`EngineConfig.lora_slots`), and device memory, not a count, limits what
+it holds (the manager keeps `bytes_used` within the adapter memory budget).
 
 Rank-exact: a slot's memory is one buffer sized to its adapter's own A and B tensors (vLLM
 pads every slot to max_lora_rank instead), so a rank-8 adapter costs an eighth of a rank-64
@@ -54,6 +58,9 @@ class LoRAPool:
         }
         # slot -> its storage: one flat buffer, or the host copy's tensors read in place
         self._buffers: list[list[torch.Tensor] | None] = [None] * max_loras
+        self._bytes = [0] * max_loras  # slot -> device bytes of its adapter
+        self._free = set(range(max_loras))
+        self.bytes_used = 0  # device bytes of all loaded adapters
 
     def module_slots(self, layer: int, module: str) -> ModuleSlots:
         """The slot table the LoRA layer at (layer, module) reads."""
@@ -95,7 +102,7 @@ class LoRAPool:
                 table = self._modules[(layer, module)]
                 table.lora_a[slot], table.lora_b[slot] = w.a, w.b
                 table.scales[slot] = w.scale
-            self._buffers[slot] = tensors
+            self._take(slot, tensors)
             return
         elements = sum(t.numel() for t in tensors)
         buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
@@ -110,7 +117,13 @@ class LoRAPool:
             table = self._modules[(layer, module)]
             table.lora_a[slot], table.lora_b[slot] = views
             table.scales[slot] = w.scale
-        self._buffers[slot] = [buffer]
+        self._take(slot, [buffer])
+
+    def _take(self, slot: int, storage: list[torch.Tensor]) -> None:
+        self._buffers[slot] = storage
+        self._bytes[slot] = sum(t.numel() * t.element_size() for t in storage)
+        self.bytes_used += self._bytes[slot]
+        self._free.discard(slot)
 
     def _can_share(self, t: torch.Tensor) -> bool:
         return t.device == self.device and t.dtype == self.dtype and t.is_contiguous()
@@ -123,6 +136,9 @@ class LoRAPool:
         for table in self._modules.values():
             table.clear(slot)
         self._buffers[slot] = None
+        self.bytes_used -= self._bytes[slot]
+        self._bytes[slot] = 0
+        self._free.add(slot)
 
     def is_loaded(self, slot: int) -> bool:
         """True when `slot` is a valid slot holding an adapter."""
@@ -130,15 +146,13 @@ class LoRAPool:
 
     def free_slots(self) -> list[int]:
         """Slots holding no adapter, lowest first."""
-        return [s for s, b in enumerate(self._buffers) if b is None]
+        return sorted(self._free)
+
+    def free_slot(self) -> int | None:
+        """The lowest free slot, or None when every slot holds an adapter."""
+        return min(self._free) if self._free else None
 
     def slot_bytes(self, slot: int) -> int:
         """Device bytes the slot's adapter occupies (0 when free)."""
         self._check_slot(slot)
-        storage = self._buffers[slot]
-        return 0 if storage is None else sum(t.numel() * t.element_size() for t in storage)
-
-    @property
-    def bytes_used(self) -> int:
-        """Device bytes of all loaded adapters."""
-        return sum(self.slot_bytes(s) for s in range(self.max_loras))
+        return self._bytes[slot]

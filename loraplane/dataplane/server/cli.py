@@ -27,8 +27,19 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument(
         "--lora-modules", nargs="+", metavar="NAME=DIR", help="trusted static adapters"
     )
+    serve.add_argument(
+        "--max-loras",
+        metavar="auto|N",
+        help="distinct adapters per batch at most (default auto: as many as fit in"
+        " --lora-memory, at most --max-num-seqs)",
+    )
+    serve.add_argument(
+        "--lora-memory",
+        metavar="SIZE|FRACTION",
+        help="device memory for adapters: a size (2GiB, 512MiB) or a fraction of the memory"
+        " the weights leave free (default 0.1)",
+    )
     for flag, what in (
-        ("--max-loras", "distinct adapters per batch (device pool slots)"),
         ("--max-lora-rank", "largest adapter rank accepted"),
         ("--max-cpu-loras", "adapters kept in host memory"),
         ("--max-num-seqs", "requests per batch"),
@@ -50,7 +61,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     flags = {
         k: getattr(args, k, None)
-        for k in ("model", "served_model_name", "lora_modules", "max_loras", "max_lora_rank",
+        for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
+                  "max_lora_rank",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
                   "controlplane_url", "api_key", "admin_token")
     }  # fmt: skip

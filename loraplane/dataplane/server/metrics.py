@@ -14,13 +14,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.dataplane.engine import Engine
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -70,7 +68,7 @@ class EngineSnapshot:
             kv_usage=engine.block_manager.usage,
             deferred=sched.num_deferred,
             deferred_total=sched.deferred_total,
-            max_loras=engine.config.max_loras,
+            max_loras=engine.config.lora_slots,
             running_adapters=sorted({names.get(k, k) for k in sched.running_lora_keys}),
             waiting_adapters=sorted({names.get(k, k) for k in sched.waiting_lora_keys}),
             resident=Counter((r.tenant, r.name) for r in loras.resident),
@@ -90,18 +88,8 @@ class EngineSnapshot:
             disk_failures=loras.disk.failures_total if loras.disk else 0,
             disk_evictions=loras.disk.evictions_total if loras.disk else 0,
             gpu_bytes_used=engine.runner.pool.bytes_used,
-            gpu_bytes_capacity=pool_capacity_bytes(engine),
+            gpu_bytes_capacity=engine.runner.lora_budget_bytes,
         )
-
-
-def pool_capacity_bytes(engine: Engine) -> int:
-    """Device bytes of `max_loras` adapters at `max_lora_rank` on every module: the most the
-    rank-exact pool can hold (it has no separate byte budget yet)."""
-    pool, rank = engine.runner.pool, engine.config.max_lora_rank
-    spec = pool.spec
-    per_layer = sum(rank * sum(spec.module_shape(m)) for m in SUPPORTED_MODULES)
-    element = torch.empty(0, dtype=pool.dtype).element_size()
-    return pool.max_loras * spec.num_layers * per_layer * element
 
 
 class _EngineCollector(Collector):

@@ -141,10 +141,10 @@ class Runtime:
         """Wrap make_resident to time device-pool loads (the engine has no load hook)."""
         loras, inner, metrics = engine.loras, engine.loras.make_resident, self.metrics
 
-        def timed(keys: object, in_use: object) -> None:
+        def timed(keys: object, in_use: object, wanted: object = ()) -> None:
             before, start = loras.loads_total, time.perf_counter()
             try:
-                inner(keys, in_use)  # type: ignore[arg-type]
+                inner(keys, in_use, wanted)  # type: ignore[arg-type]
             except Exception:
                 metrics.gpu_load_errors += 1
                 raise

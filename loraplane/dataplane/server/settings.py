@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.config import DEFAULT_LORA_MEMORY, EngineConfig, parse_memory
 
 MAX_N = 8  # choices per request (`n`) at most
 
@@ -30,7 +30,10 @@ class ServerSettings(BaseSettings):
     served_model_name: str | None = None
     # name -> adapter directory; env: `NAME=DIR,NAME=DIR`
     lora_modules: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
-    max_loras: int = Field(default=8, ge=1)
+    # "auto" (None): as many distinct adapters per step as fit in lora_memory (<= max_num_seqs)
+    max_loras: int | None = Field(default=None, ge=1)
+    # device memory for adapters: a size (2GiB) or a fraction (0.1) of what the weights leave
+    lora_memory: str = str(DEFAULT_LORA_MEMORY)
     max_lora_rank: int = Field(default=64, ge=1)
     max_cpu_loras: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
@@ -65,6 +68,20 @@ class ServerSettings(BaseSettings):
         if isinstance(value, list | tuple):
             return dict(parse_lora_module(v) for v in value)
         return value
+
+    @field_validator("max_loras", mode="before")
+    @classmethod
+    def _parse_max_loras(cls, value: Any) -> Any:
+        """`auto` (any case) means None: memory decides."""
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return None
+        return value
+
+    @field_validator("lora_memory", mode="before")
+    @classmethod
+    def _parse_lora_memory(cls, value: Any) -> Any:
+        parse_memory(value if isinstance(value, str | int | float) else str(value))
+        return str(value)
 
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:
@@ -108,6 +125,7 @@ class ServerSettings(BaseSettings):
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             max_loras=self.max_loras,
+            lora_memory=parse_memory(self.lora_memory),
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
         )
