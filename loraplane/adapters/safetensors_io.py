@@ -13,6 +13,7 @@ import json
 import math
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -71,10 +72,13 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _check_name(name: str) -> None:
     if not name or len(name) > MAX_NAME_LEN:
         raise _bad(f"tensor name of length {len(name)} (allowed 1 to {MAX_NAME_LEN})")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+    if _CONTROL.search(name):
         raise _bad(f"tensor name {name!r} contains control characters")
 
 

@@ -8,9 +8,10 @@ be built and tested without a whole engine.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal
+
+from loraplane.sizes import parse_memory
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 Device = Literal["cpu", "cuda"]
@@ -20,42 +21,6 @@ DEVICES: tuple[str, ...] = ("cpu", "cuda")
 # 24 GiB CPU host that is ~2 GiB: ~1,300 rank-16 q/v adapters of a 1B model, or ~25 rank-16
 # all-module adapters of an 8B one in bf16 (docs/dataplane.md, "Sizing the adapter memory").
 DEFAULT_LORA_MEMORY = 0.1
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20,
-          "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}  # fmt: skip
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_memory(text: str | int | float) -> int | float:
-    """`--lora-memory`: a byte size (`2GiB`, `512MiB`, `1G`, plain `1073741824`) or a fraction
-    in (0, 1] (`0.1`) of the device memory the weights leave free.
-
-    Returns an int (bytes) or a float (fraction); ValueError with the accepted forms otherwise.
-    """
-    if isinstance(text, bool):
-        raise ValueError(f"lora_memory must be a size or a fraction, got {text!r}")
-    if isinstance(text, int | float):
-        value: int | float = text
-    else:
-        match = _SIZE.match(text)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise ValueError(
-                f"lora_memory must be a size such as 2GiB, 512MiB or 1073741824, or a fraction"
-                f" in (0, 1] such as 0.1; got {text!r}"
-            )
-        number = match.group(1)
-        if unit == "" and "." in number:
-            value = float(number)
-        else:
-            value = int(float(number) * _UNITS[unit])
-    if isinstance(value, float):
-        if not 0 < value <= 1:
-            raise ValueError(f"lora_memory as a fraction must be in (0, 1], got {value!r}")
-        return value
-    if value < 1:
-        raise ValueError(f"lora_memory must be at least 1 byte, got {value!r}")
-    return value
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -132,7 +97,8 @@ class EngineConfig:
         if self.max_loras is not None:
             _positive_int("max_loras", self.max_loras)
         if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.lora_slots
+            # every slot's adapter, and as many again loaded ahead for waiting requests
+            self.max_cpu_loras = 2 * self.lora_slots if self.max_loras is None else self.max_loras
         _positive_int("max_cpu_loras", self.max_cpu_loras)
         if self.max_loras is not None and self.max_cpu_loras < self.lora_slots:
             raise ValueError(
@@ -162,7 +128,9 @@ class EngineConfig:
         "auto" max_num_seqs and max_cpu_loras, whichever is lower; memory limits them too)."""
         if self.max_loras is not None:
             return min(self.max_loras, self.max_num_seqs)
-        return min(self.max_num_seqs, self.max_cpu_loras or self.max_num_seqs)
+        if self.max_cpu_loras is None:  # while __post_init__ derives max_cpu_loras from this
+            return self.max_num_seqs
+        return min(self.max_num_seqs, self.max_cpu_loras)
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's view of this config."""

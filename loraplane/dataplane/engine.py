@@ -33,10 +33,11 @@ from loraplane.dataplane.tokenizer import Tokenizer
 # A step with nothing to run because every waiting request's adapter is loading waits this
 # long at most for a load to end (a new request arriving meanwhile waits as long).
 LOAD_WAIT_S = 0.02
-# A step with seats free waits for the loads of waiting requests' adapters for at most this
-# share of a step's time (its moving average): a cold adapter loads in a few milliseconds from
-# the disk tier, and a request that misses the step by that much waits a whole step instead.
-LOAD_WAIT_FRACTION = 0.1
+# A step with seats free may wait for the loads of waiting requests' adapters: n requests
+# admitted now instead of one step later add n tokens to a step of r running requests, which
+# pays for a wait of up to n / r of a step's time. The engine waits at most that long (and at
+# most half a step), and only while such loads run.
+MAX_LOAD_WAIT_FRACTION = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +152,8 @@ class Engine:
         # the waiting queue is the prefetch list: the next requests' adapters load first,
         # in the background, a bounded number at a time
         waiting = self.scheduler.waiting_loras()
-        self.loras.prefetch(waiting)
-        if waiting and len(self.scheduler.running) < self.config.max_num_seqs:
-            self.loras.wait_for(waiting, LOAD_WAIT_FRACTION * self._step_seconds)
+        if self.loras.prefetch(waiting) or waiting:
+            self._wait_for_loads()
         start = time.perf_counter()
         out = self.scheduler.schedule(self.loras)
         if not out.scheduled:
@@ -176,6 +176,22 @@ class Engine:
         )
         self.stats.generation_tokens += len(live)
         return failed + [self._emit(seq) for seq in live]
+
+    def _wait_for_loads(self) -> None:
+        """Wait for adapter loads that would let waiting requests into this step, as long as
+        admitting them a step early pays for the wait (see MAX_LOAD_WAIT_FRACTION)."""
+        seats = self.config.max_num_seqs - len(self.scheduler.running)
+        if seats <= 0 or self._step_seconds <= 0:
+            return
+        loading = self.loras.pending()
+        if not loading:
+            return
+        held = [s for s in self.scheduler.waiting if s.lora is not None and s.lora.key in loading]
+        if not held:
+            return
+        share = min(len(held), seats) / max(1, len(self.scheduler.running))
+        refs = {s.lora.key: s.lora for s in held if s.lora is not None}
+        self.loras.wait_for(refs.values(), min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """End waiting requests whose adapter's last load failed; other requests go on."""

@@ -49,6 +49,8 @@ class Pressure:
     waiting_adapters: int = 0
     running_adapters: int = 0
     slots_used: int = 0
+    adapter_memory_used: int = 0  # device bytes of resident adapters
+    adapter_memory_total: int = 0  # the replicas' adapter memory budgets
     replicas_reporting: int = 0
 
 
@@ -149,5 +151,7 @@ def aggregate(report: object, now: float, stale_seconds: float) -> Pressure | No
         waiting_adapters=sum(int(r.get("waiting_adapters", 0)) for r in fresh),
         running_adapters=sum(int(r.get("running_adapters", 0)) for r in fresh),
         slots_used=sum(int(r.get("slots_used", 0)) for r in fresh),
+        adapter_memory_used=sum(int(r.get("gpu_bytes", 0)) for r in fresh),
+        adapter_memory_total=sum(int(r.get("gpu_bytes_capacity", 0)) for r in fresh),
         replicas_reporting=len(fresh),
     )

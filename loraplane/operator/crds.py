@@ -185,9 +185,13 @@ def pool_schema() -> Schema:
     )
     lora = _obj(
         {
-            "maxLoras": _int(1, 1024, s.DEFAULT_MAX_LORAS),
+            # unset: as many as fit in `memory` (the data plane's --max-loras auto)
+            "maxLoras": _int(1, 1024),
             "maxLoraRank": _int(1, 4096, s.DEFAULT_MAX_LORA_RANK),
-            "maxCpuLoras": _int(1, 100_000, s.DEFAULT_MAX_CPU_LORAS),
+            "maxCpuLoras": _int(1, 100_000),
+            # device memory for adapters: a size (2GiB) or a fraction (0.1) of what the
+            # weights leave free; unset: the data plane's default (0.1)
+            "memory": {"type": "string", "maxLength": 32, "pattern": s.LORA_MEMORY},
         }
     )
     autoscaling = _obj(
@@ -228,6 +232,8 @@ def pool_schema() -> Schema:
                         "waitingAdapters",
                         "runningAdapters",
                         "slotsUsed",
+                        "adapterMemoryUsed",
+                        "adapterMemoryTotal",
                         "replicasReporting",
                     )
                 }

@@ -18,7 +18,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from loraplane.operator.autoscaling import Pressure, ScalePolicy, needed_replicas
 
 LABELS = ("pool_namespace", "pool")
-SIGNALS = ("deferred", "waiting_adapters", "running_adapters", "slots_used", "replicas_reporting")
+SIGNALS = (
+    "deferred",
+    "waiting_adapters",
+    "running_adapters",
+    "slots_used",
+    "adapter_memory_used",
+    "adapter_memory_total",
+    "replicas_reporting",
+)
 DIRECTIONS = ("up", "down")
 
 

@@ -61,10 +61,14 @@ def _mirror(ctx: OperatorContext, name: str, pool: PoolSpec) -> None:
     ctx.catalog.ensure_pool(
         name,
         {"name": pool.base_model_name, "uri": pool.base_model_uri},
-        {
-            "max_lora_rank": pool.max_lora_rank,
-            "max_loras": pool.max_loras,
-            "max_cpu_loras": pool.max_cpu_loras,
+        {  # limits left to the data plane's auto sizing are not mirrored
+            k: v
+            for k, v in (
+                ("max_lora_rank", pool.max_lora_rank),
+                ("max_loras", pool.max_loras),
+                ("max_cpu_loras", pool.max_cpu_loras),
+            )
+            if v is not None
         },
     )
 
@@ -167,6 +171,8 @@ async def observe_pool(
             "waitingAdapters": pressure.waiting_adapters,
             "runningAdapters": pressure.running_adapters,
             "slotsUsed": pressure.slots_used,
+            "adapterMemoryUsed": pressure.adapter_memory_used,
+            "adapterMemoryTotal": pressure.adapter_memory_total,
             "replicasReporting": pressure.replicas_reporting,
         }
     desired = current

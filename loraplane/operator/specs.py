@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from loraplane.sizes import parse_memory
+
 GROUP = "loraplane.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -32,9 +34,10 @@ SOURCE_URI = (
 # ServingPool defaults (the CRD's `default:` values come from here).
 DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MAX_REPLICAS = 1
-DEFAULT_MAX_LORAS = 8
 DEFAULT_MAX_LORA_RANK = 64
-DEFAULT_MAX_CPU_LORAS = 32
+# lora.maxLoras and lora.maxCpuLoras default to the data plane's auto sizing (memory decides);
+# lora.memory to its default share (--lora-memory 0.1)
+LORA_MEMORY = r"^[0-9. ]+[A-Za-z]{0,3}$"  # the CRD's coarse check; parse_memory decides
 DEFAULT_DEVICE = "cuda"
 DEFAULT_DEFERRED_PER_REPLICA = 4
 DEFAULT_WAITING_ADAPTERS_PER_REPLICA = 2
@@ -59,6 +62,21 @@ def _int(obj: Mapping[str, Any], key: str, default: int, low: int, high: int) ->
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise SpecError(f"{key} must be an integer in [{low}, {high}], got {value!r}")
     return value
+
+
+def _opt_int(obj: Mapping[str, Any], key: str, low: int, high: int) -> int | None:
+    return None if obj.get(key) is None else _int(obj, key, low, low, high)
+
+
+def _lora_memory(value: object) -> str | None:
+    """spec.lora.memory as the data plane will read it (`--lora-memory`), or None."""
+    if value is None:
+        return None
+    try:
+        parse_memory(value if isinstance(value, str | int | float) else repr(value))
+    except ValueError as e:
+        raise SpecError(f"spec.lora.memory: {e}") from None
+    return str(value)
 
 
 def _match(pattern: str, value: object, field: str) -> str:
@@ -128,9 +146,10 @@ class PoolSpec:
     image: str
     min_replicas: int
     max_replicas: int
-    max_loras: int
+    max_loras: int | None  # None: auto
     max_lora_rank: int
-    max_cpu_loras: int
+    max_cpu_loras: int | None  # None: auto
+    lora_memory: str | None  # None: the data plane's default
     device: str
     resources: dict[str, Any]
     autoscaling: Autoscaling
@@ -165,9 +184,10 @@ class PoolSpec:
             image=image,
             min_replicas=low,
             max_replicas=high,
-            max_loras=_int(lora, "maxLoras", DEFAULT_MAX_LORAS, 1, 1024),
+            max_loras=_opt_int(lora, "maxLoras", 1, 1024),
             max_lora_rank=_int(lora, "maxLoraRank", DEFAULT_MAX_LORA_RANK, 1, 4096),
-            max_cpu_loras=_int(lora, "maxCpuLoras", DEFAULT_MAX_CPU_LORAS, 1, 100_000),
+            max_cpu_loras=_opt_int(lora, "maxCpuLoras", 1, 100_000),
+            lora_memory=_lora_memory(lora.get("memory")),
             device=device,
             resources=dict(_get(spec, "resources")),
             autoscaling=Autoscaling(

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loraplane.dataplane.kernels import lora_apply, sgmv_expand, sgmv_shrink
+from loraplane.dataplane.kernels.sgmv_torch import lora_apply_grouped
 from loraplane.dataplane.lora import LoRABatch
 
 TOLERANCE = {  # dtype -> (atol, rtol) against the fp32 loop
@@ -72,6 +73,44 @@ def test_lora_apply_equals_a_per_token_loop_for_mixed_ranks_and_interleaved_base
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
     base_rows = [t for t, s in enumerate(token_slots) if s in (-1, 3)]
     torch.testing.assert_close(got[base_rows].float(), expected[base_rows], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_grouped_cpu_path_equals_the_oracle_for_many_small_segments(
+    dtype: torch.dtype, seed: int
+) -> None:
+    """The serving path (one gather, two matmuls per segment, one scatter) against the oracle:
+    50 adapters of mixed ranks with a token or two each (decodes) beside one long prefill
+    segment, base tokens, an untargeted slot and slots holding no token."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    ranks: list[int | None] = [rng.choice([1, 4, 8, 16, 33, 64]) for _ in range(50)]
+    ranks[7] = None
+    lora_a, lora_b, scales = _slots(ranks, 48, 40, dtype)
+    token_slots = [rng.choice([-1, *range(45)]) for _ in range(80)] + [12] * 30
+    rng.shuffle(token_slots)
+    x = torch.randn(len(token_slots), 48).to(dtype)
+    y = torch.randn(len(token_slots), 40).to(dtype)
+    batch = LoRABatch.from_token_slots(token_slots)
+    args = (batch.seg_slots, batch.seg_bounds, lora_a, lora_b, scales)
+    expected = lora_apply(y.clone(), x, batch.token_order, *args)
+    got = lora_apply_grouped(y, x, batch.token_order, batch.token_slots, *args)
+    assert got is y
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
+    untouched = [t for t, s in enumerate(token_slots) if s in (-1, 7)]
+    assert untouched and torch.equal(got[untouched], expected[untouched])
+
+
+def test_the_grouped_cpu_path_with_only_untargeted_slots_leaves_y_unchanged() -> None:
+    lora_a, lora_b, scales = _slots([None, None], 6, 4, torch.float32)
+    batch = LoRABatch.from_token_slots([0, 1, -1, 0])
+    y = torch.randn(4, 4)
+    before = y.clone()
+    args = (batch.seg_slots, batch.seg_bounds, lora_a, lora_b, scales)
+    lora_apply_grouped(y, torch.randn(4, 6), batch.token_order, batch.token_slots, *args)
+    assert torch.equal(y, before)
 
 
 def test_shrink_writes_each_segment_at_its_own_rank_and_zeros_the_rest() -> None:

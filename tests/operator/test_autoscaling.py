@@ -87,14 +87,33 @@ def test_aggregate_sums_fresh_replica_reports_and_ignores_stale_ones() -> None:
     fresh, stale = now - timedelta(seconds=5), now - timedelta(seconds=300)
     report = {
         "replicas": {
-            "a": {"deferred": 3, "waiting_adapters": 1, "slots_used": 2, "time": fresh.isoformat()},
-            "b": {"deferred": 4, "running_adapters": 5, "time": fresh.isoformat()},
+            "a": {
+                "deferred": 3,
+                "waiting_adapters": 1,
+                "slots_used": 2,
+                "time": fresh.isoformat(),
+                "gpu_bytes": 300,
+                "gpu_bytes_capacity": 1000,
+            },
+            "b": {
+                "deferred": 4,
+                "running_adapters": 5,
+                "time": fresh.isoformat(),
+                "gpu_bytes": 700,
+                "gpu_bytes_capacity": 1000,
+            },
             "gone": {"deferred": 100, "time": stale.isoformat()},
         }
     }
     pressure = aggregate(report, now.timestamp(), stale_seconds=60)
     assert pressure == Pressure(
-        deferred=7, waiting_adapters=1, running_adapters=5, slots_used=2, replicas_reporting=2
+        deferred=7,
+        waiting_adapters=1,
+        running_adapters=5,
+        slots_used=2,
+        adapter_memory_used=1000,
+        adapter_memory_total=2000,
+        replicas_reporting=2,
     )
     assert (
         aggregate({"replicas": {"gone": report["replicas"]["gone"]}}, now.timestamp(), 60) is None

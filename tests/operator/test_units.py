@@ -42,12 +42,31 @@ POOL = {
 
 def test_pool_spec_applies_the_crd_defaults() -> None:
     pool = PoolSpec.parse(POOL)
-    assert (pool.max_loras, pool.max_lora_rank, pool.max_cpu_loras) == (8, 64, 32)
+    # adapters limited by memory: no count unless asked for, the data plane's default memory
+    assert (pool.max_loras, pool.max_lora_rank, pool.max_cpu_loras) == (None, 64, None)
+    assert pool.lora_memory is None
     assert pool.device == "cuda" and pool.autoscaling.enabled
     crd_lora = crds.pool_schema()["properties"]["spec"]["properties"]["lora"]["properties"]
     assert crd_lora["maxLoraRank"]["default"] == pool.max_lora_rank
     with pytest.raises(SpecError, match="min 5 is above"):
         PoolSpec.parse({**POOL, "replicas": {"min": 5, "max": 4}})
+
+
+def test_pool_lora_memory_reaches_serve_as_given_and_auto_max_loras_stays_auto() -> None:
+    pool = PoolSpec.parse({**POOL, "lora": {"memory": "2GiB"}})
+    args = manifests.serve_args(pool, "http://cp:8080")
+    assert args[args.index("--lora-memory") + 1] == "2GiB"
+    assert args[args.index("--max-loras") + 1] == "auto"
+    assert "--max-cpu-loras" not in args
+    fixed = PoolSpec.parse({**POOL, "lora": {"maxLoras": 16, "memory": "0.2"}})
+    args = manifests.serve_args(fixed, "http://cp:8080")
+    assert args[args.index("--max-loras") + 1] == "16"
+
+
+@pytest.mark.parametrize("memory", ["2 parsecs", "1.5", "0", "-1GiB"])
+def test_a_pool_lora_memory_the_data_plane_cannot_read_is_a_spec_error(memory: str) -> None:
+    with pytest.raises(SpecError, match="spec.lora.memory"):
+        PoolSpec.parse({**POOL, "lora": {"memory": memory}})
 
 
 def test_adapter_catalog_name_is_served_name_or_metadata_name() -> None:

@@ -58,7 +58,8 @@ class PressureReport(Strict):
     waiting_adapters: int = Field(default=0, ge=0, le=INT32)
     running_adapters: int = Field(default=0, ge=0, le=INT32)
     slots_used: int = Field(default=0, ge=0, le=INT32)
-    gpu_bytes: int = Field(default=0, ge=0, le=BIG)
+    gpu_bytes: int = Field(default=0, ge=0, le=BIG)  # adapter memory used in the device pool
+    gpu_bytes_capacity: int = Field(default=0, ge=0, le=BIG)  # the adapter memory budget
     kv_usage: float = Field(default=0.0, ge=0.0, le=1.0)
     adapters_waiting: list[WaitingAdapter] = Field(default_factory=list, max_length=10_000)
     usage: list[AdapterUsage] = Field(default_factory=list, max_length=10_000)

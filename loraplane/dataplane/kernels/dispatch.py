@@ -115,10 +115,11 @@ def lora_apply(
         return y
     name = backend(x)
     if name == "torch":
-        return sgmv_torch.lora_apply(
+        return sgmv_torch.lora_apply_grouped(
             y,
             x,
             batch.token_order,
+            batch.token_slots,
             batch.seg_slots,
             batch.seg_bounds,
             slots.lora_a,

@@ -90,26 +90,13 @@ def _read_stored(
     weights = adapter.weights
     buf = np.empty(weights.size, dtype=np.uint8)
     view = buf.data  # a writable memoryview of the buffer
-    chunks: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-
-    def digest() -> None:
-        while (chunk := chunks.get()) is not None:
-            h.update(chunk)
-
-    hasher = threading.Thread(target=digest, name="lora-digest")
-    hasher.start()
-    try:
+    if weights.size <= READ_CHUNK:  # one read: nothing to overlap, so no hashing thread
         with open(weights.path, "rb", buffering=0) as f:
-            pos = 0
-            while pos < weights.size:
-                n = f.readinto(view[pos : pos + READ_CHUNK])
-                if not n:
-                    raise OSError(f"{weights.path.name} shrank while it was read")
-                chunks.put(view[pos : pos + n])
-                pos += n
-    finally:
-        chunks.put(None)
-        hasher.join()
+            if f.readinto(view) != weights.size:
+                raise OSError(f"{weights.path.name} shrank while it was read")
+        h.update(view)
+    else:
+        _read_hashing(weights.path, weights.size, view, h)
     modules = {
         (m.layer, m.module): LoRAWeights(
             a=_tensor_view(buf, weights.tensors[m.a_name]),
@@ -119,6 +106,30 @@ def _read_stored(
         for m in adapter.modules
     }
     return modules, h.hexdigest()
+
+
+def _read_hashing(path: Path, size: int, view: memoryview, h: Any) -> None:
+    """Read `size` bytes of `path` into `view` in chunks while another thread hashes them."""
+    chunks: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+
+    def digest() -> None:
+        while (chunk := chunks.get()) is not None:
+            h.update(chunk)
+
+    hasher = threading.Thread(target=digest, name="lora-digest")
+    hasher.start()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            pos = 0
+            while pos < size:
+                n = f.readinto(view[pos : pos + READ_CHUNK])
+                if not n:
+                    raise OSError(f"{path.name} shrank while it was read")
+                chunks.put(view[pos : pos + n])
+                pos += n
+    finally:
+        chunks.put(None)
+        hasher.join()
 
 
 def _tensor_view(buf: np.ndarray[Any, Any], info: TensorInfo) -> torch.Tensor:

@@ -15,10 +15,11 @@ the engine hands `prefetch` the waiting requests' adapters each step, oldest req
 (the waiting queue is the prefetch list); the first `prefetch_depth` of them are loaded in that
 order, `max_loads_in_flight` at a time, each loader thread taking the next one as it finishes,
 so the requests next in line get their adapters first while the current batch runs. The
-scheduler admits a request once `ready` says its adapter is in host memory. A load that fails (any exception:
-digest mismatch, store unreachable after retries, a bad path) marks the version failed for
-`retry_after_s`: the engine fails only the requests that need it, and the next request after
-that window tries again. An adapter larger than the whole budget fails the same way.
+scheduler admits a request once `ready` says its adapter is in host memory. A load that fails
+(any exception: digest mismatch, store unreachable after retries, a bad path) marks the
+version failed for `retry_after_s`: the engine fails only the requests that need it, and the
+next request after that window tries again. An adapter larger than the whole budget fails
+the same way.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class LoRAManager:
         with self._lock:
             entry = self._entries.setdefault(ref.key, _Entry(ref, local_path=Path(path)))
             if entry.host is None:
-                self._to_host(entry, adapter)
+                self._to_host(entry, self.pool.host_form(adapter))
             self._names[(tenant, name)] = ref.key
         return ref
 
@@ -260,19 +261,24 @@ class LoRAManager:
         self._loads_in_flight += 1
         entry.future = self._pool.submit(self._load, entry)
 
-    def loading(self) -> list[LoRARef]:
-        """Adapters being loaded now."""
+    def pending(self) -> set[str]:
+        """Keys of the adapters being loaded now or queued to load (the prefetch list)."""
         with self._lock:
-            return [e.ref for e in self._entries.values() if e.state is State.LOADING]
+            keys = {e.ref.key for e in self._entries.values() if e.state is State.LOADING}
+            keys.update(e.ref.key for e in self._queue if e.state is State.COLD)
+            return keys
 
     def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> None:
-        """Block until none of `refs` is loading any more, for at most `timeout` seconds."""
+        """Block until none of `refs` is loading or queued to load, for at most `timeout`
+        seconds."""
         keys = {r.key for r in refs}
         deadline = time.monotonic() + timeout
         with self._load_ended:
             while True:
+                queued = {e.ref.key for e in self._queue if e.state is State.COLD}
                 if not any(
-                    (e := self._entries.get(k)) is not None and e.state is State.LOADING
+                    (e := self._entries.get(k)) is not None
+                    and (e.state is State.LOADING or k in queued)
                     for k in keys
                 ):
                     return
@@ -337,10 +343,12 @@ class LoRAManager:
     def _load_once(self, entry: _Entry) -> None:
         start = time.perf_counter()
         try:
-            adapter = self._read(entry)
+            adapter = self.pool.host_form(self._read(entry))
         except Exception as e:  # whatever the cause, the version fails, never stays LOADING
-            message = str(e) if isinstance(e, AdapterRejected | StoreError | OSError) else (
-                f"{type(e).__name__}: {e}"
+            message = (
+                str(e)
+                if isinstance(e, AdapterRejected | StoreError | OSError)
+                else (f"{type(e).__name__}: {e}")
             )
             with self._lock:
                 entry.state, entry.error, entry.failed_at = State.FAILED, message, time.monotonic()

@@ -30,6 +30,7 @@ class LoRABatch:
     seg_bounds: tuple[int, ...]  # [S + 1] segment offsets into token_order
     seg_slots_t: torch.Tensor  # [S] int32
     seg_bounds_t: torch.Tensor  # [S + 1] int32
+    token_slots: torch.Tensor  # [N] int64: the slot of each token of token_order
 
     @classmethod
     def from_token_slots(
@@ -44,7 +45,8 @@ class LoRABatch:
         order = torch.argsort(slots, stable=True)
         num_base = int((slots == BASE_SLOT).sum())
         order = order[num_base:]  # -1 sorts first: drop the base tokens
-        seg_slots, counts = torch.unique_consecutive(slots[order], return_counts=True)
+        sorted_slots = slots[order]
+        seg_slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
         bounds = [0]
         for count in counts.tolist():
             bounds.append(bounds[-1] + int(count))
@@ -55,6 +57,7 @@ class LoRABatch:
             seg_bounds=tuple(bounds),
             seg_slots_t=seg_slots.to(device=device, dtype=torch.int32),
             seg_bounds_t=torch.tensor(bounds, dtype=torch.int32, device=device),
+            token_slots=sorted_slots.to(device),
         )
 
     @property

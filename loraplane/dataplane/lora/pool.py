@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
-from loraplane.dataplane.lora.loader import LoadedAdapter
+from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
 
 class ModuleSlots:
@@ -77,6 +77,30 @@ class LoRAPool:
         """Device bytes `adapter` will take in this pool's dtype (for byte budgets)."""
         elements = sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
         return elements * torch.empty(0, dtype=self.dtype).element_size()
+
+    def host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
+        """`adapter` with its A and B in this pool's dtype, back to back in one host buffer
+        (pinned when the pool is on CUDA): what the loader threads hand over, so that `load`
+        reads it in place on CPU and copies it without conversion on CUDA, and the engine's
+        step does none of that work. Returned as is when already in that form."""
+        tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
+        cpu = torch.device("cpu")
+        if all(t.dtype == self.dtype and t.device == cpu and t.is_contiguous() for t in tensors):
+            return adapter
+        buffer = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype)
+        if self.device.type == "cuda":
+            buffer = buffer.pin_memory()
+        modules: dict[tuple[int, str], LoRAWeights] = {}
+        offset = 0
+        for key, w in adapter.modules.items():
+            views = []
+            for t in (w.a, w.b):
+                view = buffer[offset : offset + t.numel()].view(t.shape)
+                view.copy_(t)
+                views.append(view)
+                offset += t.numel()
+            modules[key] = LoRAWeights(a=views[0], b=views[1], scale=w.scale)
+        return LoadedAdapter(adapter.source, modules, adapter.digest)
 
     def load(self, slot: int, adapter: LoadedAdapter) -> None:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a

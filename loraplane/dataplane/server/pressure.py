@@ -2,9 +2,10 @@
 
 Every `interval` seconds the reporter posts `POST {url}/internal/v1/pressure` (DESIGN.md
 sections 6 and 8) with the replica's pressure, read from an engine snapshot: requests deferred
-now, running and waiting adapters, adapters and bytes in the device pool, KV usage, waiting
-requests per adapter, and the tokens used per tenant and adapter since the last report. A
-report that fails keeps its usage for the next one; a failing control plane never stops
+now (requests whose adapter does not fit in the adapter memory beside the running ones),
+running and waiting adapters, adapters in the device pool, adapter memory used and total, KV
+usage, waiting requests per adapter, and the tokens used per tenant and adapter since the last
+report. A report that fails keeps its usage for the next one; a failing control plane never stops
 serving. The body follows the control plane's `PressureReport` schema (it forbids unknown
 fields), so the host cache size, which that schema has no field for yet, is not sent.
 """
@@ -63,6 +64,7 @@ def pressure_body(
         "running_adapters": len(snap.running_adapters),
         "slots_used": sum(snap.resident.values()),
         "gpu_bytes": snap.gpu_bytes_used,
+        "gpu_bytes_capacity": snap.gpu_bytes_capacity,
         "kv_usage": min(1.0, max(0.0, snap.kv_usage)),
         "adapters_waiting": [
             {"tenant": t, "adapter": a, "waiting_requests": n}

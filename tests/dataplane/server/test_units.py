@@ -157,6 +157,7 @@ def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
         running_adapters=["bot"],
         resident=Counter({("acme", "bot"): 1}),
         gpu_bytes_used=1024,
+        gpu_bytes_capacity=4096,
         kv_usage=0.25,
         waiting_per_adapter=Counter({("acme", "x"): 3}),
     )
@@ -171,6 +172,7 @@ def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
     asyncio.run(run())
     (report,) = state["reports"]
     assert report["deferred"] == 3 and report["slots_used"] == 1 and report["kv_usage"] == 0.25
+    assert (report["gpu_bytes"], report["gpu_bytes_capacity"]) == (1024, 4096)
     assert report["adapters_waiting"] == [{"tenant": "acme", "adapter": "x", "waiting_requests": 3}]
     assert report["usage"] == [{"tenant": "acme", "adapter": "bot", "requests": 2,
                                 "prompt_tokens": 30, "completion_tokens": 12}]  # fmt: skip

@@ -1,0 +1,44 @@
+"""Memory sizes as users write them: `2GiB`, `512MiB`, `1G`, `1073741824`, or a fraction `0.1`.
+
+Shared by the data plane (`--lora-memory`) and the operator (ServingPool `spec.lora.memory`),
+which checks a pool's value the way the data plane will read it. No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20,
+          "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str | int | float) -> int | float:
+    """`--lora-memory`: a byte size (`2GiB`, `512MiB`, `1G`, plain `1073741824`) or a fraction
+    in (0, 1] (`0.1`) of the device memory the weights leave free.
+
+    Returns an int (bytes) or a float (fraction); ValueError with the accepted forms otherwise.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"lora_memory must be a size or a fraction, got {text!r}")
+    if isinstance(text, int | float):
+        value: int | float = text
+    else:
+        match = _SIZE.match(text)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"lora_memory must be a size such as 2GiB, 512MiB or 1073741824, or a fraction"
+                f" in (0, 1] such as 0.1; got {text!r}"
+            )
+        number = match.group(1)
+        is_fraction = unit == "" and "." in number
+        value = float(number) if is_fraction else int(float(number) * _UNITS[unit])
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"lora_memory as a fraction must be in (0, 1], got {value!r}")
+        return value
+    if value < 1:
+        raise ValueError(f"lora_memory must be at least 1 byte, got {value!r}")
+    return value
