@@ -105,9 +105,9 @@ def rows(out: SchedulerOutput) -> dict[str, tuple[int, bool]]:
     return {r.seq.request_id: (r.num_new_tokens, r.sample) for r in out.scheduled}
 
 
-def run_until_idle(sched: Scheduler, max_steps: int = 1000) -> int:
+def run_until_idle(sched: Scheduler, tiers: Tiers | None = None, max_steps: int = 1000) -> int:
     for n in range(1, max_steps + 1):
-        step(sched)
+        step(sched, tiers=tiers)
         if not sched.has_unfinished:
             return n
     raise AssertionError("requests still unfinished")
@@ -589,3 +589,100 @@ def test_random_traffic_keeps_every_limit_and_finishes_every_request(
     assert all(s.output_token_ids == [TOKEN] * s.params.max_tokens for s in everyone)
     assert sched.block_manager.num_free_blocks == num_blocks
     assert all(b.ref_count == 0 for b in sched.block_manager.blocks)
+
+
+# -- adapter memory --------------------------------------------------------------------------
+
+
+def test_adapters_are_admitted_while_their_bytes_fit_the_budget_not_up_to_a_count() -> None:
+    tiers = Tiers(sizes={"a": 6, "b": 6, "c": 4}, budget_bytes=10)
+    sched = make(max_loras=64)
+    first = [seq(max_tokens=5, lora=adapter(n)) for n in ("a", "b", "c")]
+    for s in first:
+        sched.add(s)
+    out, _ = step(sched, tiers=tiers)
+    # a (6) and c (4) fill the 10 bytes; b (6) would not fit beside a: deferred, passed by c
+    assert set(rows(out)) == {first[0].request_id, first[2].request_id}
+    assert first[1].deferred and sched.num_deferred == 1
+    # many small adapters fit at once where a count of 8 slots would have stopped at 8
+    small = Tiers(sizes={f"s{i}": 1 for i in range(20)}, budget_bytes=20)
+    sched = make(max_num_seqs=32, max_loras=32)  # the engine's auto count: max_num_seqs
+    for i in range(20):
+        sched.add(seq(lora=adapter(f"s{i}")))
+    out, _ = step(sched, tiers=small)
+    assert len(out.lora_keys) == 20 and sched.num_deferred == 0
+
+
+def test_a_deferred_adapter_gets_the_memory_within_the_bound_while_small_ones_flood() -> None:
+    """Budget 10: a big adapter (8) waits while small ones (3 each) keep arriving and running.
+    Its deferral raises the barrier; the small ones drain and it runs within D + M + 1 steps."""
+    D, M = 4, 5
+    tiers = Tiers(sizes={"big": 8} | {f"s{i}": 3 for i in range(3)}, budget_bytes=10)
+    sched = make(max_deferral_steps=D, max_num_seqs=64, max_num_batched_tokens=512)
+    for i in range(3):
+        sched.add(seq(max_tokens=M, lora=adapter(f"s{i}", tenant="flood"), tenant="flood"))
+    step(sched, tiers=tiers)
+    big = seq(max_tokens=2, lora=adapter("big", tenant="small"), tenant="small")
+    sched.add(big)
+    arrival, scheduled_at = big.arrival_step, None
+    for n in range(100):
+        sched.add(seq(max_tokens=M, lora=adapter(f"s{n % 3}", tenant="flood"), tenant="flood"))
+        out, _ = step(sched, tiers=tiers)
+        if big.request_id in rows(out):
+            scheduled_at = out.step
+            break
+    assert scheduled_at is not None and scheduled_at - arrival <= D + M + 1
+
+
+def test_an_adapter_still_loading_never_raises_the_barrier_against_other_tenants() -> None:
+    """A request whose adapter loads for 50 steps (a slow store) is not deferred and never
+    stops the admission of other adapters; once loaded it runs."""
+    tiers = Tiers(loading={"slow"}, sizes={"slow": 1, "x": 1, "y": 1}, budget_bytes=1)
+    sched = make(max_deferral_steps=2, max_num_seqs=8)
+    slow = seq(lora=adapter("slow", tenant="t1"), tenant="t1")
+    sched.add(slow)
+    for n in range(50):
+        other = seq(max_tokens=1, lora=adapter("xy"[n % 2], tenant="t2"), tenant="t2")
+        sched.add(other)
+        out, _ = step(sched, tiers=tiers)
+        assert other.request_id in rows(out)  # never held back by the loading one
+        assert not slow.deferred
+    tiers.loading.clear()
+    run_until_idle(sched, tiers)
+    assert slow.finish_reason is FinishReason.LENGTH
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    arrivals=st.lists(arrival, min_size=1, max_size=25),
+    sizes=st.lists(st.integers(1, 10), min_size=5, max_size=5),
+    budget_bytes=st.integers(10, 30),
+    load_steps=st.lists(st.integers(0, 6), min_size=5, max_size=5),
+    max_num_seqs=st.integers(1, 8),
+)
+def test_random_traffic_keeps_the_adapter_memory_budget_and_finishes_every_request(
+    arrivals: list[tuple[int, int, int | None, int, int]],
+    sizes: list[int],
+    budget_bytes: int,
+    load_steps: list[int],
+    max_num_seqs: int,
+) -> None:
+    """Adapters of random sizes (each fits alone) that take random steps to load: every step's
+    running adapters fit the budget (checked in `step`), and every request finishes."""
+    tiers = Tiers(sizes={f"a{i}": s for i, s in enumerate(sizes)}, budget_bytes=budget_bytes)
+    sched = make(block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                 max_deferral_steps=3)  # fmt: skip
+    by_step: dict[int, list[Sequence]] = {}
+    for t, tenant, lora, prompt_len, max_tokens in arrivals:
+        ref = None if lora is None else adapter(f"a{lora}", tenant=f"t{tenant}")
+        s = seq(prompt_len, max_tokens, ref, tenant=f"t{tenant}")
+        by_step.setdefault(t, []).append(s)
+    everyone = [s for batch in by_step.values() for s in batch]
+    for n in range(2000):
+        for s in by_step.get(n, []):
+            sched.add(s)
+        tiers.loading = {f"a{i}" for i, k in enumerate(load_steps) if n < k}
+        step(sched, tiers=tiers)
+        if n > max(by_step) and not sched.has_unfinished:
+            break
+    assert all(s.finish_reason is FinishReason.LENGTH for s in everyone)
