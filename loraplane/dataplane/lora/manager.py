@@ -137,6 +137,9 @@ class LoRAManager:
             if entry.host is None:
                 self._to_host(entry, self.pool.host_form(adapter))
             self._names[(tenant, name)] = ref.key
+            # registering thousands of static adapters must not hold them all in memory: the
+            # host tier keeps max_cpu_loras; the others are read again from their folder
+            self._evict_host()
         return ref
 
     def register_stored(self, ref: LoRARef, store_path: str) -> LoRARef:

@@ -1,0 +1,139 @@
+"""Density over HTTP: `loraplane serve` with its default settings and 2,000 adapters, streaming
+/v1/completions from a closed loop of 64 requests in flight, in one run.
+
+The server (its own process, `python -m loraplane.dataplane.server serve`) gets the CPU
+benchmark model (benchmarks/engine_cpu.py's shape, fp32) and `--adapters` rank-16 q/v adapters
+as `--lora-modules`, and no other setting: max_loras auto, lora_memory 0.1, max_cpu_loras auto,
+max_num_seqs 256, KV cache sized by the server. One server serves every load, so each has the
+same memory. Loads: 256 requests (16 random prompt tokens, 8 generated, EOS ignored), each for
+an adapter drawn from
+- eight: the first 8 adapters, Zipf(1.0) (the baseline),
+- zipf: all adapters, Zipf(1.0),
+- uniform: all adapters, uniform (S-LoRA's harsher case),
+then eight again; the baseline is the better of the two eight runs.
+Figures: tokens/s and time to first token p99 of each load, their ratios to eight (goals: zipf
+>= 0.9, uniform >= 0.8, zipf TTFT p99 <= 2x), failed requests (goal 0).
+As in benchmarks/server_http.py the client runs on the same machine, so the server's torch
+threads are cores - 1 (OMP_NUM_THREADS; a core for the client and the event loop).
+Run: .venv/bin/python benchmarks/density_http.py [--adapters 2000] [--requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import goal, report
+from engine_cpu import SHAPE
+from server_http import REPO, free_port, one_stream, pct, wait_ready
+from tiers import qv_adapter
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.demo.build import build_llama
+
+IN_FLIGHT = 64
+
+
+def start_server(
+    model: Path, adapters: list[Path], port: int, threads: int
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": str(threads),
+        "LORAPLANE_LORA_MODULES": ",".join(f"a{i}={p}" for i, p in enumerate(adapters)),
+    }
+    cmd = [sys.executable, "-m", "loraplane.dataplane.server", "serve", "--model", str(model),
+           "--port", str(port)]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+async def closed_loop(port: int, names: list[str], weights: list[float], requests: int,
+                      seed: int) -> dict[str, float]:  # fmt: skip
+    """`requests` streaming requests, IN_FLIGHT at a time, adapters drawn by `weights`."""
+    rng = random.Random(seed)
+    todo = [rng.choices(names, weights)[0] for _ in range(requests)]
+    prompts = [[rng.randrange(3, 32000) for _ in range(16)] for _ in range(requests)]
+    tokens, ttfts, failed = 0, [], 0
+    loop = asyncio.get_running_loop()
+
+    async def worker() -> None:
+        nonlocal tokens, failed
+        while todo:
+            i = len(todo) - 1
+            name, prompt = todo.pop(), prompts[i]
+            body = {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "stream": True, "ignore_eos": True, "logprobs": 0,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            try:
+                n, ttft, _ = await one_stream(port, body)
+            except (RuntimeError, IndexError, ValueError):
+                failed += 1
+                continue
+            tokens += n
+            ttfts.append(ttft)
+
+    start = loop.time()
+    await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
+    elapsed = loop.time() - start
+    return {"tokens_per_s": tokens / elapsed, "ttft_p99_s": pct(ttfts, 99) if ttfts else 0.0,
+            "failed": float(failed)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    args = parser.parse_args()
+    figures: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        root = Path(tmp)
+        print(f"building the benchmark model and {args.adapters} adapters ...", flush=True)
+        model = build_llama(root / "model", **SHAPE)
+        spec = BaseModelSpec.from_dir(model)
+        adapters = [qv_adapter(spec, root / "a" / str(i), seed=10_000 + i)
+                    for i in range(args.adapters)]  # fmt: skip
+        names = [f"a{i}" for i in range(args.adapters)]
+        zipf = [1.0 / (k + 1) for k in range(args.adapters)]
+        port = free_port()
+        print("starting loraplane serve (default settings) ...", flush=True)
+        proc = start_server(model, adapters, port, args.server_threads)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc, timeout=900)
+            asyncio.run(closed_loop(port, names[:8], zipf[:8], 64, seed=0))  # warm up
+            uniform = [1.0] * args.adapters
+            runs = [("eight", 8, zipf), ("zipf", args.adapters, zipf),
+                    ("uniform", args.adapters, uniform), ("eight_again", 8, zipf)]  # fmt: skip
+            for label, n, weights in runs:
+                print(f"load: {label} ...", flush=True)
+                result = asyncio.run(
+                    closed_loop(port, names[:n], weights[:n], args.requests, seed=1)
+                )
+                for key, value in result.items():
+                    figures[f"{label}_{key}"] = value
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    base = max(figures["eight_tokens_per_s"], figures["eight_again_tokens_per_s"])
+    base_ttft = min(figures["eight_ttft_p99_s"], figures["eight_again_ttft_p99_s"])
+    for label in ("zipf", "uniform"):
+        figures[f"{label}_over_eight_adapters"] = figures[f"{label}_tokens_per_s"] / base
+        figures[f"{label}_ttft_p99_over_eight"] = figures[f"{label}_ttft_p99_s"] / base_ttft
+    report("density_http", figures, [
+        goal(figures, "zipf_over_eight_adapters", ">=", 0.9),
+        goal(figures, "uniform_over_eight_adapters", ">=", 0.8),
+        goal(figures, "zipf_ttft_p99_over_eight", "<=", 2.0),
+        goal(figures, "zipf_failed", "<=", 0),
+        goal(figures, "uniform_failed", "<=", 0),
+    ])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
