@@ -65,7 +65,7 @@ def test_pool_lora_memory_reaches_serve_as_given_and_auto_max_loras_stays_auto()
 
 @pytest.mark.parametrize("memory", ["2 parsecs", "1.5", "0", "-1GiB"])
 def test_a_pool_lora_memory_the_data_plane_cannot_read_is_a_spec_error(memory: str) -> None:
-    with pytest.raises(SpecError, match="spec.lora.memory"):
+    with pytest.raises(SpecError, match=r"spec\.lora\.memory"):
         PoolSpec.parse({**POOL, "lora": {"memory": memory}})
 
 

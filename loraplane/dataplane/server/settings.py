@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from loraplane.dataplane.config import DEFAULT_LORA_MEMORY, EngineConfig, parse_memory
+from loraplane.dataplane.config import DEFAULT_LORA_MEMORY, EngineConfig
+from loraplane.sizes import parse_memory
 
 MAX_N = 8  # choices per request (`n`) at most
 
