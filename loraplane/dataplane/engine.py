@@ -14,6 +14,7 @@ adapter memory (`lora_memory`) holds.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -25,10 +26,12 @@ from loraplane.dataplane.detokenizer import IncrementalDetokenizer
 from loraplane.dataplane.model_runner import ModelRunner
 from loraplane.dataplane.sampler import Sampler, make_generator
 from loraplane.dataplane.sampling import SamplingParams
-from loraplane.dataplane.scheduler import Scheduler
+from loraplane.dataplane.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # A step with nothing to run because every waiting request's adapter is loading waits this
 # long at most for a load to end (a new request arriving meanwhile waits as long).
@@ -160,6 +163,19 @@ class Engine:
             if self.scheduler.waiting:  # every waiting request waits for its adapter's load
                 self.loras.wait_for_load(LOAD_WAIT_S)
             return failed
+        try:
+            outputs = self._run(out)
+        except Exception as error:  # one tenant's failure must not end the others' requests
+            outputs = self._run_isolated(out, error)
+        elapsed = time.perf_counter() - start
+        self._step_seconds += 0.2 * (elapsed - self._step_seconds)
+        self.stats.steps += 1
+        self.stats.preemptions += len(out.preempted)
+        return failed + outputs
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Run the rows of `out` through the model and the sampler, then record the tokens.
+        Raises (before anything is recorded) if the forward pass or the sampler fails."""
         wanted = self.scheduler.waiting_lora_keys  # evicted only after every other idle one
         logits = self.runner.execute(out, self.scheduler.running_lora_keys, wanted)
         rows = out.sampled
@@ -167,15 +183,48 @@ class Engine:
         sampled = self.sampler(logits, params, [r.seq.generator for r in rows])
         live = [r.seq for r in rows if r.seq.status is SequenceStatus.RUNNING]
         self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs)
-        elapsed = time.perf_counter() - start
-        self._step_seconds += 0.2 * (elapsed - self._step_seconds)
-        self.stats.steps += 1
-        self.stats.preemptions += len(out.preempted)
         self.stats.prompt_tokens += sum(
             r.num_new_tokens for r in out.scheduled if r.start < r.seq.num_prompt_tokens
         )
         self.stats.generation_tokens += len(live)
-        return failed + [self._emit(seq) for seq in live]
+        return [self._emit(seq) for seq in live]
+
+    def _run_isolated(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The step failed: run its rows again one adapter at a time (the base model's rows
+        are a group too). A group that fails alone fails its requests with the error; the
+        others get their tokens in this step. Nothing was recorded by the failed attempt: its
+        K/V writes are rewritten with the same values."""
+        groups: dict[str | None, list[ScheduledSeq]] = {}
+        for row in out.scheduled:
+            groups.setdefault(row.seq.lora_key, []).append(row)
+        if len(groups) == 1:
+            (key,) = groups
+            log.warning("a step of adapter %s failed: %r", key or "(base model)", error)
+            outputs = self._fail_rows(out.scheduled, error)
+            self._reset_adapter(key)
+            return outputs
+        outputs: list[RequestOutput] = []
+        for key, rows in groups.items():
+            keys = frozenset() if key is None else frozenset({key})
+            part = dataclasses.replace(out, scheduled=rows, lora_keys=keys)
+            try:
+                outputs += self._run(part)
+            except Exception as group_error:
+                log.warning("a step of adapter %s failed: %r", key or "(base model)", group_error)
+                outputs += self._fail_rows(rows, group_error)
+                self._reset_adapter(key)
+        return outputs
+
+    def _reset_adapter(self, key: str | None) -> None:
+        """After a failed step: reload the adapter's device slot from its host copy next time,
+        unless a running request still uses it."""
+        if key is not None and key not in self.scheduler.running_lora_keys:
+            self.loras.drop_slot(key)
+
+    def _fail_rows(self, rows: list[ScheduledSeq], error: Exception) -> list[RequestOutput]:
+        """Finish the rows' requests with an error (their blocks freed)."""
+        message = f"the step serving this request failed: {type(error).__name__}: {error}"
+        return [self._fail(row.seq, message) for row in rows if not row.seq.is_finished]
 
     def _wait_for_loads(self) -> None:
         """Wait for adapter loads that would let waiting requests into this step, as long as
@@ -198,25 +247,26 @@ class Engine:
         outputs = []
         for seq in list(self.scheduler.waiting):
             error = None if seq.lora is None else self.loras.failure(seq.lora)
-            if error is None:
-                continue
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            self._detok.pop(seq.request_id, None)
-            self._sent_logprobs.pop(seq.request_id, None)
-            outputs.append(
-                RequestOutput(
-                    request_id=seq.request_id,
-                    token_ids=[],
-                    text="",
-                    finished=True,
-                    finish_reason="error",
-                    logprobs=None,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_output_tokens=0,
-                    error=error,
-                )
-            )
+            if error is not None:
+                outputs.append(self._fail(seq, error))
         return outputs
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Finish a request as failed with `error`; its blocks are freed."""
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._detok.pop(seq.request_id, None)
+        self._sent_logprobs.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=[],
+            text="",
+            finished=True,
+            finish_reason="error",
+            logprobs=None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            error=error,
+        )
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         detok = self._detok[seq.request_id]

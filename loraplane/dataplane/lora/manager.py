@@ -466,6 +466,15 @@ class LoRAManager:
             self._drop_slot(victims.pop())
             self.device_stats.evictions += 1
 
+    def drop_slot(self, key: str) -> None:
+        """Free `key`'s device slot (its next use loads it again from the host copy): after a
+        step failed for it, a damaged slot must not fail its next requests too."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.slot is not None:
+                self._drop_slot(entry)
+                self.device_stats.evictions += 1
+
     def _drop_slot(self, entry: _Entry) -> None:
         if entry.slot is not None:
             self.pool.free(entry.slot)

@@ -1,0 +1,136 @@
+"""One tenant's failure stays its own: a step that fails for one adapter fails only that
+adapter's requests, and everyone else's tokens are exactly those of a run without the fault.
+
+Faults are injected where they would happen for real: an adapter's device slot that no longer
+fits the model (the kernels refuse it), and the model itself raising for one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loraplane.dataplane.async_engine import AsyncEngine
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import Engine, RequestOutput
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sequence import LoRARef
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 17, 33, 60, 101, 7], [9, 8, 7, 6], [40, 41, 42, 43, 44], [3, 1, 4, 1, 5, 9, 2]]
+
+
+def make(model: Path, adapters: dict[str, Path]) -> tuple[Engine, dict[str, LoRARef]]:
+    config = EngineConfig(model=str(model), device="cpu", dtype="float32", num_kv_blocks=256,
+                          block_size=4)  # fmt: skip
+    engine = Engine(config)
+    refs = {n: engine.register_lora(n, adapters[n], f"tenant-{n}") for n in ("r4", "r16", "r64")}
+    return engine, refs
+
+
+def break_slot(engine: Engine, ref: LoRARef) -> None:
+    """Corrupt `ref`'s device slot the way a bad copy would: its A no longer fits the model."""
+    engine.loras.make_resident([ref.key], in_use=[])
+    slot = engine.loras.slot_of(ref.key)
+    for layer in range(engine.runner.pool.spec.num_layers):
+        for module in ("q_proj", "v_proj"):
+            table = engine.runner.pool.module_slots(layer, module)
+            a = table.lora_a[slot]
+            if a is not None:
+                table.lora_a[slot] = torch.zeros(a.shape[0], a.shape[1] + 1)
+
+
+def run(engine: Engine, loras: list[LoRARef | None]) -> dict[str, tuple[list[int], RequestOutput]]:
+    """Every prompt with its adapter in one continuous batch: per request, all its tokens and
+    its last output."""
+    done: dict[str, tuple[list[int], RequestOutput]] = {}
+    tokens: dict[str, list[int]] = {}
+    for i, (prompt, lora) in enumerate(zip(PROMPTS, loras, strict=True)):
+        engine.add_request(f"q{i}", prompt, GREEDY, lora)
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                done[out.request_id] = (tokens[out.request_id], out)
+    return done
+
+
+@pytest.fixture
+def expected(tiny_llama_dir: Path, peft_adapters: dict[str, Path]) -> list[list[int]]:
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+    loras = [refs["r4"], refs["r16"], None, refs["r64"]]
+    return [o.token_ids for o in engine.generate(PROMPTS, GREEDY, loras)]
+
+
+def test_a_broken_adapter_fails_only_its_requests_in_a_mixed_batch(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: list[list[int]]
+) -> None:
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+    break_slot(engine, refs["r16"])
+    outs = run(engine, [refs["r4"], refs["r16"], None, refs["r64"]])
+    _, broken = outs["q1"]
+    assert broken.finish_reason == "error"
+    assert broken.error is not None and "ValueError" in broken.error
+    for i in (0, 2, 3):  # other tenants and the base model: untouched, token for token
+        tokens, out = outs[f"q{i}"]
+        assert out.error is None and out.finish_reason == "length"
+        assert tokens == expected[i]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # the damaged slot was dropped: the adapter's next request loads it again and is served
+    (again,) = engine.generate([PROMPTS[1]], GREEDY, [refs["r16"]])
+    assert again.error is None and again.token_ids == expected[1]
+
+
+def test_a_step_that_fails_for_one_batch_is_retried_per_adapter(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: list[list[int]]
+) -> None:
+    """The model raises once, for the mixed batch as a whole (say, out of memory): every
+    request still gets exactly its tokens, run one adapter at a time in that step."""
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+    model = engine.runner.model
+    forward = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return forward(*args, **kwargs)
+
+    model.forward = flaky  # type: ignore[method-assign]
+    outs = run(engine, [refs["r4"], refs["r16"], None, refs["r64"]])
+    assert calls["n"] > 3  # it did fail once, and went on
+    assert [outs[f"q{i}"][0] for i in range(4)] == expected
+    assert all(out.error is None for _, out in outs.values())
+
+
+def test_through_the_async_engine_only_the_broken_tenants_stream_ends_in_error(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: list[list[int]]
+) -> None:
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+    break_slot(engine, refs["r16"])
+    front = AsyncEngine(engine)
+
+    async def one(i: int, lora: LoRARef | None) -> tuple[list[int], str | None]:
+        tokens: list[int] = []
+        error = None
+        async for out in front.generate(f"s{i}", PROMPTS[i], GREEDY, lora):
+            tokens += out.token_ids
+            error = out.error or error
+        return tokens, error
+
+    async def all_of_them() -> list[tuple[list[int], str | None]]:
+        loras = [refs["r4"], refs["r16"], None, refs["r64"]]
+        return await asyncio.gather(*(one(i, lora) for i, lora in enumerate(loras)))
+
+    try:
+        results = asyncio.run(all_of_them())
+    finally:
+        front.shutdown()
+    assert results[1][1] is not None
+    for i in (0, 2, 3):
+        assert results[i] == (expected[i], None)
