@@ -113,12 +113,12 @@ def test_a_load_that_raises_anything_ends_failed_with_its_message_and_retries_la
     disk = DiskTier(store)
     m = manager(tiny_llama_dir, None, disk=disk, retry_after_s=0.2)
     ref = m.register_stored(LoRARef("r4", "acme", version.digest), version.path)
-    real = disk.folder
+    real = disk._acquire
 
     def broken(store_path: str, digest: str) -> Path:
         raise error
 
-    disk.folder = broken  # type: ignore[method-assign]
+    disk._acquire = broken  # type: ignore[method-assign]
     m.prefetch([ref])
     deadline = time.monotonic() + 5
     while m.failure(ref) is None and time.monotonic() < deadline:
@@ -127,12 +127,27 @@ def test_a_load_that_raises_anything_ends_failed_with_its_message_and_retries_la
     assert message is not None
     assert type(error).__name__ in message or str(error) in message
     assert not m.pending()  # not LOADING forever
-    disk.folder = real  # type: ignore[method-assign]
+    disk._acquire = real  # type: ignore[method-assign]
     time.sleep(0.25)
     assert m.failure(ref) is None
     m.prefetch([ref])
     m.wait_for([ref], timeout=5)
     assert m.ready(ref)
+    m.close()
+
+
+@pytest.mark.parametrize("path", ["../../etc/", "adapters/acme/../../x/", "/etc/", "a//b/"])
+def test_a_catalog_path_outside_the_store_fails_the_adapter_and_reads_nothing(
+    tiny_llama_dir: Path, tmp_path: Path, path: str
+) -> None:
+    (tmp_path / "etc").mkdir()
+    m = manager(tiny_llama_dir, None, disk=DiskTier(LocalStore(tmp_path / "store")))
+    ref = m.register_stored(LoRARef("evil", "acme", "d" * 64), path)
+    m.prefetch([ref])
+    m.wait_for([ref], timeout=5)
+    message = m.failure(ref)
+    assert message is not None and "unsafe object key" in message
+    assert not m.ready(ref)
     m.close()
 
 

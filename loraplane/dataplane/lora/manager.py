@@ -380,9 +380,9 @@ class LoRAManager:
         if self.disk is None or entry.store_path is None:  # pragma: no cover - register_stored
             raise StoreError(f"adapter {ref.key} has no source")
         for attempt in (1, 2):
-            folder = self.disk.folder(entry.store_path, ref.digest)
             try:
-                return load_lora(folder, self.base, self.limits, ref.digest)
+                with self.disk.reading(entry.store_path, ref.digest) as folder:
+                    return load_lora(folder, self.base, self.limits, ref.digest)
             except IntegrityError:
                 self.disk.discard(ref.digest)  # a corrupted local copy: fetch it again
                 if attempt == 2:

@@ -6,21 +6,28 @@ when complete) and kept while the byte budget allows, least recently used out fi
 verify the digest (the host loader hashes while it copies); a copy that fails the check is
 discarded and fetched again. An unreachable store gets a few retries with backoff, then
 StoreError, which fails only the requests that need this adapter.
+
+Readers hold a folder with `reading(store_path, digest)`: while it is held the folder is never
+evicted, replaced or deleted (two tenants with identical content share a digest, and two loader
+threads may read it at once); two readers that miss the same digest share one download. Store
+paths from the catalog and digests are checked (`check_key`) before they touch a path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 from loraplane.adapters.errors import StoreError
 from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME
-from loraplane.adapters.store.base import ObjectStore
+from loraplane.adapters.store.base import ObjectStore, check_key
 from loraplane.adapters.store.local import LocalStore
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,9 @@ class DiskTier:
         self.retries = retries
         self.backoff_s = backoff_s
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, oldest first
+        self._pins: Counter[str] = Counter()  # digest -> readers holding its folder
+        self._doomed: set[str] = set()  # failed their digest check, deleted at the last release
+        self._downloads: dict[str, threading.Event] = {}  # digest -> set when its download ends
         self._lock = threading.Lock()
         self.hits_total = self.loads_total = self.evictions_total = self.failures_total = 0
         if not self.local:
@@ -59,32 +69,76 @@ class DiskTier:
     def bytes_used(self) -> int:
         return sum(self._lru.values())
 
-    def folder(self, store_path: str, digest: str) -> Path:
-        """A local folder holding the version's two files (downloaded if needed)."""
+    @contextlib.contextmanager
+    def reading(self, store_path: str, digest: str) -> Iterator[Path]:
+        """A local folder holding the version's two files (downloaded if needed), kept in
+        place until the block exits. ValueError for an unsafe store path or digest."""
+        folder = self._acquire(store_path, digest)
+        try:
+            yield folder
+        finally:
+            self._release(digest)
+
+    def _acquire(self, store_path: str, digest: str) -> Path:
+        check_key(store_path.rstrip("/"))
+        check_key(digest)
         if self.local:
             self.hits_total += 1
             return Path(self.store.url()) / store_path
         target = self.root / digest
-        with self._lock:
-            if digest in self._lru and all((target / f).is_file() for f in FILES):
+        while True:
+            with self._lock:
+                if digest in self._doomed:
+                    raise StoreError(f"the local copy of {digest[:12]} failed its digest check"
+                                     " and is still being read; try again")  # fmt: skip
+                if digest in self._lru and all((target / f).is_file() for f in FILES):
+                    self._lru.move_to_end(digest)
+                    self._pins[digest] += 1
+                    self.hits_total += 1
+                    return target
+                running = self._downloads.get(digest)
+                if running is None:  # this reader downloads; others wait for it
+                    running = self._downloads[digest] = threading.Event()
+                    break
+            running.wait()
+        try:
+            self._download(store_path, target)
+            size = sum((target / f).stat().st_size for f in FILES)
+            with self._lock:
+                self._lru[digest] = size
                 self._lru.move_to_end(digest)
-                self.hits_total += 1
-                return target
-        self._download(store_path, target)
-        size = sum((target / f).stat().st_size for f in FILES)
+                self._pins[digest] += 1
+                self.loads_total += 1
+                self._evict()
+            return target
+        finally:
+            with self._lock:
+                self._downloads.pop(digest).set()
+
+    def _release(self, digest: str) -> None:
+        if self.local:
+            return
         with self._lock:
-            self._lru[digest] = size
-            self._lru.move_to_end(digest)
-            self.loads_total += 1
-            self._evict(keep=digest)
-        return target
+            self._pins[digest] -= 1
+            if self._pins[digest] > 0:
+                return
+            del self._pins[digest]
+            if digest in self._doomed:  # discarded while it was read: delete it now
+                self._doomed.discard(digest)
+                shutil.rmtree(self.root / digest, ignore_errors=True)
 
     def discard(self, digest: str) -> None:
-        """Drop a local copy that failed its digest check (the next read downloads it again)."""
+        """Drop a local copy that failed its digest check (the next read downloads it again);
+        a copy other readers still hold is deleted when the last one lets go."""
+        if self.local:
+            return
+        check_key(digest)
         with self._lock:
             self._lru.pop(digest, None)
-        if not self.local:
-            shutil.rmtree(self.root / digest, ignore_errors=True)
+            if self._pins[digest] > 0:
+                self._doomed.add(digest)
+                return
+        shutil.rmtree(self.root / digest, ignore_errors=True)
 
     def _download(self, store_path: str, target: Path) -> None:
         last: StoreError | None = None
@@ -93,8 +147,9 @@ class DiskTier:
             try:
                 for name in FILES:
                     self.store.download(store_path + name, tmp / name)
-                shutil.rmtree(target, ignore_errors=True)
-                tmp.rename(target)
+                with self._lock:  # nobody holds this digest's folder: it is not in the LRU
+                    shutil.rmtree(target, ignore_errors=True)
+                    tmp.rename(target)
                 return
             except StoreError as e:
                 last = e
@@ -105,11 +160,15 @@ class DiskTier:
                 shutil.rmtree(tmp, ignore_errors=True)
         raise StoreError(f"cannot fetch {store_path} after {self.retries + 1} attempts: {last}")
 
-    def _evict(self, keep: str) -> None:
-        while self.bytes_used > self.budget_bytes and len(self._lru) > 1:
-            digest = next(iter(self._lru))
-            if digest == keep:
+    def _evict(self) -> None:
+        """Drop least recently used copies over the budget, never one a reader holds
+        (under the lock)."""
+        for digest in list(self._lru):
+            if self.bytes_used <= self.budget_bytes:
                 break
+            if self._pins[digest] > 0:
+                continue
             del self._lru[digest]
+            self._pins.pop(digest, None)
             shutil.rmtree(self.root / digest, ignore_errors=True)
             self.evictions_total += 1
