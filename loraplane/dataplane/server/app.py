@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI
 
 from loraplane.dataplane.server import admin_routes, openai_routes
+from loraplane.dataplane.server.admission import BodyLimit
 from loraplane.dataplane.server.errors import install_error_handlers
 from loraplane.dataplane.server.request_metrics import RequestCounter
 from loraplane.dataplane.server.runtime import Runtime, StartupError
@@ -65,4 +66,7 @@ def create_app(settings: ServerSettings, on_fatal: Callable[[str], None] | None 
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
     app.add_middleware(RequestCounter, counter=runtime.metrics.requests)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_request_bytes, refused=runtime.metrics.refused
+    )
     return app

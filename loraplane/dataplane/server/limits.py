@@ -24,23 +24,45 @@ from loraplane.dataplane.server.errors import RateLimited
 class _Bucket:
     level: float
     stamp: float
+    limit: int
+
+
+PRUNE_EVERY = 1024  # refills between sweeps of full buckets
 
 
 class TokenBucket:
-    """Named buckets of capacity `limit`, refilled at `limit` per minute."""
+    """Named buckets of capacity `limit`, refilled at `limit` per minute. A bucket that has
+    refilled completely is forgotten (a new one starts full), so idle tenants cost nothing."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
+        self._refills = 0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     def _refill(self, key: str, limit: int) -> _Bucket:
         now = self._clock()
+        self._refills += 1
+        if self._refills % PRUNE_EVERY == 0:
+            self._prune(now)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(float(limit), now)
+            bucket = self._buckets[key] = _Bucket(float(limit), now, limit)
+        bucket.limit = limit
         bucket.level = min(float(limit), bucket.level + (now - bucket.stamp) * limit / 60.0)
         bucket.stamp = now
         return bucket
+
+    def _prune(self, now: float) -> None:
+        full = [
+            k
+            for k, b in self._buckets.items()
+            if b.level + (now - b.stamp) * b.limit / 60.0 >= b.limit
+        ]
+        for k in full:
+            del self._buckets[k]
 
     def wait_for(self, key: str, limit: int, amount: float) -> float:
         """Seconds until `amount` (capped at `limit`) is available; 0 when it is now."""

@@ -209,6 +209,14 @@ class ServerMetrics:
             buckets=LOAD_BUCKETS,
             registry=self.registry,
         )
+        self.refused = PromCounter(
+            "loraplane_requests_refused",
+            "Requests refused at the door by a queue, prompt or body cap",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("queue_full", "tenant_queue_full", "too_many_prompts", "body_too_large"):
+            self.refused.labels(reason=reason)  # series exist at 0
         self.ttft = Histogram(
             "loraplane_time_to_first_token_seconds",
             "Time from request arrival to its first token",

@@ -74,7 +74,14 @@ async def completions(
     body.check_supported()
     resolved = await catalog.resolve(key, body.model)
     tokenizer = runtime.require_engine().engine.tokenizer
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    texts = body.prompts()
+    cap = runtime.settings.max_prompts_per_request
+    if len(texts) > cap:
+        runtime.metrics.refused.labels(reason="too_many_prompts").inc()
+        raise InvalidRequest(f"{len(texts)} prompts in one request; at most {cap}", param="prompt")
+    prompts = await runtime.tokenize(
+        lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
+    )
     top = body.logprobs
     return await _serve(
         request, runtime, resolved, body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, top, chat=False
@@ -95,7 +102,9 @@ async def chat_completions(
     tokenizer = runtime.require_engine().engine.tokenizer
     messages = [m.to_template() for m in body.messages]
     try:
-        prompt = tokenizer.encode_chat(messages, body.add_generation_prompt)
+        prompt = await runtime.tokenize(
+            lambda: tokenizer.encode_chat(messages, body.add_generation_prompt)
+        )
     except (jinja2.TemplateError, ValueError) as e:
         raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -127,7 +136,7 @@ async def _serve(
     limits = [fit_max_tokens(len(p), wanted, default_max, limit) for p in prompts]
     params = body.sampling_params(max_tokens=1, logprobs=top is not None)
     choices = make_choices(prompts, params, body.n, limits)
-    lease = await runtime.lease(resolved, body.model)
+    lease = await runtime.lease(resolved, body.model, len(choices))
     try:
         runtime.limiter.admit(
             resolved.tenant,

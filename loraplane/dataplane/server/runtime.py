@@ -17,6 +17,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -24,6 +25,7 @@ from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import AsyncEngine
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.server.admission import QueueLimits
 from loraplane.dataplane.server.catalog import DEFAULT_TENANT, Catalog, Resolved, StaticCatalog
 from loraplane.dataplane.server.catalog_http import HttpCatalog
 from loraplane.dataplane.server.errors import (
@@ -49,15 +51,21 @@ class StartupError(RuntimeError):
 
 @dataclass(slots=True)
 class Lease:
-    """A request's hold on its adapter version (None: the base model)."""
+    """A request's hold on its adapter version (None: the base model) and on its places in
+    the replica's queue."""
 
     ref: LoRARef | None
     _runtime: Runtime | None
+    tenant: str = ""
+    queued: int = 0
 
     def release(self) -> None:
         """Let go (idempotent); an unload waiting for this adapter may proceed."""
         runtime, self._runtime = self._runtime, None
-        if runtime is not None and self.ref is not None:
+        if runtime is None:
+            return
+        runtime.queue.leave(self.tenant, self.queued)
+        if self.ref is not None:
             runtime._release(self.ref.key)
 
 
@@ -69,6 +77,13 @@ class Runtime:
         self.metrics = ServerMetrics()
         self.usage = UsageLog()
         self.limiter = RateLimiter()
+        self.queue = QueueLimits(
+            settings.max_queued_requests,
+            settings.max_queued_requests_per_tenant,
+            self.metrics.refused,
+        )
+        # tokenization runs here, off the event loop (one thread: the tokenizer is shared)
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.base_model = settings.served_model_name or os.path.basename(
             os.path.normpath(settings.model)
         )
@@ -165,6 +180,7 @@ class Runtime:
             await self.catalog.aclose()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -217,10 +233,24 @@ class Runtime:
 
     # -- adapters ---------------------------------------------------------------------------
 
-    async def lease(self, resolved: Resolved, model: str) -> Lease:
-        """Hold the adapter `resolved` names (loading it in catalog mode) for one request."""
+    async def tokenize(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (tokenization, a chat template) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn)
+
+    async def lease(self, resolved: Resolved, model: str, requests: int = 1) -> Lease:
+        """Take `requests` places in the queue (QueueFull past the caps) and hold the adapter
+        `resolved` names (loading it in catalog mode) for one request."""
+        self.queue.enter(resolved.tenant, requests)
+        try:
+            ref = await self._hold(resolved, model)
+        except BaseException:
+            self.queue.leave(resolved.tenant, requests)
+            raise
+        return Lease(ref, self, resolved.tenant, requests)
+
+    async def _hold(self, resolved: Resolved, model: str) -> LoRARef | None:
         if resolved.adapter is None:
-            return Lease(None, None)
+            return None
         if resolved.digest is None:
             raise UpstreamError("the catalog resolved an adapter without a digest")
         ref = LoRARef(resolved.adapter, resolved.tenant, resolved.digest)
@@ -230,7 +260,7 @@ class Runtime:
         else:
             await self._ensure_loaded(ref, resolved)
         self._inflight[ref.key] += 1
-        return Lease(ref, self)
+        return ref
 
     def _release(self, key: str) -> None:
         self._inflight[key] -= 1

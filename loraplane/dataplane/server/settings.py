@@ -54,6 +54,12 @@ class ServerSettings(BaseSettings):
     requests_per_minute: int = Field(default=0, ge=0)  # standalone tenant; 0 = unlimited
     tokens_per_minute: int = Field(default=0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # bounded work: engine requests in flight per replica and per tenant (429 past them),
+    # prompts in one completions request and request body bytes (400 / 413 past them)
+    max_queued_requests: int = Field(default=1024, ge=1)
+    max_queued_requests_per_tenant: int = Field(default=256, ge=1)
+    max_prompts_per_request: int = Field(default=64, ge=1)
+    max_request_bytes: int = Field(default=8 << 20, ge=1024)
     # engine sizing, env only (tests and small machines)
     max_model_len: int | None = Field(default=None, ge=2)
     num_kv_blocks: int | None = Field(default=None, ge=1)
