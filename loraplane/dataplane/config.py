@@ -68,6 +68,8 @@ class EngineConfig:
     # a request deferred by the adapter limit for longer than this many steps stops admission
     # of other adapters until it gets a slot (see scheduler.py)
     max_deferral_steps: int = 32
+    # stored versions (catalog mode) unused this long are forgotten (registered again on use)
+    forget_idle_adapters_s: float = 600.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,6 +111,13 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_lora_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.forget_idle_adapters_s, int | float) or (
+            self.forget_idle_adapters_s <= 0
+        ):
+            raise ValueError(
+                f"forget_idle_adapters_s must be a positive number, got"
+                f" {self.forget_idle_adapters_s!r}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (

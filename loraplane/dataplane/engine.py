@@ -101,6 +101,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent_logprobs: dict[str, int] = {}
         self._step_seconds = 0.0  # moving average of a step's time
+        self._swept = time.monotonic()  # the last sweep of idle stored versions
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ class Engine:
         """Run one forward pass; return an output for every request that got a token (or
         failed: a request whose adapter cannot be loaded ends with `error` set)."""
         failed = self._fail_unloadable()
+        self._forget_idle()
         # the waiting queue is the prefetch list: the next requests' adapters load first,
         # in the background, a bounded number at a time
         waiting = self.scheduler.waiting_loras()
@@ -225,6 +227,16 @@ class Engine:
         """Finish the rows' requests with an error (their blocks freed)."""
         message = f"the step serving this request failed: {type(error).__name__}: {error}"
         return [self._fail(row.seq, message) for row in rows if not row.seq.is_finished]
+
+    def _forget_idle(self) -> None:
+        """Once in a while, forget stored versions nobody has used for a while (catalog mode
+        registers every version it serves; the registry must not grow without end)."""
+        now = time.monotonic()
+        if now - self._swept < min(60.0, self.config.forget_idle_adapters_s):
+            return
+        self._swept = now
+        keep = self.scheduler.running_lora_keys | self.scheduler.waiting_lora_keys
+        self.loras.forget_idle(self.config.forget_idle_adapters_s, keep)
 
     def _wait_for_loads(self) -> None:
         """Wait for adapter loads that would let waiting requests into this step, as long as

@@ -181,3 +181,63 @@ def test_a_prefetch_list_longer_than_the_depth_loads_only_its_head(
     states = [m._entries[r.key].state for r in refs]  # the tier's own state
     assert states[:2] == [State.HOST, State.HOST] and states[2:] == [State.COLD, State.COLD]
     m.close()
+
+
+class CountingDict(dict):  # type: ignore[type-arg]
+    """A dict that counts full scans (values, items, iteration)."""
+
+    scans = 0
+
+    def values(self):  # type: ignore[no-untyped-def, override]
+        CountingDict.scans += 1
+        return super().values()
+
+    def items(self):  # type: ignore[no-untyped-def, override]
+        CountingDict.scans += 1
+        return super().items()
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        CountingDict.scans += 1
+        return super().__iter__()
+
+
+def test_a_step_never_scans_the_registry_however_many_versions_are_registered(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                          num_kv_blocks=256, block_size=4, max_cpu_loras=2)  # fmt: skip
+    engine = Engine(config, disk=DiskTier(store))
+    v = ingest(peft_adapters["r4"], "acme", "r4", spec, AdapterLimits(), store)
+    ref = engine.loras.register_stored(LoRARef("r4", "acme", v.digest), v.path)
+    for i in range(5000):  # a catalog replica that has seen many versions
+        engine.loras.register_stored(LoRARef(f"x{i}", "acme", f"{i:064x}"), v.path)
+    engine.loras._entries = CountingDict(engine.loras._entries)
+    CountingDict.scans = 0
+    (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4), [ref])
+    assert out.error is None and len(out.token_ids) == 4
+    assert CountingDict.scans == 0
+
+
+def test_idle_stored_versions_are_forgotten_and_registered_again_on_use(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    m = manager(tiny_llama_dir, None, disk=DiskTier(store))
+    refs = {}
+    for name in ("r4", "r16", "r8-qv"):
+        v = ingest(peft_adapters[name], "acme", name, spec, AdapterLimits(), store)
+        refs[name] = m.register_stored(LoRARef(name, "acme", v.digest), v.path)
+    static = m.register("static", peft_adapters["r4"], "acme")
+    m.prefetch([refs["r4"]])
+    m.wait_for([refs["r4"]], timeout=5)  # r4 holds a host copy: it stays
+    time.sleep(0.05)
+    forgotten = m.forget_idle(0.01, keep=[refs["r16"].key])  # r16 is wanted by a request
+    assert [r.name for r in forgotten] == ["r8-qv"]
+    assert not m.is_registered(refs["r8-qv"]) and m.lookup("r8-qv", "acme") is None
+    assert all(m.is_registered(r) for r in (refs["r4"], refs["r16"], static))
+    m.register_stored(refs["r8-qv"], "adapters/acme/r8-qv/")  # the next request's resolve
+    assert m.is_registered(refs["r8-qv"])
+    m.close()

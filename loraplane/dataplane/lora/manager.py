@@ -63,6 +63,7 @@ class _Entry:
     error: str | None = None
     failed_at: float = 0.0
     device_bytes: int = 0  # bytes it takes in the device pool (known once in host memory)
+    touched: float = field(default_factory=time.monotonic)  # last registered or used
     future: Future[None] | None = field(default=None, repr=False)
 
 
@@ -112,6 +113,10 @@ class LoRAManager:
         self._queue: list[_Entry] = []  # the latest prefetch list, in load order
         self.host_stats, self.device_stats = TierStats(), TierStats()
         self._entries: dict[str, _Entry] = {}  # ref.key -> entry
+        # per-step work must not grow with what is registered: the host copies and the loads
+        # in flight are kept apart from the registry
+        self._hosted: dict[str, _Entry] = {}  # ref.key -> entry with a host copy
+        self._loading: set[str] = set()  # ref.keys being loaded
         self._names: dict[tuple[str, str], str] = {}  # (tenant, name) -> newest ref.key
         self._slots: dict[int, str] = {}  # slot -> ref.key
         self._lock = threading.RLock()
@@ -147,7 +152,8 @@ class LoRAManager:
         if self.disk is None:
             raise ValueError("no disk tier configured: stored adapters cannot be loaded")
         with self._lock:
-            self._entries.setdefault(ref.key, _Entry(ref, store_path=store_path))
+            entry = self._entries.setdefault(ref.key, _Entry(ref, store_path=store_path))
+            entry.touched = time.monotonic()
             self._names[(ref.tenant, ref.name)] = ref.key
         return ref
 
@@ -169,11 +175,17 @@ class LoRAManager:
             for entry in gone:
                 self._drop_slot(entry)
                 entry.host = None
+                self._hosted.pop(entry.ref.key, None)
                 del self._entries[entry.ref.key]
         return [e.ref for e in gone]
 
     def is_registered(self, ref: LoRARef) -> bool:
-        return ref.key in self._entries
+        """Whether `ref` is known; a hit counts as a use (it is not forgotten as idle now)."""
+        entry = self._entries.get(ref.key)
+        if entry is None:
+            return False
+        entry.touched = time.monotonic()
+        return True
 
     @property
     def registered(self) -> list[LoRARef]:
@@ -261,13 +273,14 @@ class LoRAManager:
 
     def _begin_load(self, entry: _Entry) -> None:
         entry.state = State.LOADING
+        self._loading.add(entry.ref.key)
         self._loads_in_flight += 1
         entry.future = self._pool.submit(self._load, entry)
 
     def pending(self) -> set[str]:
         """Keys of the adapters being loaded now or queued to load (the prefetch list)."""
         with self._lock:
-            keys = {e.ref.key for e in self._entries.values() if e.state is State.LOADING}
+            keys = set(self._loading)
             keys.update(e.ref.key for e in self._queue if e.state is State.COLD)
             return keys
 
@@ -337,6 +350,7 @@ class LoRAManager:
         finally:
             with self._load_ended:
                 self._loads_in_flight -= 1
+                self._loading.discard(entry.ref.key)
                 self._load_ended.notify_all()
                 if self.prefetch_enabled and not self._closed:
                     following = self._next_queued()  # go on down the prefetch list
@@ -392,6 +406,8 @@ class LoRAManager:
     def _to_host(self, entry: _Entry, adapter: LoadedAdapter) -> None:
         entry.host, entry.state, entry.error = adapter, State.HOST, None
         entry.device_bytes = self.pool.bytes_needed(adapter)
+        entry.touched = time.monotonic()
+        self._hosted[entry.ref.key] = entry
         self._clock += 1
         entry.last_used = self._clock
         self.host_stats.loads += 1
@@ -399,17 +415,43 @@ class LoRAManager:
         # `ready` and `make_resident`; the engine thread trims the host tier in make_resident.
 
     def _evict_host(self, in_use: Iterable[str] = ()) -> None:
+        excess = len(self._hosted) - self.max_cpu_loras
+        if excess <= 0:
+            return
         in_use = set(in_use)
-        hosted = [e for e in self._entries.values() if e.host is not None]
-        excess = len(hosted) - self.max_cpu_loras
-        for victim in sorted(hosted, key=lambda e: e.last_used):
+        for victim in sorted(self._hosted.values(), key=lambda e: e.last_used):
             if excess <= 0:
                 break
             if victim.slot is not None or victim.ref.key in in_use:
                 continue
             victim.host, victim.state = None, State.COLD
+            del self._hosted[victim.ref.key]
             self.host_stats.evictions += 1
             excess -= 1
+
+    def forget_idle(self, idle_s: float, keep: Iterable[str] = ()) -> list[LoRARef]:
+        """Forget stored versions (catalog mode) that nothing has used for `idle_s` seconds,
+        that hold no host copy or slot and that no request in `keep` needs: the registry must
+        not grow with every version ever served. The next request registers one again."""
+        keep = set(keep)
+        horizon = time.monotonic() - idle_s
+        with self._lock:
+            idle = [
+                e
+                for e in self._entries.values()
+                if e.store_path is not None
+                and e.host is None
+                and e.slot is None
+                and e.state in (State.COLD, State.FAILED)
+                and e.touched < horizon
+                and e.ref.key not in keep
+            ]
+            for entry in idle:
+                del self._entries[entry.ref.key]
+                name = (entry.ref.tenant, entry.ref.name)
+                if self._names.get(name) == entry.ref.key:
+                    del self._names[name]
+        return [e.ref for e in idle]
 
     # -- device tier --------------------------------------------------------------------------
 
@@ -431,9 +473,10 @@ class LoRAManager:
         wanted = set(wanted)
         with self._lock:
             self._clock += 1
+            now = time.monotonic()
             for key in keys:
                 entry = self._entries[key]
-                entry.last_used = self._clock
+                entry.last_used, entry.touched = self._clock, now
                 if entry.slot is not None:
                     self.device_stats.hits += 1
                     continue
