@@ -9,16 +9,24 @@ the longest chain of registered blocks matching its tokens (hash, salt and token
 compared, so a hash collision cannot hand out wrong K/V), always leaving at least its last token
 to compute so the step that follows has logits to sample from.
 
-Free blocks come in two kinds: never-registered ones (taken first) and registered ones whose last
-user let go. The latter stay findable and are evicted least recently freed first, only when a
-block is needed and no other is free. Hashes are blake2b over bytes, stable across processes
-(Python's `hash()` is salted per process).
+Free blocks come in two kinds: never-registered ones (taken first, lowest id first) and
+registered ones whose last user let go. The latter stay findable and are evicted least recently
+freed first, only when a block is needed and no other is free. Hashes are blake2b over bytes,
+stable across processes (Python's `hash()` is salted per process).
+
+Shared with adapters (`lora/arena.py`): `reserve(n)` takes a run of n consecutive blocks that
+no sequence uses, highest ids first (sequences take the lowest, so the two ends rarely meet),
+for an adapter's weights; `release` gives them back. Reserved blocks are neither free nor used
+by a sequence. When a sequence needs more blocks than are free, `reclaim` (set by the engine)
+is asked to release idle adapters' runs before the scheduler preempts anyone.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +56,48 @@ class Block:
     token_ids: tuple[int, ...] = field(default=())
 
 
+class FreeBlocks:
+    """Unregistered free block ids, lowest first; a given id can be taken out in place."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._heap = list(range(num_blocks))  # may hold ids taken since: skipped when popped
+        self._queued = bytearray(b"\x01" * num_blocks)  # id has an entry in the heap
+        self._free = bytearray(b"\x01" * num_blocks)  # id is free now
+        self._count = num_blocks
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, block_id: object) -> bool:
+        return isinstance(block_id, int) and bool(self._free[block_id])
+
+    def push(self, block_id: int) -> None:
+        if self._free[block_id]:
+            raise RuntimeError(f"block {block_id} is freed twice")
+        self._free[block_id] = 1
+        self._count += 1
+        if not self._queued[block_id]:
+            self._queued[block_id] = 1
+            heapq.heappush(self._heap, block_id)
+
+    def pop(self) -> int:
+        """The lowest free id (IndexError when none)."""
+        while True:
+            block_id = heapq.heappop(self._heap)
+            self._queued[block_id] = 0
+            if self._free[block_id]:
+                self._free[block_id] = 0
+                self._count -= 1
+                return block_id
+
+    def take(self, block_id: int) -> None:
+        """Take a given free id out (its heap entry is skipped later)."""
+        if not self._free[block_id]:
+            raise RuntimeError(f"block {block_id} is not free")
+        self._free[block_id] = 0
+        self._count -= 1
+
+
 class BlockManager:
     """Allocates KV blocks to sequences, shares cached prefix blocks, evicts LRU cached blocks."""
 
@@ -60,7 +110,12 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # unregistered, ref_count 0
+        self._free = FreeBlocks(num_blocks)  # unregistered, ref_count 0, not reserved
+        self._reserved = bytearray(num_blocks)  # 1: part of an adapter's run (lora/arena.py)
+        self._held = bytearray(num_blocks)  # 1: reserved, or used by a sequence (ref_count > 0)
+        self.num_reserved = 0
+        # releases idle adapters' blocks when sequences need more than are free (engine)
+        self.reclaim: Callable[[int], None] | None = None
         self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, ref_count 0; LRU
         self._cached: dict[bytes, int] = {}  # hash -> block id
         self.cache_hit_tokens = 0  # cumulative, for metrics
@@ -74,7 +129,42 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use by some sequence (vllm:kv_cache_usage_perc)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - (self.num_free_blocks + self.num_reserved) / self.num_blocks
+
+    def reserve(self, n: int) -> int | None:
+        """Take a run of `n` consecutive blocks that no sequence uses (free, or cached and
+        evicted for it), the highest such run; return its first id, or None when no run is
+        long enough now."""
+        if n < 1 or n > self.num_blocks:
+            return None
+        first = self._held.rfind(bytes(n))  # the highest run of n blocks nobody holds
+        if first < 0:
+            return None
+        for block_id in range(first, first + n):
+            self._take_for_reserve(block_id)
+        self.num_reserved += n
+        return first
+
+    def _take_for_reserve(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block_id in self._evictable:  # a cached prefix block nobody uses: forget it
+            del self._evictable[block_id]
+            if block.hash is not None and self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash, block.parent, block.salt, block.token_ids = None, None, b"", ()
+            self.evictions += 1
+        else:
+            self._free.take(block_id)
+        self._reserved[block_id] = self._held[block_id] = 1
+
+    def release(self, first: int, n: int) -> None:
+        """Give back a run taken by `reserve`."""
+        for block_id in range(first, first + n):
+            if not self._reserved[block_id]:
+                raise RuntimeError(f"block {block_id} is not reserved")
+            self._reserved[block_id] = self._held[block_id] = 0
+            self._free.push(block_id)
+        self.num_reserved -= n
 
     @property
     def capacity_tokens(self) -> int:
@@ -127,7 +217,11 @@ class BlockManager:
         need = blocks_for(computed + num_new_tokens, self.block_size) - have
         # cached blocks that nobody uses count as free now, but stop being free once shared
         revived = sum(1 for b in hit if self.blocks[b].ref_count == 0)
-        return need + revived <= self.num_free_blocks
+        short = need + revived - self.num_free_blocks
+        if short > 0 and self.reclaim is not None and self.num_reserved:
+            self.reclaim(short)  # idle adapters give their blocks back before anyone waits
+            short = need + revived - self.num_free_blocks
+        return short <= 0
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq.block_table to hold its computed tokens plus `num_new_tokens`.
@@ -148,6 +242,7 @@ class BlockManager:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     del self._evictable[block_id]
+                    self._held[block_id] = 1
                 block.ref_count += 1
             seq.block_table = list(hit)
             seq.num_cached_tokens = seq.num_computed_tokens = len(hit) * self.block_size
@@ -159,7 +254,7 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         if self._free:
-            block_id = self._free.popleft()
+            block_id = self._free.pop()
         else:
             block_id, _ = self._evictable.popitem(last=False)
             block = self.blocks[block_id]
@@ -167,6 +262,7 @@ class BlockManager:
                 del self._cached[block.hash]
             self.evictions += 1
         block = self.blocks[block_id]
+        self._held[block_id] = 1
         block.ref_count, block.hash, block.parent, block.salt, block.token_ids = (
             1,
             None,
@@ -207,10 +303,11 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                self._held[block_id] = 0
                 if block.hash is not None:
                     self._evictable[block_id] = None
                 else:
-                    self._free.append(block_id)
+                    self._free.push(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

@@ -61,6 +61,11 @@ class EngineConfig:
     # device memory for adapter slots: bytes (int) or a fraction in (0, 1] (float) of the
     # device memory the weights leave free; the scheduler admits adapters within it
     lora_memory: int | float = DEFAULT_LORA_MEMORY
+    # adapters live in KV cache blocks: one device pool for both (num_kv_blocks plus the
+    # lora_memory in blocks), idle adapters give memory back to sequences and the other way
+    # round. None: on for CUDA (preallocated device memory), off for CPU (host memory is
+    # allocated as adapters load, and a CPU slot reads the host copy in place)
+    kv_lora_shared: bool | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # load waiting requests' adapters in the background (off: load when admitted, stalling)
@@ -108,7 +113,14 @@ class EngineConfig:
                 " every adapter in the GPU pool is also held in the CPU cache"
             )
         self.lora_memory = parse_memory(self.lora_memory)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_lora_prefetch"):
+        if self.kv_lora_shared is None:
+            self.kv_lora_shared = self.device == "cuda"
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "enable_lora_prefetch",
+            "kv_lora_shared",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.forget_idle_adapters_s, int | float) or (

@@ -23,6 +23,7 @@ from pathlib import Path
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.detokenizer import IncrementalDetokenizer
+from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
 from loraplane.dataplane.sampler import Sampler, make_generator
 from loraplane.dataplane.sampling import SamplingParams
@@ -90,8 +91,12 @@ class Engine:
         self.config = config = self.runner.config  # max_model_len, num_kv_blocks filled in
         assert config.num_kv_blocks is not None
         self.block_manager = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        if config.kv_lora_shared:  # adapters in KV blocks: idle ones make room for sequences
+            arena = KVArena(self.runner.kv_cache, self.block_manager)
+            self.runner.pool.attach_arena(arena)
+            self.block_manager.reclaim = self._reclaim
         self.scheduler = Scheduler(
             config.scheduler_config(), self.block_manager, self.tokenizer.eos_token_id
         )
@@ -227,6 +232,11 @@ class Engine:
         """Finish the rows' requests with an error (their blocks freed)."""
         message = f"the step serving this request failed: {type(error).__name__}: {error}"
         return [self._fail(row.seq, message) for row in rows if not row.seq.is_finished]
+
+    def _reclaim(self, short: int) -> None:
+        """Sequences need `short` more KV blocks: idle adapters give theirs back."""
+        s = self.scheduler
+        self.loras.reclaim_blocks(short, s.running_lora_keys, s.waiting_lora_keys)
 
     def _forget_idle(self) -> None:
         """Once in a while, forget stored versions nobody has used for a while (catalog mode

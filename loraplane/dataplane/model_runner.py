@@ -77,7 +77,15 @@ class ModelRunner:
         if config.num_kv_blocks is None:
             config = dataclasses.replace(config, num_kv_blocks=self._auto_blocks(config))
         assert config.num_kv_blocks is not None
-        self.model.allocate_kv_cache(config.num_kv_blocks, config.block_size)
+        # shared: the adapter memory is KV blocks too (lora/arena.py), on top of the KV share
+        self.num_blocks = config.num_kv_blocks
+        if config.kv_lora_shared:
+            block_bytes = self.model.kv_cache_block_bytes(config.block_size)
+            self.num_blocks += -(-self.lora_budget_bytes // block_bytes)
+        self.model.allocate_kv_cache(self.num_blocks, config.block_size)
+        if self.model.kv_cache is None:  # pragma: no cover - allocate_kv_cache sets it
+            raise RuntimeError("the KV cache was not allocated")
+        self.kv_cache: torch.Tensor = self.model.kv_cache  # [2, layers, blocks, bs, kv, dim]
         self.config = config
 
     def _auto_blocks(self, config: EngineConfig) -> int:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,6 +69,11 @@ class Adapters(Protocol):
         """Device bytes all running adapters together may take (None: no limit)."""
         ...
 
+    def place(self, ref: LoRARef, in_use: Iterable[str]) -> bool:
+        """Make `ref` resident now (evicting idle adapters, never those in `in_use`); False
+        when it cannot be placed yet (its memory is held by sequences' KV blocks)."""
+        ...
+
 
 class _AllReady:
     """No adapter tiers (tests of the scheduler alone): every adapter is ready and free."""
@@ -80,6 +86,9 @@ class _AllReady:
     def device_bytes(self, ref: LoRARef) -> int:
         return 0
 
+    def place(self, ref: LoRARef, in_use: Iterable[str]) -> bool:
+        return True
+
 
 _ALL_READY = _AllReady()
 
@@ -91,6 +100,7 @@ class _Room:
         self.adapters, self.max_loras = adapters, max_loras
         self.keys: set[str] = set()
         self.used = 0
+        self.unplaced: set[str] = set()  # fit the budget, but no memory could be freed yet
         for seq in running:
             if seq.lora is not None and seq.lora.key not in self.keys:
                 self.add(seq.lora)
@@ -286,6 +296,9 @@ class Scheduler:
                     continue  # still loading
                 if not room.fits(lora):
                     continue  # deferred
+                if lora.key in room.unplaced or not room.adapters.place(lora, room.keys):
+                    room.unplaced.add(lora.key)
+                    continue  # deferred: its memory is still KV cache in use
             n = self._chunk(
                 seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq), budget
             )
@@ -314,7 +327,9 @@ class Scheduler:
             key = lora.key
             if key not in held:
                 held[key] = (barrier is not None and key != barrier) or (
-                    key not in room.keys and room.adapters.ready(lora) and not room.fits(lora)
+                    key not in room.keys
+                    and room.adapters.ready(lora)
+                    and (not room.fits(lora) or key in room.unplaced)
                 )
             seq.deferred = held[key]
             if seq.deferred:

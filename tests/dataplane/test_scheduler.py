@@ -76,6 +76,9 @@ class Tiers:
     def device_bytes(self, ref: LoRARef) -> int:
         return self.sizes.get(ref.name, 1)
 
+    def place(self, ref: LoRARef, in_use: object) -> bool:
+        return True
+
 
 def step(
     sched: Scheduler, token: int = TOKEN, tiers: Tiers | None = None

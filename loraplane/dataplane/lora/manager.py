@@ -28,7 +28,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +75,7 @@ class TierStats:
     failures: int = 0
     hits: int = 0
     evictions: int = 0
-    load_seconds: list[float] = field(default_factory=list)
+    load_seconds: Callable[[float], None] | None = None  # told each load's time (metrics)
 
 
 class LoRAManager:
@@ -375,7 +375,8 @@ class LoRAManager:
         with self._lock:
             if entry.ref.key in self._entries:  # not unregistered meanwhile
                 self._to_host(entry, adapter)
-                self.host_stats.load_seconds.append(time.perf_counter() - start)
+                if self.host_stats.load_seconds is not None:
+                    self.host_stats.load_seconds(time.perf_counter() - start)
 
     def wait_for_load(self, timeout: float) -> bool:
         """Block until a background load ends, for at most `timeout` seconds; False at once
@@ -482,32 +483,77 @@ class LoRAManager:
                     continue
                 if entry.host is None:
                     raise RuntimeError(f"adapter {key} is not in host memory")
-                start = time.perf_counter()
-                slot = self._free_slot(keep, wanted, entry.device_bytes)
-                self.pool.load(slot, entry.host)
-                entry.slot = slot
-                self._slots[slot] = key
-                self.device_stats.loads += 1
-                self.device_stats.load_seconds.append(time.perf_counter() - start)
+                if not self._place(entry, keep, wanted):
+                    raise RuntimeError(
+                        "the adapters of running requests fill the adapter memory: the"
+                        " scheduler admitted more than fits"
+                    )
             self._evict_host(keep | wanted)
 
-    def _free_slot(self, keep: set[str], wanted: set[str], needed: int) -> int:
-        budget = self.device_budget_bytes
+    def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str] = ()) -> bool:
+        """Make `ref` (in host memory) resident now if it can be, evicting idle adapters as
+        `make_resident` does; False when it cannot (with adapters in KV blocks: no run of
+        blocks can be freed while sequences hold them). The scheduler places a request's
+        adapter when it admits it, before the step's sequences take their blocks."""
+        with self._lock:
+            entry = self._entries.get(ref.key)
+            if entry is None or entry.host is None:
+                return False
+            if entry.slot is not None:
+                return True
+            return self._place(entry, set(in_use) | {ref.key}, set(wanted))
+
+    def _place(self, entry: _Entry, keep: set[str], wanted: set[str]) -> bool:
+        """Load `entry` into a slot, evicting idle residents (not in `keep`; those in `wanted`
+        last) until it fits: within the budget, and with an arena, into a free run of blocks
+        (the running adapters' share of the budget is the scheduler's to keep)."""
+        host = entry.host
+        if host is None:
+            raise RuntimeError(f"adapter {entry.ref.key} is not in host memory")
+        budget = None if self.pool.arena is not None else self.device_budget_bytes
+        start = time.perf_counter()
         victims: list[_Entry] | None = None
         while True:
             slot = self.pool.free_slot()
-            if slot is not None and (budget is None or self.pool.bytes_used + needed <= budget):
-                return slot
-            if victims is None:  # idle residents; the first to evict (unwanted, oldest) last
-                idle = [self._entries[k] for k in self._slots.values() if k not in keep]
-                victims = sorted(idle, key=lambda e: (e.ref.key not in wanted, -e.last_used))
+            fits = budget is None or self.pool.bytes_used + entry.device_bytes <= budget
+            if slot is not None and fits and self._load_slot(slot, host):
+                entry.slot = slot
+                self._slots[slot] = entry.ref.key
+                self.device_stats.loads += 1
+                if self.device_stats.load_seconds is not None:
+                    self.device_stats.load_seconds(time.perf_counter() - start)
+                return True
+            if victims is None:
+                victims = self._victims(keep, wanted)
             if not victims:
-                raise RuntimeError(
-                    "the adapters of running requests fill the adapter memory: the scheduler"
-                    " admitted more than fits"
-                )
+                return False
             self._drop_slot(victims.pop())
             self.device_stats.evictions += 1
+
+    def _load_slot(self, slot: int, adapter: LoadedAdapter) -> bool:
+        try:
+            return self.pool.load(slot, adapter)
+        except Exception:
+            self.device_stats.failures += 1
+            raise
+
+    def _victims(self, keep: set[str], wanted: set[str]) -> list[_Entry]:
+        """Idle residents, the first to evict (none waits for it, least recently used) last."""
+        idle = [self._entries[k] for k in self._slots.values() if k not in keep]
+        return sorted(idle, key=lambda e: (e.ref.key not in wanted, -e.last_used))
+
+    def reclaim_blocks(self, short: int, in_use: Iterable[str], wanted: Iterable[str]) -> None:
+        """Sequences need `short` more KV blocks than are free: evict idle adapters from the
+        arena (those no waiting request needs, least recently used, first) until enough are."""
+        arena = self.pool.arena
+        if arena is None:
+            return
+        with self._lock:
+            target = arena.blocks.num_free_blocks + short
+            victims = self._victims(set(in_use), set(wanted))
+            while victims and arena.blocks.num_free_blocks < target:
+                self._drop_slot(victims.pop())
+                self.device_stats.evictions += 1
 
     def drop_slot(self, key: str) -> None:
         """Free `key`'s device slot (its next use loads it again from the host copy): after a

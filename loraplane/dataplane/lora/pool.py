@@ -2,7 +2,9 @@
 
 A slot is only a row in per-(layer, module) tables, so slots are cheap: the pool has as many
 as one step can use (`EngineConfig.lora_slots`), and device memory, not a count, limits what
-it holds (the manager keeps `bytes_used` within the adapter memory budget).
+it holds (the manager keeps `bytes_used` within the adapter memory budget). With an arena
+(`lora/arena.py`, `attach_arena`) a slot's weights live in KV cache blocks instead of buffers
+of their own, and `load` answers False when no run of blocks is free.
 
 Rank-exact: a slot's memory is one buffer sized to its adapter's own A and B tensors (vLLM
 pads every slot to max_lora_rank instead), so a rank-8 adapter costs an eighth of a rank-64
@@ -14,10 +16,15 @@ slot id.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.lora.arena import KVArena, Placement
 
 
 class ModuleSlots:
@@ -61,6 +68,14 @@ class LoRAPool:
         self._bytes = [0] * max_loras  # slot -> device bytes of its adapter
         self._free = set(range(max_loras))
         self.bytes_used = 0  # device bytes of all loaded adapters
+        self.arena: KVArena | None = None
+        self._placements: list[Placement | None] = [None] * max_loras
+
+    def attach_arena(self, arena: KVArena) -> None:
+        """Keep adapters in KV cache blocks from now on (before any adapter is loaded)."""
+        if self.bytes_used or len(self._free) != self.max_loras:
+            raise RuntimeError("attach the arena before loading adapters")
+        self.arena = arena
 
     def module_slots(self, layer: int, module: str) -> ModuleSlots:
         """The slot table the LoRA layer at (layer, module) reads."""
@@ -75,6 +90,8 @@ class LoRAPool:
 
     def bytes_needed(self, adapter: LoadedAdapter) -> int:
         """Device bytes `adapter` will take in this pool's dtype (for byte budgets)."""
+        if self.arena is not None:
+            return self.arena.blocks_for(adapter) * self.arena.block_bytes
         elements = sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
         return elements * torch.empty(0, dtype=self.dtype).element_size()
 
@@ -102,9 +119,10 @@ class LoRAPool:
             modules[key] = LoRAWeights(a=views[0], b=views[1], scale=w.scale)
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
-    def load(self, slot: int, adapter: LoadedAdapter) -> None:
+    def load(self, slot: int, adapter: LoadedAdapter) -> bool:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a
-        copy, unless the host copy already is that: then it is read in place)."""
+        copy, unless the host copy already is that: then it is read in place). With an arena,
+        a copy into KV blocks; False when no run of blocks is free now."""
         self._check_slot(slot)
         if self._buffers[slot] is not None:
             raise ValueError(f"slot {slot} already holds an adapter; free it first")
@@ -117,6 +135,17 @@ class LoRAPool:
                     f"layer {layer} {module}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not "
                     f"fit in_features {fan_in}, out_features {fan_out}"
                 )
+        if self.arena is not None:
+            placement = self.arena.place(adapter)
+            if placement is None:
+                return False
+            for (layer, module), w in adapter.modules.items():
+                table = self._modules[(layer, module)]
+                table.lora_a[slot], table.lora_b[slot] = placement.views[(layer, module)]
+                table.scales[slot] = w.scale
+            self._placements[slot] = placement
+            self._take(slot, [], placement.num_blocks * self.arena.block_bytes)
+            return True
         tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
         if all(self._can_share(t) for t in tensors):
             # The host copy already is what a slot would hold (same device and dtype): the
@@ -127,7 +156,7 @@ class LoRAPool:
                 table.lora_a[slot], table.lora_b[slot] = w.a, w.b
                 table.scales[slot] = w.scale
             self._take(slot, tensors)
-            return
+            return True
         elements = sum(t.numel() for t in tensors)
         buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
         offset = 0
@@ -142,10 +171,13 @@ class LoRAPool:
             table.lora_a[slot], table.lora_b[slot] = views
             table.scales[slot] = w.scale
         self._take(slot, [buffer])
+        return True
 
-    def _take(self, slot: int, storage: list[torch.Tensor]) -> None:
+    def _take(self, slot: int, storage: list[torch.Tensor], nbytes: int | None = None) -> None:
         self._buffers[slot] = storage
-        self._bytes[slot] = sum(t.numel() * t.element_size() for t in storage)
+        self._bytes[slot] = (
+            nbytes if nbytes is not None else sum(t.numel() * t.element_size() for t in storage)
+        )
         self.bytes_used += self._bytes[slot]
         self._free.discard(slot)
 
@@ -159,6 +191,9 @@ class LoRAPool:
             return
         for table in self._modules.values():
             table.clear(slot)
+        placement, self._placements[slot] = self._placements[slot], None
+        if placement is not None and self.arena is not None:
+            self.arena.free(placement)
         self._buffers[slot] = None
         self.bytes_used -= self._bytes[slot]
         self._bytes[slot] = 0

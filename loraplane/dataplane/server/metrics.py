@@ -45,6 +45,7 @@ class EngineSnapshot:
     waiting_per_adapter: Counter[tuple[str, str]] = field(default_factory=Counter)
     in_host: Counter[tuple[str, str]] = field(default_factory=Counter)  # host-memory tier
     gpu_loads: int = 0
+    gpu_load_errors: int = 0
     gpu_hits: int = 0
     gpu_evictions: int = 0
     host_loads: int = 0
@@ -56,6 +57,9 @@ class EngineSnapshot:
     disk_evictions: int = 0
     gpu_bytes_used: int = 0
     gpu_bytes_capacity: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0  # free or cached prefix blocks nobody uses
+    kv_blocks_adapters: int = 0  # lent to adapters (kv_lora_shared)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineSnapshot:
@@ -78,6 +82,7 @@ class EngineSnapshot:
             ),
             in_host=Counter((r.tenant, r.name) for r in loras.in_host),
             gpu_loads=loras.loads_total,
+            gpu_load_errors=loras.device_stats.failures,
             gpu_hits=loras.hits_total,
             gpu_evictions=loras.evictions_total,
             host_loads=loras.host_stats.loads,
@@ -89,6 +94,9 @@ class EngineSnapshot:
             disk_evictions=loras.disk.evictions_total if loras.disk else 0,
             gpu_bytes_used=engine.runner.pool.bytes_used,
             gpu_bytes_capacity=engine.runner.lora_budget_bytes,
+            kv_blocks_total=engine.block_manager.num_blocks,
+            kv_blocks_free=engine.block_manager.num_free_blocks,
+            kv_blocks_adapters=engine.block_manager.num_reserved,
         )
 
 
@@ -140,7 +148,7 @@ class _EngineCollector(Collector):
             "loraplane_adapter_loads", "Adapter loads per tier", labels=["tier", "result"]
         )
         loads.add_metric(["gpu", "ok"], s.gpu_loads)
-        loads.add_metric(["gpu", "error"], m.gpu_load_errors)
+        loads.add_metric(["gpu", "error"], s.gpu_load_errors)
         # host tier: background loads from disk (and static registrations, which the server
         # counts itself); disk tier: downloads from the object store
         loads.add_metric(["cpu", "ok"], s.host_loads)
@@ -169,6 +177,16 @@ class _EngineCollector(Collector):
             "Device bytes the adapter pool can hold",
             s.gpu_bytes_capacity,
         )
+        blocks = GaugeMetricFamily(
+            "loraplane_kv_blocks",
+            "KV cache blocks by holder: sequences, adapters (when they share the pool), free",
+            labels=["holder"],
+        )
+        held = s.kv_blocks_total - s.kv_blocks_free - s.kv_blocks_adapters
+        for holder, value in (("sequences", held), ("adapters", s.kv_blocks_adapters),
+                              ("free", s.kv_blocks_free)):  # fmt: skip
+            blocks.add_metric([holder], value)
+        yield blocks
         deferred = CounterMetricFamily(
             "loraplane_requests_deferred", "Requests deferred by the adapter limit"
         )
@@ -189,7 +207,6 @@ class ServerMetrics:
         self.cpu_loads: Counter[str] = Counter()  # result -> host-tier loads (registrations)
         self.cpu_hits = 0  # catalog-mode resolutions found already registered
         self.cpu_evictions = 0  # adapters unregistered (unload)
-        self.gpu_load_errors = 0
         self.requests = PromCounter(
             "loraplane_requests",
             "Generation requests per tenant and HTTP status code",

@@ -153,23 +153,11 @@ class Runtime:
         return engine
 
     def _time_device_loads(self, engine: Engine) -> None:
-        """Wrap make_resident to time device-pool loads (the engine has no load hook)."""
-        loras, inner, metrics = engine.loras, engine.loras.make_resident, self.metrics
-
-        def timed(keys: object, in_use: object, wanted: object = ()) -> None:
-            before, start = loras.loads_total, time.perf_counter()
-            try:
-                inner(keys, in_use, wanted)  # type: ignore[arg-type]
-            except Exception:
-                metrics.gpu_load_errors += 1
-                raise
-            loaded = loras.loads_total - before
-            for _ in range(loaded):
-                metrics.load_seconds.labels(tier="gpu").observe(
-                    (time.perf_counter() - start) / loaded
-                )
-
-        loras.make_resident = timed  # type: ignore[method-assign]
+        """Feed each adapter load's time (host tier: from disk; gpu: into a device slot) to
+        loraplane_adapter_load_seconds."""
+        histogram = self.metrics.load_seconds
+        engine.loras.device_stats.load_seconds = histogram.labels(tier="gpu").observe
+        engine.loras.host_stats.load_seconds = histogram.labels(tier="cpu").observe
 
     async def stop(self) -> None:
         """Stop reporting and stop the engine thread."""

@@ -35,6 +35,8 @@ class ServerSettings(BaseSettings):
     max_loras: int | None = Field(default=None, ge=1)
     # device memory for adapters: a size (2GiB) or a fraction (0.1) of what the weights leave
     lora_memory: str = str(DEFAULT_LORA_MEMORY)
+    # adapters inside the KV cache (one device pool); None: on for cuda, off for cpu
+    kv_lora_shared: bool | None = None
     max_lora_rank: int = Field(default=64, ge=1)
     max_cpu_loras: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
@@ -133,6 +135,7 @@ class ServerSettings(BaseSettings):
             num_kv_blocks=self.num_kv_blocks,
             max_loras=self.max_loras,
             lora_memory=parse_memory(self.lora_memory),
+            kv_lora_shared=self.kv_lora_shared,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
         )

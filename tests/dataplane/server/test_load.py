@@ -34,6 +34,8 @@ REQUIRED: dict[str, set[str]] = {
     "loraplane_adapter_evictions_total": {"tier"},
     "loraplane_gpu_adapter_bytes_used": set(),
     "loraplane_gpu_adapter_bytes_capacity": set(),
+    "loraplane_kv_blocks": {"holder"},
+    "loraplane_requests_refused_total": {"reason"},
     "loraplane_requests_deferred_total": set(),
     "loraplane_tokens_total": {"tenant", "kind"},
     "loraplane_time_to_first_token_seconds_count": set(),
@@ -139,5 +141,8 @@ def test_200_concurrent_streams_over_20_adapters_match_requests_run_alone(server
     assert total(after, "loraplane_gpu_adapter_bytes_used") > 0
     capacity = total(after, "loraplane_gpu_adapter_bytes_capacity")
     assert capacity >= total(after, "loraplane_gpu_adapter_bytes_used")
+    blocks = {lab["holder"]: v for lab, v in after["loraplane_kv_blocks"]}
+    assert blocks["adapters"] == 0  # CPU: adapters in buffers of their own (kv_lora_shared off)
+    assert blocks["sequences"] + blocks["free"] == 512  # the server's LORAPLANE_NUM_KV_BLOCKS
     (info,) = after["vllm:lora_requests_info"]
     assert info[0]["max_lora"] == "8"

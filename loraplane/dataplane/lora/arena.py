@@ -1,0 +1,127 @@
+"""Adapter weights inside the KV cache: one device budget for KV blocks and adapter slots.
+
+The KV cache is one tensor [2, layers, blocks, block_size, kv_heads, head_dim]. For a run of n
+consecutive blocks, layer l owns two contiguous regions of n * block_size * kv_heads * head_dim
+elements: its K part `cache[0, l, b:b+n]` and its V part `cache[1, l, b:b+n]`. An adapter placed
+in the arena takes such a run (`BlockManager.reserve`) and its layer-l A and B tensors become
+views of layer l's two regions (packed first-fit, largest first), filled by a copy. Nothing
+else changes: the LoRA layers read the same per-slot tensors, the kernels the same pointers.
+
+So memory is shared both ways: blocks no adapter holds are KV cache, and idle resident adapters
+are a cache that sequences take back (`LoRAManager.reclaim_blocks`) before anyone is
+preempted, while the adapters of running requests are held within `--lora-memory`. An adapter
+takes whole blocks, in every layer: the rounding is what it costs (`blocks_for`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplane.dataplane.block_manager import BlockManager
+from loraplane.dataplane.lora.loader import LoadedAdapter
+
+Key = tuple[int, str]  # (layer, module)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one adapter lives: blocks [first, first + num_blocks) and its tensor views."""
+
+    first: int
+    num_blocks: int
+    views: dict[Key, tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B)
+
+
+class KVArena:
+    """Runs of KV blocks lent to adapters."""
+
+    def __init__(self, kv_cache: torch.Tensor, blocks: BlockManager) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[0] != 2:
+            raise ValueError(f"expected a [2, L, N, bs, kv, d] cache, got {tuple(kv_cache.shape)}")
+        if kv_cache.shape[2] != blocks.num_blocks:
+            raise ValueError(
+                f"the cache has {kv_cache.shape[2]} blocks, the block manager {blocks.num_blocks}"
+            )
+        self.cache = kv_cache
+        self.blocks = blocks
+        self.num_layers = kv_cache.shape[1]
+        self.chunk = int(kv_cache[0, 0, 0].numel())  # elements of one block in one region
+        self.block_bytes = 2 * self.num_layers * self.chunk * kv_cache.element_size()
+
+    def blocks_for(self, adapter: LoadedAdapter) -> int:
+        """Blocks the adapter takes: the fewest n that pack every layer's tensors into its two
+        regions of n blocks each."""
+        by_layer = self._by_layer(adapter)
+        largest = max((max(sizes) for sizes in by_layer.values()), default=0)
+        heaviest = max((sum(sizes) for sizes in by_layer.values()), default=0)
+        n = max(1, -(-largest // self.chunk), -(-heaviest // (2 * self.chunk)))
+        while not all(self._pack(sizes, n) is not None for sizes in by_layer.values()):
+            n += 1
+        return n
+
+    def place(self, adapter: LoadedAdapter) -> Placement | None:
+        """Reserve a run and copy the adapter into it; None when no run is free now."""
+        n = self.blocks_for(adapter)
+        first = self.blocks.reserve(n)
+        if first is None:
+            return None
+        views: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
+        regions = {
+            layer: (
+                self.cache[0, layer, first : first + n].view(-1),
+                self.cache[1, layer, first : first + n].view(-1),
+            )
+            for layer in range(self.num_layers)
+        }
+        for layer, items in self._items_by_layer(adapter).items():
+            offsets = self._pack([t.numel() for _, _, t in items], n)
+            if offsets is None:  # pragma: no cover - blocks_for guarantees a packing
+                self.blocks.release(first, n)
+                raise RuntimeError(f"layer {layer} does not pack into {n} blocks")
+            placed: dict[Key, dict[str, torch.Tensor]] = {}
+            for (key, role, tensor), (region, offset) in zip(items, offsets, strict=True):
+                view = regions[layer][region][offset : offset + tensor.numel()].view(tensor.shape)
+                view.copy_(tensor)
+                placed.setdefault(key, {})[role] = view
+            for key, pair in placed.items():
+                views[key] = (pair["a"], pair["b"])
+        return Placement(first, n, views)
+
+    def free(self, placement: Placement) -> None:
+        """Give the run back to the KV cache."""
+        self.blocks.release(placement.first, placement.num_blocks)
+
+    @staticmethod
+    def _items_by_layer(adapter: LoadedAdapter) -> dict[int, list[tuple[Key, str, torch.Tensor]]]:
+        """Per layer, every tensor with its module and role ("a" or "b"), largest first."""
+        out: dict[int, list[tuple[Key, str, torch.Tensor]]] = {}
+        for (layer, module), w in adapter.modules.items():
+            key = (layer, module)
+            out.setdefault(layer, []).extend([(key, "a", w.a), (key, "b", w.b)])
+        for items in out.values():
+            items.sort(key=lambda item: -item[2].numel())
+        return out
+
+    def _by_layer(self, adapter: LoadedAdapter) -> dict[int, list[int]]:
+        return {
+            layer: [t.numel() for _, _, t in items]
+            for layer, items in self._items_by_layer(adapter).items()
+        }
+
+    def _pack(self, sizes: list[int], n: int) -> list[tuple[int, int]] | None:
+        """First-fit of `sizes` (largest first) into two regions of n blocks: (region, offset)
+        per size, or None."""
+        room = n * self.chunk
+        used = [0, 0]
+        out = []
+        for size in sizes:
+            for region in (0, 1):
+                if used[region] + size <= room:
+                    out.append((region, used[region]))
+                    used[region] += size
+                    break
+            else:
+                return None
+        return out

@@ -1,0 +1,179 @@
+"""One device pool for KV blocks and adapters (lora/arena.py), run on CPU.
+
+The oracle is HF + PEFT: with adapters living inside the KV cache, every token equals PEFT's
+while the scheduler churns adapters through a budget smaller than the set. Then the sharing
+itself: idle adapters give their blocks back to sequences before anyone is preempted, adapters
+use blocks that sequences do not, and a reserved block never reaches a sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loraplane.dataplane.block_manager import BlockManager
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.lora.arena import KVArena
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sequence import LoRARef, Sequence
+from tests.dataplane.conftest import Family
+from tests.dataplane.test_engine import hf_greedy, prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def shared_engine(
+    family: Family, adapters: int, **overrides: Any
+) -> tuple[Engine, dict[str, LoRARef]]:
+    """An engine whose adapter memory holds about `adapters` of the family's largest ones."""
+    probe = Engine(EngineConfig(model=str(family.model_dir), device="cpu", dtype="float32",
+                                block_size=4, num_kv_blocks=64, kv_lora_shared=True))  # fmt: skip
+    refs = {n: probe.register_lora(n, p, "t") for n, p in family.adapters.items()}
+    largest = max(probe.loras.device_bytes(r) for r in refs.values())
+    settings: dict[str, Any] = {"device": "cpu", "dtype": "float32", "block_size": 4,
+                                "num_kv_blocks": 256, "kv_lora_shared": True,
+                                "lora_memory": adapters * largest}  # fmt: skip
+    settings.update(overrides)
+    engine = Engine(EngineConfig(model=str(family.model_dir), **settings))
+    return engine, {n: engine.register_lora(n, p, "t") for n, p in family.adapters.items()}
+
+
+def test_adapters_in_kv_blocks_give_peft_tokens_while_churning_through_a_small_budget(
+    families: dict[str, Family], hf_reference: Callable[[str], torch.nn.Module]
+) -> None:
+    family = families["llama"]
+    engine, refs = shared_engine(family, adapters=2, max_num_batched_tokens=48, num_kv_blocks=64)
+    assert engine.runner.pool.arena is not None
+    names: list[str | None] = [*family.adapters, None, "r64", None, "r4"]
+    batch = prompts(len(names), seed=31)
+    outs = engine.generate(batch, GREEDY, [refs[n] if n else None for n in names])
+    reference = hf_reference("llama")
+    for prompt, name, out in zip(batch, names, outs, strict=True):
+        assert out.error is None, out.error
+        assert out.token_ids == hf_greedy(reference, prompt, name, 16), name
+    assert engine.loras.device_stats.evictions > 0  # the budget forced adapters out and back
+    assert engine.scheduler.deferred_total > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks + bm.num_reserved == bm.num_blocks  # no sequence holds a block
+
+
+def test_idle_adapters_give_their_blocks_to_sequences_before_anyone_is_preempted(
+    families: dict[str, Family],
+) -> None:
+    family = families["llama"]
+    engine, refs = shared_engine(family, adapters=8, num_kv_blocks=16)
+    for name in family.adapters:  # every adapter runs once, then sits idle in the arena
+        (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2), [refs[name]])
+        assert out.error is None
+    bm = engine.block_manager
+    held = bm.num_reserved
+    assert held > 16  # adapters use far more blocks than the KV share: memory KV did not use
+    # base-model prompts that need more blocks than are free: the idle adapters make room
+    need = bm.num_free_blocks + 8
+    per = 10  # blocks per request: 36 prompt tokens and 4 generated, block size 4
+    count = -(-need // per)
+    assert count * per < bm.num_free_blocks + held  # it all fits once adapters step aside
+    batch = [[3 + (i * 7 + j) % 300 for j in range(36)] for i in range(count)]
+    outs = engine.generate(batch, SamplingParams(max_tokens=4, ignore_eos=True), [None] * count)
+    assert all(o.error is None and len(o.token_ids) == 4 for o in outs)
+    assert engine.scheduler.preemptions_total == 0
+    assert bm.num_reserved < held  # some adapters were evicted from the arena for it
+    again = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2), [refs["r64"]])
+    assert again[0].error is None  # and come back when needed
+
+
+def test_a_sequence_never_gets_a_block_an_adapter_holds(families: dict[str, Family]) -> None:
+    family = families["llama"]
+    engine, refs = shared_engine(family, adapters=3, num_kv_blocks=48)
+    rng = random.Random(7)
+    names = list(family.adapters)
+    seen_overlap = []
+
+    original = engine.runner.execute
+
+    def checked(out: Any, in_use: Any, wanted: Any = None) -> torch.Tensor:
+        reserved = {
+            b for p in engine.runner.pool._placements if p is not None
+            for b in range(p.first, p.first + p.num_blocks)
+        }  # fmt: skip
+        for row in out.scheduled:
+            seen_overlap.extend(set(row.seq.block_table) & reserved)
+        return original(out, in_use, wanted)
+
+    engine.runner.execute = checked  # type: ignore[method-assign]
+    batch = prompts(24, seed=9, low=8, high=40)
+    loras = [refs[rng.choice(names)] if rng.random() < 0.8 else None for _ in batch]
+    outs = engine.generate(batch, SamplingParams(max_tokens=10, ignore_eos=True), loras)
+    assert all(o.error is None for o in outs)
+    assert not seen_overlap
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "reserve", "release"]),
+                          st.integers(1, 9)), max_size=60))  # fmt: skip
+def test_block_manager_keeps_reserved_runs_and_sequences_apart(ops: list[tuple[str, int]]) -> None:
+    bm = BlockManager(32, 4, enable_prefix_caching=True)
+    seqs: list[Sequence] = []
+    runs: list[tuple[int, int]] = []
+    for i, (op, n) in enumerate(ops):
+        if op == "alloc":
+            seq = Sequence(f"s{i}", [1 + (i % 3)] * (4 * n), SamplingParams(max_tokens=1))
+            if bm.can_allocate(seq, len(seq.token_ids)):
+                bm.allocate(seq, len(seq.token_ids))
+                seq.num_computed_tokens = len(seq.token_ids)
+                bm.register_full_blocks(seq)
+                seqs.append(seq)
+        elif op == "free" and seqs:
+            bm.free(seqs.pop(n % len(seqs)))
+        elif op == "reserve":
+            first = bm.reserve(n)
+            if first is not None:
+                runs.append((first, n))
+        elif op == "release" and runs:
+            bm.release(*runs.pop(n % len(runs)))
+        reserved = {b for first, k in runs for b in range(first, first + k)}
+        held = [b for s in seqs for b in s.block_table]
+        assert not reserved & set(held)
+        assert bm.num_reserved == len(reserved)
+        assert bm.num_free_blocks + bm.num_reserved + len(set(held)) == bm.num_blocks
+
+
+def test_the_arena_packs_each_layer_into_its_run_and_the_views_hold_the_weights(
+    families: dict[str, Family],
+) -> None:
+    family = families["llama"]
+    engine, refs = shared_engine(family, adapters=8)
+    arena = engine.runner.pool.arena
+    assert isinstance(arena, KVArena)
+    for name in family.adapters:
+        adapter = engine.loras.host_copy(refs[name])
+        n = arena.blocks_for(adapter)
+        placement = arena.place(adapter)
+        assert placement is not None and placement.num_blocks == n
+        for key, w in adapter.modules.items():
+            a, b = placement.views[key]
+            assert torch.equal(a, w.a) and torch.equal(b, w.b)
+        storage = {(t.data_ptr(), t.numel()) for pair in placement.views.values() for t in pair}
+        spans = sorted((p, p + k * 4) for p, k in storage)
+        assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans))  # no overlap
+        arena.free(placement)
+    # fewer blocks would not do: the packing is tight to a block
+    adapter = engine.loras.host_copy(refs["r64"])
+    n = arena.blocks_for(adapter)
+    by_layer = arena._by_layer(adapter)
+    assert any(arena._pack(sizes, n - 1) is None for sizes in by_layer.values()) or n == 1
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_the_shared_pool_is_off_on_cpu_and_on_for_cuda_by_default(device: str) -> None:
+    assert EngineConfig(model="m", device="cpu").kv_lora_shared is False
+    assert EngineConfig(model="m", device="cuda").kv_lora_shared is True
+    assert EngineConfig(model="m", device=device, kv_lora_shared=True).kv_lora_shared is True
