@@ -11,7 +11,8 @@ Figures (all measured in this run, CPU):
   auto, prefetch on); tokens/s and time to first token p99 divided by the same load over only 8
   adapters with the same settings (goals: Zipf(1.0) >= 0.9, uniform >= 0.8, TTFT p99 <= 2x,
   no failed request); the same Zipf load with main's former fixed count (max_loras 8) and with
-  prefetch off, for comparison; and the 8-adapter load under max_loras 8 (main's default):
+  prefetch off and with adapters inside the KV cache (kv_lora_shared, the CUDA default), for
+  comparison; and the 8-adapter load under max_loras 8 (main's default):
   auto must lose nothing there (goal >= 0.97)
 Run: .venv/bin/python benchmarks/tiers.py [--adapters 2000] [--requests 256]
 """
@@ -227,6 +228,13 @@ def main() -> None:
             ("eight_max8", zipf, 8, {"max_loras": 8}),
             ("zipf_max8", zipf, args.adapters, {"max_loras": 8, "max_cpu_loras": 100}),
             ("zipf_no_prefetch", zipf, args.adapters, {"enable_lora_prefetch": False}),
+            # adapters inside the KV cache (the CUDA default), 256 MiB of adapter memory
+            (
+                "zipf_shared",
+                zipf,
+                args.adapters,
+                {"kv_lora_shared": True, "lora_memory": 256 << 20},
+            ),
         ]
         for label, weights, pool, overrides in loads:
             print(f"load: {label} ...", flush=True)
@@ -238,7 +246,7 @@ def main() -> None:
             for key, value in result.items():
                 figures[f"{label}_{key}"] = value
         eight = figures["eight_tokens_per_s"]
-        for label in ("zipf", "uniform", "zipf_max8", "zipf_no_prefetch"):
+        for label in ("zipf", "uniform", "zipf_max8", "zipf_no_prefetch", "zipf_shared"):
             figures[f"{label}_over_eight_adapters"] = figures[f"{label}_tokens_per_s"] / eight
         figures["zipf_ttft_p99_over_eight"] = (
             figures["zipf_ttft_p99_s"] / figures["eight_ttft_p99_s"]

@@ -207,9 +207,9 @@ class Engine:
         if len(groups) == 1:
             (key,) = groups
             log.warning("a step of adapter %s failed: %r", key or "(base model)", error)
-            outputs = self._fail_rows(out.scheduled, error)
+            failed = self._fail_rows(out.scheduled, error)
             self._reset_adapter(key)
-            return outputs
+            return failed
         outputs: list[RequestOutput] = []
         for key, rows in groups.items():
             keys = frozenset() if key is None else frozenset({key})

@@ -182,8 +182,8 @@ class _EngineCollector(Collector):
             "KV cache blocks by holder: sequences, adapters (when they share the pool), free",
             labels=["holder"],
         )
-        held = s.kv_blocks_total - s.kv_blocks_free - s.kv_blocks_adapters
-        for holder, value in (("sequences", held), ("adapters", s.kv_blocks_adapters),
+        by_sequences = s.kv_blocks_total - s.kv_blocks_free - s.kv_blocks_adapters
+        for holder, value in (("sequences", by_sequences), ("adapters", s.kv_blocks_adapters),
                               ("free", s.kv_blocks_free)):  # fmt: skip
             blocks.add_metric([holder], value)
         yield blocks
