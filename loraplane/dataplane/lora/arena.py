@@ -83,7 +83,7 @@ class KVArena:
             placed: dict[Key, dict[str, torch.Tensor]] = {}
             for (key, role, tensor), (region, offset) in zip(items, offsets, strict=True):
                 view = regions[layer][region][offset : offset + tensor.numel()].view(tensor.shape)
-                view.copy_(tensor)
+                view.copy_(tensor, non_blocking=True)  # pinned host copy: no host stall
                 placed.setdefault(key, {})[role] = view
             for key, pair in placed.items():
                 views[key] = (pair["a"], pair["b"])

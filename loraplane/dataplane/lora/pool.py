@@ -164,7 +164,7 @@ class LoRAPool:
             views = []
             for t in (w.a, w.b):
                 view = buffer[offset : offset + t.numel()].view(t.shape)
-                view.copy_(t)
+                view.copy_(t, non_blocking=True)  # pinned host -> device: queued on the stream
                 views.append(view)
                 offset += t.numel()
             table = self._modules[(layer, module)]
