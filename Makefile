@@ -47,4 +47,4 @@ bench: $(VENV)/.dev
 	@set -e; for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b; done
 
 clean:
-	rm -rf $(VENV) .loraplane .pytest_cache .mypy_cache .ruff_cache .hypothesis benchmarks/results
+	rm -rf $(VENV) .loraplane .pytest_cache .mypy_cache .ruff_cache .hypothesis benchmarks/results/*.json
