@@ -236,7 +236,7 @@ class Engine:
     def _reclaim(self, short: int) -> None:
         """Sequences need `short` more KV blocks: idle adapters give theirs back."""
         s = self.scheduler
-        self.loras.reclaim_blocks(short, s.running_lora_keys, s.waiting_lora_keys)
+        self.loras.reclaim_blocks(short, s.pinned_lora_keys, s.waiting_lora_keys)
 
     def _forget_idle(self) -> None:
         """Once in a while, forget stored versions nobody has used for a while (catalog mode

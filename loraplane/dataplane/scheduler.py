@@ -101,6 +101,7 @@ class _Room:
         self.keys: set[str] = set()
         self.used = 0
         self.unplaced: set[str] = set()  # fit the budget, but no memory could be freed yet
+        self.placed: set[str] = set()  # made resident for a request being admitted
         for seq in running:
             if seq.lora is not None and seq.lora.key not in self.keys:
                 self.add(seq.lora)
@@ -163,6 +164,7 @@ class Scheduler:
         self.step = 0
         self.num_deferred = self.deferred_total = self.preemptions_total = 0
         self._live: dict[str, Sequence] = {}
+        self._room: _Room | None = None  # while admitting
         # a sequence stops at max_model_len, or when its newest token's K/V could not fit even
         # with the whole cache to itself
         capacity = block_manager.capacity_tokens + 1
@@ -209,13 +211,15 @@ class Scheduler:
         does not fit in the adapter memory beside the running ones is deferred."""
         adapters = adapters or _ALL_READY
         self.step += 1
+        self._room = None
         batch: list[ScheduledSeq] = []
         preempted: list[str] = []
         budget = self._schedule_running(batch, preempted)
         barrier = self._barrier_key(adapters)
-        room = _Room(self.running, adapters, self.config.max_loras)
+        room = self._room = _Room(self.running, adapters, self.config.max_loras)
         if not preempted:
             self._admit(batch, budget, barrier, room)
+        self._room = None
         keys = frozenset(k for r in batch if (k := r.seq.lora_key) is not None)
         deferred = self._count_deferred(barrier, room)
         return SchedulerOutput(self.step, batch, keys, preempted, *deferred)
@@ -296,9 +300,12 @@ class Scheduler:
                     continue  # still loading
                 if not room.fits(lora):
                     continue  # deferred
-                if lora.key in room.unplaced or not room.adapters.place(lora, room.keys):
+                if lora.key in room.unplaced or not room.adapters.place(
+                    lora, room.keys | room.placed
+                ):
                     room.unplaced.add(lora.key)
                     continue  # deferred: its memory is still KV cache in use
+                room.placed.add(lora.key)  # kept while its request's KV blocks are found
             n = self._chunk(
                 seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq), budget
             )
@@ -370,6 +377,15 @@ class Scheduler:
     def running_lora_keys(self) -> set[str]:
         """Adapter versions of running sequences."""
         return {k for s in self.running if (k := s.lora_key) is not None}
+
+    @property
+    def pinned_lora_keys(self) -> set[str]:
+        """Adapters that must stay resident now: the running ones and, while a step admits
+        requests, those placed for them (KV reclaim must not evict them)."""
+        pinned = self.running_lora_keys
+        if self._room is not None:
+            pinned |= self._room.placed
+        return pinned
 
     @property
     def waiting_lora_keys(self) -> set[str]:
