@@ -15,7 +15,8 @@ from prometheus_client import Counter as PromCounter
 
 from loraplane.dataplane.server.admission import QueueFull, QueueLimits
 from loraplane.dataplane.server.errors import InvalidRequest
-from loraplane.dataplane.server.limits import PRUNE_EVERY, RateLimiter
+from loraplane.dataplane.server.limits import RateLimiter
+from loraplane.ratelimit import PRUNE_EVERY
 from tests.dataplane.server.conftest import API_KEY, server_settings, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
