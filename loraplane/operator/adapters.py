@@ -10,6 +10,7 @@ events are ever written: never spec.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,7 +130,7 @@ async def reconcile_adapter(
         raise await out.wait("Pending", "BaseModelUnavailable", str(exc), delay) from None
     limits = ingestion.pool_limits(ctx.settings.max_source_bytes, pools)
     try:
-        version = await asyncio.to_thread(
+        ingest = functools.partial(
             ingestion.fetch_and_ingest,
             ctx,
             uri=wanted.source_uri,
@@ -139,6 +140,7 @@ async def reconcile_adapter(
             base=base,
             limits=limits,
         )
+        version = await asyncio.get_running_loop().run_in_executor(ctx.ingest_executor, ingest)
     except AdapterRejected as exc:
         raise await out.refuse(exc.code.value, exc.message) from None
     except SourceError as exc:

@@ -7,6 +7,7 @@ from the environment when none was given.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,11 @@ class OperatorContext:
     kube: KubeApi
     base_models: BaseModelCache
     metrics: PoolMetrics = field(default_factory=PoolMetrics)
+    # fetch-and-ingest runs here, not on the event loop's default executor: a slow download
+    # must not hold the threads the pools' timers use for their short API calls
+    ingest_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="ingest")
+    )
     # for https:// sources; None means the network (tests pass a mock transport)
     http_transport: httpx.BaseTransport | None = None
     extra: dict[str, Any] = field(default_factory=dict)

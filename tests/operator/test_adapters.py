@@ -281,3 +281,33 @@ def test_unreachable_control_plane_is_failed_and_retried_never_ready(
     status = cluster.wait_phase("bot", "Ready")["status"]
     assert status["version"] == 1
     assert [v["version"] for v in controlplane.versions(TENANT, "bot")] == [1]
+
+
+def test_ingests_run_on_their_own_threads_not_the_loops_default_executor(
+    cluster: Cluster,
+    controlplane: ControlPlane,
+    start_operator: StartOperator,
+    s3: S3Client,
+    s3_secret: str,
+    base_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slow download must not hold the threads the pools' timers use for their API calls."""
+    from loraplane.operator import ingestion
+
+    threads: list[str] = []
+    real = ingestion.fetch_and_ingest
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ingestion, "fetch_and_ingest", recording)
+    start_operator()
+    cluster.create("servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir))
+    uri = upload_source(s3, good_adapter(tmp_path, seed=3))
+    cluster.create("loraadapters", TENANT, adapter_body("threaded", uri))
+    obj = cluster.wait_phase("threaded", "Ready", "Rejected", "Failed")
+    assert obj["status"]["phase"] == "Ready"
+    assert threads and all(name.startswith("ingest") for name in threads)
