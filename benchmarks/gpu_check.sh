@@ -3,7 +3,8 @@
 # peft installed; no registry, no virtualenv). Run from the repository root:
 #   bash benchmarks/gpu_check.sh            # logs and results under $OUT (default ./gpu-out)
 # Steps: the kernel tests on CUDA with compiled Triton (the bf16 `gpu` tests, then the rest of
-# the module, which runs on CUDA tensors when TRITON_INTERPRET is unset), then the benchmark.
+# the module, which runs on CUDA tensors when TRITON_INTERPRET is unset), then the benchmark,
+# then adapters inside the KV cache (the CUDA default) against adapters in their own buffers.
 # Each step has a time limit so the whole run ends within ~8 minutes; a failing step does not
 # stop the others, but the script exits non-zero if any failed.
 set -u
@@ -46,9 +47,12 @@ step tests-gpu 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
 step tests-cuda 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m "not gpu" \
     --junitxml="$OUT/tests-cuda.xml" tests/dataplane/test_kernels_triton.py
 step bench 240 "$PYTHON" benchmarks/kernels_gpu.py
-if [ -f benchmarks/results/kernels_gpu.json ]; then
-    cp benchmarks/results/kernels_gpu.json "$OUT/"
-fi
+step shared-pool 150 "$PYTHON" benchmarks/shared_pool_gpu.py
+for result in kernels_gpu shared_pool_gpu; do
+    if [ -f "benchmarks/results/$result.json" ]; then
+        cp "benchmarks/results/$result.json" "$OUT/"
+    fi
+done
 
 echo "== summary ($OUT)"
 printf '  %s\n' "${summary[@]}" | tee "$OUT/summary.txt"

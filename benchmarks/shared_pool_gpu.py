@@ -1,0 +1,95 @@
+"""Adapters inside the KV cache on a GPU: the same tokens as adapters in buffers of their own,
+and the throughput of each, in one run.
+
+Model: benchmarks/engine_cpu.py's shape in bf16 on CUDA; 64 rank-16 adapters on all modules
+(rank 8 for every fourth, rank 64 for every seventh); 256 greedy requests of 32 prompt tokens
+and 32 generated, 64 at a time, each with its own adapter drawn in turn. Runs the engine twice,
+`kv_lora_shared` off then on, with `lora_memory` for 16 adapters (so adapters churn) and the
+same KV share. Figures: tokens/s of each and their ratio; the share of requests whose tokens
+differ (goal 0: the storage of the weights must not change the arithmetic).
+Run: python benchmarks/shared_pool_gpu.py [--device cpu --requests 64] (without --device, exits 0
+with a message when there is no CUDA device; on CPU it runs in fp32, as a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import goal, report
+from engine_cpu import SHAPE
+
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.demo.build import build_adapter, build_llama
+
+NUM_ADAPTERS, REQUESTS, IN_FLIGHT = 64, 256, 64
+
+
+def run(model: Path, adapters: list[Path], shared: bool, budget: int, device: str,
+        requests: int) -> tuple[float, list[list[int]]]:  # fmt: skip
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    config = EngineConfig(model=str(model), device=device, dtype=dtype, max_num_seqs=IN_FLIGHT,
+                          num_kv_blocks=IN_FLIGHT * 8, kv_lora_shared=shared,
+                          lora_memory=budget, enable_prefix_caching=False)  # fmt: skip
+    engine = Engine(config)
+    refs = [engine.register_lora(f"a{i}", p, "bench") for i, p in enumerate(adapters)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 32000) for _ in range(32)] for _ in range(requests)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outs = []
+    for first in range(0, requests, IN_FLIGHT):
+        batch = prompts[first : first + IN_FLIGHT]
+        loras = [refs[(first + i) % len(refs)] for i in range(len(batch))]
+        outs += engine.generate(batch, params, loras)
+    sync()
+    elapsed = time.perf_counter() - start
+    assert all(o.error is None for o in outs), [o.error for o in outs if o.error][:3]
+    return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--requests", type=int, default=REQUESTS)
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        sys.exit(0)
+    device, dtype = args.device, "bfloat16" if args.device == "cuda" else "float32"
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_llama(root / "model", **SHAPE)
+        adapters = [
+            build_adapter(model, root / f"a{i}", r=64 if i % 7 == 0 else 8 if i % 4 == 0 else 16,
+                          lora_alpha=32, seed=i,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                          "up_proj", "down_proj"])
+            for i in range(NUM_ADAPTERS)
+        ]  # fmt: skip
+        probe = Engine(EngineConfig(model=str(model), device=device, dtype=dtype,
+                                    num_kv_blocks=64, kv_lora_shared=True))  # fmt: skip
+        largest = max(probe.loras.device_bytes(probe.register_lora(f"p{i}", p))
+                      for i, p in enumerate(adapters))  # fmt: skip
+        del probe
+        budget = 16 * largest
+        off_tps, off_tokens = run(model, adapters, False, budget, device, args.requests)
+        on_tps, on_tokens = run(model, adapters, True, budget, device, args.requests)
+    differ = sum(a != b for a, b in zip(off_tokens, on_tokens, strict=True)) / args.requests
+    figures = {"tokens_per_s_own_buffers": off_tps, "tokens_per_s_shared": on_tps,
+               "shared_over_own": on_tps / off_tps,
+               "requests_with_other_tokens": differ}  # fmt: skip
+    report("shared_pool_gpu", figures, [goal(figures, "requests_with_other_tokens", "<=", 0)])
+
+
+if __name__ == "__main__":
+    main()
