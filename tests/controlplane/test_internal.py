@@ -60,6 +60,7 @@ def test_pressure_is_kept_per_replica_on_the_pool(ready: Api) -> None:
         }  # fmt: skip
         r = c.post("/internal/v1/pressure", json=body, headers=SERVICE_H)
         assert r.status_code == 200, r.text
+    assert r.json()["replicas"] == 2  # live replicas: each enforces half a tenant's limits
     pool = c.get("/v1/pools/pool-a", headers=ADMIN_H).json()
     replicas = pool["pressure"]["replicas"]
     assert {k: v["deferred"] for k, v in replicas.items()} == {"r0": 4, "r1": 5}
@@ -69,6 +70,28 @@ def test_pressure_is_kept_per_replica_on_the_pool(ready: Api) -> None:
     assert r.status_code == 404
     r = c.post("/internal/v1/pressure", json={"pool": "pool-a", "replica": "r"}, headers=ADMIN_H)
     assert r.status_code == 401
+
+
+def test_replicas_that_stopped_reporting_no_longer_share_the_rate_limits(
+    ready: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datetime import timedelta
+
+    from loraplane.controlplane.crud import pools as crud_pools
+
+    c = ready.client
+
+    def report(replica: str) -> int:
+        r = c.post("/internal/v1/pressure", json={"pool": "pool-a", "replica": replica},
+                   headers=SERVICE_H)  # fmt: skip
+        assert r.status_code == 200, r.text
+        return int(r.json()["replicas"])
+
+    assert [report(r) for r in ("gone", "a", "b")] == [1, 2, 3]
+    later = crud_pools.utcnow() + timedelta(seconds=crud_pools.LIVE_REPLICA_SECONDS + 1)
+    monkeypatch.setattr(crud_pools, "utcnow", lambda: later)
+    assert report("a") == 1  # "gone" and "b" have not reported for over 30 s
+    assert report("b") == 2
 
 
 def test_operator_recorded_version_is_idempotent_and_conflicts_are_409(ready: Api) -> None:

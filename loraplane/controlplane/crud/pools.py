@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -15,6 +16,9 @@ from loraplane.controlplane.models import Pool, utcnow
 from loraplane.controlplane.schemas.pools import PoolCreate, PoolUpdate
 
 MAX_REPLICAS_KEPT = 1000
+# a replica that reported within this many seconds counts as live: tenants' rate limits are
+# split among the live replicas of a pool (each enforces its share)
+LIVE_REPLICA_SECONDS = 30
 
 
 def create_pool(
@@ -129,3 +133,16 @@ def record_pressure(session: Session, *, name: str, replica: str, report: dict[s
     pool.pressure_at = now
     session.commit()
     return pool
+
+
+def live_replicas(pool: Pool, *, window_s: float = LIVE_REPLICA_SECONDS) -> int:
+    """Replicas of `pool` that reported within `window_s` seconds (at least 1)."""
+    horizon = utcnow().timestamp() - window_s
+    live = 0
+    for entry in ((pool.pressure or {}).get("replicas") or {}).values():
+        try:
+            if datetime.fromisoformat(str(entry.get("time"))).timestamp() >= horizon:
+                live += 1
+        except (AttributeError, ValueError):
+            continue
+    return max(1, live)

@@ -72,6 +72,10 @@ class PressureAccepted(BaseModel):
     replica: str
     usage_rows: int
     usage_skipped: int
+    # replicas of the pool that reported in the last 30 s, this one included: each enforces
+    # 1/replicas of a tenant's requests and tokens per minute, so the tenant's limit holds
+    # across the pool as it scales
+    replicas: int = 1
 
 
 class VersionRecord(Strict):

@@ -77,6 +77,15 @@ def pressure_body(
     }
 
 
+def _replicas(response: httpx.Response) -> int:
+    """The live replica count in an accepted report's answer (1 when absent or odd)."""
+    try:
+        value = response.json().get("replicas", 1)
+    except (ValueError, AttributeError):
+        return 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
 class PressureReporter:
     """Posts a pressure report every `interval` seconds until stopped."""
 
@@ -99,6 +108,9 @@ class PressureReporter:
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._task: asyncio.Task[None] | None = None
         self.reports_ok = self.reports_failed = 0
+        # live replicas of the pool, from the last accepted report: tenants' rate limits are
+        # split among them (each replica enforces its share)
+        self.replicas = 1
 
     async def report_once(self) -> bool:
         """Send one report; True when the control plane accepted it."""
@@ -110,6 +122,8 @@ class PressureReporter:
             ok = response.status_code == 200
             if not ok:
                 log.warning("pressure report refused: HTTP %s", response.status_code)
+            else:
+                self.replicas = _replicas(response)
         except httpx.HTTPError as e:
             log.warning("pressure report failed: %s", type(e).__name__)
             ok = False

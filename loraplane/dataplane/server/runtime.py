@@ -221,6 +221,13 @@ class Runtime:
 
     # -- adapters ---------------------------------------------------------------------------
 
+    def share(self, per_minute: int) -> int:
+        """This replica's share of a tenant's per-minute limit: the limit divided among the
+        pool's live replicas (catalog mode; the control plane counts them), rounded up; 0
+        (unlimited) stays 0."""
+        replicas = self._reporter.replicas if self._reporter is not None else 1
+        return per_minute if per_minute <= 0 else -(-per_minute // replicas)
+
     async def tokenize(self, fn: Callable[[], T]) -> T:
         """Run `fn` (tokenization, a chat template) on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn)

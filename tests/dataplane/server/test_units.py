@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from loraplane.dataplane.server.errors import ModelNotFound, RateLimited, Unauth
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.dataplane.server.metrics import EngineSnapshot
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
+from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings, SettingsError
 
 
@@ -117,7 +119,8 @@ def stand_in() -> tuple[FastAPI, dict[str, Any]]:
     @app.post("/internal/v1/pressure")
     async def pressure(request: Request) -> dict[str, Any]:
         state["reports"].append(await request.json())
-        return {"pool": "p", "replica": "r", "usage_rows": 0, "usage_skipped": 0}
+        return {"pool": "p", "replica": "r", "usage_rows": 0, "usage_skipped": 0,
+                "replicas": state.get("replicas", 1)}  # fmt: skip
 
     return app, state
 
@@ -180,3 +183,22 @@ def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
     # the body fits the control plane's schema (it forbids unknown fields)
     schemas = pytest.importorskip("loraplane.controlplane.schemas.internal")
     schemas.PressureReport.model_validate(report)
+
+
+def test_a_tenants_rate_limits_are_split_among_the_pools_live_replicas(tmp_path: Path) -> None:
+    """The control plane answers each report with the pool's live replicas; each replica
+    enforces its share of a tenant's per-minute limits, so the tenant's limit holds pool-wide."""
+    app, state = stand_in()
+    state["replicas"] = 3
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+
+    async def snapshot() -> EngineSnapshot:
+        return EngineSnapshot()
+
+    reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, UsageLog(), client=client)
+    runtime = Runtime(ServerSettings.load(model=str(tmp_path)))
+    assert runtime.share(60) == 60  # alone (or standalone): the whole limit
+    runtime._reporter = reporter
+    assert asyncio.run(reporter.report_once())
+    assert reporter.replicas == 3
+    assert (runtime.share(60), runtime.share(10), runtime.share(0)) == (20, 4, 0)  # 0: unlimited

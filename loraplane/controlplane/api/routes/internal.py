@@ -81,9 +81,13 @@ def report_pressure(body: PressureReport, session: SessionDep, _: ServiceDep) ->
     report = body.model_dump(exclude={"pool", "replica", "usage"})
     crud_pools.get_pool(session, name=body.pool)
     recorded, skipped = add_usage(session, rows=body.usage, day=utcnow().date())
-    crud_pools.record_pressure(session, name=body.pool, replica=body.replica, report=report)
+    pool = crud_pools.record_pressure(session, name=body.pool, replica=body.replica, report=report)
     return PressureAccepted(
-        pool=body.pool, replica=body.replica, usage_rows=recorded, usage_skipped=skipped
+        pool=body.pool,
+        replica=body.replica,
+        usage_rows=recorded,
+        usage_skipped=skipped,
+        replicas=crud_pools.live_replicas(pool),
     )
 
 
