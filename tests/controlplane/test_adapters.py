@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -200,3 +201,29 @@ def test_usage_is_fed_by_pressure_reports(ready: Api) -> None:
     globex = ready.client.get("/v1/usage", headers=bearer(ready.keys["globex"])).json()
     assert [(g["adapter"], g["requests"]) for g in globex] == [("", 14)]
     _ = ADMIN_H
+
+
+def test_an_upload_holds_no_database_connection_while_its_body_streams(
+    ready: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Authentication uses the database; the body may take minutes to arrive: the request
+    must give its connection back before reading it (a pool of connections serves everyone)."""
+    from loraplane.controlplane.api.routes import adapters as route
+
+    ctx = ready.client.app.state.ctx  # type: ignore[attr-defined]
+    held: list[int] = []
+    receive = route.receive_multipart
+
+    async def watching(*args: Any, **kwargs: Any) -> Any:
+        held.append(ctx.engine.pool.checkedout())
+        return await receive(*args, **kwargs)
+
+    monkeypatch.setattr(route, "receive_multipart", watching)
+    # a first call records the key's last use; within the next minute auth only reads
+    assert ready.client.get("/v1/adapters", headers=bearer(ready.keys["acme"])).status_code == 200
+    r = ready.client.post(
+        "/v1/adapters", data={"name": "bot"}, files=[("files", ("a.json", b"{}"))],
+        headers=bearer(ready.keys["acme"]),
+    )  # fmt: skip
+    assert r.status_code == 400  # (a malformed upload: what matters is the body's reading)
+    assert held == [0]

@@ -116,6 +116,9 @@ async def upload_adapter(
     In cluster mode a valid adapter is staged and the tenant's LoRAAdapter points at it
     (202); the operator ingests it and records the version.
     """
+    # authentication ran in a transaction: end it before the body streams in (that may take
+    # minutes), so the connection goes back to the pool; the session opens a new one later
+    await run_in_threadpool(session.commit)
     cap = ctx.settings.max_upload_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > cap:
