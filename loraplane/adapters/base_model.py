@@ -22,6 +22,65 @@ class BaseModelError(ValueError):
     """A base model's config.json cannot be used (missing fields, unsupported architecture)."""
 
 
+class BaseModelUnavailable(BaseModelError):
+    """A base model's config.json cannot be read now (missing, unreadable, store down)."""
+
+
+MAX_CONFIG_BYTES = 1 << 20
+CONFIG_NAME = "config.json"
+
+
+def read_config(
+    uri: str, *, s3_endpoint_url: str | None = None, max_bytes: int = MAX_CONFIG_BYTES
+) -> dict[str, Any]:
+    """The JSON object of a base model's config.json, the one reader of the control plane and
+    the operator. `uri` is a folder holding it, the file itself, or an `s3://` prefix or
+    `.json` object. BaseModelUnavailable when it cannot be read (or is over `max_bytes`),
+    BaseModelError when it is not a JSON object."""
+    if uri.startswith("s3://"):
+        raw = _read_s3_config(uri, s3_endpoint_url, max_bytes)
+    else:
+        raw = _read_local_config(Path(uri), max_bytes)
+    try:
+        config = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BaseModelError(f"the base model config at {uri} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise BaseModelError(f"the base model config at {uri} is not a JSON object")
+    return config
+
+
+def _read_local_config(path: Path, max_bytes: int) -> bytes:
+    try:
+        if path.is_dir():
+            path = path / CONFIG_NAME
+        if not path.is_file():
+            raise BaseModelUnavailable(f"{path} is not a regular file")
+        if path.stat().st_size > max_bytes:
+            raise BaseModelUnavailable(f"{path} is larger than {max_bytes} bytes")
+        with path.open("rb") as fh:
+            return fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise BaseModelUnavailable(f"cannot read the base model config at {path}: {exc}") from exc
+
+
+def _read_s3_config(uri: str, endpoint_url: str | None, max_bytes: int) -> bytes:
+    from loraplane.adapters import s3read  # boto3: only for s3:// configs
+
+    try:
+        bucket, key = s3read.split_uri(uri)
+    except ValueError as exc:
+        raise BaseModelUnavailable(str(exc)) from exc
+    if not key or key.endswith("/"):
+        key += CONFIG_NAME
+    elif not key.endswith(".json"):
+        key += "/" + CONFIG_NAME
+    try:
+        return s3read.read_bytes(s3read.make_client(endpoint_url), bucket, key, max_bytes=max_bytes)
+    except s3read.S3ReadError as exc:
+        raise BaseModelUnavailable(f"cannot read the base model config: {exc}") from exc
+
+
 def _int_field(config: dict[str, Any], key: str, default: int | None = None) -> int:
     value = config.get(key, default)
     if value is None and default is not None:

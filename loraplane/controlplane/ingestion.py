@@ -14,13 +14,14 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplane.adapters import s3read as s3
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.ingest import ingest
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME
 from loraplane.adapters.store.base import ObjectStore
-from loraplane.controlplane import basemodels, s3
+from loraplane.controlplane import basemodels
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import audit
 from loraplane.controlplane.crud.pools import pools_for_base_model

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplane.adapters import s3read as s3
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.ingest import check_names
 from loraplane.adapters.source import (
@@ -28,7 +29,6 @@ from loraplane.adapters.source import (
 )
 from loraplane.adapters.store.base import ObjectStore
 from loraplane.adapters.validate import validate_adapter
-from loraplane.controlplane import s3
 from loraplane.controlplane.cluster import AdapterResources, AppliedAdapter
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import audit

@@ -18,14 +18,12 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import boto3
 import httpx
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
 
+from loraplane.adapters import s3read
 from loraplane.adapters.errors import AdapterRejected, ReasonCode, StoreError
 from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME
 from loraplane.adapters.store.base import ObjectStore
@@ -37,8 +35,6 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 UPLOAD_PREFIX = "uploads"
 _UPLOAD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK = 1 << 20
-_MISSING = {"NoSuchKey", "NotFound", "404", "NoSuchBucket"}
-_DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 
 
 class SourceError(Exception):
@@ -91,15 +87,13 @@ def _write_bounded(chunks: Iterator[bytes], dest: Path, cap: int, what: str) -> 
 
 
 def _s3_client(policy: SourcePolicy, bucket: str, secret: Mapping[str, str] | None) -> S3Client:
-    config = Config(connect_timeout=3, read_timeout=30, retries={"max_attempts": 2})
     if secret is None:
         if bucket not in policy.import_buckets:
             raise not_allowed(
                 f"bucket {bucket!r} needs a source.secretRef with credentials (only the "
                 "operator's import buckets are read with its own credentials)"
             )
-        client: S3Client = boto3.client("s3", endpoint_url=policy.s3_endpoint_url, config=config)
-        return client
+        return s3read.make_client(policy.s3_endpoint_url)
     key_id, key = secret.get("AWS_ACCESS_KEY_ID"), secret.get("AWS_SECRET_ACCESS_KEY")
     if not key_id or not key:
         raise SourceError(
@@ -112,29 +106,24 @@ def _s3_client(policy: SourcePolicy, bucket: str, secret: Mapping[str, str] | No
         host = urlsplit(endpoint).hostname or ""
         if host not in policy.source_hosts:
             raise not_allowed(f"S3 endpoint host {host!r} is not in the operator's allowlist")
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=key_id,
-        aws_secret_access_key=key,
-        aws_session_token=secret.get("AWS_SESSION_TOKEN") or None,
+    return s3read.make_client(
+        endpoint,
+        access_key_id=key_id,
+        secret_access_key=key,
+        session_token=secret.get("AWS_SESSION_TOKEN") or None,
         region_name=secret.get("AWS_REGION") or "us-east-1",
-        config=config,
     )
-    return client
 
 
-def _s3_error(uri: str, exc: Exception) -> SourceError:
-    if isinstance(exc, ClientError):
-        err: dict[str, Any] = dict(exc.response.get("Error", {}))
-        code = str(err.get("Code", ""))
-        text = f"cannot read {uri}: {code}: {err.get('Message', '')}".rstrip(": ")
-        if code in _MISSING:
-            return SourceError("SourceNotFound", text, permanent=False)
-        if code in _DENIED:
-            return SourceError("SourceForbidden", text, permanent=False)
-        return SourceError("SourceUnavailable", text, permanent=False)
-    return SourceError("SourceUnavailable", f"cannot read {uri}: {exc}", permanent=False)
+def _s3_error(exc: s3read.S3ReadError) -> SourceError:
+    reason = (
+        "SourceNotFound"
+        if exc.missing
+        else "SourceForbidden"
+        if exc.denied
+        else "SourceUnavailable"
+    )
+    return SourceError(reason, str(exc), permanent=False)
 
 
 def fetch_s3(uri: str, work: Path, policy: SourcePolicy, secret: Mapping[str, str] | None) -> Path:
@@ -153,13 +142,12 @@ def fetch_s3(uri: str, work: Path, policy: SourcePolicy, secret: Mapping[str, st
     budget = policy.max_bytes
     for object_key, dest in wanted:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        where = f"s3://{bucket}/{object_key}"
         try:
-            body = client.get_object(Bucket=bucket, Key=object_key)["Body"]
-            with body:
-                budget -= _write_bounded(body.iter_chunks(_CHUNK), dest, budget, where)
-        except (ClientError, BotoCoreError) as exc:
-            raise _s3_error(where, exc) from exc
+            budget -= s3read.download(client, bucket, object_key, dest, max_bytes=budget)
+        except s3read.ObjectTooLarge:
+            raise _too_large(uri, policy.max_bytes) from None
+        except s3read.S3ReadError as exc:
+            raise _s3_error(exc) from exc
     return wanted[0][1] if archive else work / "adapter"
 
 

@@ -1,7 +1,9 @@
-"""Reading from S3 for the control plane: base model configs and adapter imports.
+"""Reading objects from S3 outside the store: base model configs, adapter imports and sources.
 
-Only `s3://` locations are read (boto3 talks to the S3 API alone and follows no redirects
-elsewhere); reads are bounded in size and time.
+The one S3 reader of the control plane and the operator (the store's own reads are
+`store.S3Store`'s). Only `s3://` locations are read (boto3 talks to the S3 API alone and
+follows no redirects elsewhere); reads are bounded in size and time, and every failure is an
+`S3ReadError` that says whether the object is missing or access was denied.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ _CHUNK = 1 << 20
 
 
 class S3ReadError(Exception):
-    """An S3 object could not be read; `missing` tells a missing object from a fault."""
+    """An S3 object could not be read; `missing` and `denied` tell those from a fault."""
 
-    def __init__(self, message: str, *, missing: bool = False) -> None:
+    def __init__(self, message: str, *, missing: bool = False, denied: bool = False) -> None:
         super().__init__(message)
         self.missing = missing
+        self.denied = denied
 
 
 class ObjectTooLarge(S3ReadError):
@@ -41,12 +44,28 @@ def split_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def make_client(endpoint_url: str | None) -> S3Client:
-    """A client with short timeouts and few retries: a request must not hang on S3."""
+def make_client(
+    endpoint_url: str | None,
+    *,
+    access_key_id: str | None = None,
+    secret_access_key: str | None = None,
+    session_token: str | None = None,
+    region_name: str | None = None,
+) -> S3Client:
+    """A client with short timeouts and few retries (a request must not hang on S3); with
+    explicit credentials (a tenant's Secret) or the environment's."""
     config = Config(
         connect_timeout=3, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"}
     )
-    client: S3Client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
+    client: S3Client = boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        config=config,
+        aws_access_key_id=access_key_id,
+        aws_secret_access_key=secret_access_key,
+        aws_session_token=session_token,
+        region_name=region_name,
+    )
     return client
 
 
@@ -57,11 +76,17 @@ def _describe(exc: Exception) -> str:
     return type(exc).__name__
 
 
-def _missing(exc: Exception) -> bool:
-    if not isinstance(exc, ClientError):
-        return False
-    code = str(exc.response.get("Error", {}).get("Code", ""))
-    return code in {"NoSuchKey", "NotFound", "404", "NoSuchBucket"}
+_MISSING = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchBucket"})
+_DENIED = frozenset({"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
+
+
+def _error(where: str, exc: Exception) -> S3ReadError:
+    code = (
+        str(exc.response.get("Error", {}).get("Code", "")) if isinstance(exc, ClientError) else ""
+    )
+    return S3ReadError(
+        f"cannot read {where}: {_describe(exc)}", missing=code in _MISSING, denied=code in _DENIED
+    )
 
 
 def download(client: S3Client, bucket: str, key: str, dest: Path, *, max_bytes: int) -> int:
@@ -69,9 +94,7 @@ def download(client: S3Client, bucket: str, key: str, dest: Path, *, max_bytes: 
     try:
         body = client.get_object(Bucket=bucket, Key=key)["Body"]
     except (ClientError, BotoCoreError) as exc:
-        raise S3ReadError(
-            f"cannot read s3://{bucket}/{key}: {_describe(exc)}", missing=_missing(exc)
-        ) from exc
+        raise _error(f"s3://{bucket}/{key}", exc) from exc
     size = 0
     try:
         with body, open(dest, "wb") as out:
@@ -81,7 +104,7 @@ def download(client: S3Client, bucket: str, key: str, dest: Path, *, max_bytes: 
                     raise ObjectTooLarge(f"s3://{bucket}/{key} is larger than {max_bytes} bytes")
                 out.write(chunk)
     except (ClientError, BotoCoreError) as exc:
-        raise S3ReadError(f"cannot read s3://{bucket}/{key}: {_describe(exc)}") from exc
+        raise _error(f"s3://{bucket}/{key}", exc) from exc
     return size
 
 
@@ -91,9 +114,7 @@ def read_bytes(client: S3Client, bucket: str, key: str, *, max_bytes: int) -> by
         response = client.get_object(Bucket=bucket, Key=key)
         data = response["Body"].read(max_bytes + 1)
     except (ClientError, BotoCoreError) as exc:
-        raise S3ReadError(
-            f"cannot read s3://{bucket}/{key}: {_describe(exc)}", missing=_missing(exc)
-        ) from exc
+        raise _error(f"s3://{bucket}/{key}", exc) from exc
     if len(data) > max_bytes:
         raise ObjectTooLarge(f"s3://{bucket}/{key} is larger than {max_bytes} bytes")
     return data
