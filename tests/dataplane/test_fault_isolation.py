@@ -134,3 +134,80 @@ def test_through_the_async_engine_only_the_broken_tenants_stream_ends_in_error(
     assert results[1][1] is not None
     for i in (0, 2, 3):
         assert results[i] == (expected[i], None)
+
+
+def _break(path: Path, how: str) -> None:
+    """Damage a stored version's files the ways a disk, a bad copy or an operator would."""
+    weights, config = path / "adapter_model.safetensors", path / "adapter_config.json"
+    for f in (weights, config):
+        f.chmod(0o644)
+    data = bytearray(weights.read_bytes())
+    if how == "flipped-byte":
+        data[-1] ^= 0x01
+        weights.write_bytes(bytes(data))
+    elif how == "truncated":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "deleted":
+        weights.unlink()
+    elif how == "bad-config":
+        config.write_text("{not json")
+    elif how == "huge-header":
+        weights.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    else:  # pragma: no cover
+        raise ValueError(how)
+
+
+BREAKAGES = ("flipped-byte", "truncated", "deleted", "bad-config", "huge-header")
+
+
+def test_one_tenants_stored_adapters_broken_five_ways_while_another_tenant_streams(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.adapters.ingest import ingest
+    from loraplane.adapters.limits import AdapterLimits
+    from loraplane.adapters.store import LocalStore
+    from loraplane.dataplane.tiers.disk import DiskTier
+
+    store = LocalStore(tmp_path / "store")
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                          num_kv_blocks=256, block_size=4)  # fmt: skip
+    engine = Engine(config, disk=DiskTier(store))
+    good = ingest(peft_adapters["r16"], "bystander", "good", spec, AdapterLimits(), store)
+    good_ref = engine.loras.register_stored(LoRARef("good", "bystander", good.digest), good.path)
+    victims = {}
+    for i, how in enumerate(BREAKAGES):  # one version per way, each of its own content
+        source = peft_adapters[("r4", "r8-qv", "r32-mlp", "r64", "r16-rslora")[i]]
+        v = ingest(source, "victim", how, spec, AdapterLimits(), store)
+        _break(Path(store.url()) / v.path, how)
+        victims[how] = engine.loras.register_stored(LoRARef(how, "victim", v.digest), v.path)
+    (alone,) = engine.generate([PROMPTS[0]], GREEDY, [good_ref])  # the bystander's reference
+    front = AsyncEngine(engine)
+
+    async def one(rid: str, lora: LoRARef) -> tuple[list[int], str | None]:
+        tokens: list[int] = []
+        error = None
+        async for out in front.generate(rid, PROMPTS[0], GREEDY, lora):
+            tokens += out.token_ids
+            error = out.error or error
+        return tokens, error
+
+    async def everyone() -> list[tuple[list[int], str | None]]:
+        jobs = [one(f"b{i}", good_ref) for i in range(6)]
+        jobs += [one(f"v-{how}", ref) for how, ref in victims.items()]
+        return await asyncio.gather(*jobs)
+
+    try:
+        results = asyncio.run(everyone())
+    finally:
+        front.shutdown()
+    bystander, broken = results[:6], results[6:]
+    assert all(r == (alone.token_ids, None) for r in bystander)  # untouched, token for token
+    reasons = {"flipped-byte": "does not match", "truncated": "InvalidSafetensors",
+               "deleted": "no adapter_model.safetensors", "bad-config": "InvalidConfig",
+               "huge-header": "InvalidSafetensors"}  # fmt: skip
+    for how, (tokens, error) in zip(BREAKAGES, broken, strict=True):
+        assert error and reasons[how] in error, (how, error)  # a reason; nothing hangs
+        assert tokens == [], how
+        assert str(tmp_path) not in error and "/store/" not in error  # no store layout told

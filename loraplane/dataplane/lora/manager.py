@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +43,15 @@ from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
+
+
+_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s/:'\"]+/)+([^\s/:'\"]+)")
+
+
+def without_paths(message: str) -> str:
+    """`message` with each absolute path cut to its last component: a load failure is told to
+    the tenant's clients, and where this replica keeps its files is none of their business."""
+    return _PATH.sub(r"\1", message)
 
 
 class State(enum.Enum):
@@ -367,8 +377,9 @@ class LoRAManager:
                 if isinstance(e, AdapterRejected | StoreError | OSError)
                 else (f"{type(e).__name__}: {e}")
             )
+            public = without_paths(message)  # requests see this: no store layout in it
             with self._lock:
-                entry.state, entry.error, entry.failed_at = State.FAILED, message, time.monotonic()
+                entry.state, entry.error, entry.failed_at = State.FAILED, public, time.monotonic()
                 self.host_stats.failures += 1
             log.warning("loading adapter %s failed: %s", entry.ref.key, message)
             return
