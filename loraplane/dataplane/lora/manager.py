@@ -24,8 +24,10 @@ the same way.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import os
 import re
 import threading
 import time
@@ -52,6 +54,17 @@ def without_paths(message: str) -> str:
     """`message` with each absolute path cut to its last component: a load failure is told to
     the tenant's clients, and where this replica keeps its files is none of their business."""
     return _PATH.sub(r"\1", message)
+
+
+LOADER_NICE = int(os.environ.get("LORAPLANE_LOADER_NICE", "19"))
+
+
+def _lower_priority() -> None:
+    """Loader threads run at a low CPU priority: they fill the CPU time the step leaves idle
+    instead of taking cores from its compute threads (on a CPU device an OpenMP barrier waits
+    for a descheduled thread), while a GPU step leaves the CPU to them anyway. Linux only."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
 
 
 class State(enum.Enum):
@@ -135,7 +148,9 @@ class LoRAManager:
         self._closed = False
         self._clock = 0
         self._pool = ThreadPoolExecutor(
-            max_workers=max_loads_in_flight, thread_name_prefix="lora-load"
+            max_workers=max_loads_in_flight,
+            thread_name_prefix="lora-load",
+            initializer=_lower_priority if LOADER_NICE else None,
         )
 
     # -- registry ---------------------------------------------------------------------------
@@ -463,6 +478,8 @@ class LoRAManager:
                 name = (entry.ref.tenant, entry.ref.name)
                 if self._names.get(name) == entry.ref.key:
                     del self._names[name]
+            if idle:
+                self._queue = [e for e in self._queue if e.ref.key in self._entries]
         return [e.ref for e in idle]
 
     # -- device tier --------------------------------------------------------------------------
