@@ -241,3 +241,37 @@ def test_idle_stored_versions_are_forgotten_and_registered_again_on_use(
     m.register_stored(refs["r8-qv"], "adapters/acme/r8-qv/")  # the next request's resolve
     assert m.is_registered(refs["r8-qv"])
     m.close()
+
+
+def test_loader_threads_run_at_the_configured_low_priority(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    import os
+    import threading
+
+    from loraplane.dataplane.lora import manager as module
+
+    seen: list[int] = []
+    real = module.load_lora
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "load_lora", recording)
+    store = LocalStore(tmp_path / "store")
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    v = ingest(peft_adapters["r4"], "acme", "r4", spec, AdapterLimits(), store)
+    for nice in (7, 0):
+        monkeypatch.setenv("LORAPLANE_LOADER_NICE", str(nice))
+        m = manager(tiny_llama_dir, None, disk=DiskTier(store))
+        ref = m.register_stored(LoRARef(f"r4-{nice}", "acme", v.digest), v.path)
+        m.prefetch([ref])
+        m.wait_for([ref], timeout=5)
+        m.close()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen == [max(base, 7), base]
+    monkeypatch.setenv("LORAPLANE_LOADER_NICE", "twenty")
+    with pytest.raises(ValueError, match="LORAPLANE_LOADER_NICE"):
+        manager(tiny_llama_dir, None)

@@ -56,15 +56,24 @@ def without_paths(message: str) -> str:
     return _PATH.sub(r"\1", message)
 
 
-LOADER_NICE = int(os.environ.get("LORAPLANE_LOADER_NICE", "19"))
+NICE_ENV = "LORAPLANE_LOADER_NICE"
 
 
-def _lower_priority() -> None:
+def loader_nice() -> int:
+    """The loader threads' nice value, from LORAPLANE_LOADER_NICE (default 19; 0 leaves them
+    at the engine's priority). ValueError naming the variable when it is not 0..19."""
+    text = os.environ.get(NICE_ENV, "19").strip()
+    if not text.isdigit() or not 0 <= int(text) <= 19:
+        raise ValueError(f"{NICE_ENV} must be an integer in 0..19, got {text!r}")
+    return int(text)
+
+
+def _lower_priority(nice: int) -> None:
     """Loader threads run at a low CPU priority: they fill the CPU time the step leaves idle
     instead of taking cores from its compute threads (on a CPU device an OpenMP barrier waits
     for a descheduled thread), while a GPU step leaves the CPU to them anyway. Linux only."""
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 class State(enum.Enum):
@@ -147,10 +156,12 @@ class LoRAManager:
         self._loads_in_flight = 0
         self._closed = False
         self._clock = 0
+        nice = loader_nice()
         self._pool = ThreadPoolExecutor(
             max_workers=max_loads_in_flight,
             thread_name_prefix="lora-load",
-            initializer=_lower_priority if LOADER_NICE else None,
+            initializer=_lower_priority if nice else None,
+            initargs=(nice,),
         )
 
     # -- registry ---------------------------------------------------------------------------
