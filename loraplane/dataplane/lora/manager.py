@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 import re
@@ -160,8 +161,7 @@ class LoRAManager:
         self._pool = ThreadPoolExecutor(
             max_workers=max_loads_in_flight,
             thread_name_prefix="lora-load",
-            initializer=_lower_priority if nice else None,
-            initargs=(nice,),
+            initializer=functools.partial(_lower_priority, nice) if nice else None,
         )
 
     # -- registry ---------------------------------------------------------------------------
