@@ -162,7 +162,8 @@ class Engine:
         # the waiting queue is the prefetch list: the next requests' adapters load first,
         # in the background, a bounded number at a time
         waiting = self.scheduler.waiting_loras()
-        if self.loras.prefetch(waiting) or waiting:
+        self.loras.prefetch(waiting)
+        if waiting:
             self._wait_for_loads()
         start = time.perf_counter()
         out = self.scheduler.schedule(self.loras)
@@ -183,8 +184,8 @@ class Engine:
     def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         """Run the rows of `out` through the model and the sampler, then record the tokens.
         Raises (before anything is recorded) if the forward pass or the sampler fails."""
-        wanted = self.scheduler.waiting_lora_keys  # evicted only after every other idle one
-        logits = self.runner.execute(out, self.scheduler.running_lora_keys, wanted)
+        # the step's adapters were placed when their requests were admitted: this only checks
+        logits = self.runner.execute(out, self.scheduler.running_lora_keys)
         rows = out.sampled
         params = [r.seq.params for r in rows]
         sampled = self.sampler(logits, params, [r.seq.generator for r in rows])
@@ -261,8 +262,8 @@ class Engine:
         if not held:
             return
         share = min(len(held), seats) / max(1, len(self.scheduler.running))
-        refs = {s.lora.key: s.lora for s in held if s.lora is not None}
-        self.loras.wait_for(refs.values(), min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
+        refs = [s.lora for s in held if s.lora is not None]
+        self.loras.wait_for(refs, min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """End waiting requests whose adapter's last load failed; other requests go on."""

@@ -69,9 +69,10 @@ class Adapters(Protocol):
         """Device bytes all running adapters together may take (None: no limit)."""
         ...
 
-    def place(self, ref: LoRARef, in_use: Iterable[str]) -> bool:
-        """Make `ref` resident now (evicting idle adapters, never those in `in_use`); False
-        when it cannot be placed yet (its memory is held by sequences' KV blocks)."""
+    def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str]) -> bool:
+        """Make `ref` resident now, evicting idle adapters (never those in `in_use`; those in
+        `wanted`, needed by waiting requests, last); False when it cannot be placed yet (its
+        memory is held by sequences' KV blocks)."""
         ...
 
 
@@ -86,7 +87,7 @@ class _AllReady:
     def device_bytes(self, ref: LoRARef) -> int:
         return 0
 
-    def place(self, ref: LoRARef, in_use: Iterable[str]) -> bool:
+    def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str]) -> bool:
         return True
 
 
@@ -102,6 +103,7 @@ class _Room:
         self.used = 0
         self.unplaced: set[str] = set()  # fit the budget, but no memory could be freed yet
         self.placed: set[str] = set()  # made resident for a request being admitted
+        self.wanted: set[str] = set()  # adapters of waiting requests (evicted last)
         for seq in running:
             if seq.lora is not None and seq.lora.key not in self.keys:
                 self.add(seq.lora)
@@ -283,6 +285,8 @@ class Scheduler:
         heap: list[tuple[int, int, int, Sequence]] = []
         for pos, seq in enumerate(self.waiting):
             key = seq.lora_key
+            if key is not None:
+                room.wanted.add(key)
             if barrier is not None and key is not None and key != barrier:
                 continue
             rank = 0 if key is not None and key == barrier else 1 if seq.num_preemptions else 2
@@ -301,7 +305,7 @@ class Scheduler:
                 if not room.fits(lora):
                     continue  # deferred
                 if lora.key in room.unplaced or not room.adapters.place(
-                    lora, room.keys | room.placed
+                    lora, room.keys | room.placed, room.wanted
                 ):
                     room.unplaced.add(lora.key)
                     continue  # deferred: its memory is still KV cache in use

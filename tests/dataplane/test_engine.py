@@ -128,7 +128,7 @@ def test_max_loras_defers_requests_and_every_step_holds_at_most_that_many_adapte
     seen: list[frozenset[str]] = []
     execute = engine.runner.execute
 
-    def spy(out: Any, in_use: set[str], wanted: set[str]) -> torch.Tensor:
+    def spy(out: Any, in_use: set[str], wanted: set[str] | None = None) -> torch.Tensor:
         seen.append(out.lora_keys)
         assert len(engine.runner.loras.resident) <= 2
         return execute(out, in_use, wanted)

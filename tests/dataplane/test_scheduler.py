@@ -69,6 +69,7 @@ class Tiers:
         self.loading = loading or set()
         self.sizes = sizes or {}
         self.budget_bytes = budget_bytes
+        self.placed_with: list[set[str]] = []  # the `wanted` set of each placement
 
     def ready(self, ref: LoRARef) -> bool:
         return ref.name not in self.loading
@@ -76,7 +77,8 @@ class Tiers:
     def device_bytes(self, ref: LoRARef) -> int:
         return self.sizes.get(ref.name, 1)
 
-    def place(self, ref: LoRARef, in_use: object) -> bool:
+    def place(self, ref: LoRARef, in_use: object, wanted: object) -> bool:
+        self.placed_with.append(set(wanted))  # type: ignore[call-overload]
         return True
 
 
@@ -703,3 +705,15 @@ def test_an_adapter_placed_for_a_request_being_admitted_is_pinned_against_kv_rec
     sched.schedule(Tiers())
     assert seen and all(adapter("new").key in pinned for pinned in seen)
     assert sched.pinned_lora_keys == sched.running_lora_keys  # outside admission: running only
+
+
+def test_admission_places_an_adapter_knowing_which_ones_waiting_requests_need() -> None:
+    """Placing a new adapter may evict idle ones: those waiting requests need go last, so the
+    scheduler hands the manager the waiting requests' adapters."""
+    tiers = Tiers()
+    sched = make(max_num_seqs=1, max_loras=8)
+    first, later = seq(lora=adapter("first")), seq(lora=adapter("later"))
+    sched.add(first)
+    sched.add(later)
+    step(sched, tiers=tiers)
+    assert tiers.placed_with and adapter("later").key in tiers.placed_with[0]

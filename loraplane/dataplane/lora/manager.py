@@ -269,7 +269,7 @@ class LoRAManager:
         if entry.state is State.HOST:
             return True
         if not self.prefetch_enabled:
-            self._start_load(entry, wait=True)
+            self._load_now(entry)
         return entry.host is not None  # loaded now (prefetch off), or by a racing load
 
     def prefetch(self, refs: Iterable[LoRARef]) -> int:
@@ -316,9 +316,10 @@ class LoRAManager:
     def pending(self) -> set[str]:
         """Keys of the adapters being loaded now or queued to load (the prefetch list)."""
         with self._lock:
-            keys = set(self._loading)
-            keys.update(e.ref.key for e in self._queue if e.state is State.COLD)
-            return keys
+            return self._pending()
+
+    def _pending(self) -> set[str]:
+        return self._loading | {e.ref.key for e in self._queue if e.state is State.COLD}
 
     def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> None:
         """Block until none of `refs` is loading or queued to load, for at most `timeout`
@@ -327,12 +328,7 @@ class LoRAManager:
         deadline = time.monotonic() + timeout
         with self._load_ended:
             while True:
-                queued = {e.ref.key for e in self._queue if e.state is State.COLD}
-                if not any(
-                    (e := self._entries.get(k)) is not None
-                    and (e.state is State.LOADING or k in queued)
-                    for k in keys
-                ):
+                if not keys & self._pending():
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -365,20 +361,18 @@ class LoRAManager:
             )
         return None
 
-    def _start_load(self, entry: _Entry, wait: bool) -> bool:
-        started = False
+    def _load_now(self, entry: _Entry) -> None:
+        """Load `entry` and wait for it (prefetch off), unless it failed too recently."""
         with self._lock:
             if entry.state is State.FAILED:
                 if time.monotonic() - entry.failed_at < self.retry_after_s:
-                    return False
+                    return
                 entry.state = State.COLD
             if entry.state is State.COLD:
                 self._begin_load(entry)
-                started = True
             future = entry.future
-        if wait and future is not None:
+        if future is not None:
             future.result()
-        return started
 
     def _load(self, entry: _Entry) -> None:
         try:

@@ -141,7 +141,7 @@ class Runtime:
             engine = Engine(self.settings.engine_config(), disk=disk)
         except (ValueError, OSError) as e:
             raise StartupError(f"cannot load model {self.settings.model}: {e}") from e
-        self._time_device_loads(engine)
+        self._observe_load_times(engine)
         for name, path in self.settings.adapter_dirs().items():
             start = time.perf_counter()
             try:
@@ -152,7 +152,7 @@ class Runtime:
             self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
         return engine
 
-    def _time_device_loads(self, engine: Engine) -> None:
+    def _observe_load_times(self, engine: Engine) -> None:
         """Feed each adapter load's time (host tier: from disk; gpu: into a device slot) to
         loraplane_adapter_load_seconds."""
         histogram = self.metrics.load_seconds
