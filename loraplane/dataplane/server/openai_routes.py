@@ -137,11 +137,12 @@ async def _serve(
     params = body.sampling_params(max_tokens=1, logprobs=top is not None)
     choices = make_choices(prompts, params, body.n, limits)
     lease = await runtime.lease(resolved, body.model, len(choices))
+    tokens_per_minute = runtime.share(resolved.tokens_per_minute)  # this replica's share
     try:
         runtime.limiter.admit(
             resolved.tenant,
             requests_per_minute=runtime.share(resolved.requests_per_minute),
-            tokens_per_minute=runtime.share(resolved.tokens_per_minute),
+            tokens_per_minute=tokens_per_minute,
             prompt_tokens=sum(len(p) for p in prompts),
         )
     except APIError:
@@ -150,7 +151,7 @@ async def _serve(
     prefix = "chatcmpl" if chat else "cmpl"
     job = Job(
         f"{prefix}-{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
-        tokens_per_minute=runtime.share(resolved.tokens_per_minute),
+        tokens_per_minute=tokens_per_minute,
     )  # fmt: skip
     created, model = int(time.time()), body.model
     text = _token_text(runtime)
