@@ -27,6 +27,10 @@ from loraplane.dataplane.sequence import LoRARef
 
 log = logging.getLogger(__name__)
 
+# engine steps that may fail in a row before their batch was formed (a scheduler fault)
+# before every request is failed: retrying forever would spin with no request ever answered
+MAX_FAILED_STEPS = 3
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -45,6 +49,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.on_step: Callable[[list[RequestOutput]], None] | None = None  # metrics hook
+        self._failed_steps = 0  # engine steps failed in a row (see _step_failed)
 
     async def generate(
         self,
@@ -102,6 +107,23 @@ class AsyncEngine:
         self._actions.put(lambda: None)
         self._thread.join(timeout)
 
+    def _step_failed(self, error: Exception) -> None:
+        """A step raised past the engine's own isolation (a fault in the engine, not in one
+        adapter or request). The requests of that step fail with the error; the rest go on.
+        A step that failed before its batch was formed is retried; the engine gives up on
+        every request only after MAX_FAILED_STEPS such failures in a row, rather than spin."""
+        batch = list(self.engine.last_batch)
+        self._failed_steps += 1
+        if not batch and self._failed_steps < MAX_FAILED_STEPS:
+            log.error("an engine step failed before its batch was formed; retrying", exc_info=error)
+            return
+        log.error("an engine step failed; failing %s", "its requests" if batch else "every request",
+                  exc_info=error)  # fmt: skip
+        for request_id in batch or self.engine.request_ids():
+            self.engine.abort(request_id)
+            self._deliver(request_id, error)
+        self._failed_steps = 0
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -132,10 +154,9 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed step fails the requests in it, not the loop
-                for request_id in list(self._streams):
-                    self.engine.abort(request_id)
-                    self._deliver(request_id, e)
+                self._step_failed(e)
                 continue
+            self._failed_steps = 0
             for out in outputs:
                 self._deliver(out.request_id, out)
             if self.on_step is not None:

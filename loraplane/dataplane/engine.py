@@ -25,7 +25,7 @@ from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.detokenizer import IncrementalDetokenizer
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
-from loraplane.dataplane.sampler import Sampler, make_generator
+from loraplane.dataplane.sampler import Sampler, SamplerOutput, make_generator
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
@@ -107,6 +107,7 @@ class Engine:
         self._sent_logprobs: dict[str, int] = {}
         self._step_seconds = 0.0  # moving average of a step's time
         self._swept = time.monotonic()  # the last sweep of idle stored versions
+        self.last_batch: list[str] = []  # request ids of the step being run (see step)
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -150,58 +151,90 @@ class Engine:
         self._sent_logprobs.pop(request_id, None)
         return seq is not None
 
+    def request_ids(self) -> list[str]:
+        """Every waiting and running request's id."""
+        return [s.request_id for s in (*self.scheduler.waiting, *self.scheduler.running)]
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return an output for every request that got a token (or
-        failed: a request whose adapter cannot be loaded ends with `error` set)."""
+        failed: a request whose adapter cannot be loaded ends with `error` set).
+
+        Failures stay with the requests that cause them: a forward pass or sampler that
+        raises is run again one adapter at a time, a request whose output cannot be formed
+        fails alone, and housekeeping (prefetch, forgetting idle adapters) never fails a step.
+        Anything else raises, with `last_batch` naming the requests of the failed step."""
+        self.last_batch = []
         failed = self._fail_unloadable()
-        self._forget_idle()
-        # the waiting queue is the prefetch list: the next requests' adapters load first,
-        # in the background, a bounded number at a time
-        waiting = self.scheduler.waiting_loras()
-        self.loras.prefetch(waiting)
-        if waiting:
-            self._wait_for_loads()
+        self._housekeeping()
         start = time.perf_counter()
         out = self.scheduler.schedule(self.loras)
         if not out.scheduled:
             if self.scheduler.waiting:  # every waiting request waits for its adapter's load
                 self.loras.wait_for_load(LOAD_WAIT_S)
             return failed
+        self.last_batch = [r.seq.request_id for r in out.scheduled]
         try:
-            outputs = self._run(out)
+            parts = [(out, self._compute(out))]
         except Exception as error:  # one tenant's failure must not end the others' requests
-            outputs = self._run_isolated(out, error)
+            parts, failed_rows = self._compute_isolated(out, error)
+            failed += failed_rows
+        outputs = [o for part, sampled in parts for o in self._record(part, sampled)]
         elapsed = time.perf_counter() - start
         self._step_seconds += 0.2 * (elapsed - self._step_seconds)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
         return failed + outputs
 
-    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """Run the rows of `out` through the model and the sampler, then record the tokens.
-        Raises (before anything is recorded) if the forward pass or the sampler fails."""
+    def _housekeeping(self) -> None:
+        """Forget idle adapters, prefetch the waiting requests' adapters (the waiting queue is
+        the prefetch list: the next requests' adapters load first, in the background, a
+        bounded number at a time) and wait for loads that pay for themselves. A failure here
+        costs only the optimisation, never a request."""
+        try:
+            self._forget_idle()
+            waiting = self.scheduler.waiting_loras()
+            self.loras.prefetch(waiting)
+            if waiting:
+                self._wait_for_loads()
+        except Exception:
+            log.exception("adapter housekeeping failed (requests go on)")
+
+    def _compute(self, out: SchedulerOutput) -> SamplerOutput:
+        """Run the rows of `out` through the model and the sampler; records nothing."""
         # the step's adapters were placed when their requests were admitted: this only checks
         logits = self.runner.execute(out, self.scheduler.running_lora_keys)
         rows = out.sampled
-        params = [r.seq.params for r in rows]
-        sampled = self.sampler(logits, params, [r.seq.generator for r in rows])
-        live = [r.seq for r in rows if r.seq.status is SequenceStatus.RUNNING]
+        return self.sampler(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows])
+
+    def _record(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+        """Record a computed step's tokens and form each request's output (a request whose
+        output cannot be formed, e.g. its text does not decode, fails alone)."""
+        live = [r.seq for r in out.sampled if r.seq.status is SequenceStatus.RUNNING]
         self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs)
         self.stats.prompt_tokens += sum(
             r.num_new_tokens for r in out.scheduled if r.start < r.seq.num_prompt_tokens
         )
         self.stats.generation_tokens += len(live)
-        return [self._emit(seq) for seq in live]
+        outputs = []
+        for seq in live:
+            try:
+                outputs.append(self._emit(seq))
+            except Exception as error:
+                log.warning("the output of request %s failed: %r", seq.request_id, error)
+                outputs.append(self._fail(seq, _failure_message(error)))
+        return outputs
 
-    def _run_isolated(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        """The step failed: run its rows again one adapter at a time (the base model's rows
-        are a group too). A group that fails alone fails its requests with the error; the
-        others get their tokens in this step. Nothing was recorded by the failed attempt: its
-        K/V writes are rewritten with the same values."""
+    def _compute_isolated(
+        self, out: SchedulerOutput, error: Exception
+    ) -> tuple[list[tuple[SchedulerOutput, SamplerOutput]], list[RequestOutput]]:
+        """The step's computation failed: run its rows again one adapter at a time (the base
+        model's rows are a group too). A group that fails alone fails its requests with the
+        error; the others are computed in this step. Nothing was recorded by the failed
+        attempt: its K/V writes are rewritten with the same values."""
         groups: dict[str | None, list[ScheduledSeq]] = {}
         for row in out.scheduled:
             groups.setdefault(row.seq.lora_key, []).append(row)
@@ -210,18 +243,19 @@ class Engine:
             log.warning("a step of adapter %s failed: %r", key or "(base model)", error)
             failed = self._fail_rows(out.scheduled, error)
             self._reset_adapter(key)
-            return failed
-        outputs: list[RequestOutput] = []
+            return [], failed
+        parts: list[tuple[SchedulerOutput, SamplerOutput]] = []
+        failed = []
         for key, rows in groups.items():
             keys = frozenset() if key is None else frozenset({key})
             part = dataclasses.replace(out, scheduled=rows, lora_keys=keys)
             try:
-                outputs += self._run(part)
+                parts.append((part, self._compute(part)))
             except Exception as group_error:
                 log.warning("a step of adapter %s failed: %r", key or "(base model)", group_error)
-                outputs += self._fail_rows(rows, group_error)
+                failed += self._fail_rows(rows, group_error)
                 self._reset_adapter(key)
-        return outputs
+        return parts, failed
 
     def _reset_adapter(self, key: str | None) -> None:
         """After a failed step: reload the adapter's device slot from its host copy next time,
@@ -231,7 +265,7 @@ class Engine:
 
     def _fail_rows(self, rows: list[ScheduledSeq], error: Exception) -> list[RequestOutput]:
         """Finish the rows' requests with an error (their blocks freed)."""
-        message = f"the step serving this request failed: {type(error).__name__}: {error}"
+        message = _failure_message(error)
         return [self._fail(row.seq, message) for row in rows if not row.seq.is_finished]
 
     def _reclaim(self, short: int) -> None:
@@ -349,3 +383,7 @@ class Engine:
                     done.finish_reason, done.error = out.finish_reason, out.error
                     pending.discard(out.request_id)
         return [results[f"{stamp}-{i}"] for i in range(n)]
+
+
+def _failure_message(error: BaseException) -> str:
+    return f"the step serving this request failed: {type(error).__name__}: {error}"

@@ -211,3 +211,140 @@ def test_one_tenants_stored_adapters_broken_five_ways_while_another_tenant_strea
         assert error and reasons[how] in error, (how, error)  # a reason; nothing hangs
         assert tokens == [], how
         assert str(tmp_path) not in error and "/store/" not in error  # no store layout told
+
+
+def test_an_adapter_whose_copy_to_the_device_fails_fails_alone_and_recovers(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: list[list[int]]
+) -> None:
+    """Placing one adapter on the device raises (during admission, not in the forward pass):
+    its request fails with the reason, the others are served exactly, and once the fault is
+    gone the adapter loads again from its source."""
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+    pool = engine.runner.pool
+    load = pool.load
+    broken = {"on": True}
+
+    def failing_load(slot: int, adapter: Any) -> bool:
+        if broken["on"] and adapter.rank == 16:
+            raise RuntimeError("device copy failed (injected)")
+        return load(slot, adapter)
+
+    pool.load = failing_load  # type: ignore[method-assign]
+    outs = run(engine, [refs["r4"], refs["r16"], None, refs["r64"]])
+    _, failed = outs["q1"]
+    assert failed.finish_reason == "error"
+    assert failed.error is not None and "device copy failed (injected)" in failed.error
+    for i in (0, 2, 3):
+        tokens, out = outs[f"q{i}"]
+        assert (tokens, out.error) == (expected[i], None)
+    broken["on"] = False
+    engine.loras.retry_after_s = 0.0
+    (again,) = engine.generate([PROMPTS[1]], GREEDY, [refs["r16"]])
+    assert again.error is None and again.token_ids == expected[1]
+
+
+def test_a_request_whose_output_cannot_be_formed_fails_alone(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: list[list[int]]
+) -> None:
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+    loras = [refs["r4"], refs["r16"], None, refs["r64"]]
+    for i, (prompt, lora) in enumerate(zip(PROMPTS, loras, strict=True)):
+        engine.add_request(f"q{i}", prompt, GREEDY, lora)
+
+    def undecodable(token: int) -> Any:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    engine._detok["q2"].add_token = undecodable  # type: ignore[method-assign]
+    tokens: dict[str, list[int]] = {}
+    last: dict[str, RequestOutput] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            last[out.request_id] = out
+    assert last["q2"].finish_reason == "error" and "UnicodeDecodeError" in str(last["q2"].error)
+    for i in (0, 1, 3):
+        assert (tokens[f"q{i}"], last[f"q{i}"].error) == (expected[i], None)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def _stream_all(front: AsyncEngine, loras: list[LoRARef | None]) -> list[tuple[list[int], str]]:
+    """Every prompt through the async engine; per request its tokens and how it ended (a
+    finish reason, or the exception's text)."""
+
+    async def one(i: int, lora: LoRARef | None) -> tuple[list[int], str]:
+        tokens: list[int] = []
+        end = ""
+        try:
+            async for out in front.generate(f"s{i}", PROMPTS[i], GREEDY, lora):
+                tokens += out.token_ids
+                end = out.error or out.finish_reason or end
+        except Exception as e:
+            end = f"raised {e}"
+        return tokens, end
+
+    async def all_of_them() -> list[tuple[list[int], str]]:
+        return await asyncio.gather(*(one(i, lora) for i, lora in enumerate(loras)))
+
+    try:
+        return asyncio.run(asyncio.wait_for(all_of_them(), 120))
+    finally:
+        front.shutdown()
+
+
+def test_a_scheduler_fault_is_retried_and_fails_no_request(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: list[list[int]]
+) -> None:
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+    schedule = engine.scheduler.schedule
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] in (2, 5, 6):  # once, then twice in a row (under MAX_FAILED_STEPS)
+            raise RuntimeError("scheduler fault (injected)")
+        return schedule(*args, **kwargs)
+
+    engine.scheduler.schedule = flaky  # type: ignore[method-assign]
+    results = _stream_all(AsyncEngine(engine), [refs["r4"], refs["r16"], None, refs["r64"]])
+    assert calls["n"] > 6
+    assert results == [(expected[i], "length") for i in range(4)]
+
+
+def test_a_scheduler_that_always_fails_ends_every_request_instead_of_spinning(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    engine, refs = make(tiny_llama_dir, peft_adapters)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("scheduler fault (injected)")
+
+    engine.scheduler.schedule = broken  # type: ignore[method-assign]
+    results = _stream_all(AsyncEngine(engine), [refs["r4"], None, refs["r16"], refs["r64"]])
+    assert all(end == "raised scheduler fault (injected)" for _, end in results)
+    assert not engine.has_unfinished
+
+
+def test_an_engine_fault_after_the_batch_fails_only_that_batchs_requests(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], expected: list[list[int]]
+) -> None:
+    """Recording a step raises once (an engine fault past the per-adapter isolation): the
+    requests in that step fail, the ones still waiting are served exactly."""
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                          num_kv_blocks=256, block_size=4, max_num_seqs=2)  # fmt: skip
+    engine = Engine(config)
+    refs = {n: engine.register_lora(n, peft_adapters[n], f"tenant-{n}") for n in peft_adapters}
+    postprocess = engine.scheduler.postprocess
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("bookkeeping fault (injected)")
+        return postprocess(*args, **kwargs)
+
+    engine.scheduler.postprocess = flaky  # type: ignore[method-assign]
+    results = _stream_all(AsyncEngine(engine), [refs["r4"], refs["r16"], None, refs["r64"]])
+    failed = [i for i, (_, end) in enumerate(results) if end.startswith("raised")]
+    assert len(failed) == 2  # the first step's two seats
+    for i in set(range(4)) - set(failed):
+        assert results[i] == (expected[i], "length")

@@ -397,9 +397,8 @@ class LoRAManager:
                 if isinstance(e, AdapterRejected | StoreError | OSError)
                 else (f"{type(e).__name__}: {e}")
             )
-            public = without_paths(message)  # requests see this: no store layout in it
             with self._lock:
-                entry.state, entry.error, entry.failed_at = State.FAILED, public, time.monotonic()
+                self._fail_entry(entry, message)
                 self.host_stats.failures += 1
             log.warning("loading adapter %s failed: %s", entry.ref.key, message)
             return
@@ -408,6 +407,15 @@ class LoRAManager:
                 self._to_host(entry, adapter)
                 if self.host_stats.load_seconds is not None:
                     self.host_stats.load_seconds(time.perf_counter() - start)
+
+    def _fail_entry(self, entry: _Entry, message: str) -> None:
+        """Mark `entry` FAILED with `message` (under the lock): its waiting requests fail with
+        it, and it loads again from its source after the retry window."""
+        entry.state, entry.error = State.FAILED, without_paths(message)
+        entry.failed_at = time.monotonic()
+        if entry.host is not None:  # the host copy may be what is wrong: read it again
+            entry.host = None
+            self._hosted.pop(entry.ref.key, None)
 
     def wait_for_load(self, timeout: float) -> bool:
         """Block until a background load ends, for at most `timeout` seconds; False at once
@@ -534,7 +542,12 @@ class LoRAManager:
                 return False
             if entry.slot is not None:
                 return True
-            return self._place(entry, set(in_use) | {ref.key}, set(wanted))
+            try:
+                return self._place(entry, set(in_use) | {ref.key}, set(wanted))
+            except Exception as e:  # this adapter's copy to the device failed: it alone fails
+                self._fail_entry(entry, f"{type(e).__name__}: {e}")
+                log.warning("placing adapter %s on the device failed: %r", ref.key, e)
+                return False
 
     def _place(self, entry: _Entry, keep: set[str], wanted: set[str]) -> bool:
         """Load `entry` into a slot, evicting idle residents (not in `keep`; those in `wanted`
