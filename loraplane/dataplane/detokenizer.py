@@ -40,7 +40,11 @@ class IncrementalDetokenizer:
     """Turns one request's output tokens, given one at a time, into text deltas."""
 
     def __init__(
-        self, tokenizer: Decoder, stop: Sequence[str] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Decoder,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}")
@@ -48,6 +52,7 @@ class IncrementalDetokenizer:
         self._stop = list(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._skip_special = skip_special_tokens
+        self._include_stop = include_stop  # a matched stop string stays in the text
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: a character boundary
         self._read_offset = 0  # tokens up to here are released as text
@@ -64,8 +69,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def add_token(self, token_id: int) -> DetokenizerDelta:
-        """Take the next output token; return the text it completes (maybe empty)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> DetokenizerDelta:
+        """Take the next output token; return the text it completes (maybe empty). With
+        `check_stop` False (min_tokens not reached yet) new text is not searched for stop
+        strings: a stop string that appears then does not stop the output."""
         if self.stopped:
             return DetokenizerDelta("", True, self.stop_string)
         self._ids.append(token_id)
@@ -74,7 +81,7 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return DetokenizerDelta("")  # a partial character (or nothing new) so far
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._release(full[len(prefix) :], final=False)
+        return self._release(full[len(prefix) :], final=False, check_stop=check_stop)
 
     def flush(self) -> DetokenizerDelta:
         """At the end of the output: release what was held back (a trailing partial character
@@ -86,18 +93,21 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._ids)
         return self._release(full[len(prefix) :], final=True)
 
-    def _release(self, new_text: str, final: bool) -> DetokenizerDelta:
+    def _release(self, new_text: str, final: bool, check_stop: bool = True) -> DetokenizerDelta:
         """Append decoded text; cut at a stop string; return what may be sent now."""
-        start = max(0, len(self._text) - self._max_stop + 1)
+        start = max(self._sent, len(self._text) - self._max_stop + 1)
         self._text += new_text
-        if self._stop:
+        if self._stop and check_stop:
             hits = [(i, s) for s in self._stop if (i := self._text.find(s, start)) != -1]
             if hits:
                 cut, stop = min(hits)
-                self._text = self._text[:cut]
+                self._text = self._text[: cut + (len(stop) if self._include_stop else 0)]
                 self.stopped, self.stop_string = True, stop
                 return self._send(len(self._text), stop)
-        end = len(self._text) if final else len(self._text) - self._pending_stop_prefix()
+        if final or not check_stop:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._pending_stop_prefix()
         return self._send(end, None)
 
     def _send(self, end: int, stop: str | None) -> DetokenizerDelta:

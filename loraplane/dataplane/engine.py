@@ -57,6 +57,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set when the request failed (e.g. its adapter could not load)
+    # per token, its best alternatives (token id, log-probability), when the request asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True)
@@ -128,6 +130,11 @@ class Engine:
         """Queue a request. Raises ValueError when it can never run (too long, unknown adapter)."""
         params = params or SamplingParams()
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.truncate_prompt_tokens is not None:
+            tokens = tokens[-params.truncate_prompt_tokens :]
+        vocab = self.runner.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias holds token ids outside the vocabulary ({vocab})")
         if lora is not None and not self.loras.is_registered(lora):
             raise ValueError(f"adapter {lora.key} is not registered")
         if not params.ignore_eos:
@@ -140,7 +147,12 @@ class Engine:
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
         self.scheduler.add(seq)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, stop=params.stop)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop=params.include_stop_str_in_output,
+        )
         self._sent_logprobs[request_id] = 0
         return seq
 
@@ -208,13 +220,14 @@ class Engine:
         # the step's adapters were placed when their requests were admitted: this only checks
         logits = self.runner.execute(out, self.scheduler.running_lora_keys)
         rows = out.sampled
-        return self.sampler(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows])
+        seqs = [r.seq for r in rows]
+        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
 
     def _record(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
         """Record a computed step's tokens and form each request's output (a request whose
         output cannot be formed, e.g. its text does not decode, fails alone)."""
         live = [r.seq for r in out.sampled if r.seq.status is SequenceStatus.RUNNING]
-        self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs)
+        self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
         self.stats.prompt_tokens += sum(
             r.num_new_tokens for r in out.scheduled if r.start < r.seq.num_prompt_tokens
         )
@@ -327,7 +340,9 @@ class Engine:
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         detok = self._detok[seq.request_id]
-        delta = detok.add_token(seq.token_ids[-1])
+        delta = detok.add_token(
+            seq.token_ids[-1], check_stop=seq.num_output_tokens >= seq.params.min_tokens
+        )
         text = delta.text
         if delta.stopped and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP)
@@ -338,6 +353,7 @@ class Engine:
             del self._detok[seq.request_id]
         sent = self._sent_logprobs.get(seq.request_id, 0)
         logprobs = seq.output_logprobs[sent:] if seq.params.wants_logprobs else None
+        top = seq.output_top_logprobs[sent:] if seq.params.top_logprobs else None
         if seq.is_finished:
             self._sent_logprobs.pop(seq.request_id, None)
         else:
@@ -351,6 +367,7 @@ class Engine:
             logprobs=logprobs,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            top_logprobs=top,
         )
 
     def generate(

@@ -88,6 +88,11 @@ class ModelRunner:
         self.kv_cache: torch.Tensor = self.model.kv_cache  # [2, layers, blocks, bs, kv, dim]
         self.config = config
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits (the model's vocabulary, padding included)."""
+        return int(self.model.config.vocab_size)
+
     def _auto_blocks(self, config: EngineConfig) -> int:
         """KV blocks from free memory: all a full batch of max-length sequences could use,
         capped by a share of the device's free memory."""

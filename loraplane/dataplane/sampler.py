@@ -1,21 +1,40 @@
-"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turn a step's logits into tokens: logit bias, min_tokens, repetition / frequency /
+presence penalties, then greedy or temperature, min-p, top-k, top-p, per-request seeds.
+
+Every transform is batched over the rows that need it: one tensor op per transform per step,
+whatever the number of requests (the token histories that penalties need become one padded
+tensor). Rows that need none of them are read as they are.
 
 Sampling draws with the exponential race: for probabilities p and independent E_i ~ Exp(1),
 argmax_i p_i / E_i is distributed as p. The noise of a seeded request comes from its own
 `torch.Generator`, one full-vocabulary draw per step, so its tokens do not depend on what else
 is in the batch or where its row is; requests without a seed share the sampler's generator.
-Log-probabilities are of the model's own distribution (log_softmax of the raw logits), as vLLM
-returns them by default.
+Log-probabilities (of the chosen token, and the best `top_logprobs` alternatives) are of the
+model's own distribution (log_softmax of the raw logits, before any transform), as vLLM returns
+them by default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from loraplane.dataplane.sampling import SamplingParams
+
+TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), best first
+
+
+class History(Protocol):
+    """A row's tokens so far (the engine passes its Sequences)."""
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...  # the prompt, then the outputs
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -27,10 +46,12 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
-    """Per row: the chosen token, and its log-probability if the row's request asked for it."""
+    """Per row: the chosen token, and its log-probability (and the best alternatives') if the
+    row's request asked for them."""
 
     token_ids: list[int]
     logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None] | None = None  # None: no row asked for alternatives
 
 
 class Sampler:
@@ -44,8 +65,10 @@ class Sampler:
         logits: torch.Tensor,  # [B, V] fp32
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
+        histories: Sequence[History] | None = None,
     ) -> SamplerOutput:
-        """Sample row i with params[i], drawing from generators[i] when it is not None."""
+        """Sample row i with params[i], drawing from generators[i] when it is not None;
+        histories[i] holds row i's tokens so far (needed for penalties and min_tokens)."""
         if logits.dim() != 2 or logits.dtype != torch.float32:
             raise ValueError(f"logits must be [B, V] float32, got {logits.dtype} {logits.shape}")
         batch, vocab = logits.shape
@@ -55,6 +78,20 @@ class Sampler:
         if len(gens) != batch:
             raise ValueError(f"expected {batch} generators, got {len(gens)}")
         device = logits.device
+        raw = logits
+        changed = [
+            i
+            for i, p in enumerate(params)
+            if p.transforms_logits(_num_outputs(histories, i) if p.min_tokens else 0)
+        ]
+        if changed:
+            if histories is None or len(histories) != batch:
+                raise ValueError("penalties and min_tokens need one history per row")
+            logits = logits.clone()
+            rows = torch.tensor(changed, device=device)
+            logits[rows] = transform_logits(
+                logits[rows], [params[i] for i in changed], [histories[i] for i in changed]
+            )
         tokens = torch.empty(batch, dtype=torch.long, device=device)  # [B]
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -66,6 +103,9 @@ class Sampler:
             rows = torch.tensor(random, device=device)
             temps = torch.tensor([params[i].temperature for i in random], device=device)
             scaled = logits[rows] / temps.unsqueeze(1)  # [R, V]
+            min_ps = [params[i].min_p for i in random]
+            if any(min_ps):
+                scaled = min_p_filter(scaled, min_ps)
             top_ks = [params[i].top_k for i in random]
             top_ps = [params[i].top_p for i in random]
             if any(k != -1 for k in top_ks) or any(p < 1.0 for p in top_ps):
@@ -76,14 +116,22 @@ class Sampler:
 
         token_ids: list[int] = tokens.tolist()
         chosen: list[float | None] = [None] * batch
+        top: list[TopLogprobs | None] | None = None
         wanted = [i for i, p in enumerate(params) if p.wants_logprobs]
         if wanted:
             rows = torch.tensor(wanted, device=device)
-            logp = torch.log_softmax(logits[rows], dim=-1)  # [W, V]
+            logp = torch.log_softmax(raw[rows], dim=-1)  # [W, V]
             picked = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)  # [W]
             for i, value in zip(wanted, picked.tolist(), strict=True):
                 chosen[i] = value
-        return SamplerOutput(token_ids, chosen)
+            most = max(params[i].top_logprobs for i in wanted)
+            if most:
+                top = [None] * batch
+                values, ids = logp.topk(min(most, vocab), dim=-1)  # [W, most], best first
+                for i, vs, ts in zip(wanted, values.tolist(), ids.tolist(), strict=True):
+                    n = params[i].top_logprobs
+                    top[i] = list(zip(ts[:n], vs[:n], strict=True))
+        return SamplerOutput(token_ids, chosen, top)
 
     def _noise(
         self, gens: list[torch.Generator | None], vocab: int, device: torch.device
@@ -100,6 +148,86 @@ class Sampler:
                 noise[r].exponential_(generator=g)
         # an exact 0 would turn p/0 into inf (or nan for p=0): keep the race well defined
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _num_outputs(histories: Sequence[History] | None, i: int) -> int:
+    if histories is None:
+        return 0
+    h = histories[i]
+    return len(h.token_ids) - len(h.prompt_token_ids)
+
+
+def transform_logits(
+    logits: torch.Tensor,  # [R, V], a copy: changed in place
+    params: list[SamplingParams],
+    histories: list[History],
+) -> torch.Tensor:
+    """Apply logit_bias, min_tokens and the penalties to rows that need them, batched."""
+    vocab = logits.shape[1]
+    device = logits.device
+    # logit_bias and the stop tokens min_tokens forbids: (row, token, value) triples, one op each
+    bias_r, bias_t, bias_v, ban_r, ban_t = [], [], [], [], []
+    for r, (p, h) in enumerate(zip(params, histories, strict=True)):
+        for token, value in p.logit_bias.items():
+            if token < vocab:
+                bias_r.append(r)
+                bias_t.append(token)
+                bias_v.append(value)
+        if len(h.token_ids) - len(h.prompt_token_ids) < p.min_tokens:
+            ban = [t for t in p.stop_token_ids if t < vocab]
+            ban_r += [r] * len(ban)
+            ban_t += ban
+    if bias_r:
+        index = (torch.tensor(bias_r, device=device), torch.tensor(bias_t, device=device))
+        logits.index_put_(index, torch.tensor(bias_v, device=device), accumulate=True)
+    if ban_r:
+        index = (torch.tensor(ban_r, device=device), torch.tensor(ban_t, device=device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=device))
+    penalised = [r for r, p in enumerate(params) if p.penalised]
+    if penalised:
+        sub = torch.tensor(penalised, device=device)
+        logits[sub] = _penalties(
+            logits[sub], [params[r] for r in penalised], [histories[r] for r in penalised]
+        )
+    return logits
+
+
+def _penalties(
+    logits: torch.Tensor,  # [P, V]
+    params: list[SamplingParams],
+    histories: list[History],
+) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties.
+
+    Each row's tokens go into one padded [P, L] tensor (padding: id V, a column dropped after
+    counting), so the counts of every row come from one scatter_add."""
+    rows, vocab = logits.shape
+    device = logits.device
+
+    def counts(lists: list[list[int]]) -> torch.Tensor:  # [P, V] occurrences per token
+        width = max(1, max(len(t) for t in lists))
+        padded = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in lists])
+        padded = padded.clamp_(0, vocab).to(device)
+        out = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=device)
+        return out.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))[:, :vocab]
+
+    outputs = counts([h.token_ids[len(h.prompt_token_ids) :] for h in histories])
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = counts([h.prompt_token_ids for h in histories]).gt(0) | outputs.gt(0)
+        rp = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    return logits - freq * outputs - pres * outputs.gt(0).to(logits.dtype)
+
+
+def min_p_filter(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Mask to -inf every token whose probability is under min_p times the best one's."""
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
+        min_ps, device=logits.device, dtype=probs.dtype
+    ).unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _top_k_top_p(

@@ -355,9 +355,11 @@ class Scheduler:
         output: SchedulerOutput,
         sampled_token_ids: list[int],
         logprobs: list[float | None] | None = None,
+        top_logprobs: list[list[tuple[int, float]] | None] | None = None,
     ) -> list[Sequence]:
-        """Record a step's results (one token, and logprob, per row of `output.sampled`, in
-        order); return the sequences it finished, their blocks already freed."""
+        """Record a step's results (one token, and logprob and best alternatives, per row of
+        `output.sampled`, in order); return the sequences it finished, their blocks already
+        freed."""
         rows = output.sampled
         if len(sampled_token_ids) != len(rows) or len(logprobs or rows) != len(rows):
             raise ValueError(f"expected {len(rows)} sampled token ids (and logprobs, if any)")
@@ -370,7 +372,12 @@ class Scheduler:
             seq = r.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.append_token(token, logprobs[i] if logprobs and seq.params.wants_logprobs else None)
+            wants = seq.params.wants_logprobs
+            seq.append_token(
+                token,
+                logprobs[i] if logprobs and wants else None,
+                top_logprobs[i] if top_logprobs and wants else None,
+            )
             reason = seq.stop_reason(token, self.eos_token_id, self._max_len)
             if reason is not None:
                 self.finish(seq, reason)

@@ -110,6 +110,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)  # prompt followed by outputs
     output_logprobs: list[float] = field(init=False, default_factory=list)
+    # per output token, its best alternatives (token id, log-probability) when asked for
+    output_top_logprobs: list[list[tuple[int, float]]] = field(init=False, default_factory=list)
     status: SequenceStatus = field(init=False, default=SequenceStatus.WAITING)
     finish_reason: FinishReason | None = field(init=False, default=None)
     arrival_step: int = field(init=False, default=0)
@@ -198,11 +200,19 @@ class Sequence:
         """KV blocks needed to hold every token so far."""
         return blocks_for(len(self.token_ids), block_size)
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
-        """Add a sampled token (and its log-probability when the request asked for them)."""
+    def append_token(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top: list[tuple[int, float]] | None = None,
+    ) -> None:
+        """Add a sampled token (and its log-probability, and the best alternatives', when the
+        request asked for them)."""
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
 
     def stop_reason(
         self, token_id: int, eos_token_id: int | None, max_len: int | None

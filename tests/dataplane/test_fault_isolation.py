@@ -251,7 +251,7 @@ def test_a_request_whose_output_cannot_be_formed_fails_alone(
     for i, (prompt, lora) in enumerate(zip(PROMPTS, loras, strict=True)):
         engine.add_request(f"q{i}", prompt, GREEDY, lora)
 
-    def undecodable(token: int) -> Any:
+    def undecodable(token: int, check_stop: bool = True) -> Any:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
 
     engine._detok["q2"].add_token = undecodable  # type: ignore[method-assign]

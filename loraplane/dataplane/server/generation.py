@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from loraplane.dataplane.engine import RequestOutput
+from loraplane.dataplane.sampler import TopLogprobs
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.errors import ContextTooLong, InvalidRequest, Unavailable
@@ -36,6 +37,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -95,7 +97,10 @@ def make_choices(
         for i in range(n):
             index = p * n + i
             seed = None if params.seed is None else (params.seed + index) % 2**63
-            choice_params = dataclasses.replace(params, seed=seed, max_tokens=max_tokens[p])
+            try:
+                choice_params = dataclasses.replace(params, seed=seed, max_tokens=max_tokens[p])
+            except ValueError as e:  # e.g. min_tokens over what this prompt leaves
+                raise InvalidRequest(str(e)) from None
             choices.append(Choice(index, tokens, choice_params, counts_prompt=i == 0))
     return choices
 
@@ -139,6 +144,7 @@ def _record(choice: Choice, out: RequestOutput) -> None:
     choice.text += out.text
     choice.token_ids.extend(out.token_ids)
     choice.logprobs.extend(out.logprobs or [])
+    choice.top_logprobs.extend(out.top_logprobs or [])
     if out.finished:
         choice.finish_reason = out.finish_reason
 

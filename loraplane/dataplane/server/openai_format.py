@@ -1,8 +1,10 @@
 """OpenAI response bodies and stream chunks, built as plain dicts (no per-token validation).
 
-Log-probabilities: the engine returns only the chosen token's, so `top_logprobs` holds just
-that token (completions: `{token: logprob}`; chat: one `{"token", "logprob", "bytes"}`), and
-only when the client asked for alternatives (`logprobs >= 1`, `top_logprobs >= 1`).
+Log-probabilities are of the model's own distribution with the request's adapter. Completions
+(`logprobs: N`): per token its text, log-probability and offset, and with N >= 1 `top_logprobs`
+{text: logprob} for the N best tokens and the chosen one (as vLLM answers). Chat (`logprobs:
+true`, `top_logprobs: N`): per token `{"token", "logprob", "bytes", "top_logprobs"}` with the N
+best alternatives.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from loraplane.dataplane.sampler import TopLogprobs
 from loraplane.dataplane.server.generation import Choice, Job
 
 TokenText = Callable[[int], str]
@@ -35,7 +38,12 @@ def usage(job: Job) -> dict[str, int]:
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[float], top: int, text: TokenText, offset: int
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    tops: Sequence[TopLogprobs],
+    top: int,
+    text: TokenText,
+    offset: int,
 ) -> dict[str, Any]:
     """A completion choice's `logprobs` for these tokens; `offset` where their text starts."""
     tokens = [text(t) for t in token_ids]
@@ -43,25 +51,41 @@ def completion_logprobs(
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    best: list[dict[str, float]] | None = None
+    if top > 0:
+        best = []
+        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            alternatives = {text(t): v for t, v in tops[i]} if i < len(tops) else {}
+            best.append({**alternatives, token: lp})
     return {
         "tokens": tokens,
         "token_logprobs": list(logprobs),
-        "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)]
-        if top > 0
-        else None,
+        "top_logprobs": best,
         "text_offset": offsets,
     }
 
 
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
 def chat_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[float], top: int, text: TokenText
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    tops: Sequence[TopLogprobs],
+    top: int,
+    text: TokenText,
 ) -> dict[str, Any]:
     """A chat choice's `logprobs` for these tokens."""
     content = []
-    for token_id, lp in zip(token_ids, logprobs, strict=True):
-        token = text(token_id)
-        entry = {"token": token, "logprob": lp, "bytes": list(token.encode())}
-        content.append({**entry, "top_logprobs": [entry] if top > 0 else []})
+    for i, (token_id, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+        alternatives = tops[i] if top > 0 and i < len(tops) else []
+        content.append(
+            {
+                **_chat_entry(text(token_id), lp),
+                "top_logprobs": [_chat_entry(text(t), v) for t, v in alternatives],
+            }
+        )
     return {"content": content}
 
 
@@ -80,7 +104,9 @@ def completion_body(
                 "text": c.text,
                 "logprobs": None
                 if logprobs is None
-                else completion_logprobs(c.token_ids, c.logprobs, logprobs, text, 0),
+                else completion_logprobs(
+                    c.token_ids, c.logprobs, c.top_logprobs, logprobs, text, 0
+                ),
                 "finish_reason": c.finish_reason,
             }
             for c in job.choices
@@ -104,7 +130,7 @@ def chat_body(
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": None
                 if logprobs is None
-                else chat_logprobs(c.token_ids, c.logprobs, logprobs, text),
+                else chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, logprobs, text),
                 "finish_reason": c.finish_reason,
             }
             for c in job.choices
@@ -141,6 +167,7 @@ def stream_choice(
     token_ids: list[int],
     delta_text: str,
     logprobs: list[float] | None,
+    tops: list[TopLogprobs] | None,
     finish_reason: str | None,
     *,
     chat: bool,
@@ -151,10 +178,10 @@ def stream_choice(
     lp: dict[str, Any] | None = None
     if top is not None and logprobs:
         if chat:
-            lp = chat_logprobs(token_ids, logprobs, top, text)
+            lp = chat_logprobs(token_ids, logprobs, tops or [], top, text)
         else:
             offset = len(choice.text) - len(delta_text)
-            lp = completion_logprobs(token_ids, logprobs, top, text, offset)
+            lp = completion_logprobs(token_ids, logprobs, tops or [], top, text, offset)
     entry: dict[str, Any] = {"index": choice.index}
     if chat:
         entry["delta"] = {"content": delta_text} if delta_text else {}

@@ -130,11 +130,13 @@ async def _serve(
     chat: bool,
 ) -> Response:
     request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
+    if body.truncate_prompt_tokens is not None:  # before the context check, as vLLM does
+        prompts = [p[-body.truncate_prompt_tokens :] for p in prompts]
     _check_tokens(runtime, prompts)
     limit = runtime.max_model_len
     wanted = body.requested_max_tokens
     limits = [fit_max_tokens(len(p), wanted, default_max, limit) for p in prompts]
-    params = body.sampling_params(max_tokens=1, logprobs=top is not None)
+    params = body.sampling_params(max_tokens=max(limits), logprobs=top)
     choices = make_choices(prompts, params, body.n, limits)
     lease = await runtime.lease(resolved, body.model, len(choices))
     tokens_per_minute = runtime.share(resolved.tokens_per_minute)  # this replica's share
@@ -214,7 +216,7 @@ async def _events(
                     continue  # nothing to show yet (a partial character or a possible stop)
                 reason = out.finish_reason if out.finished else None
                 entry = fmt.stream_choice(
-                    choice, out.token_ids, out.text, out.logprobs, reason,
+                    choice, out.token_ids, out.text, out.logprobs, out.top_logprobs, reason,
                     chat=chat, top=top, text=text,
                 )  # fmt: skip
                 yield chunk([entry])

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sampling import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 from loraplane.dataplane.server.errors import InvalidRequest
 from loraplane.dataplane.server.settings import MAX_N
 
@@ -39,22 +39,23 @@ class Generation(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION_PENALTY)
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
 
     def check_supported(self) -> None:
         """400 for requested features the engine does not have."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported by this server", param=name)
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
         if self.top_k == 0:
             raise InvalidRequest("top_k must be -1 (off) or >= 1", param="top_k")
         if self.stream_options is not None and not self.stream:
@@ -79,19 +80,42 @@ class Generation(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
-        """Engine sampling params for one choice (n is the server's business)."""
+    def bias(self) -> dict[int, float]:
+        """`logit_bias` with token ids as ints (JSON keys are strings)."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise InvalidRequest(
+                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+        return out
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Engine sampling params for one choice (n is the server's business); `logprobs` is
+        None (none wanted) or the number of alternatives per token."""
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if self.top_k is None else self.top_k,
+                min_p=self.min_p or 0.0,
                 seed=None if self.seed is None else self.seed % 2**63,
                 max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
                 stop=self.stop_list(),
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
-                logprobs=logprobs,
+                logprobs=logprobs is not None,
+                top_logprobs=logprobs or 0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                logit_bias=self.bias(),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
@@ -101,7 +125,7 @@ class CompletionRequest(Generation):
     """`POST /v1/completions`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
@@ -163,7 +187,7 @@ class ChatCompletionRequest(Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True  # vLLM's extension
 

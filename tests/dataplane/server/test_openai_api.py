@@ -93,6 +93,64 @@ def test_completion_logprobs_hold_the_chosen_token(client: OpenAI) -> None:
     assert all(x <= 0 for x in lp.token_logprobs)
 
 
+def test_completion_top_logprobs_stream_and_not_agree(client: OpenAI, server: Running) -> None:
+    args = {"model": "ad05", "prompt": "Hello there", "max_tokens": 6, "logprobs": 3,
+            "extra_body": {"ignore_eos": True}, **GREEDY}  # fmt: skip
+    whole = client.completions.create(**args).choices[0].logprobs  # type: ignore[call-overload]
+    assert whole is not None and whole.top_logprobs is not None and whole.tokens is not None
+    assert whole.token_logprobs is not None
+    for top, token, lp in zip(whole.top_logprobs, whole.tokens, whole.token_logprobs, strict=True):
+        # the 3 best and the chosen one (tokens of the same text, e.g. partial characters,
+        # share one key, as in OpenAI's answers)
+        assert 1 <= len(top) <= 4 and token in top
+        assert max(top.values()) == pytest.approx(lp)  # greedy: the chosen one is the best
+    streamed: list[dict[str, float]] = []
+    for chunk in client.completions.create(stream=True, **args):  # type: ignore[call-overload]
+        lp = chunk.choices[0].logprobs
+        if lp is not None and lp.top_logprobs:
+            streamed += lp.top_logprobs
+    assert len(streamed) == len(whole.top_logprobs)
+    for a, b in zip(streamed, whole.top_logprobs, strict=True):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()))
+
+
+def test_chat_top_logprobs_are_sorted_alternatives(client: OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="ad02", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, logprobs=True,
+        top_logprobs=4, extra_body={"ignore_eos": True}, **GREEDY,
+    )  # fmt: skip
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    for entry in content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 4 and values == sorted(values, reverse=True)
+        assert entry.logprob == pytest.approx(values[0])
+        assert entry.top_logprobs[0].token == entry.token
+
+
+def test_the_sampling_set_reaches_the_sampler(client: OpenAI) -> None:
+    args = {"model": "ad01", "prompt": "The quick", "max_tokens": 8, **GREEDY}
+    plain = client.completions.create(extra_body={"ignore_eos": True}, **args)  # type: ignore[call-overload]
+    forced = client.completions.create(
+        logit_bias={"42": 100}, extra_body={"ignore_eos": True}, **args
+    )  # type: ignore[call-overload]
+    assert forced.usage.completion_tokens == 8
+    penalised = client.completions.create(
+        frequency_penalty=2.0, presence_penalty=2.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 3.0, "min_p": 0.1},
+        **args,
+    )  # type: ignore[call-overload]  # fmt: skip
+    assert plain.choices[0].text != penalised.choices[0].text
+    again = client.completions.create(
+        logit_bias={"42": 100}, extra_body={"ignore_eos": True, "include_stop_str_in_output":
+                                            True}, **args)  # type: ignore[call-overload]  # fmt: skip
+    assert forced.choices[0].text == again.choices[0].text
+    # every token is token 42 (its text repeated): the bias reached the sampler
+    one = client.completions.create(logit_bias={"42": 100}, extra_body={"ignore_eos": True},
+                                    **{**args, "max_tokens": 1})  # type: ignore[call-overload]  # fmt: skip
+    assert forced.choices[0].text == one.choices[0].text * 8
+
+
 def test_chat_completion_uses_the_chat_template(client: OpenAI) -> None:
     out = client.chat.completions.create(
         model="ad04", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
@@ -159,7 +217,11 @@ def test_stop_strings_end_the_text(client: OpenAI) -> None:
         ),
         ({"model": "tiny-llama", "prompt": "x " * 400}, 400, "context_length_exceeded"),
         ({"model": "tiny-llama", "prompt": "x", "temperature": -1}, 400, None),
-        ({"model": "tiny-llama", "prompt": "x", "frequency_penalty": 1.0}, 400, None),
+        ({"model": "tiny-llama", "prompt": "x", "frequency_penalty": 2.5}, 400, None),
+        ({"model": "tiny-llama", "prompt": "x", "logit_bias": {"abc": 1}}, 400, None),
+        ({"model": "tiny-llama", "prompt": "x", "logit_bias": {"99999": 1}}, 400, None),
+        ({"model": "tiny-llama", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, None),
+        ({"model": "tiny-llama", "prompt": "x", "logprobs": 21}, 400, None),
         ({"model": "tiny-llama", "prompt": [99999]}, 400, None),
         ({"prompt": "x"}, 400, None),
     ],
