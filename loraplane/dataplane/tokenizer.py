@@ -163,6 +163,10 @@ class Tokenizer:
         """Token ids of `text`, with the special tokens tokenizer.json's post-processor adds."""
         return [int(i) for i in self._tok.encode(text, add_special_tokens=add_special_tokens).ids]
 
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` (e.g. "Ġhello" in byte-level BPE), "" if none."""
+        return str(self._tok.id_to_token(token_id) or "")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

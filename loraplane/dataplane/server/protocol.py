@@ -17,6 +17,54 @@ from loraplane.dataplane.server.settings import MAX_N
 
 MAX_STOP = 16  # stop strings per request at most
 
+# Known request fields (OpenAI's and vLLM's) that this server does not implement: a request that
+# sets one gets a 400 naming it, never a 200 that ignores it. A value that asks for nothing
+# (null, false, an empty list, "none") passes. vLLM retired the guided_* fields for
+# structured_outputs; they are named here so that old clients learn it instead of being ignored.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "response_format": "response_format (structured output) is not supported by this server yet",
+    "structured_outputs": "structured_outputs is not supported by this server yet",
+    "guided_json": "guided_json was retired by vLLM (use structured_outputs)",
+    "guided_regex": "guided_regex was retired by vLLM (use structured_outputs)",
+    "guided_choice": "guided_choice was retired by vLLM (use structured_outputs)",
+    "guided_grammar": "guided_grammar was retired by vLLM (use structured_outputs)",
+    "guided_json_object": "guided_json_object was retired by vLLM (use structured_outputs)",
+    "guided_decoding_backend": "guided_decoding_backend was retired by vLLM",
+    "guided_whitespace_pattern": "guided_whitespace_pattern was retired by vLLM",
+    "tool_choice": "tool_choice is not supported by this server yet",
+    "parallel_tool_calls": "parallel_tool_calls is not supported by this server yet",
+    "functions": "functions (tools) are not supported by this server",
+    "function_call": "function_call (tools) is not supported by this server",
+    "prompt_logprobs": "prompt_logprobs is not supported by this server yet",
+    "use_beam_search": "use_beam_search: beam search is not supported by this server",
+    "length_penalty": "length_penalty (beam search) is not supported by this server",
+    "bad_words": "bad_words is not supported by this server",
+    "allowed_token_ids": "allowed_token_ids is not supported by this server",
+    "prompt_embeds": "prompt_embeds is not supported by this server",
+    "logits_processors": "logits_processors is not supported by this server",
+    "prediction": "prediction (predicted outputs) is not supported by this server",
+    "audio": "audio output is not supported by this server",
+    "reasoning_effort": "reasoning_effort is not supported by this server",
+    "web_search_options": "web_search_options is not supported by this server",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported by this server",
+    "spaces_between_special_tokens": (
+        "spaces_between_special_tokens is not supported by this server"
+    ),
+}
+
+
+def _asks_for_nothing(name: str, value: Any) -> bool:
+    """True for a value of a NOT_IMPLEMENTED field that changes nothing."""
+    if value is None or value is False or value == [] or value == {}:
+        return True
+    if name == "tool_choice":
+        return bool(value == "none")
+    if name == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text"
+    if name == "spaces_between_special_tokens":
+        return value is True  # vLLM's default
+    return False
+
 
 class StreamOptions(BaseModel):
     """`stream_options`: only include_usage has an effect."""
@@ -56,6 +104,10 @@ class Generation(BaseModel):
 
     def check_supported(self) -> None:
         """400 for requested features the engine does not have."""
+        for name, value in (self.model_extra or {}).items():
+            message = NOT_IMPLEMENTED.get(name)
+            if message is not None and not _asks_for_nothing(name, value):
+                raise InvalidRequest(message, param=name)
         if self.top_k == 0:
             raise InvalidRequest("top_k must be -1 (off) or >= 1", param="top_k")
         if self.stream_options is not None and not self.stream:

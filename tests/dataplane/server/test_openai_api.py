@@ -258,3 +258,104 @@ def test_a_wrong_or_missing_api_key_is_a_401(server: Running) -> None:
 def test_health_and_ready(server: Running) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ready").json() == {"ready": True}
+
+
+def test_tokenize_and_detokenize_answer_what_the_engine_runs(
+    client: OpenAI, server: Running
+) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    text = "The quick brown fox"
+    r = httpx.post(server.url + "/tokenize", headers=headers,
+                   json={"model": "ad01", "prompt": text, "return_token_strs": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) > 0
+    assert body["max_model_len"] > 0
+    # the same ids as the completion's usage counts
+    done = client.completions.create(model="ad01", prompt=text, max_tokens=1)
+    assert done.usage is not None and done.usage.prompt_tokens == body["count"]
+    back = httpx.post(server.url + "/detokenize", headers=headers,
+                      json={"model": "ad01", "tokens": body["tokens"]})  # fmt: skip
+    assert back.status_code == 200 and text in back.json()["prompt"]
+    chat = httpx.post(server.url + "/tokenize", headers=headers, json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+    served = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+    )
+    assert served.usage is not None and chat.json()["count"] == served.usage.prompt_tokens
+    info = httpx.get(server.url + "/tokenizer_info", headers=headers).json()
+    assert info["eos_token"] and info["vocab_size"] > 0 and "chat_template" in info
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("POST", "/tokenize", {"model": "ad01", "prompt": "x"}, 401),
+        ("POST", "/detokenize", {"model": "ad01", "tokens": [1]}, 401),
+        ("GET", "/tokenizer_info", None, 401),
+    ],
+)
+def test_tokenizer_routes_need_the_key(
+    server: Running, method: str, path: str, body: object, status: int
+) -> None:
+    r = httpx.request(method, server.url + path, json=body,
+                      headers={"Authorization": "Bearer wrong"})  # fmt: skip
+    assert r.status_code == status
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "nope", "prompt": "x"},
+        {"model": "ad01"},
+        {"model": "ad01", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+    ],
+)
+def test_tokenize_refuses_unknown_models_and_ambiguous_bodies(server: Running, body: object) -> None:
+    r = httpx.post(server.url + "/tokenize", json=body,
+                   headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert r.status_code in (400, 404) and r.json()["error"]["message"]
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(server: Running) -> None:
+    r = httpx.post(server.url + "/detokenize", json={"model": "ad01", "tokens": [10**9]},
+                   headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_object"}),
+        ("structured_outputs", {"choice": ["a", "b"]}),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[a-z]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("tool_choice", "required"),
+        ("prompt_logprobs", 1),
+        ("use_beam_search", True),
+        ("bad_words", ["x"]),
+    ],
+)
+def test_known_fields_the_server_lacks_are_refused_by_name(
+    server: Running, field: str, value: object
+) -> None:
+    """A request for JSON output must never get free text with a 200."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for path, body in (
+        ("/completions", {"model": "ad01", "prompt": "x", "max_tokens": 2}),
+        ("/chat/completions",
+         {"model": "ad01", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ):  # fmt: skip
+        r = httpx.post(server.v1 + path, json={**body, field: value}, headers=headers)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+def test_fields_that_ask_for_nothing_and_unknown_fields_are_accepted(server: Running) -> None:
+    body = {"model": "ad01", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "response_format": {"type": "text"}, "tool_choice": "none", "guided_json": None,
+            "some_future_field": {"x": 1}}  # fmt: skip
+    r = httpx.post(server.v1 + "/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert r.status_code == 200, r.text
