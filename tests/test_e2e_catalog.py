@@ -6,9 +6,12 @@ back. Real HTTP everywhere (uvicorn), SQLite catalog, local object store."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -21,7 +24,7 @@ from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.server.settings import ServerSettings
 from tests.controlplane.conftest import ADMIN, SERVICE, make_settings
 from tests.dataplane.server.conftest import start_server
-from tests.servers import serve_in_thread
+from tests.servers import free_port, serve_in_thread
 
 POOL, BASE_NAME = "pool-a", "tiny-base"
 
@@ -87,6 +90,10 @@ def test_tenant_upload_is_served_by_the_data_plane_and_isolated(
             with pytest.raises(openai.NotFoundError) as info:
                 globex.completions.create(model="support", prompt=prompt, max_tokens=4)
             assert info.value.code == "model_not_found"
+            for tenant, status in (("globex", 404), ("acme", 200)):  # tokenizer routes too
+                r = httpx.post(url + "/tokenize", json={"model": "support", "prompt": prompt},
+                               headers={"Authorization": f"Bearer {keys[tenant]}"})  # fmt: skip
+                assert r.status_code == status, r.text
             assert "support" in {m.id for m in acme.models.list().data}
             assert "support" not in {m.id for m in globex.models.list().data}
             assert {m.id for m in globex.models.list().data} == {BASE_NAME}
@@ -102,3 +109,101 @@ def test_tenant_upload_is_served_by_the_data_plane_and_isolated(
             assert any(
                 row["adapter"] == "support" and row["completion_tokens"] >= 16 for row in rows
             ), usage
+
+
+def test_known_tenants_are_served_through_a_control_plane_outage(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The control plane is stopped for longer than the resolve TTL while two tenants stream,
+    then started again on the same port and database: no request of a known tenant fails, a
+    key never seen gets 503 with Retry-After meanwhile, and the usage of the outage reaches
+    the catalog once it is back, counted once."""
+    port = free_port()
+    settings = make_settings(tmp_path, f"sqlite:///{tmp_path / 'catalog.db'}")
+
+    @contextlib.contextmanager
+    def control_plane() -> Iterator[str]:
+        app = create_controlplane(settings)
+        try:
+            with serve_in_thread(app, port=port) as url:
+                yield url
+        finally:
+            app.state.ctx.close()
+
+    with control_plane() as cp:
+        pool = {"name": POOL, "base_model": {"name": BASE_NAME, "uri": str(tiny_llama_dir)}}
+        assert admin(cp, "POST", "/v1/pools", json=pool).status_code == 201
+        keys = {}
+        for tenant in ("acme", "globex", "initech"):
+            assert admin(cp, "POST", "/v1/tenants", json={"name": tenant}).status_code == 201
+            r = admin(cp, "POST", f"/v1/tenants/{tenant}/keys", json={"name": "k"})
+            keys[tenant] = r.json()["key"]
+        src = peft_adapters["r16"]
+        files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+        form = {"name": "support", "base_model": BASE_NAME}
+        acme_h = {"Authorization": f"Bearer {keys['acme']}"}
+        r = httpx.post(cp + "/v1/adapters", data=form, files=files, headers=acme_h)
+        assert r.status_code == 201, r.text
+    data_plane = ServerSettings(
+        model=str(tiny_llama_dir), served_model_name=BASE_NAME, controlplane_url=cp,
+        service_token=SERVICE, store=str(tmp_path / "store"), pool=POOL,
+        pressure_interval_s=0.3, resolve_ttl_s=0.5, num_kv_blocks=256,
+    )  # fmt: skip
+    greedy = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    clients = {
+        (tenant, model): openai.OpenAI(base_url="", api_key=keys[tenant], max_retries=0)
+        for tenant, model in (("acme", "support"), ("globex", BASE_NAME))
+    }
+    done: Counter[str] = Counter()
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def stream(url: str, tenant: str, model: str) -> None:
+        client = clients[(tenant, model)].with_options(base_url=url + "/v1")
+        while not stop.is_set():
+            try:
+                chunks = client.completions.create(model=model, prompt="outage", stream=True,
+                                                   **greedy)  # type: ignore[call-overload]  # fmt: skip
+                text = "".join(c.choices[0].text for c in chunks)
+                assert text
+                done[tenant] += 1
+            except Exception as e:  # any failure of a known tenant's request is the finding
+                failures.append(f"{tenant}: {type(e).__name__}: {e}")
+
+    with start_server(data_plane) as (url, _):
+        with control_plane():  # both tenants get resolved while it is up
+            workers = [threading.Thread(target=stream, args=(url, t, m)) for t, m in clients]
+            for w in workers:
+                w.start()
+            deadline = time.monotonic() + 30
+            while min(done["acme"], done["globex"]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        before = dict(done)
+        time.sleep(2.0)  # down for four TTLs, streaming on
+        during = {t: done[t] - before[t] for t in before}
+        stranger = httpx.post(url + "/v1/completions", json={"model": BASE_NAME, "prompt": "x",
+                              "max_tokens": 1}, headers={"Authorization":
+                              f"Bearer {keys['initech']}"})  # fmt: skip
+        with control_plane() as cp:
+            time.sleep(1.0)
+            stop.set()
+            for w in workers:
+                w.join(60)
+            served = sum(done.values())
+            deadline = time.monotonic() + 20
+            rows: list[dict[str, Any]] = []
+            while time.monotonic() < deadline:
+                rows = [
+                    row
+                    for t in ("acme", "globex")
+                    for row in httpx.get(
+                        cp + "/v1/usage", headers={"Authorization": f"Bearer {keys[t]}"}
+                    ).json()
+                ]
+                if sum(row["requests"] for row in rows) >= served:
+                    break
+                time.sleep(0.3)
+    assert failures == []
+    assert during["acme"] > 0 and during["globex"] > 0, during  # served while it was down
+    assert stranger.status_code == 503 and stranger.headers.get("retry-after"), stranger.text
+    assert sum(row["requests"] for row in rows) == served  # everything counted, once

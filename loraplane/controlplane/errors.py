@@ -66,6 +66,13 @@ class Conflict(ControlPlaneError):
     code = "Conflict"
 
 
+class BaseModelPending(Conflict):
+    """Every pool serving the base model waits for a replica to report its config.json (the
+    model is only on the pools' volumes): uploads cannot be validated yet; retry later."""
+
+    code = "BaseModelPending"
+
+
 class QuotaExceeded(ControlPlaneError):
     """A tenant quota that is not a property of one adapter (the adapter count)."""
 

@@ -24,8 +24,9 @@ from loraplane.adapters.store.base import ObjectStore
 from loraplane.controlplane import basemodels
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import audit
-from loraplane.controlplane.crud.pools import pools_for_base_model
+from loraplane.controlplane.crud.pools import pool_ref, pools_for_base_model
 from loraplane.controlplane.errors import (
+    BaseModelPending,
     InvalidRequest,
     SourceNotAllowed,
     SourceNotFound,
@@ -60,13 +61,21 @@ def check_adapter_name(name: str) -> str:
 def limits_for(
     session: Session, *, tenant: Tenant, base_model: str, settings: Settings
 ) -> tuple[BaseModelSpec, AdapterLimits]:
-    """The base model's shapes and the limits an upload for it must meet."""
+    """The base model's shapes (from the first pool that has its config: a pool still waiting
+    for its replicas' report is skipped) and the limits an upload for it must meet (every
+    pool's). BaseModelPending when no pool has the config yet."""
     pools = pools_for_base_model(session, base_model=base_model)
     if not pools:
         raise UnknownBaseModel(
             f"no pool serves base model {base_model!r}; ask an admin to register one"
         )
-    spec = basemodels.spec_of(pools[0].base_model_config, base_model)
+    config = next((p.base_model_config for p in pools if p.base_model_config is not None), None)
+    if config is None:
+        refs = ", ".join(pool_ref(p.namespace, p.name) for p in pools)
+        raise BaseModelPending(
+            f"no replica of pool {refs} has reported base model {base_model!r} yet; retry later"
+        )
+    spec = basemodels.spec_of(config, base_model)
     limits = AdapterLimits(max_archive_bytes=settings.max_upload_bytes).tightened(
         max_rank=min(p.max_lora_rank for p in pools)
     )

@@ -35,6 +35,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 NAME_LEN = 63  # a DNS label: tenants are Kubernetes namespaces
+DEFAULT_NAMESPACE = "default"  # of a pool registered without one (and of pools before 0003)
 
 
 def utcnow() -> datetime:
@@ -171,18 +172,26 @@ class Usage(Base):
 
 
 class Pool(Base):
-    """A serving pool: one base model, its LoRA limits and the latest reported pressure."""
+    """A serving pool: one base model, its LoRA limits and the latest reported pressure.
+
+    A pool is the mirror of a ServingPool, so (namespace, name) names it: two ServingPools
+    named alike in two namespaces are two pools, each with its own pressure.
+    """
 
     __tablename__ = "pools"
-    __table_args__ = (Index(None, "base_model_name"),)
+    __table_args__ = (UniqueConstraint("namespace", "name"), Index(None, "base_model_name"))
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    name: Mapped[str] = mapped_column(String(NAME_LEN), unique=True)
+    namespace: Mapped[str] = mapped_column(
+        String(NAME_LEN), default=DEFAULT_NAMESPACE, server_default=DEFAULT_NAMESPACE
+    )
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
     base_model_name: Mapped[str] = mapped_column(String(200))
     base_model_uri: Mapped[str] = mapped_column(String(1024))
-    # The base model's config.json as read when the pool was registered: uploads are
-    # validated against it without reading the model again.
-    base_model_config: Mapped[dict[str, Any]]
+    # The base model's config.json: uploads are validated against it without reading the model
+    # again. Read from the uri when the pool is registered, or, for a model only on the pods'
+    # volume, taken from the first pressure report that carries it (None until then: pending).
+    base_model_config: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     max_lora_rank: Mapped[int] = mapped_column(Integer)
     max_loras: Mapped[int] = mapped_column(Integer)
     max_cpu_loras: Mapped[int] = mapped_column(Integer)

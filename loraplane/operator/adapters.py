@@ -1,8 +1,10 @@
 """Kopf handlers for LoRAAdapter: thin; the work is in `ingestion`, `sources`, `catalog`.
 
 On create, and when `spec.source` or `spec.servedName` changes: find the pools serving the
-base model, fetch the source, validate it against the base model and the pools' limits, store
-it (tenant = namespace), record the version in the catalog, and write the status. On delete:
+base model and its shapes (from a pool's uri, or from the catalog for a model only the pool's
+pods see: Pending `BaseModelPending` until they report it), fetch the source, validate it
+against the base model and the pools' limits, store it (tenant = namespace), record the
+version in the catalog, and write the status. On delete:
 mark the adapter deleted in the catalog (its versions stay). Only status, finalizers and
 events are ever written: never spec.
 """
@@ -19,7 +21,7 @@ import kopf
 from loraplane.adapters.errors import AdapterRejected, StoreError
 from loraplane.adapters.ingest import AdapterVersion
 from loraplane.operator import ingestion
-from loraplane.operator.basemodels import BaseModelUnavailable
+from loraplane.operator.basemodels import BaseModelPending, BaseModelUnavailable
 from loraplane.operator.catalog import CatalogError
 from loraplane.operator.conditions import Verdict, adapter_status
 from loraplane.operator.context import OperatorContext, backoff, context_of, namespace_of
@@ -105,8 +107,7 @@ async def reconcile_adapter(
     except SpecError as exc:
         raise await out.refuse("InvalidSpec", str(exc)) from None
     found = pools_by_base.get(wanted.base_model) if pools_by_base is not None else None
-    entries = [e["spec"] for e in found or []]
-    pools = ingestion.parse_pools(entries)
+    pools = ingestion.parse_pools(found or [])
     if not pools:
         raise await out.wait(
             "Pending",
@@ -121,13 +122,16 @@ async def reconcile_adapter(
             raise await out.wait(
                 "Pending", "SecretNotFound", f"Secret {wanted.secret_name!r} not found", delay
             )
-    await out.write(_verdict("Validating", "Validating", f"fetching {wanted.source_uri}"))
     try:
-        base = await asyncio.to_thread(
-            ctx.base_models.get, pools[0].base_model_uri, wanted.base_model
-        )
+        base = await asyncio.to_thread(ingestion.base_model_of, ctx, pools, wanted.base_model)
     except BaseModelUnavailable as exc:
         raise await out.wait("Pending", "BaseModelUnavailable", str(exc), delay) from None
+    except BaseModelPending as exc:  # a volume pool's replicas will report it
+        wait = ctx.settings.pool_wait_seconds
+        raise await out.wait("Pending", "BaseModelPending", str(exc), wait) from None
+    except CatalogError as exc:
+        raise await out.wait("Failed", exc.code, exc.message, delay) from None
+    await out.write(_verdict("Validating", "Validating", f"fetching {wanted.source_uri}"))
     limits = ingestion.pool_limits(ctx.settings.max_source_bytes, pools)
     try:
         ingest = functools.partial(

@@ -1,4 +1,6 @@
-"""A pool's base model shapes, from `<baseModel.uri>/config.json` (a local path or s3://).
+"""A pool's base model shapes: from `<baseModel.uri>/config.json` (a local path or s3://), or,
+for a model only the pool's pods see (`baseModel.volumeClaim`), from the config.json their
+pressure reports gave the catalog.
 
 Configs are small and a pool's base model never changes (the CRD makes it immutable), so
 each URI is read once and cached.
@@ -7,12 +9,17 @@ each URI is read once and cached.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from loraplane.adapters.base_model import BaseModelError, BaseModelSpec, read_config
 
 
 class BaseModelUnavailable(Exception):
     """The base model's config.json cannot be read or used (a pool problem, not the adapter's)."""
+
+
+class BaseModelPending(Exception):
+    """No replica of the pools serving the base model has reported its config.json yet."""
 
 
 class BaseModelCache:
@@ -31,11 +38,18 @@ class BaseModelCache:
         if cached is not None:
             return cached
         try:
-            spec = BaseModelSpec.from_config(
-                read_config(uri, s3_endpoint_url=self._s3_endpoint_url), name
-            )
+            config = read_config(uri, s3_endpoint_url=self._s3_endpoint_url)
         except BaseModelError as exc:
             raise BaseModelUnavailable(f"{uri}: {exc}") from exc
+        spec = spec_of(config, name, uri)
         with self._lock:
             self._specs[(uri, name)] = spec
         return spec
+
+
+def spec_of(config: dict[str, Any], name: str, source: str) -> BaseModelSpec:
+    """The shapes in a config.json from `source`; BaseModelUnavailable if unusable."""
+    try:
+        return BaseModelSpec.from_config(config, name)
+    except BaseModelError as exc:
+        raise BaseModelUnavailable(f"{source}: {exc}") from exc

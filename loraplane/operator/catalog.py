@@ -3,8 +3,9 @@
 - `POST /internal/v1/versions` (service token): record a version the operator stored.
 - `DELETE /internal/v1/tenants/{tenant}/adapters/{name}` (service token): mark an adapter
   deleted, its versions kept (404: nothing to delete).
-- `PUT/GET/DELETE /internal/v1/pools/{pool}` (service token): mirror a ServingPool, read the
-  pressure its replicas report, forget it when the ServingPool is deleted.
+- `PUT/GET/DELETE /internal/v1/pools/{pool}?namespace=` (service token): mirror a ServingPool
+  (the catalog names pools by namespace and name, as Kubernetes does), read the pressure and
+  base model config its replicas report, forget it when the ServingPool is deleted.
 
 Errors are `CatalogError`s carrying the control plane's error code and whether a retry can help.
 """
@@ -50,10 +51,15 @@ class CatalogClient:
         self._http.close()
 
     def _call(
-        self, method: str, path: str, headers: dict[str, str], body: Any = None
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: Any = None,
+        params: dict[str, str] | None = None,
     ) -> httpx.Response:
         try:
-            return self._http.request(method, path, headers=headers, json=body)
+            return self._http.request(method, path, headers=headers, json=body, params=params)
         except httpx.HTTPError as exc:
             raise CatalogError(
                 "ControlPlaneUnavailable",
@@ -105,9 +111,14 @@ class CatalogClient:
             raise self._error(response)
         return True
 
-    def get_pool(self, name: str) -> dict[str, Any] | None:
-        """A pool as the control plane knows it (with pressure), or None."""
-        response = self._call("GET", f"/internal/v1/pools/{name}", self._service)
+    def _pool(self, method: str, namespace: str, name: str, body: Any = None) -> httpx.Response:
+        path = f"/internal/v1/pools/{name}"
+        return self._call(method, path, self._service, body, params={"namespace": namespace})
+
+    def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A pool as the control plane knows it (with pressure and base model config), or
+        None."""
+        response = self._pool("GET", namespace, name)
         if response.status_code == 404:
             return None
         if response.status_code != 200:
@@ -116,15 +127,15 @@ class CatalogClient:
         return pool
 
     def ensure_pool(
-        self, name: str, base_model: dict[str, str], limits: dict[str, int]
+        self, namespace: str, name: str, base_model: dict[str, Any], limits: dict[str, int]
     ) -> dict[str, Any]:
         """Create the pool, or bring its limits to `limits`; returns the catalog's pool.
 
         A pool registered with another base model is a `BaseModelConflict` (not transient):
         the control plane keeps a pool's base model for life.
         """
-        body = {"name": name, "base_model": base_model, **limits}
-        response = self._call("PUT", f"/internal/v1/pools/{name}", self._service, body)
+        body = {"namespace": namespace, "name": name, "base_model": base_model, **limits}
+        response = self._pool("PUT", namespace, name, body)
         if response.status_code == 409:
             error = self._error(response)
             raise CatalogError("BaseModelConflict", error.message, status=409, transient=False)
@@ -133,9 +144,9 @@ class CatalogClient:
         pool: dict[str, Any] = response.json()
         return pool
 
-    def delete_pool(self, name: str) -> bool:
+    def delete_pool(self, namespace: str, name: str) -> bool:
         """Forget a pool whose ServingPool is gone; False if the catalog had none."""
-        response = self._call("DELETE", f"/internal/v1/pools/{name}", self._service)
+        response = self._pool("DELETE", namespace, name)
         if response.status_code == 404:
             return False
         if response.status_code not in (200, 204):

@@ -1,4 +1,5 @@
-"""The adapter pipeline the operator runs off the event loop: fetch -> validate -> store.
+"""The adapter pipeline the operator runs off the event loop: the pools' limits and base model,
+then fetch -> validate -> store.
 
 Blocking, and idempotent by content: the shared `ingest` returns the existing version for
 bytes already stored, and finishes a version a crash left half-written.
@@ -8,35 +9,69 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.ingest import AdapterVersion, ingest
 from loraplane.adapters.limits import AdapterLimits
+from loraplane.operator.basemodels import BaseModelPending, spec_of
 from loraplane.operator.context import OperatorContext
 from loraplane.operator.sources import fetch_source
 from loraplane.operator.specs import PoolSpec, SpecError
 
 
-def pool_limits(settings_max_bytes: int, pools: Iterable[PoolSpec]) -> AdapterLimits:
+@dataclass(frozen=True, slots=True)
+class IndexedPool:
+    """A ServingPool serving the adapter's base model: where it is and its spec."""
+
+    namespace: str
+    name: str
+    spec: PoolSpec
+
+
+def pool_limits(settings_max_bytes: int, pools: Iterable[IndexedPool]) -> AdapterLimits:
     """An adapter must fit every pool serving its base model: the lowest maxLoraRank."""
-    ranks = [p.max_lora_rank for p in pools]
+    ranks = [p.spec.max_lora_rank for p in pools]
     return AdapterLimits(max_archive_bytes=settings_max_bytes).tightened(
         max_rank=min(ranks) if ranks else None
     )
 
 
-def parse_pools(entries: Iterable[Mapping[str, Any]]) -> list[PoolSpec]:
-    """The index's pool specs that parse (a broken pool is the pool's problem)."""
+def parse_pools(entries: Iterable[Mapping[str, Any]]) -> list[IndexedPool]:
+    """The pool index's entries (`{"namespace", "name", "spec"}`) whose spec parses (a broken
+    pool is the pool's problem)."""
     out = []
     for entry in entries:
         try:
-            out.append(PoolSpec.parse(entry))
+            spec = PoolSpec.parse(entry["spec"])
         except SpecError:
             continue
+        out.append(IndexedPool(str(entry["namespace"]), str(entry["name"]), spec))
     return out
+
+
+def base_model_of(ctx: OperatorContext, pools: Sequence[IndexedPool], name: str) -> BaseModelSpec:
+    """The base model's shapes (blocking): from the uri of a pool that can be read here, else
+    from the config.json a volume pool's replicas reported to the catalog.
+
+    BaseModelUnavailable when the config cannot be used, BaseModelPending while no volume
+    pool has its config yet, CatalogError when the catalog cannot be asked.
+    """
+    readable = [p for p in pools if not p.spec.model_on_volume]
+    if readable:
+        return ctx.base_models.get(readable[0].spec.base_model_uri, name)
+    for pool in pools:
+        found = ctx.catalog.get_pool(pool.namespace, pool.name) or {}
+        if found.get("base_model_config"):
+            source = f"the config ServingPool {pool.namespace}/{pool.name} reported"
+            return spec_of(found["base_model_config"], name, source)
+    refs = ", ".join(f"{p.namespace}/{p.name}" for p in pools)
+    raise BaseModelPending(
+        f"no replica of ServingPool {refs} has reported base model {name!r} yet; waiting"
+    )
 
 
 def fetch_and_ingest(

@@ -1,8 +1,9 @@
 """Pure builders of the Deployment and Service a ServingPool owns.
 
 The data plane runs `loraplane serve` with the pool's base model and LoRA limits, in catalog
-mode (`--controlplane-url`), reporting pressure as the pool (`LORAPLANE_POOL`) and the pod
-(`LORAPLANE_REPLICA`). Owner references are added by the caller (`kopf.adopt`).
+mode (`--controlplane-url`), reporting pressure as the pool (`LORAPLANE_POOL_NAMESPACE`,
+`LORAPLANE_POOL`) and the pod (`LORAPLANE_REPLICA`). Owner references are added by the caller
+(`kopf.adopt`).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
-def _env(pool: str, spec: PoolSpec) -> list[dict[str, Any]]:
+def _env(pool: str, namespace: str, spec: PoolSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "LORAPLANE_POOL", "value": pool},
+        {"name": "LORAPLANE_POOL_NAMESPACE", "value": namespace},
         {"name": "LORAPLANE_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     if spec.service_token:
@@ -79,7 +81,7 @@ def _env(pool: str, spec: PoolSpec) -> list[dict[str, Any]]:
 def _volumes(spec: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    if spec.model_volume_claim and not spec.base_model_uri.startswith("s3://"):
+    if spec.model_on_volume:
         claim = {"claimName": spec.model_volume_claim, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": spec.base_model_uri, "readOnly": True})
@@ -114,7 +116,7 @@ def deployment(
         "image": spec.image,
         "command": ["loraplane"],
         "args": serve_args(spec, controlplane_url),
-        "env": _env(name, spec),
+        "env": _env(name, namespace, spec),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         # Loading a model takes a while: the startup probe covers it, then liveness takes over.
         "startupProbe": _probe("/health", 10, 60),

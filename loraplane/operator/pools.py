@@ -1,7 +1,9 @@
 """Kopf handlers for ServingPool: children, catalog mirror, status and autoscaling.
 
 On create, update and resume: create or patch the pool's Deployment and Service (owned by
-the pool, so they go when it goes) and mirror the pool into the control plane. A timer reads
+the pool, so they go when it goes) and mirror the pool into the control plane, where it is
+named by its namespace and name as here (pools named alike in two namespaces never share a
+catalog entry, pressure or scale). A timer reads
 the Deployment's replica counts and the pool's pressure, applies the autoscaling policy
 (`autoscaling`) and writes the status; every scale emits an Event.
 """
@@ -56,11 +58,18 @@ def _children(
     ctx.kube.apply_service(service)
 
 
-def _mirror(ctx: OperatorContext, name: str, pool: PoolSpec) -> None:
-    """Register the pool in the catalog (blocking), so uploads validate against it."""
+def _mirror(ctx: OperatorContext, namespace: str, name: str, pool: PoolSpec) -> None:
+    """Register the pool in the catalog (blocking), so uploads validate against it. A base
+    model only the pool's pods see is not read by the control plane: their pressure reports
+    bring its config.json."""
     ctx.catalog.ensure_pool(
+        namespace,
         name,
-        {"name": pool.base_model_name, "uri": pool.base_model_uri},
+        {
+            "name": pool.base_model_name,
+            "uri": pool.base_model_uri,
+            "config_from_replicas": pool.model_on_volume,
+        },
         {  # limits left to the data plane's auto sizing are not mirrored
             k: v
             for k, v in (
@@ -95,7 +104,7 @@ async def reconcile_pool(
     patch.status["observedGeneration"] = generation
     conditions = status.get("conditions") or []
     try:
-        await asyncio.to_thread(_mirror, ctx, name, pool)
+        await asyncio.to_thread(_mirror, ctx, namespace, name, pool)
     except CatalogError as exc:
         patch.status["conditions"] = set_condition(
             conditions, REGISTERED, False, exc.code, exc.message,
@@ -159,7 +168,7 @@ async def observe_pool(
     }
     pressure = None
     try:
-        catalog_pool = await asyncio.to_thread(ctx.catalog.get_pool, name)
+        catalog_pool = await asyncio.to_thread(ctx.catalog.get_pool, namespace, name)
     except CatalogError as exc:
         kopf.warn(body, reason=exc.code, message=exc.message[:1024])
         catalog_pool = None
@@ -219,9 +228,10 @@ async def forget_pool(
     """The ServingPool is deleted: its Deployment and Service go with it (owner references);
     the catalog forgets the pool, so uploads stop validating against it."""
     ctx = context_of(memo)
-    ctx.metrics.forget(namespace_of(namespace), name)
+    namespace = namespace_of(namespace)
+    ctx.metrics.forget(namespace, name)
     try:
-        await asyncio.to_thread(ctx.catalog.delete_pool, name)
+        await asyncio.to_thread(ctx.catalog.delete_pool, namespace, name)
     except CatalogError as exc:
         if exc.transient:
             raise kopf.TemporaryError(str(exc), delay=backoff(ctx.settings, retry)) from None

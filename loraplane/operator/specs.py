@@ -158,6 +158,12 @@ class PoolSpec:
     store: str | None
     store_volume_claim: str | None
 
+    @property
+    def model_on_volume(self) -> bool:
+        """Whether the base model is on `model_volume_claim`, which only the pool's pods mount
+        (at `base_model_uri`): its config.json then comes from their pressure reports."""
+        return self.model_volume_claim is not None and not self.base_model_uri.startswith("s3://")
+
     @classmethod
     def parse(cls, spec: Mapping[str, Any]) -> PoolSpec:
         """Read and check a ServingPool's spec."""

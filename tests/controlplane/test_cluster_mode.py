@@ -159,7 +159,11 @@ def test_upload_is_staged_as_a_loraadapter_the_operator_makes_ready(
     tmp_path: Path,
 ) -> None:
     cluster.create("servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir))
-    wait_for(lambda: plane.admin.get("/v1/pools/tiny-pool").status_code == 200, what="pool")
+    in_platform = {"namespace": PLATFORM}
+    wait_for(
+        lambda: plane.admin.get("/v1/pools/tiny-pool", params=in_platform).status_code == 200,
+        what="pool",
+    )
     source = good_adapter(tmp_path)
 
     r = plane.upload("support-bot", source)

@@ -4,16 +4,18 @@ the migrated schema agree (autogenerate finds no difference)."""
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import MetaData, Table, delete, insert, inspect, select
+from sqlalchemy.orm import Session
 
 from loraplane.controlplane import db
-from loraplane.controlplane.models import Base
+from loraplane.controlplane.models import Base, Pool
 from tests.controlplane import pg
 
 TABLES = {
@@ -57,3 +59,44 @@ def test_one_head_and_every_migration_has_a_downgrade() -> None:
     assert len(script.get_heads()) == 1
     for rev in script.walk_revisions():
         assert rev.module.downgrade.__code__.co_code != (lambda: None).__code__.co_code
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_a_pool_from_before_0003_is_found_in_namespace_default(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """0003 keys pools by (namespace, name): existing pools move to namespace "default", keep
+    their config, and the name is then free in other namespaces; a downgrade that would lose a
+    pool is refused."""
+    engine = db.make_engine(fresh_url(backend, tmp_path, request))
+    now = datetime.now(UTC)
+    config = {"model_type": "llama", "hidden_size": 64}
+    row = {
+        "name": "pool-a", "base_model_name": "m", "base_model_uri": "/m",
+        "base_model_config": config, "max_lora_rank": 16, "max_loras": 4, "max_cpu_loras": 8,
+        "created_at": now, "updated_at": now,
+    }  # fmt: skip
+    try:
+        db.upgrade(engine, "0002")
+        with engine.begin() as conn:
+            conn.execute(insert(Table("pools", MetaData(), autoload_with=conn)).values(**row))
+        db.upgrade(engine)
+        with Session(engine) as session:
+            (pool,) = session.scalars(select(Pool))
+            assert (pool.namespace, pool.name, pool.base_model_config) == (
+                "default",
+                "pool-a",
+                config,
+            )
+            session.add(Pool(**{**row, "namespace": "team-b", "base_model_config": None}))
+            session.commit()
+        with pytest.raises(RuntimeError, match=r"pool-a \(in several namespaces\).*team-b/pool-a"):
+            db.downgrade(engine, "0002")
+        with engine.begin() as conn:
+            conn.execute(delete(Pool).where(Pool.namespace == "team-b"))
+        db.downgrade(engine, "0002")
+        assert "namespace" not in {c["name"] for c in inspect(engine).get_columns("pools")}
+    finally:
+        engine.dispose()

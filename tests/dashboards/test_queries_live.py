@@ -268,7 +268,7 @@ def test_every_dashboard_query_returns_data_from_live_components(
         keys = _catalog(cp, tiny_llama_dir, peft_adapters)
         settings = ServerSettings(
             model=str(tiny_llama_dir), served_model_name=BASE, controlplane_url=cp,
-            service_token=SERVICE, store=str(store), pool=POOL,
+            service_token=SERVICE, store=str(store), pool=POOL, pool_namespace=PLATFORM,
             pressure_interval_s=0.5, num_kv_blocks=256, max_loras=MAX_LORAS,
         )  # fmt: skip
         with operator(cp, store, tiny_llama_dir) as op, start_server(settings) as (dp, _):

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 
 from loraplane.adapters.errors import ReasonCode
@@ -17,7 +18,10 @@ from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
 from tests.adapters.test_bad_corpus import CASES
 from tests.operator.conftest import (
     BASE,
+    BASE_CONFIG,
+    BASE_NAME,
     PLATFORM,
+    SERVICE,
     TENANT,
     Cluster,
     ControlPlane,
@@ -170,6 +174,42 @@ def test_adapter_for_unknown_base_model_waits_pending_until_a_pool_appears(
     cluster.create("servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir))
     status = cluster.wait_phase("early-bot", "Ready")["status"]
     assert status["version"] == 1
+
+
+def test_adapter_for_a_volume_pool_waits_for_its_replicas_to_report_the_base_model(
+    cluster: Cluster,
+    controlplane: ControlPlane,
+    start_operator: StartOperator,
+    s3: S3Client,
+    s3_secret: str,
+    tmp_path: Path,
+) -> None:
+    """The model is only on the pool's PVC: neither the operator nor the control plane can read
+    its config.json; the first pressure report of a replica brings it."""
+    start_operator()
+    base_model = {"name": BASE_NAME, "uri": "/models/on-the-pvc", "volumeClaim": "weights"}
+    cluster.create("servingpools", PLATFORM, pool_body("vol-pool", tmp_path, baseModel=base_model))
+    pool = wait_for(
+        lambda: (
+            (r := controlplane.admin.get("/v1/pools/vol-pool", params={"namespace": PLATFORM}))
+            .status_code == 200 and r.json()
+        ),
+        what="the catalog's pool",
+    )  # fmt: skip
+    assert pool["base_model_config"] is None  # pending, and the uri was never read
+    cluster.create("loraadapters", TENANT,
+                   adapter_body("vol-bot", upload_source(s3, good_adapter(tmp_path))))  # fmt: skip
+    status = cluster.wait_phase("vol-bot", "Pending")["status"]
+    assert status["reason"] == "BaseModelPending" and f"{PLATFORM}/vol-pool" in status["message"]
+
+    report = {"namespace": PLATFORM, "pool": "vol-pool", "replica": "vol-pool-0",
+              "base_model_config": BASE_CONFIG}  # fmt: skip
+    r = httpx.post(f"{controlplane.url}/internal/v1/pressure", json=report,
+                   headers={"Authorization": f"Bearer {SERVICE}"})  # fmt: skip
+    assert r.status_code == 200 and r.json()["base_model_config_known"], r.text
+    status = cluster.wait_phase("vol-bot", "Ready", "Rejected", "Failed")["status"]
+    assert status["phase"] == "Ready", status
+    assert [v["version"] for v in controlplane.versions(TENANT, "vol-bot")] == [1]
 
 
 class BlockingStore(LocalStore):

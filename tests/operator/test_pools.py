@@ -23,11 +23,12 @@ from tests.operator.harness import wait_for
 from tests.servers import free_port
 
 pytestmark = pytest.mark.k8s
+IN_PLATFORM = {"namespace": PLATFORM}
 
 
-def _deployment(cluster: Cluster, name: str) -> dict[str, Any] | None:
+def _deployment(cluster: Cluster, name: str, namespace: str = PLATFORM) -> dict[str, Any] | None:
     for d in cluster.emulator.objects("deployments", group="apps", version="v1"):
-        if d["metadata"]["name"] == name:
+        if (d["metadata"]["namespace"], d["metadata"]["name"]) == (namespace, name):
             return d
     return None
 
@@ -69,6 +70,7 @@ def test_pool_gets_its_deployment_and_service_with_arguments_and_owner_reference
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     env = {e["name"]: e for e in container["env"]}
     assert env["LORAPLANE_POOL"]["value"] == "tiny-pool"
+    assert env["LORAPLANE_POOL_NAMESPACE"]["value"] == PLATFORM
     assert env["LORAPLANE_SERVICE_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "loraplane-tokens",
         "key": "service",
@@ -84,7 +86,9 @@ def test_pool_gets_its_deployment_and_service_with_arguments_and_owner_reference
     # the pool is mirrored into the control plane
     mirrored = wait_for(
         lambda: (
-            (r := controlplane.admin.get("/v1/pools/tiny-pool")).status_code == 200 and r.json()
+            (r := controlplane.admin.get("/v1/pools/tiny-pool", params=IN_PLATFORM)).status_code
+            == 200
+            and r.json()
         ),
         what="the catalog's pool",
     )
@@ -106,7 +110,12 @@ def test_pool_gets_its_deployment_and_service_with_arguments_and_owner_reference
         what="the rollout",
     )
     wait_for(
-        lambda: controlplane.admin.get("/v1/pools/tiny-pool").json()["max_lora_rank"] == 32,
+        lambda: (
+            controlplane.admin.get("/v1/pools/tiny-pool", params=IN_PLATFORM).json()[
+                "max_lora_rank"
+            ]
+            == 32
+        ),
         what="the catalog's new limit",
     )
     obj = cluster.get("servingpools", PLATFORM, "tiny-pool")
@@ -120,11 +129,14 @@ def test_pool_gets_its_deployment_and_service_with_arguments_and_owner_reference
         "loraplane.io", "v1alpha1", PLATFORM, "servingpools", "tiny-pool"
     )
     wait_for(lambda: not cluster.emulator.objects("servingpools"), what="the pool to go")
-    assert controlplane.admin.get("/v1/pools/tiny-pool").status_code == 404
+    assert controlplane.admin.get("/v1/pools/tiny-pool", params=IN_PLATFORM).status_code == 404
 
 
-def _report(controlplane: ControlPlane, replica: str, deferred: int) -> None:
-    body = {"pool": "tiny-pool", "replica": replica, "deferred": deferred, "waiting_adapters": 1}
+def _report(
+    controlplane: ControlPlane, replica: str, deferred: int, namespace: str = PLATFORM
+) -> None:
+    body = {"namespace": namespace, "pool": "tiny-pool", "replica": replica,
+            "deferred": deferred, "waiting_adapters": 1}  # fmt: skip
     r = httpx.post(
         f"{controlplane.url}/internal/v1/pressure",
         json=body,
@@ -146,7 +158,9 @@ def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
     cluster.create(
         "servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir, autoscaling=autoscaling)
     )
-    wait_for(lambda: controlplane.admin.get("/v1/pools/tiny-pool").status_code == 200)
+    wait_for(
+        lambda: controlplane.admin.get("/v1/pools/tiny-pool", params=IN_PLATFORM).status_code == 200
+    )
     # the emulator has no controller: say the Deployment's pods are up
     cluster.apps.patch_namespaced_deployment_status(
         "tiny-pool", PLATFORM, {"status": {"replicas": 1, "readyReplicas": 1}}
@@ -216,3 +230,55 @@ def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
         wait_for(lambda: not scraped(), what="the pool's series to go")
     finally:
         server.shutdown()
+
+
+def test_pools_named_alike_in_two_namespaces_have_their_own_catalog_entry_and_scale(
+    cluster: Cluster,
+    controlplane: ControlPlane,
+    start_operator: StartOperator,
+    base_model_dir: Path,
+) -> None:
+    """Pressure reported for one ServingPool never scales its namesake in another namespace."""
+    other = "platform-b"
+    cluster.core.create_namespace({"metadata": {"name": other}})
+    start_operator()
+    autoscaling = {"deferredPerReplica": 4, "scaleUpStabilizationSeconds": 0}
+    for namespace in (PLATFORM, other):
+        body = pool_body("tiny-pool", base_model_dir, autoscaling=autoscaling)
+        body["metadata"]["namespace"] = namespace
+        cluster.create("servingpools", namespace, body)
+    listed = wait_for(
+        lambda: len(p := controlplane.admin.get("/v1/pools").json()) == 2 and p,
+        what="two catalog pools",
+    )
+    assert {(p["namespace"], p["name"]) for p in listed} == {
+        (other, "tiny-pool"),
+        (PLATFORM, "tiny-pool"),
+    }
+    deployment = wait_for(lambda: _deployment(cluster, "tiny-pool", other), what="Deployment")
+    env = {
+        e["name"]: e.get("value")
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert (env["LORAPLANE_POOL_NAMESPACE"], env["LORAPLANE_POOL"]) == (other, "tiny-pool")
+
+    _report(controlplane, "tiny-pool-a", deferred=11, namespace=other)  # needs 3 replicas
+    wait_for(
+        lambda: (d := _deployment(cluster, "tiny-pool", other)) and d["spec"]["replicas"] == 3,
+        what="the scale-up in platform-b",
+    )
+    # the namesake saw no pressure: several timer ticks later it still runs its minimum
+    wait_for(
+        lambda: (
+            cluster.get("servingpools", PLATFORM, "tiny-pool")
+            .get("status", {})
+            .get("desiredReplicas")
+            == 1
+        ),
+        what="the status of the pool in the platform namespace",
+    )
+    status = cluster.get("servingpools", PLATFORM, "tiny-pool")["status"]
+    assert "pressure" not in status
+    assert _deployment(cluster, "tiny-pool")["spec"]["replicas"] == 1  # type: ignore[index]
+    mirrored = controlplane.admin.get("/v1/pools/tiny-pool", params=IN_PLATFORM).json()
+    assert mirrored["pressure"] is None

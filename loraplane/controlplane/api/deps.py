@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -20,6 +20,7 @@ from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud.keys import authenticate
 from loraplane.controlplane.errors import RateLimited, Unauthorized
 from loraplane.controlplane.models import ApiKey, Tenant
+from loraplane.controlplane.schemas.common import DNS_LABEL
 
 _bearer = HTTPBearer(auto_error=False, description="admin token, service token or tenant key")
 
@@ -98,3 +99,8 @@ def current_tenant(ctx: ContextDep, session: SessionDep, credentials: Credential
 AdminDep = Annotated[str, Depends(require_admin)]
 ServiceDep = Annotated[str, Depends(require_service)]
 CallerDep = Annotated[Caller, Depends(current_tenant)]
+# `?namespace=` of the routes that name one pool (its ServingPool's namespace; default "default")
+PoolNamespace = Annotated[
+    str,
+    Query(min_length=1, max_length=63, pattern=DNS_LABEL, description="the pool's namespace"),
+]

@@ -10,7 +10,8 @@ _WHY = {
     400: "malformed request (InvalidRequest)",
     401: "missing, unknown or wrong kind of credential (Unauthorized)",
     404: "no such resource for this caller (NotFound)",
-    409: "conflicts with existing state (AlreadyExists, Conflict, QuotaExceeded)",
+    409: "conflicts with existing state (AlreadyExists, Conflict, QuotaExceeded), or "
+    "BaseModelPending (retry later)",
     413: "body over the upload size cap (PayloadTooLarge)",
     422: "adapter rejected (its ReasonCode), or UnknownBaseModel, InvalidBaseModel, Source*",
     429: "over the key's requests per minute (RateLimited); see Retry-After",

@@ -6,10 +6,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# A tenant is a Kubernetes namespace: a DNS label.
-TenantName = Annotated[
-    str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-]
+# A Kubernetes namespace: a DNS label. A tenant is one; so is a pool's (its ServingPool's).
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+Namespace = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL)]
+TenantName = Namespace
 # Adapter and pool names: DNS-safe, no '@' (it pins a version) and no '/'.
 ResourceName = Annotated[
     str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9._]{0,61}[a-z0-9])?$")

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import json
+from typing import Any
 
+from pydantic import BaseModel, Field, field_validator
+
+from loraplane.adapters.base_model import MAX_CONFIG_BYTES
+from loraplane.controlplane.models import DEFAULT_NAMESPACE
 from loraplane.controlplane.schemas.common import (
     BIG,
     INT32,
     ModelName,
+    Namespace,
     ResourceName,
     Strict,
     TenantName,
@@ -52,6 +58,7 @@ class WaitingAdapter(Strict):
 class PressureReport(Strict):
     """A data plane replica's slot pressure, plus usage since its last report."""
 
+    namespace: Namespace = DEFAULT_NAMESPACE  # the pool's (LORAPLANE_POOL_NAMESPACE)
     pool: ResourceName
     replica: str = Field(min_length=1, max_length=253)
     deferred: int = Field(default=0, ge=0, le=BIG)
@@ -63,11 +70,22 @@ class PressureReport(Strict):
     kv_usage: float = Field(default=0.0, ge=0.0, le=1.0)
     adapters_waiting: list[WaitingAdapter] = Field(default_factory=list, max_length=10_000)
     usage: list[AdapterUsage] = Field(default_factory=list, max_length=10_000)
+    # the config.json the replica loaded its base model from: sent until the answer says the
+    # pool has one (a pool whose model is only on the replicas' volume learns it this way)
+    base_model_config: dict[str, Any] | None = None
+
+    @field_validator("base_model_config")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value)) > MAX_CONFIG_BYTES:
+            raise ValueError(f"over {MAX_CONFIG_BYTES} bytes, as no config.json is")
+        return value
 
 
 class PressureAccepted(BaseModel):
     """How a report was recorded."""
 
+    namespace: str
     pool: str
     replica: str
     usage_rows: int
@@ -76,6 +94,8 @@ class PressureAccepted(BaseModel):
     # 1/replicas of a tenant's requests and tokens per minute, so the tenant's limit holds
     # across the pool as it scales
     replicas: int = 1
+    # whether the pool has its base model's config.json (the replica stops sending its own)
+    base_model_config_known: bool
 
 
 class VersionRecord(Strict):

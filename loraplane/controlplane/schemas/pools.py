@@ -7,9 +7,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from loraplane.controlplane.models import DEFAULT_NAMESPACE
 from loraplane.controlplane.schemas.common import (
     Count,
     ModelName,
+    Namespace,
     Public,
     Rank,
     ResourceName,
@@ -22,11 +24,19 @@ class BaseModelRef(Strict):
 
     name: ModelName
     uri: str = Field(min_length=1, max_length=1024, pattern=r"^(s3://[^\s]+|/[^\s]*)$")
+    config_from_replicas: bool = Field(
+        default=False,
+        description="the model is only where the pool's replicas see it (a volume they mount "
+        "at `uri`): its config.json is not read here but taken from their first pressure "
+        "report; until then uploads for a base model only such pools serve answer 409 "
+        "BaseModelPending",
+    )
 
 
 class PoolCreate(Strict):
-    """A new pool (in a cluster the operator mirrors each ServingPool here)."""
+    """A new pool, named by namespace and name (in a cluster: a ServingPool, mirrored)."""
 
+    namespace: Namespace = DEFAULT_NAMESPACE
     name: ResourceName
     base_model: BaseModelRef
     max_lora_rank: Rank = 64
@@ -52,8 +62,13 @@ class BaseModelPublic(BaseModel):
 class PoolPublic(Public):
     """A pool, with the latest pressure each replica reported."""
 
+    namespace: str
     name: str
     base_model: BaseModelPublic
+    base_model_config: dict[str, Any] | None = Field(
+        description="the base model's config.json uploads are validated against; null while "
+        "its replicas have not reported it yet (`config_from_replicas`)"
+    )
     max_lora_rank: int
     max_loras: int
     max_cpu_loras: int

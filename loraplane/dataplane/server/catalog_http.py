@@ -5,6 +5,14 @@ in `X-Tenant-Key` (DESIGN.md section 6); answers are cached for `ttl` seconds pe
 so a revoked key or a deleted adapter stops working within the TTL. Failures are cached too
 (401/404 for the same TTL), so a flood of bad keys does not become a flood of control plane
 calls. /v1/models lists the tenant's adapters with `GET {url}/v1/adapters` under its own key.
+
+Serving does not depend on the control plane being up for tenants it already knows: while the
+control plane is unreachable (no connection, a timeout, or a 5xx answer), a (key, model) that
+resolved within the last `stale` seconds keeps its last good resolution; anything else gets 503
+with Retry-After. After a failed call the control plane is left alone for a moment (`ttl`, at
+most RETRY_S), so an outage does not cost every request a connection timeout. Whenever the
+control plane answers, its answer wins at once: a key revoked during the outage stops working
+within the TTL of its return.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -29,6 +37,17 @@ from loraplane.dataplane.server.errors import (
 
 TENANT_KEY_HEADER = "X-Tenant-Key"
 CACHE_ENTRIES = 10_000
+RETRY_S = 5.0  # after a failed call, the control plane is called again this much later at most
+
+
+class _Entry(NamedTuple):
+    expires: float  # fresh until then
+    result: Resolved | APIError
+    good_until: float  # a Resolved result may stand in for an unreachable control plane until
+
+
+class CatalogDown(Unavailable):
+    """The control plane did not answer (transport error or 5xx): stale answers may serve."""
 
 
 class HttpCatalog:
@@ -42,15 +61,19 @@ class HttpCatalog:
         ttl: float = 5.0,
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stale: float = 300.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.base_model = base_model
         self.ttl = ttl
+        self.stale = stale
+        self.stale_answers = 0  # resolutions served from a last good answer (an outage)
+        self._down_until = 0.0  # no call before then: the last one failed
         self._token = service_token
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._clock = clock
-        # sha256(key) + model -> (expiry, Resolved or the error to raise again)
-        self._cache: OrderedDict[tuple[str, str], tuple[float, Resolved | APIError]] = OrderedDict()
+        # sha256(key) + model -> the answer (Resolved, or the error to raise again)
+        self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
 
     async def resolve(self, api_key: str | None, model: str) -> Resolved:
         """See Catalog.resolve."""
@@ -60,14 +83,24 @@ class HttpCatalog:
         cache_key = (hashlib.sha256(api_key.encode()).hexdigest(), model)
         now = self._clock()
         hit = self._cache.get(cache_key)
-        if hit is not None and hit[0] > now:
+        if hit is not None and hit.expires > now:
             self._cache.move_to_end(cache_key)
-            return _unwrap(hit[1])
+            return _unwrap(hit.result)
         try:
+            if now < self._down_until:
+                raise CatalogDown("the catalog is unreachable", retry_after=RETRY_S)
             result: Resolved | APIError = await self._fetch(api_key, model)
         except (Unauthorized, ModelNotFound) as e:
             result = e
-        self._cache[cache_key] = (now + self.ttl, result)
+        except CatalogDown:
+            self._down_until = max(self._down_until, now + min(self.ttl, RETRY_S))
+            if hit is not None and isinstance(hit.result, Resolved) and hit.good_until > now:
+                self.stale_answers += 1
+                return hit.result  # a tenant it knows: served through the outage
+            raise
+        good_until = now + self.stale if isinstance(result, Resolved) else 0.0
+        self._cache[cache_key] = _Entry(now + self.ttl, result, good_until)
+        self._cache.move_to_end(cache_key)
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
         return _unwrap(result)
@@ -97,15 +130,19 @@ class HttpCatalog:
         try:
             response = await self._client.get(self.url + path, headers=headers, params=params)
         except httpx.HTTPError as e:
-            raise Unavailable(
-                f"the catalog is unreachable: {type(e).__name__}", retry_after=5
+            raise CatalogDown(
+                f"the catalog is unreachable: {type(e).__name__}", retry_after=RETRY_S
             ) from e
         if response.status_code == 401:
             raise Unauthorized("Incorrect API key provided.")
         if response.status_code == 404:
             raise ModelNotFound(model)
-        if response.status_code in (429, 503):
-            raise Unavailable("the catalog is busy", retry_after=5)
+        if response.status_code == 429:
+            raise Unavailable("the catalog is busy", retry_after=RETRY_S)
+        if response.status_code >= 500:
+            raise CatalogDown(
+                f"the catalog answered HTTP {response.status_code}", retry_after=RETRY_S
+            )
         if response.status_code != 200:
             raise UpstreamError(f"the catalog answered HTTP {response.status_code}")
         try:

@@ -8,6 +8,11 @@ usage, waiting requests per adapter, and the tokens used per tenant and adapter 
 report. A report that fails keeps its usage for the next one; a failing control plane never stops
 serving. The body follows the control plane's `PressureReport` schema (it forbids unknown
 fields), so the host cache size, which that schema has no field for yet, is not sent.
+
+The pool is named by its namespace and name (LORAPLANE_POOL_NAMESPACE, LORAPLANE_POOL). Reports
+carry the config.json the replica loaded its base model from until an answer says the pool has
+one: a pool whose model is only on its replicas' volume learns it this way. A config the control
+plane refuses (422) is not sent again; the next report goes without it.
 """
 
 from __future__ import annotations
@@ -53,10 +58,17 @@ class UsageLog:
 
 
 def pressure_body(
-    pool: str, replica: str, snap: EngineSnapshot, usage: dict[Key, list[int]]
+    pool: str,
+    replica: str,
+    snap: EngineSnapshot,
+    usage: dict[Key, list[int]],
+    *,
+    namespace: str = "default",
+    base_model_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of one report."""
-    return {
+    """The JSON body of one report (`base_model_config` only when given)."""
+    body: dict[str, Any] = {
+        "namespace": namespace,
         "pool": pool,
         "replica": replica,
         "deferred": snap.deferred,
@@ -75,15 +87,22 @@ def pressure_body(
             for (t, a), (r, p, c) in sorted(usage.items())
         ],
     }
+    if base_model_config is not None:
+        body["base_model_config"] = base_model_config
+    return body
 
 
-def _replicas(response: httpx.Response) -> int:
-    """The live replica count in an accepted report's answer (1 when absent or odd)."""
+def _accepted(response: httpx.Response) -> tuple[int, bool]:
+    """From an accepted report's answer: the pool's live replicas (1 when absent or odd) and
+    whether the pool has its base model config (true when absent: nothing more to send)."""
     try:
-        value = response.json().get("replicas", 1)
+        answer = response.json()
+        replicas, known = answer.get("replicas", 1), answer.get("base_model_config_known", True)
     except (ValueError, AttributeError):
-        return 1
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+        return 1, True
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        replicas = 1
+    return replicas, known is not False
 
 
 class PressureReporter:
@@ -99,9 +118,15 @@ class PressureReporter:
         usage: UsageLog,
         interval: float = 5.0,
         client: httpx.AsyncClient | None = None,
+        *,
+        namespace: str = "default",
+        base_model_config: dict[str, Any] | None = None,
     ) -> None:
         self.url = url.rstrip("/") + "/internal/v1/pressure"
         self.pool, self.replica, self.interval = pool, replica, interval
+        self.namespace = namespace
+        # sent until the control plane has the pool's config (or refuses this one)
+        self.base_model_config = base_model_config
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._snapshot = snapshot
         self._usage = usage
@@ -116,14 +141,23 @@ class PressureReporter:
         """Send one report; True when the control plane accepted it."""
         snap = await self._snapshot()
         rows = self._usage.drain()
-        body = pressure_body(self.pool, self.replica, snap, rows)
+        body = pressure_body(
+            self.pool, self.replica, snap, rows, namespace=self.namespace,
+            base_model_config=self.base_model_config,
+        )  # fmt: skip
         try:
             response = await self._client.post(self.url, json=body, headers=self._headers)
             ok = response.status_code == 200
-            if not ok:
-                log.warning("pressure report refused: HTTP %s", response.status_code)
+            if ok:
+                self.replicas, known = _accepted(response)
+                if known:
+                    self.base_model_config = None
+            elif response.status_code == 422 and self.base_model_config is not None:
+                log.error("the control plane refused this replica's base model config.json: %s",
+                          response.text[:500])  # fmt: skip
+                self.base_model_config = None
             else:
-                self.replicas = _replicas(response)
+                log.warning("pressure report refused: HTTP %s", response.status_code)
         except httpx.HTTPError as e:
             log.warning("pressure report failed: %s", type(e).__name__)
             ok = False

@@ -19,8 +19,9 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from loraplane.adapters.base_model import BaseModelError, read_config
 from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import AsyncEngine
 from loraplane.dataplane.engine import Engine
@@ -109,12 +110,14 @@ class Runtime:
         s = self.settings
         if s.controlplane_url:
             self.catalog = HttpCatalog(
-                s.controlplane_url, s.service_token, self.base_model, ttl=s.resolve_ttl_s
-            )
+                s.controlplane_url, s.service_token, self.base_model, ttl=s.resolve_ttl_s,
+                stale=s.resolve_stale_s,
+            )  # fmt: skip
             replica = s.replica or f"{socket.gethostname()}:{s.port}"
             self._reporter = PressureReporter(
                 s.controlplane_url, s.service_token, s.pool, replica, self.snapshot, self.usage,
-                interval=s.pressure_interval_s,
+                interval=s.pressure_interval_s, namespace=s.pool_namespace,
+                base_model_config=await asyncio.to_thread(self._base_model_config),
             )  # fmt: skip
             self._reporter.start()
         else:
@@ -126,6 +129,15 @@ class Runtime:
             self.catalog = self.static
             self.metrics.add_tenant(DEFAULT_TENANT)
         self.ready = True
+
+    def _base_model_config(self) -> dict[str, Any] | None:
+        """The config.json the engine loaded the base model from, for the pressure reports (a
+        pool whose model only its replicas see learns it from them)."""
+        try:
+            return read_config(self.settings.model)
+        except BaseModelError as e:
+            log.warning("the base model's config.json cannot be reported: %s", e)
+            return None
 
     def _build_engine(self) -> Engine:
         disk = None

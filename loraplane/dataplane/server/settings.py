@@ -50,8 +50,15 @@ class ServerSettings(BaseSettings):
     service_token: str | None = None  # catalog mode: this replica's credential
     store: str = ".loraplane/store"  # catalog mode: the store (a path or s3://bucket/prefix)
     pool: str = "default"  # catalog mode: the ServingPool this replica reports pressure for
+    # catalog mode: that ServingPool's namespace (pools are named by namespace and name)
+    pool_namespace: str = Field(
+        default="default", max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+    )
     replica: str | None = None  # catalog mode: this replica's name (default: hostname:port)
     resolve_ttl_s: float = Field(default=5.0, ge=0)
+    # a known (key, model) keeps its last good resolution this long while the control plane is
+    # unreachable: serving goes on through a control plane outage
+    resolve_stale_s: float = Field(default=300.0, ge=0)
     pressure_interval_s: float = Field(default=5.0, gt=0)
     requests_per_minute: int = Field(default=0, ge=0)  # standalone tenant; 0 = unlimited
     tokens_per_minute: int = Field(default=0, ge=0)

@@ -311,7 +311,9 @@ def test_tokenizer_routes_need_the_key(
         {"model": "ad01", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
     ],
 )
-def test_tokenize_refuses_unknown_models_and_ambiguous_bodies(server: Running, body: object) -> None:
+def test_tokenize_refuses_unknown_models_and_ambiguous_bodies(
+    server: Running, body: object
+) -> None:
     r = httpx.post(server.url + "/tokenize", json=body,
                    headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     assert r.status_code in (400, 404) and r.json()["error"]["message"]

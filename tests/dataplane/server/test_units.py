@@ -17,7 +17,12 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from loraplane.dataplane.server.catalog import StaticCatalog
 from loraplane.dataplane.server.catalog_http import HttpCatalog
 from loraplane.dataplane.server.cli import add_commands
-from loraplane.dataplane.server.errors import ModelNotFound, RateLimited, Unauthorized
+from loraplane.dataplane.server.errors import (
+    ModelNotFound,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+)
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.dataplane.server.metrics import EngineSnapshot
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
@@ -119,8 +124,11 @@ def stand_in() -> tuple[FastAPI, dict[str, Any]]:
     @app.post("/internal/v1/pressure")
     async def pressure(request: Request) -> dict[str, Any]:
         state["reports"].append(await request.json())
-        return {"pool": "p", "replica": "r", "usage_rows": 0, "usage_skipped": 0,
-                "replicas": state.get("replicas", 1)}  # fmt: skip
+        if state.get("refuse"):
+            raise HTTPException(422)
+        return {"namespace": "default", "pool": "p", "replica": "r", "usage_rows": 0,
+                "usage_skipped": 0, "replicas": state.get("replicas", 1),
+                "base_model_config_known": state.get("known", True)}  # fmt: skip
 
     return app, state
 
@@ -144,6 +152,57 @@ def test_http_catalog_resolves_and_caches_for_its_ttl() -> None:
         clock.now = 5.1
         with pytest.raises(Unauthorized):
             await catalog.resolve("lp_good", "bot")  # stops working within the TTL
+        await catalog.aclose()
+
+    asyncio.run(run())
+
+
+def test_http_catalog_serves_known_tenants_through_an_outage_and_revocation_wins_after() -> None:
+    app, state = stand_in()
+    clock = Clock()
+    down = {"how": ""}
+    asgi = httpx.ASGITransport(app=app)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if down["how"] == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        if down["how"] == "500":
+            return httpx.Response(500, json={"detail": "database gone"})
+        return await asgi.handle_async_request(request)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    catalog = HttpCatalog(
+        "http://cp", "svc", "base", ttl=5.0, client=client, clock=clock, stale=300.0
+    )
+
+    async def run() -> None:
+        assert (await catalog.resolve("lp_good", "bot")).tenant == "acme"
+        state["keys"].add("lp_other")
+        for how in ("refused", "500"):
+            down["how"] = how
+            clock.now += 10.0  # past the TTL: the control plane is asked again, and is down
+            calls = sum(state["calls"].values())
+            found = await catalog.resolve("lp_good", "bot")  # known: its last good answer
+            assert (found.tenant, found.adapter, found.version) == ("acme", "bot", "3")
+            with pytest.raises(Unavailable) as info:  # never resolved: 503, retry later
+                await catalog.resolve("lp_other", "bot")
+            assert info.value.status == 503 and info.value.retry_after == 5.0
+            assert sum(state["calls"].values()) == calls  # left alone after a failed call
+        assert catalog.stale_answers == 2
+        clock.now += 301.0  # the last good answer is too old to stand in any more
+        with pytest.raises(Unavailable):
+            await catalog.resolve("lp_good", "bot")
+        down["how"] = ""  # back: answers are fresh again, and a revocation takes effect
+        clock.now += 10.0
+        assert (await catalog.resolve("lp_good", "bot")).tenant == "acme"
+        state["keys"].discard("lp_good")
+        clock.now += 10.0
+        with pytest.raises(Unauthorized):
+            await catalog.resolve("lp_good", "bot")
+        down["how"] = "refused"  # a revoked key is not served from its old answer either
+        clock.now += 10.0
+        with pytest.raises(Unavailable):
+            await catalog.resolve("lp_good", "bot")
         await catalog.aclose()
 
     asyncio.run(run())
@@ -183,6 +242,65 @@ def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
     # the body fits the control plane's schema (it forbids unknown fields)
     schemas = pytest.importorskip("loraplane.controlplane.schemas.internal")
     schemas.PressureReport.model_validate(report)
+
+
+def test_reports_name_the_pools_namespace_and_carry_the_config_until_the_pool_has_it() -> None:
+    app, state = stand_in()
+    state["known"] = False
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    config = {"model_type": "llama", "hidden_size": 64}
+
+    async def snapshot() -> EngineSnapshot:
+        return EngineSnapshot()
+
+    reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, UsageLog(), client=client,
+                                namespace="team-b", base_model_config=config)  # fmt: skip
+
+    async def run() -> None:
+        assert await reporter.report_once()
+        state["known"] = True  # the pool has a config now (this one, or an earlier replica's)
+        assert await reporter.report_once()
+        assert await reporter.report_once()
+
+    asyncio.run(run())
+    sent = [(r["namespace"], r["pool"], r.get("base_model_config")) for r in state["reports"]]
+    assert sent == [("team-b", "p", config), ("team-b", "p", config), ("team-b", "p", None)]
+    schemas = pytest.importorskip("loraplane.controlplane.schemas.internal")
+    schemas.PressureReport.model_validate(state["reports"][0])
+
+
+def test_a_config_the_control_plane_refuses_is_not_sent_again() -> None:
+    app, state = stand_in()
+    state["refuse"] = True
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    usage = UsageLog()
+    usage.add("acme", None, requests=1, prompt=1, completion=1)
+
+    async def snapshot() -> EngineSnapshot:
+        return EngineSnapshot()
+
+    reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, usage, client=client,
+                                base_model_config={"model_type": "gpt2"})  # fmt: skip
+
+    async def run() -> None:
+        assert not await reporter.report_once()  # 422: the usage stays for the next report
+        state["refuse"] = False
+        assert await reporter.report_once()
+
+    asyncio.run(run())
+    first, second = state["reports"]
+    assert first["namespace"] == "default" and "base_model_config" in first
+    assert "base_model_config" not in second and second["usage"] == first["usage"]
+
+
+def test_the_pools_namespace_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLANE_POOL_NAMESPACE", "team-b")
+    assert ServerSettings.load(model="/m").pool_namespace == "team-b"
+    monkeypatch.setenv("LORAPLANE_POOL_NAMESPACE", "Team_B")
+    with pytest.raises(SettingsError, match="LORAPLANE_POOL_NAMESPACE"):
+        ServerSettings.load(model="/m")
+    monkeypatch.delenv("LORAPLANE_POOL_NAMESPACE")
+    assert ServerSettings.load(model="/m").pool_namespace == "default"
 
 
 def test_a_tenants_rate_limits_are_split_among_the_pools_live_replicas(tmp_path: Path) -> None:

@@ -11,16 +11,17 @@ from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 
 from loraplane.controlplane import basemodels
-from loraplane.controlplane.api.deps import ContextDep, ServiceDep, SessionDep
+from loraplane.controlplane.api.deps import ContextDep, PoolNamespace, ServiceDep, SessionDep
 from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import pools as crud_pools
+from loraplane.controlplane.crud.pools import pool_ref
 from loraplane.controlplane.crud.resolve import Resolution, resolve
 from loraplane.controlplane.crud.tenants import get_tenant_by_namespace
 from loraplane.controlplane.crud.usage import add_usage
 from loraplane.controlplane.errors import InvalidRequest
-from loraplane.controlplane.models import utcnow
+from loraplane.controlplane.models import DEFAULT_NAMESPACE, utcnow
 from loraplane.controlplane.schemas.adapters import UploadResult, VersionPublic
 from loraplane.controlplane.schemas.internal import (
     PressureAccepted,
@@ -75,19 +76,29 @@ def _resolve(ctx: AppContext, secret: str, model: str) -> Resolution:
     raise AssertionError("unreachable")
 
 
-@router.post("/pressure", response_model=PressureAccepted, responses=errors(404))
-def report_pressure(body: PressureReport, session: SessionDep, _: ServiceDep) -> PressureAccepted:
-    """A replica's slot pressure (kept per replica on its pool) and usage since last time."""
-    report = body.model_dump(exclude={"pool", "replica", "usage"})
-    crud_pools.get_pool(session, name=body.pool)
+@router.post("/pressure", response_model=PressureAccepted, responses=errors(404, 422))
+def report_pressure(
+    body: PressureReport, session: SessionDep, actor: ServiceDep
+) -> PressureAccepted:
+    """A replica's slot pressure (kept per replica on its pool) and usage since last time.
+
+    The base model config it reports is kept if the pool's is pending. A config uploads could
+    not be validated against is 422 InvalidBaseModel, and nothing of the report is recorded."""
+    report = body.model_dump(exclude={"namespace", "pool", "replica", "usage", "base_model_config"})
+    crud_pools.get_pool(session, namespace=body.namespace, name=body.pool)
     recorded, skipped = add_usage(session, rows=body.usage, day=utcnow().date())
-    pool = crud_pools.record_pressure(session, name=body.pool, replica=body.replica, report=report)
+    pool = crud_pools.record_pressure(
+        session, namespace=body.namespace, name=body.pool, replica=body.replica, report=report,
+        base_model_config=body.base_model_config, actor=actor,
+    )  # fmt: skip
     return PressureAccepted(
+        namespace=body.namespace,
         pool=body.pool,
         replica=body.replica,
         usage_rows=recorded,
         usage_skipped=skipped,
         replicas=crud_pools.live_replicas(pool),
+        base_model_config_known=pool.base_model_config is not None,
     )
 
 
@@ -126,11 +137,14 @@ def record_version(
 )
 def put_pool(
     pool: str, body: PoolCreate, response: Response, ctx: ContextDep, session: SessionDep,
-    actor: ServiceDep,
+    actor: ServiceDep, namespace: PoolNamespace = DEFAULT_NAMESPACE,
 ) -> PoolPublic:  # fmt: skip
     """Create or update a pool (201 or 200); a different base model is 409 Conflict."""
-    if body.name != pool:
-        raise InvalidRequest(f"body name {body.name!r} differs from the path's {pool!r}")
+    if (body.namespace, body.name) != (namespace, pool):
+        raise InvalidRequest(
+            f"body pool {pool_ref(body.namespace, body.name)} differs from the request's "
+            f"{pool_ref(namespace, pool)}"
+        )
     load = partial(basemodels.load_config, s3_endpoint_url=ctx.settings.s3_endpoint_url)
     row, created = crud_pools.put_pool(session, data=body, actor=actor, load_config=load)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
@@ -138,15 +152,21 @@ def put_pool(
 
 
 @router.get("/pools/{pool}", response_model=PoolPublic, responses=errors(404))
-def get_pool(pool: str, session: SessionDep, _: ServiceDep) -> PoolPublic:
-    """A pool with the pressure its replicas last reported (the operator's autoscaler)."""
-    return PoolPublic.model_validate(crud_pools.get_pool(session, name=pool))
+def get_pool(
+    pool: str, session: SessionDep, _: ServiceDep, namespace: PoolNamespace = DEFAULT_NAMESPACE
+) -> PoolPublic:
+    """A pool with its replicas' last pressure and its base model config (for the operator).
+
+    The autoscaler reads the pressure; adapters are validated against the config."""
+    return PoolPublic.model_validate(crud_pools.get_pool(session, namespace=namespace, name=pool))
 
 
 @router.delete("/pools/{pool}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404))
-def delete_pool(pool: str, session: SessionDep, actor: ServiceDep) -> None:
+def delete_pool(
+    pool: str, session: SessionDep, actor: ServiceDep, namespace: PoolNamespace = DEFAULT_NAMESPACE
+) -> None:
     """Forget a pool whose ServingPool was deleted."""
-    crud_pools.delete_pool(session, name=pool, actor=actor)
+    crud_pools.delete_pool(session, namespace=namespace, name=pool, actor=actor)
 
 
 @router.delete(
