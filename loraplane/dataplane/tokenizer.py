@@ -163,6 +163,10 @@ class Tokenizer:
         """Token ids of `text`, with the special tokens tokenizer.json's post-processor adds."""
         return [int(i) for i in self._tok.encode(text, add_special_tokens=add_special_tokens).ids]
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (grammar engines build their view of it)."""
+        return str(self._tok.to_str())
+
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary entry of `token_id` (e.g. "Ġhello" in byte-level BPE), "" if none."""
         return str(self._tok.id_to_token(token_id) or "")

@@ -1,0 +1,349 @@
+"""Structured outputs: compile a request's constraint, then mask the tokens it forbids.
+
+A constraint comes from OpenAI's `response_format` or vLLM's `structured_outputs` and is one of:
+- `json`: a JSON Schema; properties are generated in the schema's order, whitespace between
+  tokens is free (llguidance's default), `x-guidance` options inside the schema are honoured;
+- `json_object`: any JSON object;
+- `regex`: the whole output matches the pattern (Rust `regex` syntax);
+- `choice`: the output is exactly one of the strings;
+- `grammar`: a Lark grammar in llguidance's dialect, or a GBNF grammar.
+
+llguidance compiles it against the model's tokenizer (`GrammarCompiler.compile`, CPU work that
+releases the GIL: call it from a worker thread, never on the engine loop; a constraint that
+cannot be compiled raises GrammarError with llguidance's reason, for a 400). Each sequence then
+owns a `Matcher`: before a step it writes the tokens that may come next into its row of an int32
+bitmask, bit j of word w standing for token 32*w + j:
+
+    allowed(row, t) = (bitmask[row, t // 32] >> (t % 32)) & 1
+
+and after the step it accepts the sampled token. `apply_bitmask` sets every forbidden logit of
+the constrained rows to -inf; the other logits of the batch keep their values bit for bit. EOS is
+allowed only where the grammar is complete; once nothing can follow (`is_done`), only EOS is.
+Ids past the tokenizer's vocabulary (the model's padded logits) are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Literal, get_args
+
+import llguidance
+import torch
+
+from loraplane.dataplane.tokenizer import Tokenizer
+
+Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = get_args(Kind)
+_ANY_OBJECT = '{"type": "object"}'
+_EXPONENT_BITS = 0x7F800000  # of a float32: with the sign bit, -inf
+_SIGN_BIT = -(2**31)  # of a float32 seen as int32: alone, -0.0
+# the vLLM structured_outputs keys served; other keys are refused unless null or false (clients
+# that serialise every field send the unset ones so)
+_STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class GrammarError(ValueError):
+    """A request's constraint cannot be parsed or compiled; the message is the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What one request's output must match.
+
+    `spec` is text for every kind, so that a Constraint is hashable and is its own cache key:
+    json: the schema as compact JSON (key order kept: it is the order of generated properties);
+    json_object: ""; regex: the pattern; choice: a JSON array of the strings; grammar: its text.
+    """
+
+    kind: Kind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise GrammarError(f"constraint spec must be text, got {type(self.spec).__name__}")
+
+
+def _schema_text(schema: object, where: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{where} must be a JSON Schema object, got {type(schema).__name__}")
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+def from_response_format(obj: object) -> Constraint | None:
+    """OpenAI's `response_format`: `text` is None; `json_object`; `json_schema` (a missing
+    `schema` means any JSON object; `strict` is checked to be a bool, the schema is enforced
+    either way)."""
+    if not isinstance(obj, dict):
+        raise GrammarError("response_format must be an object")
+    kind = obj.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind != "json_schema":
+        raise GrammarError(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        )
+    spec = obj.get("json_schema")
+    if not isinstance(spec, dict):
+        raise GrammarError("response_format.json_schema must be an object")
+    if not isinstance(spec.get("name", ""), str):
+        raise GrammarError("response_format.json_schema.name must be a string")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise GrammarError("response_format.json_schema.strict must be a boolean")
+    schema = spec.get("schema")
+    if schema is None:
+        return Constraint("json_object")
+    if not isinstance(schema, dict):
+        raise GrammarError("response_format.json_schema.schema must be a JSON Schema object")
+    return Constraint("json", _schema_text(schema, "response_format.json_schema.schema"))
+
+
+def from_structured_outputs(obj: object) -> Constraint | None:
+    """vLLM's `structured_outputs`: at most one of `json` (a schema, as an object or JSON text),
+    `regex`, `choice` (a list of strings), `grammar` (Lark or GBNF), `json_object: true`."""
+    if not isinstance(obj, dict):
+        raise GrammarError("structured_outputs must be an object")
+    given = {k: v for k, v in obj.items() if v is not None and v is not False}
+    unsupported = sorted(k for k in given if k not in _STRUCTURED_OUTPUTS_KEYS)
+    if unsupported:
+        raise GrammarError(f"structured_outputs does not support {', '.join(unsupported)}")
+    if len(given) > 1:
+        raise GrammarError(
+            "structured_outputs takes one of json, regex, choice, grammar, json_object; "
+            f"got {', '.join(sorted(given))}"
+        )
+    if not given:
+        return None
+    ((key, value),) = given.items()
+    if key == "json":
+        return Constraint("json", _schema_text(value, "structured_outputs.json"))
+    if key == "json_object":
+        if value is not True:
+            raise GrammarError("structured_outputs.json_object must be a boolean")
+        return Constraint("json_object")
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise GrammarError("structured_outputs.choice must be a non-empty list of strings")
+        return Constraint("choice", json.dumps(value, ensure_ascii=False))
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"structured_outputs.{key} must be a non-empty string")
+    return Constraint("regex" if key == "regex" else "grammar", value)
+
+
+def _grammar(constraint: Constraint) -> str:
+    """llguidance's grammar text for a constraint (not yet checked: LLMatcher does that)."""
+    kind, spec = constraint.kind, constraint.spec
+    try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            # a JSON string literal is a Lark string literal
+            choices = json.loads(spec)
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in choices)
+            )
+        return llguidance.grammar_from("grammar", spec)  # Lark as is, GBNF converted to Lark
+    except ValueError as exc:
+        raise GrammarError(f"invalid {kind}: {exc}") from None
+
+
+class CompiledGrammar:
+    """A constraint compiled for one tokenizer; shared by every request with that constraint."""
+
+    __slots__ = ("_template", "constraint", "vocab_size")
+
+    def __init__(self, constraint: Constraint, template: llguidance.LLMatcher, vocab_size: int):
+        self.constraint = constraint
+        self.vocab_size = vocab_size  # bits per bitmask row: the logits' width
+        self._template = template  # never advanced: each Matcher starts from a copy
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer, with a bounded, thread-safe LRU cache.
+
+    `source` is the base model's Tokenizer or its directory. `vocab_size` is the width of the
+    model's logits (default: the tokenizer's vocabulary); ids past the tokenizer's are padding
+    and never allowed. Evicting a grammar does not affect the Matchers made from it.
+    """
+
+    def __init__(
+        self,
+        source: Tokenizer | Path | str,
+        vocab_size: int | None = None,
+        cache_size: int = 256,
+    ) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        tokenizer = source if isinstance(source, Tokenizer) else Tokenizer.from_dir(source)
+        # Tokenizer has no public serialisation yet; padding and truncation would change how
+        # llguidance's copy tokenizes, so they are dropped from that copy
+        spec = json.loads(tokenizer.to_json())
+        spec["padding"] = spec["truncation"] = None
+        self.vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
+        self._tokenizer = llguidance.LLTokenizer(
+            json.dumps(spec),
+            n_vocab=self.vocab_size,
+            eos_token=sorted(tokenizer.eos_token_ids) or None,
+        )
+        self._cache_size = cache_size
+        self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiled grammar of `constraint`, from the cache or compiled now (GrammarError
+        when it cannot be). Blocks for up to about a second on a very complex grammar."""
+        with self._lock:
+            hit = self._cache.get(constraint)
+            if hit is not None:
+                self._cache.move_to_end(constraint)
+                return hit
+        # compiled outside the lock: one slow grammar must not hold up the others
+        template = llguidance.LLMatcher(self._tokenizer, _grammar(constraint), log_level=0)
+        if template.is_error():
+            raise GrammarError(f"invalid {constraint.kind}: {template.get_error()}")
+        compiled = CompiledGrammar(constraint, template, self.vocab_size)
+        with self._lock:
+            # a racing thread may have compiled it too: everyone gets the first one cached
+            compiled = self._cache.setdefault(constraint, compiled)
+            self._cache.move_to_end(constraint)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def _check_bitmask(bitmask: torch.Tensor, vocab_size: int) -> None:
+    width = (vocab_size + 31) // 32
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
+        raise ValueError(
+            f"bitmask must be a 2-D int32 CPU tensor, got {bitmask.dtype} "
+            f"{tuple(bitmask.shape)} on {bitmask.device}"
+        )
+    if bitmask.shape[1] != width or bitmask.stride(1) != 1:
+        raise ValueError(f"bitmask rows must be {width} contiguous words, got {bitmask.shape[1]}")
+
+
+class Matcher:
+    """The state of one sequence's output in its grammar: which tokens may come next."""
+
+    __slots__ = ("_matcher", "vocab_size")
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self._matcher = grammar._template.deep_copy()
+        self.vocab_size = grammar.vocab_size
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row `row` of `bitmask` [B, ceil(V/32)] int32, CPU.
+        (`fill_bitmasks` does a batch's matchers in one call, in parallel.)"""
+        _check_bitmask(bitmask, self.vocab_size)
+        if not 0 <= row < bitmask.shape[0]:
+            raise ValueError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")
+        target = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past the sampled token; False when the grammar did not allow it (the matcher
+        then stays in error, allowing only EOS)."""
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is complete: EOS is allowed now."""
+        return self._matcher.is_accepting()
+
+    @property
+    def is_done(self) -> bool:
+        """Nothing but EOS can follow (the grammar is complete, EOS was accepted, or error)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher is in error (a token it did not allow), or None."""
+        if not self._matcher.is_error():
+            return None
+        return self._matcher.get_error() or "the matcher is in error"
+
+
+@cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()
+
+
+def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+    """For each (matcher, row), `matcher.fill_bitmask(bitmask, row)`, in parallel on
+    llguidance's threads without the GIL. Rows must be distinct."""
+    if not rows:
+        return
+    vocab_size = rows[0][0].vocab_size
+    _check_bitmask(bitmask, vocab_size)
+    if not bitmask.is_contiguous():
+        raise ValueError("bitmask must be contiguous")
+    batch = bitmask.shape[0]
+    pairs: list[tuple[llguidance.LLMatcher, int]] = []
+    for matcher, row in rows:
+        if matcher.vocab_size != vocab_size or not 0 <= row < batch:
+            raise ValueError(f"matcher for row {row} does not fit a bitmask {bitmask.shape}")
+        pairs.append((matcher._matcher, row))
+    _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, batch)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A CPU bitmask [rows, ceil(vocab_size/32)] int32 with every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(
+    logits: torch.Tensor,  # [B, V] float
+    bitmask: torch.Tensor,  # [R, W] int32, on any device
+    rows: torch.Tensor,  # [R] long: the logits row of each bitmask row, distinct
+) -> None:
+    """In place, for finite logits:
+
+        for r, row in enumerate(rows):
+            for t in range(V):
+                if t >= 32 * W or not allowed(r, t): logits[row, t] = -inf
+
+    Allowed logits and the rows not in `rows` keep their values bit for bit. One copy of the
+    bitmask to the logits' device, no loop over rows.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be [B, V] float, got {logits.dtype} {tuple(logits.shape)}")
+    if bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be [R, W] int32, got {bitmask.dtype} {bitmask.shape}")
+    if rows.dim() != 1 or rows.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"rows must be [R] with R={bitmask.shape[0]}, got {tuple(rows.shape)}")
+    if rows.numel() == 0:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    mask = bitmask.to(device)  # [R, W]
+    index = rows.to(device=device, dtype=torch.long)  # [R]
+    # bit j moved to the sign and spread over the word: -1 where allowed, 0 where not
+    shifts = 31 - torch.arange(32, device=device, dtype=torch.int32)  # [32]
+    keep = (mask.unsqueeze(-1) << shifts).bitwise_right_shift_(31).flatten(1)  # [R, 32W]
+    # added, not filled (masked_fill is several times slower on CPU): -0.0 where allowed,
+    # since x + -0.0 == x for every x, signed zeros included; -inf where not
+    bias = keep.bitwise_not_().bitwise_and_(_EXPONENT_BITS).bitwise_or_(_SIGN_BIT)
+    bias_f = bias.view(torch.float32).to(logits.dtype)  # [R, 32W]
+    if bias_f.shape[1] >= vocab:
+        bias_f = bias_f[:, :vocab]
+    else:  # logits wider than the mask: the extra ids are not in the grammar's vocabulary
+        bias_f = torch.nn.functional.pad(bias_f, (0, vocab - bias_f.shape[1]), value=-math.inf)
+    logits.index_add_(0, index, bias_f)
