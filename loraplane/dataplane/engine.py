@@ -20,19 +20,30 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.detokenizer import IncrementalDetokenizer
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
-from loraplane.dataplane.sampler import Sampler, SamplerOutput, make_generator
+from loraplane.dataplane.sampler import Sampler, SamplerOutput, make_generator, prompt_logprobs
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
+from loraplane.dataplane.sequence import (
+    FinishReason,
+    LoRARef,
+    PromptLogprob,
+    Sequence,
+    SequenceStatus,
+)
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# a step's sampled tokens, and the prompt logits of requests that want prompt log-probabilities
+Computed = tuple[SamplerOutput, dict[str, tuple[int, torch.Tensor]]]
 
 # A step with nothing to run because every waiting request's adapter is loading waits this
 # long at most for a load to end (a new request arriving meanwhile waits as long).
@@ -59,6 +70,8 @@ class RequestOutput:
     error: str | None = None  # set when the request failed (e.g. its adapter could not load)
     # per token, its best alternatives (token id, log-probability), when the request asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with the first token, per prompt token after the first, when the request asked
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -194,7 +207,7 @@ class Engine:
         except Exception as error:  # one tenant's failure must not end the others' requests
             parts, failed_rows = self._compute_isolated(out, error)
             failed += failed_rows
-        outputs = [o for part, sampled in parts for o in self._record(part, sampled)]
+        outputs = [o for part, computed in parts for o in self._record(part, computed)]
         elapsed = time.perf_counter() - start
         self._step_seconds += 0.2 * (elapsed - self._step_seconds)
         self.stats.steps += 1
@@ -215,17 +228,24 @@ class Engine:
         except Exception:
             log.exception("adapter housekeeping failed (requests go on)")
 
-    def _compute(self, out: SchedulerOutput) -> SamplerOutput:
+    def _compute(self, out: SchedulerOutput) -> Computed:
         """Run the rows of `out` through the model and the sampler; records nothing."""
         # the step's adapters were placed when their requests were admitted: this only checks
         logits = self.runner.execute(out, self.scheduler.running_lora_keys)
         rows = out.sampled
         seqs = [r.seq for r in rows]
-        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
+        sampled = self.sampler(
+            logits.sampled, [s.params for s in seqs], [s.generator for s in seqs], seqs
+        )
+        return sampled, logits.prompt
 
-    def _record(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+    def _record(self, out: SchedulerOutput, computed: Computed) -> list[RequestOutput]:
         """Record a computed step's tokens and form each request's output (a request whose
         output cannot be formed, e.g. its text does not decode, fails alone)."""
+        sampled, prompt = computed
+        for row in out.scheduled if prompt else ():
+            if row.seq.request_id in prompt:
+                self._record_prompt_logprobs(row.seq, *prompt[row.seq.request_id])
         live = [r.seq for r in out.sampled if r.seq.status is SequenceStatus.RUNNING]
         self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
         self.stats.prompt_tokens += sum(
@@ -241,9 +261,22 @@ class Engine:
                 outputs.append(self._fail(seq, _failure_message(error)))
         return outputs
 
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """Keep the log-probabilities of prompt tokens first.. (those not kept yet: a
+        recomputed prompt is not counted twice)."""
+        have = len(seq.prompt_logprobs) + 1  # token 0 has none
+        skip = have - first
+        if skip < 0 or skip >= logits.shape[0] or seq.params.prompt_logprobs is None:
+            return
+        tokens = seq.prompt_token_ids[have : first + logits.shape[0]]
+        seq.prompt_logprobs.extend(
+            prompt_logprobs(logits[skip:], tokens, seq.params.prompt_logprobs)
+        )
+
     def _compute_isolated(
         self, out: SchedulerOutput, error: Exception
-    ) -> tuple[list[tuple[SchedulerOutput, SamplerOutput]], list[RequestOutput]]:
+    ) -> tuple[list[tuple[SchedulerOutput, Computed]], list[RequestOutput]]:
         """The step's computation failed: run its rows again one adapter at a time (the base
         model's rows are a group too). A group that fails alone fails its requests with the
         error; the others are computed in this step. Nothing was recorded by the failed
@@ -257,7 +290,7 @@ class Engine:
             failed = self._fail_rows(out.scheduled, error)
             self._reset_adapter(key)
             return [], failed
-        parts: list[tuple[SchedulerOutput, SamplerOutput]] = []
+        parts: list[tuple[SchedulerOutput, Computed]] = []
         failed = []
         for key, rows in groups.items():
             keys = frozenset() if key is None else frozenset({key})
@@ -354,6 +387,9 @@ class Engine:
         sent = self._sent_logprobs.get(seq.request_id, 0)
         logprobs = seq.output_logprobs[sent:] if seq.params.wants_logprobs else None
         top = seq.output_top_logprobs[sent:] if seq.params.top_logprobs else None
+        prompt = None
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            prompt = list(seq.prompt_logprobs)
         if seq.is_finished:
             self._sent_logprobs.pop(seq.request_id, None)
         else:
@@ -368,6 +404,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             top_logprobs=top,
+            prompt_logprobs=prompt,
         )
 
     def generate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +49,16 @@ def lora_budget_bytes(lora_memory: int | float, device: torch.device) -> int:
     else:
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     return max(1, int(free * lora_memory))
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    """A step's logits, fp32 on the host."""
+
+    sampled: torch.Tensor  # [len(out.sampled), vocab]: the rows that sample, in order
+    # request id -> (index of the first prompt token they predict, logits [n, vocab]) for
+    # requests that want prompt log-probabilities
+    prompt: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -111,15 +122,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, in_use: set[str], wanted: set[str] | None = None
-    ) -> torch.Tensor:
-        """Run one step; return fp32 logits [len(out.sampled), vocab].
+    ) -> StepLogits:
+        """Run one step; return fp32 logits [len(out.sampled), vocab], and the prompt logits
+        of the rows whose request wants prompt log-probabilities.
 
         `in_use` holds the adapter keys of running sequences (never evicted from their slots),
         `wanted` those of waiting ones (evicted only after every other idle adapter).
         """
         rows = out.scheduled
         if not rows:
-            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
+            return StepLogits(torch.empty(0, self.vocab_size, dtype=torch.float32), {})
         self.loras.make_resident(out.lora_keys, in_use, wanted or ())
         ids: list[int] = []
         slots: list[int] = []
@@ -138,7 +150,18 @@ class ModelRunner:
         lora = None if not out.lora_keys else LoRABatch.from_token_slots(slots, dev)
         hidden = self.model(torch.tensor(ids, device=dev), positions, attn, lora)
         cu = attn.host_cu_seqlens_q
+        prompt = {}
+        for i, r in enumerate(rows):  # rows whose request wants its prompt's log-probabilities
+            if r.seq.params.prompt_logprobs is None:
+                continue
+            # position p's logits predict token p + 1: those of the prompt's tokens 1..P-1
+            stop = min(r.start + r.num_new_tokens, r.seq.num_prompt_tokens - 1)
+            if stop > r.start:
+                span = hidden[cu[i] : cu[i] + stop - r.start]
+                prompt[r.seq.request_id] = (r.start + 1, self.model.compute_logits(span).float())
         last = [cu[i + 1] - 1 for i, r in enumerate(rows) if r.sample]
         if not last:
-            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(last, device=dev)]).float().cpu()
+            sampled = torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        else:
+            sampled = self.model.compute_logits(hidden[torch.tensor(last, device=dev)]).float()
+        return StepLogits(sampled.cpu(), {k: (f, v.cpu()) for k, (f, v) in prompt.items()})

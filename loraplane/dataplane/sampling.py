@@ -30,7 +30,9 @@ class SamplingParams:
     filters off. `seed` makes the request's samples reproducible whatever else shares its
     batches. `logprobs` (True, or an int >= 0) returns the log-probability of each chosen token
     and `top_logprobs` (0..MAX_TOP_LOGPROBS) that many best alternatives with theirs, all of the
-    model's own distribution (the request's adapter applied, before any transform below).
+    model's own distribution (the request's adapter applied, before any transform below);
+    `prompt_logprobs` (0..MAX_TOP_LOGPROBS) does the same for every prompt token after the first
+    (such a request does not use the prefix cache: every prompt position must be computed).
     `n` > 1 is the engine's business (one sequence per choice); the sampler sees rows.
 
     Transforms, in the order the sampler applies them (vLLM's meaning for each field):
@@ -65,6 +67,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    prompt_logprobs: int | None = None  # per prompt token its log-probability and N best
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
@@ -121,6 +124,11 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        n = self.prompt_logprobs
+        if n is not None and (not _is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}"
+            )
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or k < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {k!r}")

@@ -92,6 +92,17 @@ _FINISHED = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it, its rank (1: the most
+    likely) and the best alternatives (token id, log-probability)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 @dataclass(eq=False, slots=True)
 class Sequence:
     """A request being generated: its tokens, parameters, adapter, status and KV blocks.
@@ -112,6 +123,9 @@ class Sequence:
     output_logprobs: list[float] = field(init=False, default_factory=list)
     # per output token, its best alternatives (token id, log-probability) when asked for
     output_top_logprobs: list[list[tuple[int, float]]] = field(init=False, default_factory=list)
+    # per prompt token after the first (params.prompt_logprobs): its log-probability, its rank
+    # in the distribution and the best alternatives
+    prompt_logprobs: list[PromptLogprob] = field(init=False, default_factory=list)
     status: SequenceStatus = field(init=False, default=SequenceStatus.WAITING)
     finish_reason: FinishReason | None = field(init=False, default=None)
     arrival_step: int = field(init=False, default=0)
@@ -188,8 +202,13 @@ class Sequence:
 
     @property
     def cache_salt(self) -> bytes:
-        """Salt of this sequence's prefix-cache hashes (adapter identity, or the base salt)."""
-        return BASE_SALT if self.lora is None else self.lora.salt
+        """Salt of this sequence's prefix-cache hashes (adapter identity, or the base salt).
+        A request for prompt log-probabilities gets a salt of its own: no cached prefix may
+        skip the positions it needs."""
+        salt = BASE_SALT if self.lora is None else self.lora.salt
+        if self.params.prompt_logprobs is not None:
+            salt += b"/prompt-logprobs/" + self.request_id.encode()
+        return salt
 
     @property
     def is_finished(self) -> bool:

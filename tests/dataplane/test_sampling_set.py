@@ -251,3 +251,43 @@ def test_top_logprobs_through_the_engine_equal_peft_per_adapter(
             values, ids = logp[len(seq.prompt_token_ids) - 1 + k].topk(3)
             assert [t for t, _ in top] == ids.tolist()
             assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_equal_peft_per_adapter_in_a_chunked_mixed_batch(
+    families: dict[str, Family], hf_reference: Callable[[str], torch.nn.Module]
+) -> None:
+    """Prompts are cut into chunks shared with other requests' decodes; two requests share a
+    prompt (the prefix cache must not skip the positions the second one needs)."""
+    engine, refs = make_engine(families["llama"], max_num_batched_tokens=16,
+                               enable_prefix_caching=True)  # fmt: skip
+    model = hf_reference("llama")
+    batch = prompts(4, seed=31, low=12, high=30)
+    batch.append(list(batch[0]))
+    names = ["r16", None, "r64", "r4", "r16"]
+    wants = [2, 0, 5, None, 3]
+    seqs = []
+    for i, (prompt, name, n) in enumerate(zip(batch, names, wants, strict=True)):
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=n)
+        seqs.append(engine.add_request(f"p{i}", prompt, params, refs[name] if name else None))
+    first: dict[str, object] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in first  # sent once, with the first token
+                first[out.request_id] = out.prompt_logprobs
+    assert "p3" not in first
+    for seq, name, n in zip(seqs, names, wants, strict=True):
+        if n is None:
+            continue
+        got = first[seq.request_id]
+        assert isinstance(got, list) and len(got) == len(seq.prompt_token_ids) - 1
+        logp = torch.log_softmax(hf_logits(model, seq.prompt_token_ids, name), dim=-1)
+        for pos, entry in enumerate(got, start=1):
+            row = logp[pos - 1]
+            token = seq.prompt_token_ids[pos]
+            assert entry.token_id == token
+            assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+            assert entry.rank == int((row > row[token]).sum()) + 1
+            values, ids = row.topk(n) if n else (torch.empty(0), torch.empty(0))
+            assert [t for t, _ in entry.top] == ids.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)

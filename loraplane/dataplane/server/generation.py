@@ -21,7 +21,7 @@ from typing import cast
 from loraplane.dataplane.engine import RequestOutput
 from loraplane.dataplane.sampler import TopLogprobs
 from loraplane.dataplane.sampling import SamplingParams
-from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.sequence import LoRARef, PromptLogprob
 from loraplane.dataplane.server.errors import ContextTooLong, InvalidRequest, Unavailable
 from loraplane.dataplane.server.runtime import Runtime
 
@@ -38,7 +38,9 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None  # per prompt token after the first
     finish_reason: str | None = None
+    echo: str | None = None  # completions with echo: the prompt's text, shown first
 
 
 @dataclass(slots=True)
@@ -52,6 +54,8 @@ class Job:
     choices: list[Choice]
     tokens_per_minute: int = 0
     arrival: float = field(default_factory=time.perf_counter)
+    # max_tokens 0 with echo: the engine runs one token (it always samples one), not shown
+    hide_output: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -60,8 +64,8 @@ class Job:
 
     @property
     def completion_tokens(self) -> int:
-        """Tokens generated so far over all choices."""
-        return sum(len(c.token_ids) for c in self.choices)
+        """Tokens generated so far over all choices (0 when none are shown)."""
+        return 0 if self.hide_output else sum(len(c.token_ids) for c in self.choices)
 
 
 def fit_max_tokens(prompt_len: int, requested: int | None, default: int | None, limit: int) -> int:
@@ -145,6 +149,8 @@ def _record(choice: Choice, out: RequestOutput) -> None:
     choice.token_ids.extend(out.token_ids)
     choice.logprobs.extend(out.logprobs or [])
     choice.top_logprobs.extend(out.top_logprobs or [])
+    if out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
     if out.finished:
         choice.finish_reason = out.finish_reason
 

@@ -54,15 +54,87 @@ def completion_logprobs(
     best: list[dict[str, float]] | None = None
     if top > 0:
         best = []
-        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
-            alternatives = {text(t): v for t, v in tops[i]} if i < len(tops) else {}
-            best.append({**alternatives, token: lp})
+        for i, (token_id, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+            alternatives = tops[i] if i < len(tops) else []
+            best.append(_by_text([*alternatives, (token_id, lp)], text))
     return {
         "tokens": tokens,
         "token_logprobs": list(logprobs),
         "top_logprobs": best,
         "text_offset": offsets,
     }
+
+
+def _by_text(pairs: Sequence[tuple[int, float]], text: TokenText) -> dict[str, float]:
+    """{token text: log-probability}; tokens of the same text (e.g. partial characters) share
+    a key, which keeps the best of their values."""
+    out: dict[str, float] = {}
+    for token_id, value in pairs:
+        key = text(token_id)
+        if key not in out or value > out[key]:
+            out[key] = value
+    return out
+
+
+def echo_logprobs(choice: Choice, top: int, text: TokenText) -> dict[str, Any]:
+    """The echoed prompt's `logprobs` (completions): the first token has none, as in OpenAI's
+    and vLLM's answers; the others their log-probability given the tokens before them."""
+    scored = choice.prompt_logprobs or []
+    tokens = [text(t) for t in choice.tokens]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    best: list[dict[str, float] | None] | None = None
+    if top > 0:
+        best = [None]
+        for p in scored:
+            best.append(_by_text([*p.top[:top], (p.token_id, p.logprob)], text))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(p.logprob for p in scored)],
+        "top_logprobs": best,
+        "text_offset": offsets,
+    }
+
+
+def choice_logprobs(
+    choice: Choice, top: int, text: TokenText, *, hide_output: bool = False
+) -> dict[str, Any]:
+    """A completion choice's `logprobs`: the echoed prompt's (with echo), then the output's."""
+    out = completion_logprobs(
+        [] if hide_output else choice.token_ids,
+        [] if hide_output else choice.logprobs,
+        [] if hide_output else choice.top_logprobs,
+        top,
+        text,
+        len(choice.echo or ""),
+    )
+    if choice.echo is None:
+        return out
+    head = echo_logprobs(choice, top, text)
+    return {
+        key: None if head[key] is None and out[key] is None else [*head[key], *(out[key] or [])]
+        for key in out
+    }
+
+
+def vllm_prompt_logprobs(choice: Choice, text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob,
+    rank, decoded_token}} for the token itself and the best alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for p in choice.prompt_logprobs or []:
+        entry = {
+            str(t): {"logprob": v, "rank": rank, "decoded_token": text(t)}
+            for rank, (t, v) in enumerate(p.top, start=1)
+        }
+        entry[str(p.token_id)] = {
+            "logprob": p.logprob,
+            "rank": p.rank,
+            "decoded_token": text(p.token_id),
+        }
+        out.append(entry)
+    return out
 
 
 def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
@@ -98,21 +170,24 @@ def completion_body(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": None
-                if logprobs is None
-                else completion_logprobs(
-                    c.token_ids, c.logprobs, c.top_logprobs, logprobs, text, 0
-                ),
-                "finish_reason": c.finish_reason,
-            }
-            for c in job.choices
-        ],
+        "choices": [completion_choice(c, job, logprobs, text) for c in job.choices],
         "usage": usage(job),
     }
+
+
+def completion_choice(c: Choice, job: Job, logprobs: int | None, text: TokenText) -> dict[str, Any]:
+    """One choice of a finished `text_completion` (echo and prompt_logprobs included)."""
+    entry: dict[str, Any] = {
+        "index": c.index,
+        "text": (c.echo or "") + ("" if job.hide_output else c.text),
+        "logprobs": None
+        if logprobs is None
+        else choice_logprobs(c, logprobs, text, hide_output=job.hide_output),
+        "finish_reason": "length" if job.hide_output else c.finish_reason,
+    }
+    if c.params.prompt_logprobs is not None and c.prompt_logprobs is not None:
+        entry["prompt_logprobs"] = vllm_prompt_logprobs(c, text)
+    return entry
 
 
 def chat_body(
@@ -136,6 +211,11 @@ def chat_body(
             for c in job.choices
         ],
         "usage": usage(job),
+        **(
+            {"prompt_logprobs": vllm_prompt_logprobs(job.choices[0], text)}
+            if job.choices and job.choices[0].prompt_logprobs is not None
+            else {}
+        ),
     }
 
 
@@ -160,6 +240,27 @@ def chunk(
     if include_usage:
         body["usage"] = usage_body
     return body
+
+
+def stream_prompt(
+    choice: Choice, top: int | None, text: TokenText, *, chat: bool
+) -> dict[str, Any]:
+    """The first stream entry of a choice that echoes its prompt (completions) or returns its
+    prompt's log-probabilities (vLLM's `prompt_logprobs`)."""
+    entry: dict[str, Any] = {"index": choice.index}
+    if chat:
+        entry["delta"] = {}
+    else:
+        entry["text"] = choice.echo or ""
+    entry["logprobs"] = (
+        echo_logprobs(choice, top, text)
+        if choice.echo is not None and top is not None and choice.prompt_logprobs is not None
+        else None
+    )
+    entry["finish_reason"] = None
+    if choice.params.prompt_logprobs is not None and choice.prompt_logprobs is not None:
+        entry["prompt_logprobs"] = vllm_prompt_logprobs(choice, text)
+    return entry
 
 
 def stream_choice(

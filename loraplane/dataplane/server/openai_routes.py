@@ -82,10 +82,16 @@ async def completions(
     prompts = await runtime.tokenize(
         lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
     )
+    echo = None
+    if body.echo:  # the prompt as given, or the text of its token ids
+        echo = await runtime.tokenize(
+            lambda: [p if isinstance(p, str) else tokenizer.decode(p) for p in texts]
+        )
     top = body.logprobs
     return await _serve(
-        request, runtime, resolved, body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, top, chat=False
-    )
+        request, runtime, resolved, body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, top,
+        chat=False, echo=echo,
+    )  # fmt: skip
 
 
 @router.post("/chat/completions")
@@ -128,6 +134,7 @@ async def _serve(
     top: int | None,
     *,
     chat: bool,
+    echo: list[str] | None = None,
 ) -> Response:
     request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
     if body.truncate_prompt_tokens is not None:  # before the context check, as vLLM does
@@ -135,9 +142,18 @@ async def _serve(
     _check_tokens(runtime, prompts)
     limit = runtime.max_model_len
     wanted = body.requested_max_tokens
+    hide_output = wanted == 0  # echo only: the engine samples one token, never shown
+    if hide_output:
+        wanted = 1
     limits = [fit_max_tokens(len(p), wanted, default_max, limit) for p in prompts]
-    params = body.sampling_params(max_tokens=max(limits), logprobs=top)
+    prompt_logprobs = body.prompt_logprobs
+    if echo is not None and top is not None:  # the echoed prompt carries log-probabilities
+        prompt_logprobs = max(prompt_logprobs or 0, top)
+    params = body.sampling_params(max(limits), top, prompt_logprobs)
     choices = make_choices(prompts, params, body.n, limits)
+    if echo is not None:
+        for c in choices:
+            c.echo = echo[c.index // body.n]
     lease = await runtime.lease(resolved, body.model, len(choices))
     tokens_per_minute = runtime.share(resolved.tokens_per_minute)  # this replica's share
     try:
@@ -153,7 +169,7 @@ async def _serve(
     prefix = "chatcmpl" if chat else "cmpl"
     job = Job(
         f"{prefix}-{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
-        tokens_per_minute=tokens_per_minute,
+        tokens_per_minute=tokens_per_minute, hide_output=hide_output,
     )  # fmt: skip
     created, model = int(time.time()), body.model
     text = _token_text(runtime)
@@ -210,8 +226,18 @@ async def _events(
                 role = {"role": "assistant", "content": ""}
                 yield chunk([{"index": c.index, "delta": role, "logprobs": None,
                               "finish_reason": None}])  # fmt: skip
+        started: set[int] = set()
         async with contextlib.aclosing(run_job(runtime, job)) as outputs:
             async for choice, out in outputs:
+                first = choice.index not in started
+                started.add(choice.index)
+                if first and (choice.echo is not None or choice.prompt_logprobs is not None):
+                    yield chunk([fmt.stream_prompt(choice, top, text, chat=chat)])
+                if job.hide_output:  # echo only: the sampled token is not shown
+                    if out.finished:
+                        yield chunk([fmt.stream_choice(choice, [], "", None, None, "length",
+                                                       chat=chat, top=top, text=text)])  # fmt: skip
+                    continue
                 if not (out.text or out.finished or (top is not None and out.logprobs)):
                     continue  # nothing to show yet (a partial character or a possible stop)
                 reason = out.finish_reason if out.finished else None

@@ -35,7 +35,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "parallel_tool_calls": "parallel_tool_calls is not supported by this server yet",
     "functions": "functions (tools) are not supported by this server",
     "function_call": "function_call (tools) is not supported by this server",
-    "prompt_logprobs": "prompt_logprobs is not supported by this server yet",
     "use_beam_search": "use_beam_search: beam search is not supported by this server",
     "length_penalty": "length_penalty (beam search) is not supported by this server",
     "bad_words": "bad_words is not supported by this server",
@@ -101,6 +100,7 @@ class Generation(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def check_supported(self) -> None:
         """400 for requested features the engine does not have."""
@@ -144,9 +144,12 @@ class Generation(BaseModel):
                 ) from None
         return out
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Engine sampling params for one choice (n is the server's business); `logprobs` is
-        None (none wanted) or the number of alternatives per token."""
+        None (none wanted) or the number of alternatives per token, `prompt_logprobs` the same
+        for the prompt's tokens."""
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -168,6 +171,7 @@ class Generation(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
@@ -177,6 +181,7 @@ class CompletionRequest(Generation):
     """`POST /v1/completions`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -185,8 +190,8 @@ class CompletionRequest(Generation):
     def check_supported(self) -> None:
         """400 for requested features the engine does not have."""
         super().check_supported()
-        if self.echo:
-            raise InvalidRequest("echo is not supported by this server", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -248,6 +253,8 @@ class ChatCompletionRequest(Generation):
         super().check_supported()
         if self.tools:
             raise InvalidRequest("tools are not supported by this server", param="tools")
+        if (self.model_extra or {}).get("echo"):
+            raise InvalidRequest("echo is not supported for chat completions", param="echo")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 

@@ -334,7 +334,6 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(server: Running) -> None:
         ("guided_regex", "[a-z]+"),
         ("guided_choice", ["yes", "no"]),
         ("tool_choice", "required"),
-        ("prompt_logprobs", 1),
         ("use_beam_search", True),
         ("bad_words", ["x"]),
     ],
