@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from loraplane.dataplane.sequence import (
     Sequence,
     SequenceStatus,
 )
+from loraplane.dataplane.structured import GrammarCompiler, Matcher
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
 
@@ -123,6 +125,8 @@ class Engine:
         self._step_seconds = 0.0  # moving average of a step's time
         self._swept = time.monotonic()  # the last sweep of idle stored versions
         self.last_batch: list[str] = []  # request ids of the step being run (see step)
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -156,9 +160,13 @@ class Engine:
                 params = dataclasses.replace(
                     params, stop_token_ids=[*params.stop_token_ids, *extra]
                 )
+        if params.grammar is not None and params.grammar.vocab_size != vocab:
+            raise ValueError("the grammar was compiled for another vocabulary")
         seq = Sequence(request_id, tokens, params, lora, tenant or (lora.tenant if lora else ""))
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
+        if params.grammar is not None:
+            seq.matcher = Matcher(params.grammar)
         self.scheduler.add(seq)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer,
@@ -234,9 +242,9 @@ class Engine:
         logits = self.runner.execute(out, self.scheduler.running_lora_keys)
         rows = out.sampled
         seqs = [r.seq for r in rows]
-        sampled = self.sampler(
-            logits.sampled, [s.params for s in seqs], [s.generator for s in seqs], seqs
-        )
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        matchers = [s.matcher for s in seqs] if any(s.matcher for s in seqs) else None
+        sampled = self.sampler(logits.sampled, params, generators, seqs, matchers)
         return sampled, logits.prompt
 
     def _record(self, out: SchedulerOutput, computed: Computed) -> list[RequestOutput]:
@@ -255,11 +263,29 @@ class Engine:
         outputs = []
         for seq in live:
             try:
+                if seq.matcher is not None:
+                    self._advance_grammar(seq, seq.matcher)
                 outputs.append(self._emit(seq))
             except Exception as error:
                 log.warning("the output of request %s failed: %r", seq.request_id, error)
                 outputs.append(self._fail(seq, _failure_message(error)))
         return outputs
+
+    def _advance_grammar(self, seq: Sequence, matcher: Matcher) -> None:
+        """Feed the sampled token to the request's grammar; the output ends once the grammar
+        is complete (only EOS could follow). Raises if the token left the grammar."""
+        if not matcher.accept(seq.token_ids[-1]):
+            raise ValueError(f"the output left its grammar: {matcher.error}")
+        if matcher.is_done and not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP)
+
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this model (made on first use; thread-safe:
+        compile on a worker thread, never on the engine loop)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
+            return self._grammars
 
     @staticmethod
     def _record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import PromptLogprob
+from loraplane.dataplane.structured import Matcher, allocate_bitmask, apply_bitmask, fill_bitmasks
 
 TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), best first
 
@@ -67,9 +68,11 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
         histories: Sequence[History] | None = None,
+        matchers: Sequence[Matcher | None] | None = None,
     ) -> SamplerOutput:
         """Sample row i with params[i], drawing from generators[i] when it is not None;
-        histories[i] holds row i's tokens so far (needed for penalties and min_tokens)."""
+        histories[i] holds row i's tokens so far (needed for penalties and min_tokens), and
+        matchers[i] its grammar's state when its output is constrained (structured output)."""
         if logits.dim() != 2 or logits.dtype != torch.float32:
             raise ValueError(f"logits must be [B, V] float32, got {logits.dtype} {logits.shape}")
         batch, vocab = logits.shape
@@ -85,10 +88,19 @@ class Sampler:
             for i, p in enumerate(params)
             if p.transforms_logits(_num_outputs(histories, i) if p.min_tokens else 0)
         ]
+        constrained = [i for i, m in enumerate(matchers or ()) if m is not None]
+        if changed or constrained:
+            logits = logits.clone()
+        if constrained:  # first: what the grammars forbid is never chosen, whatever follows
+            assert matchers is not None
+            bitmask = allocate_bitmask(len(constrained), vocab)
+            fill_bitmasks(
+                [(m, r) for r, i in enumerate(constrained) if (m := matchers[i])], bitmask
+            )
+            apply_bitmask(logits, bitmask, torch.tensor(constrained))
         if changed:
             if histories is None or len(histories) != batch:
                 raise ValueError("penalties and min_tokens need one history per row")
-            logits = logits.clone()
             rows = torch.tensor(changed, device=device)
             logits[rows] = transform_logits(
                 logits[rows], [params[i] for i in changed], [histories[i] for i in changed]

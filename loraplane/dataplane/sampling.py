@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.structured import CompiledGrammar
 
 # temperatures this small are treated as 0 (dividing logits by them would overflow)
 _GREEDY_BELOW = 1e-5
@@ -44,7 +48,8 @@ class SamplingParams:
     temperature, `min_p` (drop tokens under min_p times the best token's probability), top-k,
     top-p. `include_stop_str_in_output` keeps a matched stop string in the text,
     `skip_special_tokens` drops special tokens from it, `truncate_prompt_tokens` keeps only the
-    prompt's last k tokens.
+    prompt's last k tokens. `grammar` (structured outputs) forbids, before everything else,
+    every token its grammar does not allow next; the output ends once the grammar is complete.
     """
 
     temperature: float = 1.0
@@ -68,6 +73,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     prompt_logprobs: int | None = None  # per prompt token its log-probability and N best
+    grammar: CompiledGrammar | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):

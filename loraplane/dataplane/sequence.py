@@ -18,6 +18,8 @@ from loraplane.dataplane.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from loraplane.dataplane.structured import Matcher
+
 # Prefix-cache salt of base model requests; adapter salts start with another tag, so they differ.
 BASE_SALT = b"base\x00"
 
@@ -139,8 +141,10 @@ class Sequence:
     # the scheduler's: held back by the adapter rules after the last step, and in how many steps
     deferred: bool = field(init=False, default=False)
     deferred_steps: int = field(init=False, default=0)
-    # the engine's: a per-request torch.Generator when the request has a seed
+    # the engine's: a per-request torch.Generator when the request has a seed, and the state
+    # of its grammar when it asks for structured output
     generator: torch.Generator | None = field(init=False, default=None)
+    matcher: Matcher | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -1,8 +1,9 @@
 """Structured outputs: compile a request's constraint, then mask the tokens it forbids.
 
 A constraint comes from OpenAI's `response_format` or vLLM's `structured_outputs` and is one of:
-- `json`: a JSON Schema; properties are generated in the schema's order, whitespace between
-  tokens is free (llguidance's default), `x-guidance` options inside the schema are honoured;
+- `json`: a JSON Schema; properties are generated in the schema's order, compact (no free
+  whitespace between tokens unless the schema's `x-guidance` sets `whitespace_flexible`: a small
+  model could spend its tokens on blanks), `x-guidance` options inside the schema are honoured;
 - `json_object`: any JSON object;
 - `regex`: the whole output matches the pattern (Rust `regex` syntax);
 - `choice`: the output is exactly one of the strings;
@@ -32,16 +33,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import llguidance
 import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from loraplane.dataplane.tokenizer import Tokenizer
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = get_args(Kind)
 _ANY_OBJECT = '{"type": "object"}'
+# JSON without free whitespace between tokens unless the schema's x-guidance asks for it: a
+# small or fine-tuned model can otherwise spend its max_tokens on blanks (vLLM offers the same
+# choice as disable-any-whitespace)
+_JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 _EXPONENT_BITS = 0x7F800000  # of a float32: with the sign bit, -inf
 _SIGN_BIT = -(2**31)  # of a float32 seen as int32: alone, -0.0
 # the vLLM structured_outputs keys served; other keys are refused unless null or false (clients
@@ -149,10 +157,9 @@ def _grammar(constraint: Constraint) -> str:
     """llguidance's grammar text for a constraint (not yet checked: LLMatcher does that)."""
     kind, spec = constraint.kind, constraint.spec
     try:
-        if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec)
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
+        if kind in ("json", "json_object"):
+            schema = spec if kind == "json" else _ANY_OBJECT
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         if kind == "choice":

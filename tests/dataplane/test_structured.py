@@ -236,7 +236,7 @@ def test_padded_and_special_ids_are_never_allowed(
     compiler: GrammarCompiler, tokenizer: Tokenizer
 ) -> None:
     matcher = Matcher(compiler.compile(Constraint("json_object")))
-    for token in tokenizer.encode('{"a": "', add_special_tokens=False):
+    for token in tokenizer.encode('{"a":"', add_special_tokens=False):
         assert matcher.accept(token)
     bitmask = allocate_bitmask(2, PADDED_VOCAB)  # all ones until filled
     matcher.fill_bitmask(bitmask, 1)

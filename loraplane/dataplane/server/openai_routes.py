@@ -34,6 +34,7 @@ from loraplane.dataplane.server.generation import (
 from loraplane.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest, Generation
 from loraplane.dataplane.server.runtime import Lease, Runtime
 from loraplane.dataplane.server.streaming import ClientGone, EventStream, unless_disconnected
+from loraplane.dataplane.structured import CompiledGrammar, Constraint, GrammarError
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -149,7 +150,9 @@ async def _serve(
     prompt_logprobs = body.prompt_logprobs
     if echo is not None and top is not None:  # the echoed prompt carries log-probabilities
         prompt_logprobs = max(prompt_logprobs or 0, top)
-    params = body.sampling_params(max(limits), top, prompt_logprobs)
+    params = body.sampling_params(
+        max(limits), top, prompt_logprobs, await _grammar(runtime, body.constraint())
+    )
     choices = make_choices(prompts, params, body.n, limits)
     if echo is not None:
         for c in choices:
@@ -198,6 +201,18 @@ async def _answer(
         lease.release()
     build = fmt.chat_body if chat else fmt.completion_body
     return JSONResponse(build(job, job.request_id, created, model, top, text))
+
+
+async def _grammar(runtime: Runtime, constraint: Constraint | None) -> CompiledGrammar | None:
+    """Compile a structured-output constraint on the tokenizer thread (never on the event loop
+    or the engine thread); 400 with the reason when it cannot be compiled."""
+    if constraint is None:
+        return None
+    engine = runtime.require_engine().engine
+    try:
+        return await runtime.tokenize(lambda: engine.grammars().compile(constraint))
+    except GrammarError as e:
+        raise InvalidRequest(str(e), param="response_format") from None
 
 
 def _token_text(runtime: Runtime) -> fmt.TokenText:

@@ -14,6 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from loraplane.dataplane.sampling import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 from loraplane.dataplane.server.errors import InvalidRequest
 from loraplane.dataplane.server.settings import MAX_N
+from loraplane.dataplane.structured import (
+    CompiledGrammar,
+    Constraint,
+    GrammarError,
+    from_response_format,
+    from_structured_outputs,
+)
 
 MAX_STOP = 16  # stop strings per request at most
 
@@ -22,8 +29,6 @@ MAX_STOP = 16  # stop strings per request at most
 # (null, false, an empty list, "none") passes. vLLM retired the guided_* fields for
 # structured_outputs; they are named here so that old clients learn it instead of being ignored.
 NOT_IMPLEMENTED: dict[str, str] = {
-    "response_format": "response_format (structured output) is not supported by this server yet",
-    "structured_outputs": "structured_outputs is not supported by this server yet",
     "guided_json": "guided_json was retired by vLLM (use structured_outputs)",
     "guided_regex": "guided_regex was retired by vLLM (use structured_outputs)",
     "guided_choice": "guided_choice was retired by vLLM (use structured_outputs)",
@@ -132,6 +137,28 @@ class Generation(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for: OpenAI's `response_format` or vLLM's
+        `structured_outputs` (not both); 400 with the reason when it is malformed."""
+        extra = self.model_extra or {}
+        found = None
+        for name, parse in (
+            ("response_format", from_response_format),
+            ("structured_outputs", from_structured_outputs),
+        ):
+            if extra.get(name) is None:
+                continue
+            try:
+                constraint = parse(extra[name])
+            except GrammarError as e:
+                raise InvalidRequest(str(e), param=name) from None
+            if constraint is not None and found is not None:
+                raise InvalidRequest(
+                    "send response_format or structured_outputs, not both", param=name
+                )
+            found = found or constraint
+        return found
+
     def bias(self) -> dict[int, float]:
         """`logit_bias` with token ids as ints (JSON keys are strings)."""
         out = {}
@@ -145,7 +172,11 @@ class Generation(BaseModel):
         return out
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> SamplingParams:
         """Engine sampling params for one choice (n is the server's business); `logprobs` is
         None (none wanted) or the number of alternatives per token, `prompt_logprobs` the same
@@ -172,6 +203,7 @@ class Generation(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 prompt_logprobs=prompt_logprobs,
+                grammar=grammar,
             )
         except ValueError as e:
             raise InvalidRequest(str(e)) from None

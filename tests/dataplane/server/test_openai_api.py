@@ -328,8 +328,6 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(server: Running) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("response_format", {"type": "json_object"}),
-        ("structured_outputs", {"choice": ["a", "b"]}),
         ("guided_json", {"type": "object"}),
         ("guided_regex", "[a-z]+"),
         ("guided_choice", ["yes", "no"]),
