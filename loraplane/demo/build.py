@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec, read_config
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -134,7 +134,7 @@ def build_adapter(
     std: float = 0.05,
 ) -> Path:
     """Write a PEFT-format LoRA adapter with seeded random A and B for every layer."""
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_config(str(model_dir))
     spec = BaseModelSpec.from_config(config, model_dir.name)
     targets = target_modules or list(SUPPORTED_MODULES)
     rng = np.random.default_rng(seed)

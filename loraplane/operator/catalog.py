@@ -7,7 +7,8 @@
   (the catalog names pools by namespace and name, as Kubernetes does), read the pressure and
   base model config its replicas report, forget it when the ServingPool is deleted.
 
-Errors are `CatalogError`s carrying the control plane's error code and whether a retry can help.
+Calls go through `loraplane.internal_api.InternalAPIClient`; its errors (`CatalogError` here)
+carry the control plane's error code and whether a retry can help, by its one rule.
 """
 
 from __future__ import annotations
@@ -17,21 +18,13 @@ from typing import Any
 import httpx
 
 from loraplane.adapters.ingest import AdapterVersion
+from loraplane.internal_api import InternalAPIClient, InternalAPIError, json_of
 
-
-class CatalogError(Exception):
-    """A control plane call failed; `code` is its error code (or ours for transport errors)."""
-
-    def __init__(self, code: str, message: str, *, status: int | None, transient: bool) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.status = status
-        self.transient = transient
+CatalogError = InternalAPIError  # the operator's name for the internal API's error
 
 
 class CatalogClient:
-    """Synchronous (run it off the event loop) and thread-safe: one httpx client."""
+    """Synchronous (run it off the event loop) and thread-safe: one internal API client."""
 
     def __init__(
         self,
@@ -41,45 +34,11 @@ class CatalogClient:
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._http = httpx.Client(
-            base_url=base_url.rstrip("/"), timeout=timeout, transport=transport
-        )
-        self._service = {"Authorization": f"Bearer {service_token}"}
+        self._api = InternalAPIClient(base_url, service_token, timeout=timeout, transport=transport)
 
     def close(self) -> None:
         """Close the connection pool."""
-        self._http.close()
-
-    def _call(
-        self,
-        method: str,
-        path: str,
-        headers: dict[str, str],
-        body: Any = None,
-        params: dict[str, str] | None = None,
-    ) -> httpx.Response:
-        try:
-            return self._http.request(method, path, headers=headers, json=body, params=params)
-        except httpx.HTTPError as exc:
-            raise CatalogError(
-                "ControlPlaneUnavailable",
-                f"cannot reach the control plane: {exc}",
-                status=None,
-                transient=True,
-            ) from exc
-
-    @staticmethod
-    def _error(response: httpx.Response) -> CatalogError:
-        try:
-            err = response.json().get("error") or {}
-        except ValueError:
-            err = {}
-        code = str(err.get("code") or f"HTTP{response.status_code}")
-        message = str(err.get("message") or response.text[:200])
-        transient = response.status_code >= 500 or response.status_code in (401, 404, 409, 429)
-        if response.status_code >= 500:
-            code = "ControlPlaneUnavailable" if code == "InternalError" else code
-        return CatalogError(code, message, status=response.status_code, transient=transient)
+        self._api.close()
 
     def record_version(self, tenant: str, name: str, version: AdapterVersion) -> bool:
         """Record a stored version (idempotent); True if the catalog did not have it."""
@@ -96,34 +55,28 @@ class CatalogClient:
             "base_model": version.base_model,
             "created_by": "operator",
         }
-        response = self._call("POST", "/internal/v1/versions", self._service, body)
-        if response.status_code not in (200, 201):
-            raise self._error(response)
+        response = self._api.request("POST", "/internal/v1/versions", json=body)
         return response.status_code == 201
 
     def delete_adapter(self, tenant: str, name: str) -> bool:
         """Mark an adapter deleted (versions kept); False if the catalog had none live."""
         path = f"/internal/v1/tenants/{tenant}/adapters/{name}"
-        response = self._call("DELETE", path, self._service)
-        if response.status_code == 404:
-            return False
-        if response.status_code not in (200, 204):
-            raise self._error(response)
-        return True
+        return self._api.request("DELETE", path, allow=(404,)).status_code != 404
 
-    def _pool(self, method: str, namespace: str, name: str, body: Any = None) -> httpx.Response:
+    def _pool(
+        self, method: str, namespace: str, name: str, body: Any = None, allow: tuple[int, ...] = ()
+    ) -> httpx.Response:
         path = f"/internal/v1/pools/{name}"
-        return self._call(method, path, self._service, body, params={"namespace": namespace})
+        params = {"namespace": namespace}
+        return self._api.request(method, path, json=body, params=params, allow=allow)
 
     def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
         """A pool as the control plane knows it (with pressure and base model config), or
         None."""
-        response = self._pool("GET", namespace, name)
+        response = self._pool("GET", namespace, name, allow=(404,))
         if response.status_code == 404:
             return None
-        if response.status_code != 200:
-            raise self._error(response)
-        pool: dict[str, Any] = response.json()
+        pool: dict[str, Any] = json_of(response)
         return pool
 
     def ensure_pool(
@@ -135,20 +88,17 @@ class CatalogClient:
         the control plane keeps a pool's base model for life.
         """
         body = {"namespace": namespace, "name": name, "base_model": base_model, **limits}
-        response = self._pool("PUT", namespace, name, body)
-        if response.status_code == 409:
-            error = self._error(response)
-            raise CatalogError("BaseModelConflict", error.message, status=409, transient=False)
-        if response.status_code not in (200, 201):
-            raise self._error(response)
-        pool: dict[str, Any] = response.json()
+        try:
+            response = self._pool("PUT", namespace, name, body)
+        except InternalAPIError as exc:
+            if exc.status == 409:
+                raise InternalAPIError(
+                    "BaseModelConflict", exc.message, status=409, transient=False
+                ) from exc
+            raise
+        pool: dict[str, Any] = json_of(response)
         return pool
 
     def delete_pool(self, namespace: str, name: str) -> bool:
         """Forget a pool whose ServingPool is gone; False if the catalog had none."""
-        response = self._pool("DELETE", namespace, name)
-        if response.status_code == 404:
-            return False
-        if response.status_code not in (200, 204):
-            raise self._error(response)
-        return True
+        return self._pool("DELETE", namespace, name, allow=(404,)).status_code != 404

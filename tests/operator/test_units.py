@@ -210,6 +210,38 @@ def test_catalog_record_sends_the_version_with_the_service_token() -> None:
     assert info.value.transient
 
 
+def test_catalog_errors_say_whether_the_operator_waits_or_fails() -> None:
+    """The operator's decisions by the internal API's one rule: a pool 409 is a permanent
+    BaseModelConflict, a missing pool is None, 5xx and no answer are transient."""
+    conflict = {"error": {"code": "Conflict", "message": "pool p serves another model"}}
+    with pytest.raises(CatalogError) as info:
+        _catalog(lambda r: httpx.Response(409, json=conflict)).ensure_pool("ns", "p", {}, {})
+    assert (info.value.code, info.value.status, info.value.transient) == (
+        "BaseModelConflict", 409, False,
+    )  # fmt: skip
+    assert info.value.message == "pool p serves another model"
+    gone = {"error": {"code": "NotFound", "message": "no pool"}}
+    assert _catalog(lambda r: httpx.Response(404, json=gone)).get_pool("ns", "p") is None
+    assert not _catalog(lambda r: httpx.Response(404, json=gone)).delete_pool("ns", "p")
+    internal = {"error": {"code": "InternalError", "message": "boom"}}
+    with pytest.raises(CatalogError) as info:
+        _catalog(lambda r: httpx.Response(500, json=internal)).get_pool("ns", "p")
+    assert (info.value.code, info.value.transient) == ("ControlPlaneUnavailable", True)
+    invalid = {"error": {"code": "InvalidRequest", "message": "bad limits"}}
+    with pytest.raises(CatalogError) as info:
+        _catalog(lambda r: httpx.Response(400, json=invalid)).ensure_pool("ns", "p", {}, {})
+    assert (info.value.code, info.value.transient) == ("InvalidRequest", False)
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with pytest.raises(CatalogError) as info:
+        _catalog(refuse).delete_adapter("t", "a")
+    assert (info.value.code, info.value.status, info.value.transient) == (
+        "ControlPlaneUnavailable", None, True,
+    )  # fmt: skip
+
+
 def test_settings_come_from_the_environment_and_name_the_bad_variable() -> None:
     env = {
         "LORAPLANE_CONTROLPLANE_URL": "http://cp:8080",

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from loraplane.adapters import base_model
 from loraplane.dataplane.models.config import ModelConfig
 from loraplane.dataplane.models.llama import LlamaForCausalLM
 
@@ -24,17 +24,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_config(model_dir: Path | str) -> ModelConfig:
-    """Parse `<model_dir>/config.json`."""
-    path = Path(model_dir) / "config.json"
-    try:
-        raw: Any = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ValueError(f"no config.json in {model_dir}") from e
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return ModelConfig.from_dict(raw)
+    """Parse `<model_dir>/config.json` (read by `loraplane.adapters.base_model.read_config`,
+    every service's one reader of it); a ValueError says why it cannot be used."""
+    return ModelConfig.from_dict(base_model.read_config(str(model_dir)))
 
 
 def checkpoint_files(model_dir: Path | str) -> list[Path]:

@@ -5,6 +5,8 @@ in `X-Tenant-Key` (DESIGN.md section 6); answers are cached for `ttl` seconds pe
 so a revoked key or a deleted adapter stops working within the TTL. Failures are cached too
 (401/404 for the same TTL), so a flood of bad keys does not become a flood of control plane
 calls. /v1/models lists the tenant's adapters with `GET {url}/v1/adapters` under its own key.
+Both go through `loraplane.internal_api.AsyncInternalAPIClient`; `_api_error` is the one place
+its errors become OpenAI errors (401, 404, 429 busy, 503 `CatalogDown`, 502 otherwise).
 
 Serving does not depend on the control plane being up for tenants it already knows: while the
 control plane is unreachable (no connection, a timeout, or a 5xx answer), a (key, model) that
@@ -34,10 +36,16 @@ from loraplane.dataplane.server.errors import (
     Unavailable,
     UpstreamError,
 )
+from loraplane.internal_api import (
+    INVALID_RESPONSE,
+    AsyncInternalAPIClient,
+    InternalAPIError,
+    json_of,
+)
 
-TENANT_KEY_HEADER = "X-Tenant-Key"
 CACHE_ENTRIES = 10_000
 RETRY_S = 5.0  # after a failed call, the control plane is called again this much later at most
+TIMEOUT_S = 5.0  # per call: a resolution is on a request's path
 
 
 class _Entry(NamedTuple):
@@ -69,8 +77,7 @@ class HttpCatalog:
         self.stale = stale
         self.stale_answers = 0  # resolutions served from a last good answer (an outage)
         self._down_until = 0.0  # no call before then: the last one failed
-        self._token = service_token
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._api = AsyncInternalAPIClient(url, service_token, timeout=TIMEOUT_S, client=client)
         self._clock = clock
         # sha256(key) + model -> the answer (Resolved, or the error to raise again)
         self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
@@ -106,10 +113,9 @@ class HttpCatalog:
         return _unwrap(result)
 
     async def _fetch(self, api_key: str, model: str) -> Resolved:
-        headers = {TENANT_KEY_HEADER: api_key}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        data = await self._get("/internal/v1/resolve", headers, model, params={"model": model})
+        data = await self._get(
+            "/internal/v1/resolve", model, params={"model": model}, tenant_key=api_key
+        )
         if not isinstance(data, dict) or not isinstance(data.get("tenant"), str):
             raise UpstreamError("the control plane answered an unexpected resolve body")
         version = data.get("version")
@@ -125,36 +131,29 @@ class HttpCatalog:
         )
 
     async def _get(
-        self, path: str, headers: dict[str, str], model: str, params: dict[str, str] | None = None
+        self,
+        path: str,
+        model: str,
+        *,
+        params: dict[str, str] | None = None,
+        tenant_key: str | None = None,
+        token: str | None = None,
     ) -> Any:
         try:
-            response = await self._client.get(self.url + path, headers=headers, params=params)
-        except httpx.HTTPError as e:
-            raise CatalogDown(
-                f"the catalog is unreachable: {type(e).__name__}", retry_after=RETRY_S
-            ) from e
-        if response.status_code == 401:
-            raise Unauthorized("Incorrect API key provided.")
-        if response.status_code == 404:
-            raise ModelNotFound(model)
-        if response.status_code == 429:
-            raise Unavailable("the catalog is busy", retry_after=RETRY_S)
-        if response.status_code >= 500:
-            raise CatalogDown(
-                f"the catalog answered HTTP {response.status_code}", retry_after=RETRY_S
+            response = await self._api.request(
+                "GET", path, params=params, tenant_key=tenant_key, token=token
             )
-        if response.status_code != 200:
-            raise UpstreamError(f"the catalog answered HTTP {response.status_code}")
-        try:
-            return response.json()
-        except ValueError as e:
-            raise UpstreamError("the catalog answered invalid JSON") from e
+            if response.status_code != 200:
+                raise UpstreamError(f"the catalog answered HTTP {response.status_code}")
+            return json_of(response)
+        except InternalAPIError as e:
+            raise _api_error(e, model) from e
 
     async def list_models(self, api_key: str | None) -> list[ModelEntry]:
         """The base model and the tenant's adapters of this base model (current versions)."""
         if not api_key:
             raise Unauthorized("send Authorization: Bearer <your API key>")
-        data = await self._get("/v1/adapters", {"Authorization": f"Bearer {api_key}"}, "")
+        data = await self._get("/v1/adapters", "", token=api_key)
         rows = [ModelEntry(self.base_model, None)]
         for item in data if isinstance(data, list) else []:
             if (
@@ -168,7 +167,25 @@ class HttpCatalog:
 
     async def aclose(self) -> None:
         """Close the HTTP client."""
-        await self._client.aclose()
+        await self._api.aclose()
+
+
+def _api_error(err: InternalAPIError, model: str) -> APIError:
+    """The OpenAI error a failed catalog call answers (a 5xx or no answer: CatalogDown)."""
+    if err.status is None:
+        name = type(err.__cause__).__name__  # never the error's text: it may name hosts
+        return CatalogDown(f"the catalog is unreachable: {name}", retry_after=RETRY_S)
+    if err.unavailable:
+        return CatalogDown(f"the catalog answered HTTP {err.status}", retry_after=RETRY_S)
+    if err.status == 401:
+        return Unauthorized("Incorrect API key provided.")
+    if err.status == 404:
+        return ModelNotFound(model)
+    if err.status == 429:
+        return Unavailable("the catalog is busy", retry_after=RETRY_S)
+    if err.code == INVALID_RESPONSE:
+        return UpstreamError("the catalog answered invalid JSON")
+    return UpstreamError(f"the catalog answered HTTP {err.status}")
 
 
 def _unwrap(result: Resolved | APIError) -> Resolved:

@@ -12,7 +12,8 @@ fields), so the host cache size, which that schema has no field for yet, is not 
 The pool is named by its namespace and name (LORAPLANE_POOL_NAMESPACE, LORAPLANE_POOL). Reports
 carry the config.json the replica loaded its base model from until an answer says the pool has
 one: a pool whose model is only on its replicas' volume learns it this way. A config the control
-plane refuses (422) is not sent again; the next report goes without it.
+plane refuses (422) is not sent again; the next report goes without it. Reports go through
+`loraplane.internal_api.AsyncInternalAPIClient`; whatever its error, the usage is kept.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Any
 import httpx
 
 from loraplane.dataplane.server.metrics import EngineSnapshot
+from loraplane.internal_api import AsyncInternalAPIClient, InternalAPIError
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (tenant, adapter name; "" for the base model)
+PRESSURE_PATH = "/internal/v1/pressure"
+TIMEOUT_S = 5.0
 
 
 class UsageLog:
@@ -122,15 +126,13 @@ class PressureReporter:
         namespace: str = "default",
         base_model_config: dict[str, Any] | None = None,
     ) -> None:
-        self.url = url.rstrip("/") + "/internal/v1/pressure"
         self.pool, self.replica, self.interval = pool, replica, interval
         self.namespace = namespace
         # sent until the control plane has the pool's config (or refuses this one)
         self.base_model_config = base_model_config
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._snapshot = snapshot
         self._usage = usage
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._api = AsyncInternalAPIClient(url, token, timeout=TIMEOUT_S, client=client)
         self._task: asyncio.Task[None] | None = None
         self.reports_ok = self.reports_failed = 0
         # live replicas of the pool, from the last accepted report: tenants' rate limits are
@@ -146,27 +148,24 @@ class PressureReporter:
             base_model_config=self.base_model_config,
         )  # fmt: skip
         try:
-            response = await self._client.post(self.url, json=body, headers=self._headers)
-            ok = response.status_code == 200
-            if ok:
-                self.replicas, known = _accepted(response)
-                if known:
-                    self.base_model_config = None
-            elif response.status_code == 422 and self.base_model_config is not None:
+            response = await self._api.request("POST", PRESSURE_PATH, json=body)
+        except InternalAPIError as e:
+            if e.status == 422 and self.base_model_config is not None:
                 log.error("the control plane refused this replica's base model config.json: %s",
-                          response.text[:500])  # fmt: skip
+                          e.message[:500])  # fmt: skip
                 self.base_model_config = None
+            elif e.status is None:
+                log.warning("pressure report failed: %s", type(e.__cause__).__name__)
             else:
-                log.warning("pressure report refused: HTTP %s", response.status_code)
-        except httpx.HTTPError as e:
-            log.warning("pressure report failed: %s", type(e).__name__)
-            ok = False
-        if ok:
-            self.reports_ok += 1
-        else:
+                log.warning("pressure report refused: HTTP %s (%s)", e.status, e.code)
             self.reports_failed += 1
-            self._usage.restore(rows)
-        return ok
+            self._usage.restore(rows)  # counted again in the next report
+            return False
+        self.replicas, known = _accepted(response)
+        if known:
+            self.base_model_config = None
+        self.reports_ok += 1
+        return True
 
     async def _run(self) -> None:
         while True:
@@ -188,4 +187,4 @@ class PressureReporter:
                 await self._task
         with contextlib.suppress(Exception):
             await self.report_once()
-        await self._client.aclose()
+        await self._api.aclose()

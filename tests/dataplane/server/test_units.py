@@ -15,13 +15,15 @@ import pytest
 from fastapi import FastAPI, Header, HTTPException, Request
 
 from loraplane.dataplane.server.catalog import StaticCatalog
-from loraplane.dataplane.server.catalog_http import HttpCatalog
+from loraplane.dataplane.server.catalog_http import CatalogDown, HttpCatalog
 from loraplane.dataplane.server.cli import add_commands
 from loraplane.dataplane.server.errors import (
+    APIError,
     ModelNotFound,
     RateLimited,
     Unauthorized,
     Unavailable,
+    UpstreamError,
 )
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.dataplane.server.metrics import EngineSnapshot
@@ -206,6 +208,55 @@ def test_http_catalog_serves_known_tenants_through_an_outage_and_revocation_wins
         await catalog.aclose()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "raised", "answered"),
+    [
+        (401, {"error": {"code": "Unauthorized"}}, Unauthorized, 401),
+        (404, {"error": {"code": "NotFound"}}, ModelNotFound, 404),
+        (429, {"error": {"code": "RateLimited"}}, Unavailable, 503),
+        (503, {"error": {"code": "DatabaseUnavailable"}}, CatalogDown, 503),
+        (400, {"error": {"code": "InvalidRequest"}}, UpstreamError, 502),
+        (200, "not json", UpstreamError, 502),
+    ],
+)
+def test_catalog_answers_become_openai_errors(
+    status: int, body: Any, raised: type[APIError], answered: int
+) -> None:
+    """The one mapping of the internal API's errors to the data plane's: only an unanswered
+    call or a 5xx is CatalogDown (stale answers may serve); a busy control plane is not."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if isinstance(body, str):
+            return httpx.Response(status, text=body)
+        return httpx.Response(status, json=body)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    catalog = HttpCatalog("http://cp", "svc", "base", client=client)
+    with pytest.raises(raised) as info:
+        asyncio.run(catalog.resolve("lp_good", "bot"))
+    assert type(info.value) is raised and info.value.status == answered
+    if answered == 503:
+        assert info.value.retry_after == 5.0
+
+
+def test_a_report_the_control_plane_never_got_keeps_its_usage() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+    usage = UsageLog()
+    usage.add("acme", "bot", requests=1, prompt=5, completion=2)
+
+    async def snapshot() -> EngineSnapshot:
+        return EngineSnapshot()
+
+    reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, usage, client=client,
+                                base_model_config={"model_type": "llama"})  # fmt: skip
+    assert not asyncio.run(reporter.report_once())
+    assert reporter.reports_failed == 1 and reporter.base_model_config is not None
+    assert usage.drain() == {("acme", "bot"): [1, 5, 2]}
 
 
 def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
