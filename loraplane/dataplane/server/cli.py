@@ -52,6 +52,12 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--controlplane-url", help="catalog mode: the control plane's URL")
     serve.add_argument("--api-key", help="standalone mode: the key every /v1 route needs")
     serve.add_argument("--admin-token", help="enables /v1/load_lora_adapter and unload")
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        help='reads tool calls out of the text for tool_choice "auto" (hermes: <tool_call>'
+        " JSON blocks); without it, auto is refused",
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -64,7 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
                   "max_lora_rank",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
-                  "controlplane_url", "api_key", "admin_token")
+                  "controlplane_url", "api_key", "admin_token", "tool_call_parser")
     }  # fmt: skip
     try:
         settings = ServerSettings.load(**flags)

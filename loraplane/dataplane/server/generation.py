@@ -24,6 +24,7 @@ from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef, PromptLogprob
 from loraplane.dataplane.server.errors import ContextTooLong, InvalidRequest, Unavailable
 from loraplane.dataplane.server.runtime import Runtime
+from loraplane.dataplane.server.tools import ToolPlan
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     # max_tokens 0 with echo: the engine runs one token (it always samples one), not shown
     hide_output: bool = False
+    tools: ToolPlan | None = None  # chat with tools: how calls are read out of the text
 
     @property
     def prompt_tokens(self) -> int:

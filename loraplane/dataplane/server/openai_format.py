@@ -190,6 +190,25 @@ def completion_choice(c: Choice, job: Job, logprobs: int | None, text: TokenText
     return entry
 
 
+def chat_message(c: Choice, job: Job) -> dict[str, Any]:
+    """A finished chat choice's `message` and `finish_reason`: with tools, the calls read out
+    of the text (see tools.py) and the content around them."""
+    plan = job.tools
+    if plan is None or plan.mode == "none":
+        return {
+            "message": {"role": "assistant", "content": c.text},
+            "finish_reason": c.finish_reason,
+        }
+    content, calls = plan.calls(c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    reason = c.finish_reason
+    if calls:
+        message["tool_calls"] = [call.body() for call in calls]
+        if reason != "length":
+            reason = plan.finish_reason or "tool_calls"
+    return {"message": message, "finish_reason": reason}
+
+
 def chat_body(
     job: Job, rid: str, created: int, model: str, logprobs: int | None, text: TokenText
 ) -> dict[str, Any]:
@@ -202,11 +221,10 @@ def chat_body(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                **chat_message(c, job),
                 "logprobs": None
                 if logprobs is None
                 else chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, logprobs, text),
-                "finish_reason": c.finish_reason,
             }
             for c in job.choices
         ],

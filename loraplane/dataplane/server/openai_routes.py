@@ -20,11 +20,13 @@ import jinja2
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from loraplane.dataplane.engine import RequestOutput
 from loraplane.dataplane.server import openai_format as fmt
 from loraplane.dataplane.server.catalog import Resolved
 from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RuntimeDep
 from loraplane.dataplane.server.errors import APIError, InvalidRequest
 from loraplane.dataplane.server.generation import (
+    Choice,
     Job,
     collect,
     fit_max_tokens,
@@ -34,6 +36,7 @@ from loraplane.dataplane.server.generation import (
 from loraplane.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest, Generation
 from loraplane.dataplane.server.runtime import Lease, Runtime
 from loraplane.dataplane.server.streaming import ClientGone, EventStream, unless_disconnected
+from loraplane.dataplane.server.tools import ToolPlan, ToolStream
 from loraplane.dataplane.structured import CompiledGrammar, Constraint, GrammarError
 
 log = logging.getLogger(__name__)
@@ -105,17 +108,21 @@ async def chat_completions(
 ) -> Response:
     """Chat completion, the prompt rendered with the base model's chat template."""
     body.check_supported()
+    tools = body.tool_plan(runtime.settings.tool_call_parser)
     resolved = await catalog.resolve(key, body.model)
     tokenizer = runtime.require_engine().engine.tokenizer
     messages = [m.to_template() for m in body.messages]
+    listed = tools.template_tools if tools is not None else None
     try:
         prompt = await runtime.tokenize(
-            lambda: tokenizer.encode_chat(messages, body.add_generation_prompt)
+            lambda: tokenizer.encode_chat(messages, body.add_generation_prompt, tools=listed)
         )
     except (jinja2.TemplateError, ValueError) as e:
         raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from None
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(request, runtime, resolved, body, [prompt], None, top, chat=True)
+    return await _serve(
+        request, runtime, resolved, body, [prompt], None, top, chat=True, tools=tools
+    )
 
 
 def _check_tokens(runtime: Runtime, prompts: list[list[int]]) -> None:
@@ -136,6 +143,7 @@ async def _serve(
     *,
     chat: bool,
     echo: list[str] | None = None,
+    tools: ToolPlan | None = None,
 ) -> Response:
     request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
     if body.truncate_prompt_tokens is not None:  # before the context check, as vLLM does
@@ -150,9 +158,9 @@ async def _serve(
     prompt_logprobs = body.prompt_logprobs
     if echo is not None and top is not None:  # the echoed prompt carries log-probabilities
         prompt_logprobs = max(prompt_logprobs or 0, top)
-    params = body.sampling_params(
-        max(limits), top, prompt_logprobs, await _grammar(runtime, body.constraint())
-    )
+    forced = tools.constraint if tools is not None else None
+    grammar = await _grammar(runtime, forced or body.constraint())
+    params = body.sampling_params(max(limits), top, prompt_logprobs, grammar)
     choices = make_choices(prompts, params, body.n, limits)
     if echo is not None:
         for c in choices:
@@ -172,7 +180,7 @@ async def _serve(
     prefix = "chatcmpl" if chat else "cmpl"
     job = Job(
         f"{prefix}-{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
-        tokens_per_minute=tokens_per_minute, hide_output=hide_output,
+        tokens_per_minute=tokens_per_minute, hide_output=hide_output, tools=tools,
     )  # fmt: skip
     created, model = int(time.time()), body.model
     text = _token_text(runtime)
@@ -201,6 +209,25 @@ async def _answer(
         lease.release()
     build = fmt.chat_body if chat else fmt.completion_body
     return JSONResponse(build(job, job.request_id, created, model, top, text))
+
+
+def _tool_deltas(stream: ToolStream, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
+    """A chat-with-tools choice's stream entries for one output: content as it may be shown,
+    each tool call whole once complete, the finish reason at the end."""
+    content, calls = stream.feed(out.text, out.finished)
+    entries: list[dict[str, Any]] = []
+    if content:
+        entries.append({"index": choice.index, "delta": {"content": content}, "logprobs": None,
+                        "finish_reason": None})  # fmt: skip
+    first = stream.calls_sent - len(calls)
+    if calls:
+        deltas = [call.body(index=first + i) for i, call in enumerate(calls)]
+        entries.append({"index": choice.index, "delta": {"tool_calls": deltas},
+                        "logprobs": None, "finish_reason": None})  # fmt: skip
+    if out.finished:
+        entries.append({"index": choice.index, "delta": {}, "logprobs": None,
+                        "finish_reason": stream.finish_reason(out.finish_reason)})  # fmt: skip
+    return entries
 
 
 async def _grammar(runtime: Runtime, constraint: Constraint | None) -> CompiledGrammar | None:
@@ -242,10 +269,15 @@ async def _events(
                 yield chunk([{"index": c.index, "delta": role, "logprobs": None,
                               "finish_reason": None}])  # fmt: skip
         started: set[int] = set()
+        streams = {c.index: ToolStream(job.tools) for c in job.choices} if job.tools else {}
         async with contextlib.aclosing(run_job(runtime, job)) as outputs:
             async for choice, out in outputs:
                 first = choice.index not in started
                 started.add(choice.index)
+                if choice.index in streams and streams[choice.index].plan.mode != "none":
+                    for entry in _tool_deltas(streams[choice.index], choice, out):
+                        yield chunk([entry])
+                    continue
                 if first and (choice.echo is not None or choice.prompt_logprobs is not None):
                     yield chunk([fmt.stream_prompt(choice, top, text, chat=chat)])
                 if job.hide_output:  # echo only: the sampled token is not shown

@@ -7,6 +7,8 @@ rather than silently ignoring them. Admin routes forbid unknown fields.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from loraplane.dataplane.sampling import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 from loraplane.dataplane.server.errors import InvalidRequest
 from loraplane.dataplane.server.settings import MAX_N
+from loraplane.dataplane.server.tools import Tool, ToolPlan, plan
 from loraplane.dataplane.structured import (
     CompiledGrammar,
     Constraint,
@@ -36,8 +39,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "guided_json_object": "guided_json_object was retired by vLLM (use structured_outputs)",
     "guided_decoding_backend": "guided_decoding_backend was retired by vLLM",
     "guided_whitespace_pattern": "guided_whitespace_pattern was retired by vLLM",
-    "tool_choice": "tool_choice is not supported by this server yet",
-    "parallel_tool_calls": "parallel_tool_calls is not supported by this server yet",
     "functions": "functions (tools) are not supported by this server",
     "function_call": "function_call (tools) is not supported by this server",
     "use_beam_search": "use_beam_search: beam search is not supported by this server",
@@ -222,6 +223,10 @@ class CompletionRequest(Generation):
     def check_supported(self) -> None:
         """400 for requested features the engine does not have."""
         super().check_supported()
+        extra = self.model_extra or {}
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if not _asks_for_nothing(name, extra.get(name)):
+                raise InvalidRequest(f"{name} is for chat completions only", param=name)
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequest("max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
         if self.suffix:
@@ -251,6 +256,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, earlier in the chat
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def to_template(self) -> dict[str, Any]:
         """The dict the chat template sees: role and content text."""
@@ -267,7 +274,22 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier tool call as chat templates expect it: arguments as an object when they are
+    JSON text (OpenAI sends text; HF templates render `arguments | tojson`)."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            function["arguments"] = json.loads(arguments)
+    return {**call, "function": function}
 
 
 class ChatCompletionRequest(Generation):
@@ -277,14 +299,24 @@ class ChatCompletionRequest(Generation):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM's extension
+
+    def tool_plan(self, parser: str | None) -> ToolPlan | None:
+        """How this request uses its tools (see tools.py); 400 for what cannot be served."""
+        found = plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        if found is not None and found.constraint is not None and self.constraint() is not None:
+            raise InvalidRequest(
+                "a forced tool call and response_format / structured_outputs exclude each other",
+                param="tool_choice",
+            )
+        return found
 
     def check_supported(self) -> None:
         """400 for requested features the engine does not have."""
         super().check_supported()
-        if self.tools:
-            raise InvalidRequest("tools are not supported by this server", param="tools")
         if (self.model_extra or {}).get("echo"):
             raise InvalidRequest("echo is not supported for chat completions", param="echo")
         if self.top_logprobs and not self.logprobs:

@@ -56,6 +56,8 @@ class ServerSettings(BaseSettings):
     )
     replica: str | None = None  # catalog mode: this replica's name (default: hostname:port)
     resolve_ttl_s: float = Field(default=5.0, ge=0)
+    # tool_choice "auto": how tool calls are read out of the model's text (None: auto is a 400)
+    tool_call_parser: Literal["hermes"] | None = None
     # a known (key, model) keeps its last good resolution this long while the control plane is
     # unreachable: serving goes on through a control plane outage
     resolve_stale_s: float = Field(default=300.0, ge=0)

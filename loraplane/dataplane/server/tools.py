@@ -1,0 +1,291 @@
+"""Tool calling for chat completions: `tools` and `tool_choice` in OpenAI's shapes.
+
+How each `tool_choice` is served (the tools are always given to the chat template):
+- `none`: plain text, no tool call.
+- a named function (`{"type": "function", "function": {"name": ...}}`): the output is forced
+  (structured outputs) to be that function's arguments, a JSON object of its `parameters`
+  schema; the answer holds one tool call, finish_reason "stop" (as OpenAI answers a forced call).
+- `required`: the output is forced to a JSON array of `{"name", "parameters"}` objects, one of
+  the tools each (one element at most with `parallel_tool_calls: false`); finish_reason
+  "tool_calls".
+- `auto` (the default when tools are given): the model writes freely and a tool-call parser,
+  chosen with `--tool-call-parser`, finds its calls in the text. `hermes`: calls are
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text around them is the
+  message's content. Without a parser, `auto` is a 400 (it could only be ignored).
+
+Streaming: content is sent as it comes, except text that may begin a tool call block; each tool
+call is sent whole (id, name and all its arguments in one delta) once its text is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplane.dataplane.server.errors import InvalidRequest
+from loraplane.dataplane.structured import Constraint
+
+PARSERS = ("hermes",)
+ToolChoiceMode = Literal["none", "auto", "required"]
+_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(re.escape(_HERMES_OPEN) + r"(.*?)" + re.escape(_HERMES_CLOSE), re.S)
+
+
+class FunctionSpec(BaseModel):
+    """A function the model may call: its name, what it does and its parameters' schema."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of `tools` (only functions exist)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def body(self, index: int | None = None) -> dict[str, Any]:
+        """The call in OpenAI's shape (with `index` inside a stream delta)."""
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return out if index is None else {"index": index, **out}
+
+
+def call_id() -> str:
+    """A fresh tool call id."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one chat request uses its tools: the mode, the forced function if any, the
+    constraint that forces the output, and the parser that reads calls out of free text."""
+
+    mode: ToolChoiceMode | Literal["named"]
+    tools: list[Tool]
+    named: str | None = None
+    constraint: Constraint | None = None
+    parser: str | None = None
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as the chat template sees them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The message's content and tool calls, read from the generated text."""
+        if self.mode == "named":
+            return None, [ToolCall(self.named or "", _compact(text), call_id())]
+        if self.mode == "required":
+            return None, [
+                ToolCall(str(c.get("name")), _compact(c.get("parameters", {})), call_id())
+                for c in _json_list(text)
+            ]
+        if self.mode == "auto" and self.parser == "hermes":
+            return hermes_calls(text)
+        return text, []
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish_reason of an answer that called tools (None: the engine's reason)."""
+        return {"named": "stop", "required": "tool_calls"}.get(self.mode)
+
+
+def plan(
+    tools: list[Tool] | None,
+    choice: Any,
+    parallel: bool,
+    parser: str | None,
+) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools); 400 for a choice it cannot serve."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return None
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tool names must be unique", param="tools")
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "auto":
+        if parser is None:
+            raise InvalidRequest(
+                'tool_choice "auto" needs a tool-call parser: start the server with '
+                '--tool-call-parser (e.g. hermes), or use "required" or a named function',
+                param="tool_choice",
+            )
+        return ToolPlan("auto", tools, parser=parser)
+    if choice == "required":
+        items = {"anyOf": [_call_schema(t) for t in tools]}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan("required", tools, constraint=Constraint("json", json.dumps(schema)))
+    name = _named(choice)
+    found = next((t for t in tools if t.function.name == name), None)
+    if found is None:
+        raise InvalidRequest(
+            f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+        )
+    constraint = Constraint("json", json.dumps(found.function.parameters))
+    return ToolPlan("named", tools, named=name, constraint=constraint)
+
+
+def _named(choice: Any) -> str:
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
+        return str(choice["function"]["name"])
+    raise InvalidRequest(
+        'tool_choice must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"enum": [tool.function.name]},
+            "parameters": tool.function.parameters,
+        },
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+
+
+def _compact(value: Any) -> str:
+    """Arguments as compact JSON text (text that is not JSON is passed on as it is)."""
+    if isinstance(value, str):
+        text: str = value
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json_list(text: str) -> list[dict[str, Any]]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []  # cut short (max_tokens): no complete call
+    return [c for c in value if isinstance(c, dict)] if isinstance(value, list) else []
+
+
+def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Hermes format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; a
+    block that is not such JSON stays in the content."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for match in _HERMES_BLOCK.finditer(text):
+        try:
+            data = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            continue
+        kept.append(text[last : match.start()])
+        last = match.end()
+        calls.append(ToolCall(data["name"], _compact(data.get("arguments", {})), call_id()))
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+class ToolStream:
+    """One streamed choice of a chat with tools: `feed` each output's text, get the content
+    to send now and the tool calls completed so far."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.calls_sent = 0
+        self._text = ""
+        self._hermes = HermesStream() if plan.mode == "auto" and plan.parser == "hermes" else None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
+        """Content to send now, and the calls completed by `text`."""
+        if self.plan.mode == "none":
+            return text, []
+        if self._hermes is not None:
+            content, calls = self._hermes.feed(text, final=finished)
+        else:  # a forced call: its JSON is read once whole
+            self._text += text
+            content, calls = "", (self.plan.calls(self._text)[1] if finished else [])
+        self.calls_sent += len(calls)
+        return content, calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The choice's finish_reason once it ended with `reason`."""
+        if self.calls_sent and reason != "length":
+            return self.plan.finish_reason or "tool_calls"
+        return reason
+
+
+class HermesStream:
+    """Splits streamed text into content deltas and complete tool calls (hermes format):
+    content is released as it comes, except a tail that may begin `<tool_call>`."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """Content to send now and the calls completed by `text`."""
+        self._buffer += text
+        content, calls = "", list[ToolCall]()
+        while True:
+            start = self._buffer.find(_HERMES_OPEN)
+            if start == -1:
+                keep = 0 if final else _partial_tail(self._buffer, _HERMES_OPEN)
+                content += self._buffer[: len(self._buffer) - keep]
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                return content, calls
+            end = self._buffer.find(_HERMES_CLOSE, start)
+            if end == -1:
+                content += self._buffer[:start]
+                self._buffer = self._buffer[start:]
+                if final:  # never closed: what the model wrote is content
+                    content, self._buffer = content + self._buffer, ""
+                return content, calls
+            block = self._buffer[start : end + len(_HERMES_CLOSE)]
+            body, found = hermes_calls(block)
+            content += self._buffer[:start] + (body or "" if not found else "")
+            calls += found
+            self._buffer = self._buffer[end + len(_HERMES_CLOSE) :]
+
+
+def _partial_tail(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
