@@ -1,7 +1,8 @@
 """The `loraplane` command.
 
-Sub-commands: `adapters validate`, `demo`, `serve` (the data plane), `controlplane` (and
-`controlplane migrate`), `operator` (and `operator crds`). Each component registers its own
+Sub-commands: `adapters validate`, the tenant CLI on the REST API (`adapters push|list|versions`,
+`keys`, `tenants`), `demo`, `serve` (the data plane), `controlplane` (and `controlplane
+migrate`), `operator` (and `operator crds`). Each component registers its own
 sub-commands and imports its heavy modules only when a command runs, so `loraplane --help`
 stays fast and the control plane and operator never load torch.
 """
@@ -129,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("--json", action="store_true", help="print one JSON object")
     validate.set_defaults(func=_cmd_validate)
+
+    from loraplane.tenant_cli.parsers import add_adapter_commands
+    from loraplane.tenant_cli.parsers import add_commands as add_tenant_commands
+
+    add_adapter_commands(asub)
+    add_tenant_commands(sub)
 
     from loraplane.controlplane.cli import add_commands as add_controlplane
     from loraplane.dataplane.server.cli import add_commands as add_serve

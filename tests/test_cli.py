@@ -65,6 +65,22 @@ def test_validate_json_is_one_object_for_valid_and_rejected(tmp_path: Path) -> N
     }
 
 
+def test_validate_refuses_a_tensor_the_config_does_not_target(tmp_path: Path) -> None:
+    """The adapter core's rule through the command: k_proj weights, but the config targets
+    q_proj and v_proj only (vLLM refuses such an adapter too)."""
+    tensors = lora_tensors(BASE, 8, modules=("q_proj", "k_proj", "v_proj"))
+    bad = write_adapter(tmp_path / "bad", lora_config(), tensors)
+    out = run("adapters", "validate", str(bad))
+    assert out.returncode == 1
+    assert out.stdout.startswith(
+        "rejected: UnsupportedTargetModule: tensor "
+        "'base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight' adapts "
+        "model.layers.0.self_attn.k_proj, which the config does not target"
+    )
+    body = json.loads(run("adapters", "validate", str(bad), "--json").stdout)
+    assert (body["valid"], body["code"]) == (False, "UnsupportedTargetModule")
+
+
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert run("adapters", "validate").returncode == 2
     missing = run("adapters", "validate", str(tmp_path / "nope"))

@@ -131,20 +131,24 @@ class LoraSpec:
         rank, alpha = self.rank_for(module_key), self.alpha_for(module_key)
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
-    def targets(self, module_key: str, layer: int) -> bool:
-        """Whether PEFT would attach this adapter to `module_key` (in layer `layer`)."""
+    def target_miss(self, module_key: str, layer: int) -> str | None:
+        """None when PEFT would attach this adapter to `module_key` (in layer `layer`); else
+        why not, naming the config field that leaves the module out."""
         short = module_key.rsplit(".", 1)[-1]
         if _matches_any(self.exclude_modules, module_key):
-            return False
+            return f"exclude_modules {_shown(self.exclude_modules)} exclude it"
         if self.target_modules == ALL_LINEAR:
             hit = short in SUPPORTED_MODULES
         else:
             hit = _matches_any(self.target_modules, module_key)
+        if not hit:
+            return f"target_modules {_shown(self.target_modules)} do not select it"
         # As in PEFT, layers_to_transform narrows a list of names (or all-linear), not a regex.
         regex = isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR
-        if hit and self.layers_to_transform is not None and not regex:
-            return layer in self.layers_to_transform
-        return hit
+        layers = self.layers_to_transform
+        if layers is not None and not regex and layer not in layers:
+            return f"layers_to_transform {list(layers)} leave out layer {layer}"
+        return None
 
     def canonical(self) -> dict[str, Any]:
         """The fields that change the computation, in a PEFT-loadable form."""
@@ -189,6 +193,11 @@ def _pattern_key(patterns: dict[str, Any], module_key: str) -> str | None:
         if re.match(rf"(.*\.)?({key})$", module_key):
             return key
     return None
+
+
+def _shown(targets: tuple[str, ...] | str) -> str:
+    """A module list or regex as a message shows it."""
+    return repr(targets) if isinstance(targets, str) else repr(sorted(targets))
 
 
 def _matches_any(targets: tuple[str, ...] | str, module_key: str) -> bool:

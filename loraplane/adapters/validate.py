@@ -1,8 +1,11 @@
 """Validate a PEFT LoRA adapter against a base model and limits.
 
 Cheap checks run first (config, then the safetensors header, then tensor names and shapes);
-the scan for NaN/Inf, which touches every byte, runs last. The first failure raises
-`AdapterRejected` with its reason code and a message naming the tensor or field and the numbers.
+the scan for NaN/Inf, which touches every byte, runs last. Every tensor must be explained by
+the config and the base model: a lora_A or lora_B weight of a module the base model has and the
+config targets (as vLLM requires); anything else is refused, never stored as dead weight. The
+first failure raises `AdapterRejected` with its reason code and a message naming the tensor or
+field and the numbers.
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from loraplane.adapters.source import AdapterFiles
 
 # PEFT saves `base_model.model.<module path>.lora_A.weight`; the prefix is optional so files
 # written by other tools with the bare module path are accepted too.
-_LORA_TENSOR = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d{1,6})\.(self_attn|mlp)\."
-    r"([A-Za-z0-9_]+)\.lora_([AB])\.weight$"
+_PEFT_PREFIX = "base_model.model."
+_LORA_WEIGHT = re.compile(r"^(?P<path>.+)\.lora_(?P<which>[AB])\.weight$")
+_LAYER_MODULE = re.compile(r"^(?:model\.)?layers\.(\d{1,6})\.(self_attn|mlp)\.([A-Za-z0-9_]+)$")
+# A base-model parameter saved whole (what PEFT's modules_to_save writes): a decoder layer's
+# linear layer or norm, the final norm, the embeddings or the head.
+_BASE_WEIGHT = re.compile(
+    r"^(?:model\.)?(?:layers\.\d{1,6}\.(?:(?:self_attn|mlp)\.[A-Za-z0-9_]+|[A-Za-z0-9_]*norm)"
+    r"|norm|embed_tokens|lm_head)\.weight$"
 )
 _OTHER_LORA = re.compile(r"(?:^|\.)([A-Za-z0-9_]+)\.lora_[AB](?:\.|$)")
 _SAVED_MODULES = ("lm_head", "embed_tokens", "score", "modules_to_save", "classifier")
@@ -107,8 +115,13 @@ class ValidatedAdapter:
         self.weights.close()
 
 
+def _strip_prefix(name: str) -> str:
+    return name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+
+
 def _classify_foreign(name: str) -> AdapterRejected:
-    """The reason a tensor name that is not a supported LoRA A/B weight is refused."""
+    """The reason a tensor that is not a LoRA A/B weight is refused: nothing in a LoRA config
+    explains it."""
     if "lora_magnitude_vector" in name:
         return AdapterRejected(
             ReasonCode.DORA_NOT_SUPPORTED, f"tensor {name!r} is a DoRA magnitude vector"
@@ -117,7 +130,8 @@ def _classify_foreign(name: str) -> AdapterRejected:
         return AdapterRejected(ReasonCode.BIAS_NOT_SUPPORTED, f"tensor {name!r} is a bias term")
     if "lora_embedding_" in name:
         return AdapterRejected(
-            ReasonCode.UNSUPPORTED_TARGET_MODULE, f"tensor {name!r} adapts an embedding layer"
+            ReasonCode.UNSUPPORTED_TARGET_MODULE,
+            f"tensor {name!r} adapts an embedding layer, which no served config can target",
         )
     m = _OTHER_LORA.search(name)
     if m and m.group(1) not in SUPPORTED_MODULES:
@@ -126,35 +140,75 @@ def _classify_foreign(name: str) -> AdapterRejected:
             f"tensor {name!r} adapts module {m.group(1)!r}; supported: "
             + ", ".join(SUPPORTED_MODULES),
         )
-    if any(part in name.split(".") for part in _SAVED_MODULES):
+    if _BASE_WEIGHT.match(_strip_prefix(name)) or any(
+        part in name.split(".") for part in _SAVED_MODULES
+    ):
         return AdapterRejected(
             ReasonCode.MODULES_TO_SAVE_NOT_SUPPORTED,
-            f"tensor {name!r} is a full copy of a base-model module (modules_to_save)",
+            f"tensor {name!r} is a full copy of a base-model module (modules_to_save), which "
+            "the config does not declare and which is not served",
         )
     return AdapterRejected(
         ReasonCode.UNSUPPORTED_FORMAT,
-        f"unexpected tensor {name!r}: expected PEFT LoRA names like "
+        f"unexpected tensor {name!r}: a config explains only the lora_A/lora_B weights of its "
+        "target modules, named like "
         "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'",
     )
 
 
-def _pair_tensors(weights: SafetensorsFile) -> dict[tuple[int, str], dict[str, str]]:
+def _locate(name: str, path: str, spec: LoraSpec, base: BaseModelSpec | None) -> tuple[int, str]:
+    """(layer, module) of a LoRA weight named `name` for module `path`, once the base model
+    has that module and the config targets it; else the rejection that names the tensor."""
+    short = _strip_prefix(path)
+    m = _LAYER_MODULE.match(short)
+    if m is None:
+        raise _module_refused(
+            name, f"adapts {short!r}, which is not a linear layer of a decoder block"
+        )
+    layer, block, module = int(m.group(1)), m.group(2), m.group(3)
+    if module not in SUPPORTED_MODULES:
+        raise _module_refused(name, f"adapts module {module!r}, which the base model lacks")
+    if (block == "self_attn") != (module in ATTENTION_MODULES):
+        raise _module_refused(
+            name,
+            f"adapts {block}.{module}, which the base model lacks ({module} is not in {block})",
+        )
+    if base is not None and layer >= base.num_layers:
+        raise AdapterRejected(
+            ReasonCode.BASE_MODEL_MISMATCH,
+            f"tensor {name!r} is for layer {layer} but {base.name} has {base.num_layers} layers "
+            f"(0 to {base.num_layers - 1})",
+        )
+    key = f"model.layers.{layer}.{block}.{module}"
+    miss = spec.target_miss(key, layer)
+    if miss is not None:
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_TARGET_MODULE,
+            f"tensor {name!r} adapts {key}, which the config does not target ({miss}): every "
+            "tensor must belong to a targeted module",
+        )
+    return layer, module
+
+
+def _module_refused(name: str, what: str) -> AdapterRejected:
+    return AdapterRejected(
+        ReasonCode.UNSUPPORTED_TARGET_MODULE,
+        f"tensor {name!r} {what}; LoRA is served on " + ", ".join(SUPPORTED_MODULES),
+    )
+
+
+def _pair_tensors(
+    weights: SafetensorsFile, spec: LoraSpec, base: BaseModelSpec | None
+) -> dict[tuple[int, str], dict[str, str]]:
+    """Every tensor must be explained by the config and the base model: a LoRA A or B weight
+    of a module the base model has and the config targets. Group them by module."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
-    for name in weights.tensors:
-        m = _LORA_TENSOR.match(name)
+    for name in sorted(weights.tensors):
+        m = _LORA_WEIGHT.match(name)
         if m is None:
             raise _classify_foreign(name)
-        layer, block, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if module not in SUPPORTED_MODULES:
-            raise AdapterRejected(
-                ReasonCode.UNSUPPORTED_TARGET_MODULE,
-                f"tensor {name!r} adapts module {module!r}; supported: "
-                + ", ".join(SUPPORTED_MODULES),
-            )
-        if (block == "self_attn") != (module in ATTENTION_MODULES):
-            raise AdapterRejected(
-                ReasonCode.UNSUPPORTED_FORMAT, f"tensor {name!r}: {module} is not in {block}"
-            )
+        layer, module = _locate(name, m.group("path"), spec, base)
+        which = m.group("which")
         slot = pairs.setdefault((layer, module), {})
         if which in slot:
             raise AdapterRejected(
@@ -199,12 +253,6 @@ def _check_module(
         )
     block = "self_attn" if module in ATTENTION_MODULES else "mlp"
     key = f"model.layers.{layer}.{block}.{module}"
-    if not spec.targets(key, layer):
-        raise AdapterRejected(
-            ReasonCode.INVALID_CONFIG,
-            f"tensors for {key} exist but the config's target_modules / layers_to_transform "
-            "do not select it",
-        )
     want = spec.rank_for(key)
     if rank_a != want:
         raise AdapterRejected(
@@ -294,15 +342,7 @@ def validate_adapter(
 def _check_modules(
     spec: LoraSpec, weights: SafetensorsFile, base: BaseModelSpec | None
 ) -> list[ModuleLoRA]:
-    pairs = _pair_tensors(weights)
-    if base is not None:
-        deepest = max(layer for layer, _ in pairs)
-        if deepest >= base.num_layers:
-            raise AdapterRejected(
-                ReasonCode.BASE_MODEL_MISMATCH,
-                f"adapter has tensors for layer {deepest} but {base.name} has "
-                f"{base.num_layers} layers (0 to {base.num_layers - 1})",
-            )
+    pairs = _pair_tensors(weights, spec, base)
     seen: dict[str, tuple[int, int]] = {}
     order = {m: i for i, m in enumerate(SUPPORTED_MODULES)}
     return [

@@ -31,6 +31,7 @@ from tests.adapters.crafting import (
 
 BASE = TINY_BASE
 Q0 = PREFIX + "model.layers.0.self_attn.q_proj"
+K0 = PREFIX + "model.layers.0.self_attn.k_proj"
 Code = ReasonCode
 Builder = Callable[[Path], Path]
 
@@ -80,6 +81,14 @@ def one_tensor(entry_over: dict[str, object], data_len: int = 16) -> Builder:
 
 def put(t: dict[str, np.ndarray], name: str, value: np.ndarray) -> None:
     t[name] = value
+
+
+def pair(stem: str, r: int, fan_in: int, fan_out: int) -> dict[str, np.ndarray]:
+    """Well-shaped LoRA A and B tensors for the module `stem`."""
+    return {
+        f"{stem}.lora_A.weight": np.zeros((r, fan_in), np.float32),
+        f"{stem}.lora_B.weight": np.zeros((fan_out, r), np.float32),
+    }
 
 
 def poison(dtype: str, value: float) -> Callable[[dict[str, np.ndarray]], None]:
@@ -215,13 +224,51 @@ CASES = [
          with_config(alpha_pattern={"q_proj[": 4})),
     Case("config-empty-targets", Code.INVALID_CONFIG, "adapts nothing", with_config(target_modules=[])),
     Case("config-layers-pattern", Code.INVALID_CONFIG, "layers_pattern", with_config(layers_pattern="h")),
-    Case("config-untargeted-tensors", Code.INVALID_CONFIG, "do not select it",
-         with_config(target_modules=["v_proj"])),
     Case("config-too-large", Code.TOO_LARGE, "adapter_config.json is",
          raw_config(json.dumps({**lora_config(), "pad": "x" * (1 << 20)}).encode())),
     Case("config-task-seq-cls", Code.UNSUPPORTED_FORMAT, "task_type", with_config(task_type="SEQ_CLS")),
     Case("config-fan-in-fan-out", Code.UNSUPPORTED_FORMAT, "Conv1D", with_config(fan_in_fan_out=True)),
     Case("config-qalora", Code.UNSUPPORTED_FORMAT, "use_qalora", with_config(use_qalora=True)),
+    # --- every tensor explained: targeted by the config, present in the base model ----------
+    # (first of its code: the control plane's and the operator's corpus samples use this one)
+    Case("tensor-outside-targets", Code.UNSUPPORTED_TARGET_MODULE,
+         f"tensor '{K0}.lora_A.weight' adapts model.layers.0.self_attn.k_proj, which the config "
+         "does not target (target_modules ['q_proj', 'v_proj'] do not select it)",
+         with_tensors(lambda t: t.update(pair(K0, 8, 64, 32)))),
+    Case("tensor-outside-regex-target", Code.UNSUPPORTED_TARGET_MODULE,
+         "adapts model.layers.0.self_attn.q_proj, which the config does not target "
+         "(target_modules '.*\\\\.v_proj' do not select it)",
+         with_config(target_modules=r".*\.v_proj")),
+    Case("tensor-outside-full-path-targets", Code.UNSUPPORTED_TARGET_MODULE,
+         f"tensor '{PREFIX}model.layers.1.self_attn.q_proj.lora_A.weight' adapts",
+         with_config(target_modules=["model.layers.0.self_attn.q_proj", "v_proj"])),
+    Case("tensor-excluded-module", Code.UNSUPPORTED_TARGET_MODULE,
+         "(exclude_modules ['layers.1.self_attn.v_proj'] exclude it)",
+         with_config(exclude_modules=["layers.1.self_attn.v_proj"])),
+    Case("tensor-layer-not-transformed", Code.UNSUPPORTED_TARGET_MODULE,
+         "(layers_to_transform [0] leave out layer 1)", with_config(layers_to_transform=[0])),
+    Case("tensor-module-not-in-base", Code.UNSUPPORTED_TARGET_MODULE,
+         f"tensor '{PREFIX}model.layers.0.mlp.fancy_proj.lora_A.weight' adapts module "
+         "'fancy_proj', which the base model lacks",
+         with_tensors(lambda t: t.update(pair(PREFIX + "model.layers.0.mlp.fancy_proj", 8, 64, 64)))),
+    Case("tensor-module-in-wrong-block", Code.UNSUPPORTED_TARGET_MODULE, "q_proj is not in mlp",
+         with_tensors(lambda t: t.update(pair(PREFIX + "model.layers.0.mlp.q_proj", 8, 64, 64)))),
+    Case("tensor-outside-decoder-layers", Code.UNSUPPORTED_TARGET_MODULE,
+         "adapts 'model.vision_tower.layers.0.self_attn.q_proj', which is not a linear layer",
+         with_tensors(lambda t: t.update(
+             pair(PREFIX + "model.vision_tower.layers.0.self_attn.q_proj", 8, 64, 64)))),
+    Case("tensor-unexplained-suffix", Code.UNSUPPORTED_FORMAT,
+         f"unexpected tensor '{Q0}.extra.weight': a config explains only",
+         with_tensors(lambda t: put(t, Q0 + ".extra.weight", np.zeros((8, 64), np.float32)))),
+    Case("tensor-adapter-named-lora", Code.UNSUPPORTED_FORMAT,
+         f"unexpected tensor '{Q0}.lora_A.default.weight'",
+         with_tensors(lambda t: put(t, Q0 + ".lora_A.default.weight", np.zeros((8, 64), np.float32)))),
+    Case("tensor-full-copy-of-norm", Code.MODULES_TO_SAVE_NOT_SUPPORTED,
+         f"tensor '{PREFIX}model.norm.weight' is a full copy of a base-model module",
+         with_tensors(lambda t: put(t, PREFIX + "model.norm.weight", np.ones(64, np.float32)))),
+    Case("tensor-full-copy-of-linear", Code.MODULES_TO_SAVE_NOT_SUPPORTED,
+         f"tensor '{Q0}.weight' is a full copy",
+         with_tensors(lambda t: put(t, Q0 + ".weight", np.zeros((64, 64), np.float32)))),
     # --- targets, bias, DoRA, modules_to_save ---------------------------------------------------
     Case("target-lm-head", Code.UNSUPPORTED_TARGET_MODULE, "'lm_head' is not supported",
          with_config(target_modules=["q_proj", "lm_head"])),
@@ -262,7 +309,8 @@ CASES = [
          with_tensors(lambda t: t.pop(Q0 + ".lora_B.weight"))),
     Case("shape-3d", Code.SHAPE_MISMATCH, "2-D",
          with_tensors(lambda t: put(t, Q0 + ".lora_A.weight", np.zeros((8, 64, 1), np.float32)))),
-    Case("layer-beyond-base", Code.BASE_MODEL_MISMATCH, "layer 5 but tiny has 2 layers",
+    Case("layer-beyond-base", Code.BASE_MODEL_MISMATCH,
+         "layers.5.self_attn.q_proj.lora_A.weight' is for layer 5 but tiny has 2 layers",
          with_tensors(lambda t: t.update({
              PREFIX + "model.layers.5.self_attn.q_proj.lora_A.weight": np.zeros((8, 64), np.float32),
              PREFIX + "model.layers.5.self_attn.q_proj.lora_B.weight": np.zeros((64, 8), np.float32),
@@ -398,3 +446,35 @@ def test_bf16_and_f16_weights_are_accepted(tmp_path: Path) -> None:
     tensors32 = lora_tensors(BASE, 8)
     save_file(tensors32, str(bf / "adapter_model.safetensors"))
     assert ingest(bf, "acme", "bf", BASE, AdapterLimits(), store).version == 1
+
+
+def only(*stems: str) -> Callable[[dict[str, np.ndarray]], None]:
+    """Keep only the tensors of the modules whose key ends with one of `stems`."""
+
+    def change(t: dict[str, np.ndarray]) -> None:
+        for name in list(t):
+            if not any(name.rsplit(".lora_", 1)[0].endswith(s) for s in stems):
+                del t[name]
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("config", "keep"),
+    [
+        ({"target_modules": r".*\.[qv]_proj"}, ("q_proj", "v_proj")),
+        ({"target_modules": ["model.layers.0.self_attn.q_proj", "v_proj"]},
+         ("layers.0.self_attn.q_proj", "v_proj")),
+        ({"layers_to_transform": [1]}, ("layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj")),
+        ({"exclude_modules": ["layers.0.self_attn.v_proj"]},
+         ("q_proj", "layers.1.self_attn.v_proj")),
+        ({"target_modules": "all-linear"}, ("q_proj", "v_proj")),
+    ],
+    ids=["regex", "full-paths", "layers-to-transform", "exclude-modules", "all-linear"],
+)  # fmt: skip
+def test_tensors_of_targeted_modules_pass_however_the_config_names_them(
+    config: dict[str, object], keep: tuple[str, ...], tmp_path: Path
+) -> None:
+    source = with_tensors(only(*keep), **config)(tmp_path)
+    store = LocalStore(tmp_path / "store")
+    assert ingest(source, "acme", "bot", BASE, AdapterLimits(), store).version == 1

@@ -1,0 +1,294 @@
+"""The tenant CLI's commands: `adapters push|list|versions`, `keys create|list|revoke`,
+`tenants create|list`.
+
+Each command prints for people, or with `--json` one JSON document on stdout and nothing else
+there; errors are `{"error": {"code", "message"}}` in that mode. Exit codes follow
+`adapters validate`: 0 done, 1 refused, 2 usage error or no answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loraplane.cli import EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from loraplane.tenant_cli.progress import Progress
+
+if TYPE_CHECKING:
+    from loraplane.tenant_cli.client import RestClient
+
+URL_ENV, KEY_ENV, ADMIN_ENV = "LORAPLANE_URL", "LORAPLANE_API_KEY", "LORAPLANE_ADMIN_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8080"
+WAIT_S = 3600.0
+
+EXIT_HELP = """\
+Exit 0: done.
+Exit 1: refused: the control plane refused the request, or (push) the adapter is invalid
+        (checked here, nothing sent); prints '<Code>: <message>' (e.g. 'Unauthorized:
+        invalid or revoked API key', 'rejected: RankTooLarge: ...').
+Exit 2: usage error, or the control plane could not be reached or could not answer (retry).
+With --json, stdout holds one JSON document: the answer, or {"error": {"code", "message"}}."""
+
+TENANT_ENV_HELP = f"""\
+environment:
+  {URL_ENV}      the control plane (default {DEFAULT_URL}); or --url
+  {KEY_ENV}  a tenant API key (lp_...); or --api-key (the variable keeps it out of
+                     the process list)"""
+
+ADMIN_ENV_HELP = f"""\
+environment:
+  {URL_ENV}          the control plane (default {DEFAULT_URL}); or --url
+  {ADMIN_ENV}  the control plane's admin token (embedded mode: in the file
+                         .loraplane/admin-token by default); or --admin-token"""
+
+
+class UsageError(Exception):
+    """The command line cannot work (a missing credential, a path that does not exist)."""
+
+
+# -- plumbing -------------------------------------------------------------------------------------
+
+
+def _connect(args: argparse.Namespace, *, admin: bool) -> RestClient:
+    from loraplane.tenant_cli.client import RestClient
+
+    url = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
+    if admin:
+        token = args.admin_token or os.environ.get(ADMIN_ENV)
+        if not token:
+            raise UsageError(f"no admin token: set {ADMIN_ENV} or pass --admin-token")
+    else:
+        token = args.api_key or os.environ.get(KEY_ENV)
+        if not token:
+            raise UsageError(f"no API key: set {KEY_ENV} or pass --api-key")
+    return RestClient(url, token)
+
+
+def _emit(args: argparse.Namespace, document: Any, lines: Sequence[str]) -> int:
+    """Print the answer: the JSON document with --json, else the lines."""
+    if args.json:
+        print(json.dumps(document))
+    else:
+        for line in lines:
+            print(line)
+    return EXIT_OK
+
+
+def _fail(args: argparse.Namespace, code: str, message: str, exit_code: int, word: str) -> int:
+    if args.json:
+        print(json.dumps({"error": {"code": code, "message": message}}))
+    else:
+        print(f"{word}: {code}: {message}", file=sys.stderr)
+    return exit_code
+
+
+def command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run a handler; turn every failure into its message and exit code."""
+
+    def run(args: argparse.Namespace) -> int:
+        from loraplane.adapters.errors import AdapterRejected, ReasonCode
+
+        try:
+            from loraplane.tenant_cli.client import ApiError
+        except ImportError as exc:
+            message = f"the tenant CLI needs httpx ({exc}): pip install 'loraplane[client]'"
+            return _fail(args, "MissingDependency", message, EXIT_USAGE, "error")
+        try:
+            return handler(args)
+        except UsageError as exc:
+            return _fail(args, "InvalidUsage", str(exc), EXIT_USAGE, "error")
+        except AdapterRejected as exc:
+            return _fail(args, exc.code.value, exc.message, EXIT_REJECTED, "rejected")
+        except ApiError as exc:
+            code = EXIT_REJECTED if exc.refused else EXIT_USAGE
+            verdict = exc.code in {c.value for c in ReasonCode}  # the server's check of the adapter
+            return _fail(args, exc.code, exc.message, code, "rejected" if verdict else "error")
+
+    return run
+
+
+def _table(header: Sequence[str], rows: list[list[str]], empty: str) -> list[str]:
+    if not rows:
+        return [empty]
+    widths = [max(len(r[i]) for r in [list(header), *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [list(header), *rows]
+    ]
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def _v(version: object) -> str:
+    return "-" if version is None else f"v{version}"
+
+
+# -- adapters -------------------------------------------------------------------------------------
+
+
+def push(args: argparse.Namespace) -> int:
+    """`adapters push`: validate here, upload, wait for a background ingest, print the version."""
+    from loraplane.adapters.limits import AdapterLimits
+    from loraplane.adapters.source import open_adapter_source
+    from loraplane.adapters.validate import validate_adapter
+
+    path = Path(args.path)
+    if not path.exists():
+        raise UsageError(f"{path} does not exist")
+    limits = AdapterLimits()
+    with _connect(args, admin=False) as client, open_adapter_source(path, limits) as files:
+        # The same checks as the control plane's, short of the pool's base model and the
+        # tenant's quotas: a bad adapter is refused here, before a byte is sent.
+        validate_adapter(files, None, limits).close()
+        parts = [files.config_path, files.weights_path]
+        progress = Progress(f"{args.name}:", sum(p.stat().st_size for p in parts))
+        try:
+            status, body = client.upload(args.name, args.base_model, parts, progress.advance)
+            if status == 202 and body.get("state") == "staged":
+                return _staged(args, body)
+            if status == 202:
+                progress.status("sent; the control plane is ingesting it in the background")
+                body = client.wait_job(
+                    str(body["id"]),
+                    timeout_s=args.timeout,
+                    on_status=lambda job: progress.status(f"sent; ingest {job['status']}"),
+                )
+        finally:
+            progress.close()
+    version = body["version"]
+    outcome = "new version" if body["created"] else "identical content: the stored version"
+    return _emit(
+        args,
+        body,
+        [
+            f"pushed: {body['name']} v{version['version']} ({outcome})",
+            f"  digest      sha256:{version['digest']}",
+            f"  rank        {version['rank']} (alpha {version['alpha']:g})",
+            f"  modules     {', '.join(version['target_modules'])}",
+            f"  size        {_mib(version['size_bytes'])}",
+            f"  base model  {version['base_model']}",
+            f"  serving     {_v(body['current_version'])}",
+        ],
+    )
+
+
+def _staged(args: argparse.Namespace, body: dict[str, Any]) -> int:
+    """Cluster mode: the operator ingests the staged upload; versions shows the outcome."""
+    return _emit(
+        args,
+        body,
+        [
+            f"staged: {body['name']} as LoRAAdapter {body['resource']}; the operator validates "
+            f"and stores it (see: loraplane adapters versions {body['name']})"
+        ],
+    )
+
+
+def list_adapters(args: argparse.Namespace) -> int:
+    """`adapters list`: the caller's adapters and the versions they serve."""
+    with _connect(args, admin=False) as client:
+        adapters = client.list_adapters()
+    rows = [
+        [
+            a["name"],
+            _v(a["current_version"]),
+            _v(a["latest_version"]),
+            str(a["current"]["rank"]) if a["current"] else "-",
+            a["base_model"],
+            f"sha256:{a['current']['digest'][:12]}" if a["current"] else "-",
+        ]
+        for a in adapters
+    ]
+    header = ["NAME", "SERVING", "LATEST", "RANK", "BASE MODEL", "DIGEST"]
+    return _emit(args, adapters, _table(header, rows, "no adapters"))
+
+
+def list_versions(args: argparse.Namespace) -> int:
+    """`adapters versions NAME`: every version of one adapter."""
+    with _connect(args, admin=False) as client:
+        versions = client.list_versions(args.name)
+    rows = [
+        [
+            _v(v["version"]),
+            f"sha256:{v['digest'][:12]}",
+            str(v["rank"]),
+            f"{v['alpha']:g}",
+            _mib(v["size_bytes"]),
+            v["created_at"][:19].replace("T", " "),
+            v["created_by"],
+        ]
+        for v in versions
+    ]
+    header = ["VERSION", "DIGEST", "RANK", "ALPHA", "SIZE", "CREATED", "BY"]
+    return _emit(args, versions, _table(header, rows, f"{args.name} has no versions"))
+
+
+# -- admin: keys and tenants ----------------------------------------------------------------------
+
+
+def create_key(args: argparse.Namespace) -> int:
+    """`keys create`: a new key for a tenant, printed once."""
+    with _connect(args, admin=True) as client:
+        key = client.create_key(args.tenant, args.label)
+    return _emit(
+        args,
+        key,
+        [
+            key["key"],
+            f"(key {key['id']} of {args.tenant}, prefix {key['prefix']}: shown this once, "
+            "store it now)",
+        ],
+    )
+
+
+def list_keys(args: argparse.Namespace) -> int:
+    """`keys list`: a tenant's keys, never the secrets."""
+    with _connect(args, admin=True) as client:
+        keys = client.list_keys(args.tenant)
+    rows = [
+        [
+            str(k["id"]),
+            k["name"] or "-",
+            k["prefix"],
+            k["created_at"][:19].replace("T", " "),
+            (k["last_used_at"] or "-")[:19].replace("T", " "),
+            "revoked" if k["revoked_at"] else "live",
+        ]
+        for k in keys
+    ]
+    header = ["ID", "NAME", "PREFIX", "CREATED", "LAST USED", "STATE"]
+    return _emit(args, keys, _table(header, rows, f"{args.tenant} has no keys"))
+
+
+def revoke_key(args: argparse.Namespace) -> int:
+    """`keys revoke KEY_ID`: the key stops working at once."""
+    with _connect(args, admin=True) as client:
+        client.revoke_key(args.tenant, args.key_id)
+    document = {"tenant": args.tenant, "id": args.key_id, "revoked": True}
+    return _emit(args, document, [f"revoked: key {args.key_id} of {args.tenant}"])
+
+
+def create_tenant(args: argparse.Namespace) -> int:
+    """`tenants create NAME`: a tenant with the default quotas."""
+    with _connect(args, admin=True) as client:
+        tenant = client.create_tenant(args.name)
+    return _emit(args, tenant, [f"created: tenant {tenant['name']}"])
+
+
+def list_tenants(args: argparse.Namespace) -> int:
+    """`tenants list`: every tenant and its quotas."""
+    with _connect(args, admin=True) as client:
+        tenants = client.list_tenants()
+    rows = [
+        [t["name"], str(t["max_adapters"]), str(t["max_rank"]), _mib(t["max_bytes"])]
+        for t in tenants
+    ]
+    header = ["NAME", "MAX ADAPTERS", "MAX RANK", "MAX BYTES"]
+    return _emit(args, tenants, _table(header, rows, "no tenants"))

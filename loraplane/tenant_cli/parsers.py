@@ -1,0 +1,168 @@
+"""The tenant CLI's sub-commands on the `loraplane` command line: what each does, its
+environment variables, an example, and the exit codes."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from loraplane.tenant_cli import commands as cmd
+
+if TYPE_CHECKING:
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not positive")
+    return value
+
+
+def _key_id(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a key id (1, 2, ...)")
+    return int(text)
+
+
+def _common(admin: bool) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--url", help=f"the control plane (default: ${cmd.URL_ENV})")
+    if admin:
+        parent.add_argument(
+            "--admin-token", metavar="TOKEN", help=f"admin token (default: ${cmd.ADMIN_ENV})"
+        )
+    else:
+        parent.add_argument(
+            "--api-key", metavar="KEY", help=f"tenant API key (default: ${cmd.KEY_ENV})"
+        )
+    parent.add_argument("--json", action="store_true", help="print one JSON document")
+    return parent
+
+
+def _add(
+    sub: SubParsers,
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    admin: bool,
+    summary: str,
+    example: str,
+) -> argparse.ArgumentParser:
+    env = cmd.ADMIN_ENV_HELP if admin else cmd.TENANT_ENV_HELP
+    parser = sub.add_parser(
+        name,
+        help=summary,
+        description=summary[0].upper() + summary[1:] + ".",
+        epilog=f"{env}\n\nexample:\n  {example}\n\n{cmd.EXIT_HELP}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[_common(admin)],
+    )
+    parser.set_defaults(func=cmd.command(handler))
+    return parser
+
+
+def add_adapter_commands(adapters: SubParsers) -> None:
+    """Register `push`, `list` and `versions` under `loraplane adapters`."""
+    push = _add(
+        adapters,
+        "push",
+        cmd.push,
+        admin=False,
+        summary="validate an adapter here, upload it, and print its version and digest",
+        example="loraplane adapters push ./my-adapter --name support-bot --base-model llama-3-8b",
+    )
+    push.description = (
+        "Validate a PEFT LoRA adapter (a folder, or a .tar.gz/.zip) with the same checks as\n"
+        "the control plane, upload it with a progress bar (on a terminal), wait for the\n"
+        "control plane's background ingest if it uses one, and print the version and digest.\n"
+        "Identical content answers the stored version. Shapes, ranks and quotas are checked\n"
+        "by the control plane against the pool's base model and the tenant."
+    )
+    push.add_argument("path", metavar="PATH", help="adapter folder or archive")
+    push.add_argument("--name", required=True, help="the adapter's name (what clients call)")
+    push.add_argument(
+        "--base-model", required=True, metavar="BASE", help="the base model a pool serves"
+    )
+    push.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=cmd.WAIT_S,
+        metavar="S",
+        help=f"how long to wait for a background ingest (default {cmd.WAIT_S:g})",
+    )
+    _add(
+        adapters,
+        "list",
+        cmd.list_adapters,
+        admin=False,
+        summary="list your adapters and the version each serves",
+        example="loraplane adapters list --json",
+    )
+    versions = _add(
+        adapters,
+        "versions",
+        cmd.list_versions,
+        admin=False,
+        summary="list every version of one of your adapters, oldest first",
+        example="loraplane adapters versions support-bot",
+    )
+    versions.add_argument("name", metavar="NAME", help="the adapter's name")
+
+
+def add_commands(sub: SubParsers) -> None:
+    """Register the admin commands `keys` and `tenants` on the `loraplane` command."""
+    keys = sub.add_parser("keys", help="create, list and revoke tenants' API keys (admin)")
+    ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    create = _add(
+        ksub,
+        "create",
+        cmd.create_key,
+        admin=True,
+        summary="create an API key for a tenant; the key is printed once",
+        example="loraplane keys create --tenant acme --label ci",
+    )
+    create.add_argument("--label", default="", help="a name for people (e.g. ci, alice)")
+    _add(
+        ksub,
+        "list",
+        cmd.list_keys,
+        admin=True,
+        summary="list a tenant's keys (ids, prefixes, dates; never the keys)",
+        example="loraplane keys list --tenant acme",
+    )
+    revoke = _add(
+        ksub,
+        "revoke",
+        cmd.revoke_key,
+        admin=True,
+        summary="revoke a tenant's key: it stops working at once",
+        example="loraplane keys revoke --tenant acme 3",
+    )
+    revoke.add_argument("key_id", metavar="KEY_ID", type=_key_id, help="from `keys list`")
+    for parser in ksub.choices.values():
+        parser.add_argument("--tenant", required=True, help="the tenant whose keys these are")
+
+    tenants = sub.add_parser("tenants", help="create and list tenants (admin)")
+    tsub = tenants.add_subparsers(dest="tenants_command", metavar="ACTION", required=True)
+    new = _add(
+        tsub,
+        "create",
+        cmd.create_tenant,
+        admin=True,
+        summary="create a tenant with the default quotas",
+        example="loraplane tenants create acme",
+    )
+    new.add_argument("name", metavar="NAME", help="a DNS label: a-z, 0-9 and '-'")
+    _add(
+        tsub,
+        "list",
+        cmd.list_tenants,
+        admin=True,
+        summary="list the tenants and their quotas",
+        example="loraplane tenants list --json",
+    )
