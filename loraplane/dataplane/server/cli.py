@@ -20,7 +20,10 @@ def add_commands(subparsers: Any) -> None:
     serve = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible API for a base model and its LoRA adapters",
-        description="Serve the OpenAI-compatible data plane (settings also from LORAPLANE_*).",
+        description="Serve the OpenAI-compatible data plane. Every setting is also read from"
+        " its LORAPLANE_* variable (listed below); flags win.",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--model", help="base model directory (HF format)")
     serve.add_argument("--served-model-name", help="the base model's name in the API")
@@ -59,6 +62,16 @@ def add_commands(subparsers: Any) -> None:
         " JSON blocks); without it, auto is refused",
     )
     serve.set_defaults(func=run_serve)
+
+
+def _settings_help() -> str | None:
+    """The LORAPLANE_* list, when the data plane's packages are installed (the `loraplane`
+    command also runs without them)."""
+    try:
+        from loraplane.dataplane.server.settings import settings_help
+    except ImportError:
+        return None
+    return settings_help()
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from loraplane.dataplane.config import DEFAULT_LORA_MEMORY, EngineConfig
+from loraplane.envhelp import format_env_help
 from loraplane.sizes import parse_memory
 
 MAX_N = 8  # choices per request (`n`) at most
@@ -152,6 +153,60 @@ class ServerSettings(BaseSettings):
     def adapter_dirs(self) -> dict[str, Path]:
         """The static `--lora-modules`, name -> directory."""
         return {name: Path(path) for name, path in self.lora_modules.items()}
+
+
+# What each setting means, for `loraplane serve --help` (a test keeps it complete).
+SETTINGS_HELP: dict[str, str] = {
+    "model": "base model directory (HF format); required",
+    "served_model_name": "the base model's name in the API (default: the directory's name)",
+    "lora_modules": "trusted static adapters, NAME=DIR[,NAME=DIR...]",
+    "max_loras": "distinct adapters per batch at most: auto (as many as fit) or N",
+    "lora_memory": "device memory for adapters: a size (2GiB) or a fraction of what the weights"
+    " leave free",
+    "kv_lora_shared": "adapters inside the KV cache, one device pool (unset: on for cuda)",
+    "max_lora_rank": "largest adapter rank accepted",
+    "max_cpu_loras": "adapters kept in host memory (unset: twice the device slots)",
+    "max_num_seqs": "requests per batch at most",
+    "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",
+    "device": "cpu or cuda",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "controlplane_url": "catalog mode: the control plane's URL (tenants, keys, adapters)",
+    "api_key": "standalone mode: the key every /v1 route needs (unset: none)",
+    "admin_token": "enables /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    "service_token": "catalog mode: this replica's credential for the internal API",
+    "store": "catalog mode: the adapter store (a path or s3://bucket/prefix)",
+    "pool": "catalog mode: the ServingPool this replica reports pressure for",
+    "pool_namespace": "catalog mode: that ServingPool's namespace",
+    "replica": "catalog mode: this replica's name (unset: hostname:port)",
+    "resolve_ttl_s": "seconds a key's resolution is cached (a revoked key stops within it)",
+    "resolve_stale_s": "seconds a known key's last good resolution serves while the control"
+    " plane is unreachable",
+    "tool_call_parser": 'reads tool calls out of the text for tool_choice "auto" (hermes)',
+    "pressure_interval_s": "seconds between pressure and usage reports",
+    "requests_per_minute": "standalone tenant's request limit (0: unlimited)",
+    "tokens_per_minute": "standalone tenant's token limit (0: unlimited)",
+    "shutdown_grace_s": "seconds running requests get to finish on SIGTERM",
+    "max_queued_requests": "engine requests in flight per replica (429 past it)",
+    "max_queued_requests_per_tenant": "engine requests in flight per tenant (429 past it)",
+    "max_prompts_per_request": "prompts in one completions request (400 past it)",
+    "max_request_bytes": "request body bytes (413 past it)",
+    "max_model_len": "context length (unset: the model's)",
+    "num_kv_blocks": "KV cache blocks (unset: sized from free memory)",
+    "block_size": "tokens per KV block",
+    "max_num_batched_tokens": "tokens per step at most",
+}
+
+
+def settings_help() -> str:
+    """The LORAPLANE_* variables `loraplane serve` reads, their defaults and meanings."""
+    rows = []
+    for name, field in ServerSettings.model_fields.items():
+        default: object = "required" if field.is_required() else field.default
+        if field.default_factory is not None:
+            default = None
+        rows.append((name, default, SETTINGS_HELP.get(name, "")))
+    return format_env_help(rows)
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:

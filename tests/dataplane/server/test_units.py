@@ -1,6 +1,6 @@
 """Unit tests: rate limiter, settings, CLI flags, and the catalog-mode clients (resolve with a
 TTL cache, pressure reports) against a small FastAPI app standing in for the control plane.
-The end-to-end test against the real control plane comes with catalog mode's issue."""
+The end-to-end tests against the real control plane are in tests/test_e2e_catalog.py."""
 
 from __future__ import annotations
 
@@ -371,3 +371,16 @@ def test_a_tenants_rate_limits_are_split_among_the_pools_live_replicas(tmp_path:
     assert asyncio.run(reporter.report_once())
     assert reporter.replicas == 3
     assert (runtime.share(60), runtime.share(10), runtime.share(0)) == (20, 4, 0)  # 0: unlimited
+
+
+def test_serve_help_lists_every_setting_with_its_meaning() -> None:
+    from loraplane.dataplane.server.settings import SETTINGS_HELP
+
+    assert set(SETTINGS_HELP) == set(ServerSettings.model_fields)  # a new setting needs a line
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr, index]
+    text = serve.format_help()
+    for name in ServerSettings.model_fields:
+        assert f"LORAPLANE_{name.upper()} " in text, name
+    assert "LORAPLANE_RESOLVE_STALE_S (default: 300.0)" in text
