@@ -157,3 +157,28 @@ def test_admin_can_delete_a_pool(ready: Api) -> None:
     assert c.delete("/v1/pools/pool-a", headers=bearer(ready.keys["acme"])).status_code == 401
     assert c.delete("/v1/pools/pool-a", headers=ADMIN_H).status_code == 204
     assert c.get("/v1/pools/pool-a", headers=ADMIN_H).status_code == 404
+
+
+def test_a_usage_batch_sent_again_is_counted_once(ready: Api) -> None:
+    """The first answer was lost and the replica sends the same batch again: the usage counts
+    once; the next batch counts; another replica's batch of the same id counts too."""
+    c, key = ready.client, ready.keys["acme"]
+    row = {"tenant": "acme", "adapter": "bot", "requests": 2, "prompt_tokens": 10,
+           "completion_tokens": 4}  # fmt: skip
+
+    def report(replica: str, batch: str) -> dict[str, object]:
+        body = {"pool": "pool-a", "replica": replica, "usage": [row], "usage_batch": batch}
+        r = c.post("/internal/v1/pressure", json=body, headers=SERVICE_H)
+        assert r.status_code == 200, r.text
+        answer: dict[str, object] = r.json()
+        return answer
+
+    assert report("r0", "b1")["usage_duplicate"] is False
+    assert report("r0", "b1")["usage_duplicate"] is True
+    assert report("r0", "b2")["usage_duplicate"] is False
+    assert report("r1", "b2")["usage_duplicate"] is False
+    rows = c.get("/v1/usage", headers=bearer(key)).json()
+    rows = rows if isinstance(rows, list) else rows.get("items", rows.get("usage", []))
+    assert sum(r["requests"] for r in rows if r["adapter"] == "bot") == 6  # 3 batches, not 4
+    bad = {"pool": "pool-a", "replica": "r0", "usage_batch": "no spaces allowed"}
+    assert c.post("/internal/v1/pressure", json=bad, headers=SERVICE_H).status_code == 400

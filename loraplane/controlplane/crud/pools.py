@@ -201,6 +201,13 @@ def _learn_config(
         )
 
 
+def last_usage_batch(pool: Pool, replica: str) -> str | None:
+    """The usage batch of `replica`'s last recorded report on `pool`, if any."""
+    entry = ((pool.pressure or {}).get("replicas") or {}).get(replica)
+    batch = entry.get("usage_batch") if isinstance(entry, dict) else None
+    return batch if isinstance(batch, str) else None
+
+
 def live_replicas(pool: Pool, *, window_s: float = LIVE_REPLICA_SECONDS) -> int:
     """Replicas of `pool` that reported within `window_s` seconds (at least 1)."""
     horizon = utcnow().timestamp() - window_s

@@ -70,6 +70,9 @@ class PressureReport(Strict):
     kv_usage: float = Field(default=0.0, ge=0.0, le=1.0)
     adapters_waiting: list[WaitingAdapter] = Field(default_factory=list, max_length=10_000)
     usage: list[AdapterUsage] = Field(default_factory=list, max_length=10_000)
+    # the usage's batch id: a report whose answer was lost is sent again with the same batch,
+    # and the control plane counts a replica's batch once (it keeps the last one per replica)
+    usage_batch: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     # the config.json the replica loaded its base model from: sent until the answer says the
     # pool has one (a pool whose model is only on the replicas' volume learns it this way)
     base_model_config: dict[str, Any] | None = None
@@ -90,6 +93,8 @@ class PressureAccepted(BaseModel):
     replica: str
     usage_rows: int
     usage_skipped: int
+    # the report's usage batch was counted before (its first answer was lost): not again
+    usage_duplicate: bool = False
     # replicas of the pool that reported in the last 30 s, this one included: each enforces
     # 1/replicas of a tenant's requests and tokens per minute, so the tenant's limit holds
     # across the pool as it scales

@@ -5,15 +5,19 @@ sections 6 and 8) with the replica's pressure, read from an engine snapshot: req
 now (requests whose adapter does not fit in the adapter memory beside the running ones),
 running and waiting adapters, adapters in the device pool, adapter memory used and total, KV
 usage, waiting requests per adapter, and the tokens used per tenant and adapter since the last
-report. A report that fails keeps its usage for the next one; a failing control plane never stops
-serving. The body follows the control plane's `PressureReport` schema (it forbids unknown
-fields), so the host cache size, which that schema has no field for yet, is not sent.
+report. Usage is counted once: each report's usage is a batch with an id; a report that got no
+answer (or a 5xx or 429) is sent again with the same batch, which the control plane counts only
+if it has not already (it keeps each replica's last batch), while new usage waits in the log for
+the next batch; a report refused outright (4xx) puts its usage back into the log. A failing
+control plane never stops serving. The body follows the control plane's `PressureReport` schema
+(it forbids unknown fields), so the host cache size, which that schema has no field for yet, is
+not sent.
 
 The pool is named by its namespace and name (LORAPLANE_POOL_NAMESPACE, LORAPLANE_POOL). Reports
 carry the config.json the replica loaded its base model from until an answer says the pool has
 one: a pool whose model is only on its replicas' volume learns it this way. A config the control
 plane refuses (422) is not sent again; the next report goes without it. Reports go through
-`loraplane.internal_api.AsyncInternalAPIClient`; whatever its error, the usage is kept.
+`loraplane.internal_api.AsyncInternalAPIClient`; whatever its error, no usage is lost.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -138,15 +143,22 @@ class PressureReporter:
         # live replicas of the pool, from the last accepted report: tenants' rate limits are
         # split among them (each replica enforces its share)
         self.replicas = 1
+        # usage sent but not acknowledged: sent again, as it is, with its batch id, until an
+        # answer comes (the control plane counts a batch once); new usage waits in the log
+        self._pending: tuple[str, dict[Key, list[int]]] | None = None
 
     async def report_once(self) -> bool:
         """Send one report; True when the control plane accepted it."""
         snap = await self._snapshot()
-        rows = self._usage.drain()
+        if self._pending is None:
+            self._pending = (uuid.uuid4().hex, self._usage.drain())
+        batch, rows = self._pending
         body = pressure_body(
             self.pool, self.replica, snap, rows, namespace=self.namespace,
             base_model_config=self.base_model_config,
         )  # fmt: skip
+        if rows:
+            body["usage_batch"] = batch
         try:
             response = await self._api.request("POST", PRESSURE_PATH, json=body)
         except InternalAPIError as e:
@@ -159,8 +171,12 @@ class PressureReporter:
             else:
                 log.warning("pressure report refused: HTTP %s (%s)", e.status, e.code)
             self.reports_failed += 1
-            self._usage.restore(rows)  # counted again in the next report
-            return False
+            if e.status is not None and e.status < 500 and e.status != 429:
+                # refused, so not counted: the rows go back into the log, in a new batch
+                self._pending = None
+                self._usage.restore(rows)
+            return False  # otherwise the same batch goes again (it may have been counted)
+        self._pending = None
         self.replicas, known = _accepted(response)
         if known:
             self.base_model_config = None

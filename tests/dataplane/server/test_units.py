@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -241,11 +242,19 @@ def test_catalog_answers_become_openai_errors(
         assert info.value.retry_after == 5.0
 
 
-def test_a_report_the_control_plane_never_got_keeps_its_usage() -> None:
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
+def test_a_report_without_answer_is_sent_again_as_the_same_batch() -> None:
+    """No answer (the control plane may or may not have counted it): the same usage goes again
+    under the same batch id; usage that came meanwhile waits for the next batch."""
+    sent: list[dict[str, Any]] = []
+    answer = {"how": "drop"}
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        if answer["how"] == "drop":
+            raise httpx.ReadTimeout("no answer", request=request)
+        return httpx.Response(200, json={"replicas": 1, "base_model_config_known": True})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     usage = UsageLog()
     usage.add("acme", "bot", requests=1, prompt=5, completion=2)
 
@@ -254,9 +263,23 @@ def test_a_report_the_control_plane_never_got_keeps_its_usage() -> None:
 
     reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, usage, client=client,
                                 base_model_config={"model_type": "llama"})  # fmt: skip
-    assert not asyncio.run(reporter.report_once())
-    assert reporter.reports_failed == 1 and reporter.base_model_config is not None
-    assert usage.drain() == {("acme", "bot"): [1, 5, 2]}
+
+    async def run() -> None:
+        assert not await reporter.report_once()
+        assert reporter.reports_failed == 1 and reporter.base_model_config is not None
+        usage.add("acme", "bot", requests=1, prompt=7, completion=3)  # arrives meanwhile
+        answer["how"] = "ok"
+        assert await reporter.report_once()  # the first batch again
+        assert await reporter.report_once()  # then the new usage, in a batch of its own
+
+    asyncio.run(run())
+    first, again, then = sent
+    assert again["usage_batch"] == first["usage_batch"] and again["usage"] == first["usage"]
+    assert first["usage"] == [{"tenant": "acme", "adapter": "bot", "requests": 1,
+                               "prompt_tokens": 5, "completion_tokens": 2}]  # fmt: skip
+    assert then["usage_batch"] != first["usage_batch"]
+    assert then["usage"][0]["prompt_tokens"] == 7
+    assert usage.drain() == {}
 
 
 def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:

@@ -80,13 +80,19 @@ def _resolve(ctx: AppContext, secret: str, model: str) -> Resolution:
 def report_pressure(
     body: PressureReport, session: SessionDep, actor: ServiceDep
 ) -> PressureAccepted:
-    """A replica's slot pressure (kept per replica on its pool) and usage since last time.
+    """A replica's slot pressure (kept per replica on its pool) and usage since last time,
+    counted once per `usage_batch` (a report sent again after a lost answer adds nothing).
 
     The base model config it reports is kept if the pool's is pending. A config uploads could
     not be validated against is 422 InvalidBaseModel, and nothing of the report is recorded."""
     report = body.model_dump(exclude={"namespace", "pool", "replica", "usage", "base_model_config"})
-    crud_pools.get_pool(session, namespace=body.namespace, name=body.pool)
-    recorded, skipped = add_usage(session, rows=body.usage, day=utcnow().date())
+    pool = crud_pools.get_pool(session, namespace=body.namespace, name=body.pool, lock=True)
+    duplicate = body.usage_batch is not None and body.usage_batch == crud_pools.last_usage_batch(
+        pool, body.replica
+    )
+    recorded, skipped = (
+        (0, 0) if duplicate else add_usage(session, rows=body.usage, day=utcnow().date())
+    )
     pool = crud_pools.record_pressure(
         session, namespace=body.namespace, name=body.pool, replica=body.replica, report=report,
         base_model_config=body.base_model_config, actor=actor,
@@ -97,6 +103,7 @@ def report_pressure(
         replica=body.replica,
         usage_rows=recorded,
         usage_skipped=skipped,
+        usage_duplicate=duplicate,
         replicas=crud_pools.live_replicas(pool),
         base_model_config_known=pool.base_model_config is not None,
     )
