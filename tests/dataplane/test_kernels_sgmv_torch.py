@@ -103,6 +103,27 @@ def test_the_grouped_cpu_path_equals_the_oracle_for_many_small_segments(
     assert untouched and torch.equal(got[untouched], expected[untouched])
 
 
+def test_the_grouped_cpu_paths_memo_of_checked_slots_follows_their_tensors() -> None:
+    """With a memo (as the pool keeps one per module) the results are the same, and a slot
+    whose tensor was replaced by one that does not fit is still refused."""
+    torch.manual_seed(3)
+    lora_a, lora_b, scales = _slots([4, 8, 2], 12, 10, torch.float32)
+    batch = LoRABatch.from_token_slots([0, 1, 2, 1, 0, -1])
+    x, y = torch.randn(6, 12), torch.randn(6, 10)
+    args = (batch.seg_slots, batch.seg_bounds, lora_a, lora_b, scales)
+    memo: list[object] = [None] * 3
+    plain = lora_apply_grouped(y.clone(), x, batch.token_order, batch.token_slots, *args)
+    for _ in range(2):  # the second call reads the memo
+        got = lora_apply_grouped(y.clone(), x, batch.token_order, batch.token_slots, *args,
+                                 memo)  # type: ignore[arg-type]  # fmt: skip
+        assert torch.equal(got, plain)
+    assert all(entry is not None for entry in memo)
+    lora_a[1] = torch.zeros(8, 13)  # a bad copy: A no longer fits the layer
+    with pytest.raises(ValueError, match="slot 1"):
+        lora_apply_grouped(y.clone(), x, batch.token_order, batch.token_slots, *args,
+                           memo)  # type: ignore[arg-type]  # fmt: skip
+
+
 def test_the_grouped_cpu_path_with_only_untargeted_slots_leaves_y_unchanged() -> None:
     lora_a, lora_b, scales = _slots([None, None], 6, 4, torch.float32)
     batch = LoRABatch.from_token_slots([0, 1, -1, 0])

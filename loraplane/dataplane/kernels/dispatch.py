@@ -125,6 +125,7 @@ def lora_apply(
             slots.lora_a,
             slots.lora_b,
             slots.scales,
+            slots.checked,
         )
     from loraplane.dataplane.kernels import sgmv_triton
 

@@ -14,6 +14,7 @@ with a token or two each (decodes) is not dominated by per-operation overhead.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -113,6 +114,27 @@ def lora_apply(
     return sgmv_expand(y, h, token_order, seg_slots, seg_bounds, lora_b, scales)
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedPair:
+    """A slot's A and B whose shapes fit the layer, with their transposed views."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_t: torch.Tensor
+    b_t: torch.Tensor
+
+
+def _checked_pair(
+    slot: int, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+) -> CheckedPair:
+    if a.shape[1] != x.shape[1] or b.shape != (y.shape[1], a.shape[0]):
+        raise ValueError(
+            f"slot {slot}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit"
+            f" x {tuple(x.shape)} and y {tuple(y.shape)}"
+        )
+    return CheckedPair(a, b, a.t(), b.t())
+
+
 def lora_apply_grouped(
     y: torch.Tensor,  # [T, out], the base layer's output; updated in place
     x: torch.Tensor,  # [T, in], the base layer's input
@@ -123,6 +145,7 @@ def lora_apply_grouped(
     lora_a: Sequence[torch.Tensor | None],  # per slot: [r_slot, in]
     lora_b: Sequence[torch.Tensor | None],  # per slot: [out, r_slot]
     scales: torch.Tensor,  # [max_loras] fp32
+    checked: list[CheckedPair | None] | None = None,  # per slot, kept between calls
 ) -> torch.Tensor:  # y
     """Same meaning as `lora_apply`, with fewer operations per segment.
 
@@ -130,6 +153,11 @@ def lora_apply_grouped(
     for each segment (k, start, end) whose slot targets this module:
         delta[start:end] = (xs[start:end] @ A_k.T) @ B_k.T   # written in place
     y[token_order] += delta * scales[token_slots]         # one scale, one scatter-add
+
+    `checked` (one entry per slot, owned by the caller, e.g. ModuleSlots.checked) remembers
+    each slot's A and B once their shapes were checked, with their transposed views: a slot
+    whose tensors are the same objects as last time costs two identity tests, not a shape
+    check and two views (many adapters per step make this the CPU path's per-segment cost).
     """
     _check_segments(x, token_order, seg_slots, seg_bounds)
     if not any(lora_a[k] is not None and lora_b[k] is not None for k in seg_slots):
@@ -144,11 +172,11 @@ def lora_apply_grouped(
         a, b = lora_a[slot], lora_b[slot]
         if a is None or b is None or not lengths[s]:
             continue
-        if a.shape[1] != x.shape[1] or b.shape != (y.shape[1], a.shape[0]):
-            raise ValueError(
-                f"slot {slot}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit"
-                f" x {tuple(x.shape)} and y {tuple(y.shape)}"
-            )
-        mm(mm(x_parts[s], a.t()), b.t(), out=delta_parts[s])
+        pair = checked[slot] if checked is not None else None
+        if pair is None or pair.a is not a or pair.b is not b:
+            pair = _checked_pair(slot, a, b, x, y)
+            if checked is not None:
+                checked[slot] = pair
+        mm(mm(x_parts[s], pair.a_t), pair.b_t, out=delta_parts[s])
     delta.mul_(scales.index_select(0, token_slots).unsqueeze(1).to(delta.dtype))
     return y.index_add_(0, token_order, delta)

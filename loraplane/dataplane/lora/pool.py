@@ -24,6 +24,7 @@ from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
+    from loraplane.dataplane.kernels.sgmv_torch import CheckedPair
     from loraplane.dataplane.lora.arena import KVArena, Placement
 
 
@@ -34,11 +35,14 @@ class ModuleSlots:
         self.lora_a: list[torch.Tensor | None] = [None] * max_loras  # slot -> [r, in]
         self.lora_b: list[torch.Tensor | None] = [None] * max_loras  # slot -> [out, r]
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)  # [max_loras]
+        # the CPU kernel's per-slot memo of checked shapes (sgmv_torch.lora_apply_grouped)
+        self.checked: list[CheckedPair | None] = [None] * max_loras
 
     def clear(self, slot: int) -> None:
         """Forget the slot's tensors (the pool frees its buffer)."""
         self.lora_a[slot] = None
         self.lora_b[slot] = None
+        self.checked[slot] = None
         self.scales[slot] = 0.0
 
 
