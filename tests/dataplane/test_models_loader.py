@@ -144,3 +144,61 @@ def test_kv_cache_block_bytes_counts_k_and_v_of_every_layer(tiny_llama_dir: Path
     k_cache = model.model.decoder_layers[1].self_attn.k_cache
     assert k_cache is not None
     assert k_cache.shape == (3, 4, 2, 16)  # [num_blocks, block_size, kv_heads, head_dim]
+
+
+_PEAK_SCRIPT = """
+import sys, threading, time
+import torch
+from loraplane.dataplane.models.llama import LlamaForCausalLM
+from loraplane.dataplane.models.loader import load_model, read_config
+
+def anon():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('RssAnon:'):
+                return int(line.split()[1]) * 1024
+    raise SystemExit('no RssAnon')
+
+with torch.device('meta'):  # torch's one-off set-up for this model costs memory of its own
+    LlamaForCausalLM(read_config(sys.argv[1]))
+base = anon()
+peak = [base]
+done = threading.Event()
+
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+
+watcher = threading.Thread(target=watch)
+watcher.start()
+model = load_model(sys.argv[1], torch.bfloat16, 'cpu')
+done.set()
+watcher.join()
+print(peak[0] - base)
+"""
+
+
+def test_loading_a_full_precision_checkpoint_in_bf16_never_holds_it_in_host_memory(
+    tmp_path: Path,
+) -> None:
+    """Peak anonymous memory of a load, measured in a fresh process: an fp32 checkpoint cast
+    to bf16 costs the bf16 model plus about one tensor, never the fp32 shard (which reading
+    shard by shard would hold, 1.5x the checkpoint's bytes here)."""
+    import subprocess
+    import sys
+
+    from loraplane.demo.build import build_llama
+
+    shape = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "intermediate_size": 2048, "vocab_size": 8000}  # fmt: skip
+    model_dir = build_llama(tmp_path / "fp32", **shape)
+    checkpoint = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    bf16_model = checkpoint // 2
+    largest_fp32_tensor = 8000 * 512 * 4
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(model_dir)], capture_output=True, text=True,
+        check=True, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    peak = int(out.stdout.split()[-1])
+    assert peak < bf16_model + largest_fp32_tensor + (24 << 20), (peak, checkpoint)

@@ -2,7 +2,10 @@
 
 Base model files are the operator's, not a tenant's, so safetensors' own reader is trusted
 here. The model is built on the meta device and the checkpoint's tensors are assigned in, so
-no memory or time goes into a random initialisation that would be overwritten.
+no memory or time goes into a random initialisation that would be overwritten. A sharded
+checkpoint (`model.safetensors.index.json`) is read shard by shard and tensor by tensor, each
+cast to the serving dtype on the target device as it arrives (on CUDA, read straight to the
+device): host memory holds at most one tensor beyond the model being built.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from loraplane.adapters import base_model
 from loraplane.dataplane.models.config import ModelConfig
@@ -78,13 +81,17 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state: dict[str, torch.Tensor] = {}
+    # one tensor at a time, read onto the target device (CUDA: straight from the file) and
+    # cast there: host memory never holds a shard, nor a full-precision copy of the model
+    where = str(device) if device.type == "cuda" else "cpu"
     for shard in checkpoint_files(root):
-        for name, tensor in load_file(str(shard), device="cpu").items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if config.tie_word_embeddings and name == "lm_head.weight":
-                continue  # tied: the embedding matrix is the output projection
-            state[name] = tensor.to(device=device, dtype=dtype)
+        with safe_open(str(shard), framework="pt", device=where) as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if config.tie_word_embeddings and name == "lm_head.weight":
+                    continue  # tied: the embedding matrix is the output projection
+                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     _check_keys(model, state, root)
     try:
         model.load_state_dict(state, strict=False, assign=True)
