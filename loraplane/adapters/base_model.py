@@ -131,15 +131,9 @@ class BaseModelSpec:
     def from_dir(cls, path: Path | str, name: str | None = None) -> BaseModelSpec:
         """Read `<path>/config.json`; the name defaults to the directory's name."""
         path = Path(path)
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except FileNotFoundError as e:
-            raise BaseModelError(f"no config.json in {path}") from e
-        except (OSError, ValueError) as e:
-            raise BaseModelError(f"cannot read {path / 'config.json'}: {e}") from e
-        if not isinstance(config, dict):
-            raise BaseModelError(f"{path / 'config.json'} is not a JSON object")
-        return cls.from_config(config, name or path.name)
+        if not (path / CONFIG_NAME).exists():
+            raise BaseModelUnavailable(f"no config.json in {path}")
+        return cls.from_config(read_config(str(path)), name or path.name)
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one of SUPPORTED_MODULES."""

@@ -10,14 +10,12 @@ returns the logits of the rows that sample, in `SchedulerOutput.sampled` order.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.base_model import BaseModelSpec, read_config
 from loraplane.dataplane.attention import AttentionMetadata, query_positions
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.lora.layers import install_lora
@@ -34,8 +32,7 @@ GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading, for the KV cache
 
 
 def _model_max_len(model_dir: str) -> int:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    value = config.get("max_position_embeddings") or 4096
+    value = read_config(model_dir).get("max_position_embeddings") or 4096
     return int(value)
 
 
