@@ -128,3 +128,34 @@ def test_max_tokens_zero_needs_echo(server: Running) -> None:
     r = httpx.post(server.v1 + "/completions", json={"model": "ad01", "prompt": "x",
                    "max_tokens": 0}, headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_batch_of_prompts_scored_as_an_evaluation_client_asks(
+    server: Running,
+    peft_adapters: dict[str, Path],
+    hf_reference: Callable[[str], torch.nn.Module],
+) -> None:
+    """lm-evaluation-harness's `local-completions` log-likelihood request: several token-id
+    prompts in one body, echo, logprobs 1, max_tokens 1, greedy; per choice (in prompt order)
+    the prompt's log-probabilities, then one generated token."""
+    prompts = [PROMPTS["ad01"], PROMPTS["ad02"], PROMPTS["ad05"]]
+    body = {"model": "ad04", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0, "seed": 1234}  # fmt: skip
+    r = httpx.post(server.v1 + "/completions", json=body,
+                   headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    reference = hf_reference("llama")
+    name = peft_name(server, peft_adapters, "ad04")
+    for ids, choice in zip(prompts, choices, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        logp = torch.log_softmax(hf_logits(reference, ids, name), dim=-1)
+        for pos in range(1, len(ids)):
+            assert lp["token_logprobs"][pos] == pytest.approx(
+                float(logp[pos - 1, ids[pos]]), abs=1e-4
+            )
+            # the harness's greedy check: is the actual token the best one?
+            best = max(lp["top_logprobs"][pos], key=lp["top_logprobs"][pos].get)
+            greedy = int(logp[pos - 1].argmax()) == ids[pos]
+            assert (best == lp["tokens"][pos]) == greedy or not greedy
