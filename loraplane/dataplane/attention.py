@@ -6,10 +6,18 @@ token, or the uncached tail of a prompt whose prefix is already in the cache. Ke
 live in a paged cache, `[num_blocks, block_size, num_kv_heads, head_dim]` per layer, addressed
 through each sequence's block table. This module is the one place attention is computed, so a
 fused kernel can replace `paged_attention` without touching the model.
+
+`LORAPLANE_ATTENTION` picks the implementation (read at each call, so tests can set it): `auto`
+(the default: the Triton kernel `kernels/attention_triton.py` on CUDA, the torch path here on
+CPU), `torch` or `triton`. `triton` on CPU tensors needs `TRITON_INTERPRET=1` set before Triton
+is first imported; Triton is imported only when its path is taken.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +25,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 _INT_DTYPES = (torch.int32, torch.int64)
+ENV = "LORAPLANE_ATTENTION"
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -167,6 +177,21 @@ def _mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> tor
     return allowed
 
 
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend(q: torch.Tensor) -> str:
+    """The implementation `paged_attention` uses for queries `q`: torch or triton."""
+    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if q.is_cuda and _has_triton() else "torch"
+    return choice
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     k: torch.Tensor,  # [T, num_kv_heads, head_dim], RoPE applied
@@ -183,8 +208,26 @@ def paged_attention(
     for each sequence i with queries q[s:e] and context length c:
         K, V = cache rows of block_tables[i] for positions 0..c-1
         out[s:e] = softmax(q K^T * scale + causal/sliding mask) V, queries at positions c-(e-s)..c-1
+    The attention itself runs in the Triton kernel or in `torch_attention`, as `backend(q)` says.
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if backend(q) == "triton":
+        from loraplane.dataplane.kernels import attention_triton
+
+        return attention_triton.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+    return torch_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def torch_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], this step's K in
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], this step's V in
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """`paged_attention` after its write_kv, in torch: the CPU path and the Triton kernel's
+    oracle. Single-token queries share one padded gather + SDPA; others get an SDPA each."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
