@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec, read_config
-from loraplane.dataplane.attention import AttentionMetadata, query_positions
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.lora.layers import install_lora
 from loraplane.dataplane.lora.manager import LoRAManager
-from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
+from loraplane.dataplane.lora.metadata import BASE_SLOT
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.loader import load_model
 from loraplane.dataplane.scheduler import SchedulerOutput
+from loraplane.dataplane.step_metadata import StepRow, build_step
 from loraplane.dataplane.tiers.disk import DiskTier
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -130,23 +130,24 @@ class ModelRunner:
         if not rows:
             return StepLogits(torch.empty(0, self.vocab_size, dtype=torch.float32), {})
         self.loras.make_resident(out.lora_keys, in_use, wanted or ())
-        ids: list[int] = []
-        slots: list[int] = []
-        q_lens, ctx_lens, tables = [], [], []
-        for r in rows:
-            seq, end = r.seq, r.start + r.num_new_tokens
-            ids.extend(seq.token_ids[r.start : end])
-            slot = BASE_SLOT if seq.lora is None else self.loras.slot_of(seq.lora.key)
-            slots.extend([slot] * r.num_new_tokens)
-            q_lens.append(r.num_new_tokens)
-            ctx_lens.append(end)
-            tables.append(seq.block_table)
+        slot_of = self.loras.slot_of
+        step = build_step(
+            [
+                StepRow(
+                    r.seq.token_ids[r.start : r.start + r.num_new_tokens],
+                    r.start + r.num_new_tokens,
+                    r.seq.block_table,
+                    BASE_SLOT if r.seq.lora is None else slot_of(r.seq.lora.key),
+                )
+                for r in rows
+            ],
+            self.config.block_size,
+            self.device,
+            with_lora=bool(out.lora_keys),
+        )
+        hidden = self.model(step.input_ids, step.positions, step.attn, step.lora)
+        cu = step.attn.host_cu_seqlens_q
         dev = self.device
-        attn = AttentionMetadata.build(q_lens, ctx_lens, tables, self.config.block_size, dev)
-        positions = query_positions(q_lens, ctx_lens, dev)
-        lora = None if not out.lora_keys else LoRABatch.from_token_slots(slots, dev)
-        hidden = self.model(torch.tensor(ids, device=dev), positions, attn, lora)
-        cu = attn.host_cu_seqlens_q
         prompt = {}
         for i, r in enumerate(rows):  # rows whose request wants its prompt's log-probabilities
             if r.seq.params.prompt_logprobs is None:
