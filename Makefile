@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo lint bench format clean
+.PHONY: test demo lint bench bench-smoke format clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,17 @@ format: $(VENV)/.dev
 	$(VENV)/bin/ruff check --fix loraplane tests benchmarks
 	$(VENV)/bin/ruff format loraplane tests benchmarks
 
+# bench: every script in benchmarks/ at full size, one at a time (half an hour or more on 2
+# cores); bench-smoke: each with --smoke (tiny sizes, about a minute in all: what CI runs).
+# Both run every script even when one fails and end with a summary; without CUDA the *_gpu.py
+# ones are skipped (bench-smoke takes the CPU path of those that have one). The status is
+# non-zero when a script failed or (bench) missed a goal.
+# BENCH_ARGS: only these scripts, e.g. make bench-smoke BENCH_ARGS="ingest tiers"
 bench: $(VENV)/.dev
-	@set -e; for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b; done
+	$(PY) benchmarks/_run.py $(BENCH_ARGS)
+
+bench-smoke: $(VENV)/.dev
+	$(PY) benchmarks/_run.py --smoke $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .loraplane .pytest_cache .mypy_cache .ruff_cache .hypothesis benchmarks/results/*.json

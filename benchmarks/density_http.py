@@ -16,6 +16,7 @@ Figures: tokens/s and time to first token p99 of each load, their ratios to eigh
 As in benchmarks/server_http.py the client runs on the same machine, so the server's torch
 threads are cores - 1 (OMP_NUM_THREADS; a core for the client and the event loop).
 Run: .venv/bin/python benchmarks/density_http.py [--adapters 2000] [--requests 256]
+(--smoke: every load on engine_cpu.py's smoke model, 16 adapters, 16 requests)
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import goal, report
-from engine_cpu import SHAPE
+from _common import add_smoke_flag, goal, report
+from engine_cpu import shape
 from server_http import REPO, free_port, one_stream, pct, wait_ready
 from tiers import qv_adapter
 
@@ -41,8 +42,10 @@ IN_FLIGHT = 64
 
 
 def start_server(
-    model: Path, adapters: list[Path], port: int, threads: int
+    model: Path, adapters: list[Path], port: int, threads: int, log: Path
 ) -> subprocess.Popen[bytes]:
+    """The server with default settings; its output goes to `log` (a pipe nobody reads would
+    fill and stall it)."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -51,7 +54,8 @@ def start_server(
     }
     cmd = [sys.executable, "-m", "loraplane.dataplane.server", "serve", "--model", str(model),
            "--port", str(port)]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 async def closed_loop(port: int, names: list[str], weights: list[float], requests: int,
@@ -61,6 +65,7 @@ async def closed_loop(port: int, names: list[str], weights: list[float], request
     todo = [rng.choices(names, weights)[0] for _ in range(requests)]
     prompts = [[rng.randrange(3, 32000) for _ in range(16)] for _ in range(requests)]
     tokens, ttfts, failed = 0, [], 0
+    errors: list[str] = []
     loop = asyncio.get_running_loop()
 
     async def worker() -> None:
@@ -73,8 +78,9 @@ async def closed_loop(port: int, names: list[str], weights: list[float], request
                     "stream_options": {"include_usage": True}}  # fmt: skip
             try:
                 n, ttft, _ = await one_stream(port, body)
-            except (RuntimeError, IndexError, ValueError):
+            except (RuntimeError, IndexError, ValueError) as e:
                 failed += 1
+                errors.append(str(e))
                 continue
             tokens += n
             ttfts.append(ttft)
@@ -82,42 +88,50 @@ async def closed_loop(port: int, names: list[str], weights: list[float], request
     start = loop.time()
     await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
     elapsed = loop.time() - start
+    if not ttfts:  # nothing to measure: the benchmark is broken, not slow
+        raise RuntimeError(f"all {requests} requests failed, the first with: {errors[0][:300]}")
     return {"tokens_per_s": tokens / elapsed, "ttft_p99_s": pct(ttfts, 99) if ttfts else 0.0,
             "failed": float(failed)}  # fmt: skip
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    count, requests = (16, 16) if args.smoke else (args.adapters, args.requests)
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         root = Path(tmp)
-        print(f"building the benchmark model and {args.adapters} adapters ...", flush=True)
-        model = build_llama(root / "model", **SHAPE)
+        print(f"building the benchmark model and {count} adapters ...", flush=True)
+        model = build_llama(root / "model", **shape(args.smoke))
         spec = BaseModelSpec.from_dir(model)
         adapters = [qv_adapter(spec, root / "a" / str(i), seed=10_000 + i)
-                    for i in range(args.adapters)]  # fmt: skip
-        names = [f"a{i}" for i in range(args.adapters)]
-        zipf = [1.0 / (k + 1) for k in range(args.adapters)]
+                    for i in range(count)]  # fmt: skip
+        names = [f"a{i}" for i in range(count)]
+        zipf = [1.0 / (k + 1) for k in range(count)]
         port = free_port()
         print("starting loraplane serve (default settings) ...", flush=True)
-        proc = start_server(model, adapters, port, args.server_threads)
+        log = root / "server.log"
+        proc = start_server(model, adapters, port, args.server_threads, log)
         try:
             wait_ready(f"http://127.0.0.1:{port}", proc, timeout=900)
-            asyncio.run(closed_loop(port, names[:8], zipf[:8], 64, seed=0))  # warm up
-            uniform = [1.0] * args.adapters
-            runs = [("eight", 8, zipf), ("zipf", args.adapters, zipf),
-                    ("uniform", args.adapters, uniform), ("eight_again", 8, zipf)]  # fmt: skip
+            warm_up = min(64, requests)
+            asyncio.run(closed_loop(port, names[:8], zipf[:8], warm_up, seed=0))
+            uniform = [1.0] * count
+            runs = [("eight", 8, zipf), ("zipf", count, zipf),
+                    ("uniform", count, uniform), ("eight_again", 8, zipf)]  # fmt: skip
             for label, n, weights in runs:
                 print(f"load: {label} ...", flush=True)
-                result = asyncio.run(
-                    closed_loop(port, names[:n], weights[:n], args.requests, seed=1)
-                )
+                result = asyncio.run(closed_loop(port, names[:n], weights[:n], requests, seed=1))
                 for key, value in result.items():
                     figures[f"{label}_{key}"] = value
+        except BaseException:
+            tail = log.read_text(errors="replace").splitlines()[-20:]
+            print("the server's last lines:", *tail, sep="\n  ")
+            raise
         finally:
             proc.terminate()
             proc.wait(60)
@@ -126,14 +140,14 @@ def main() -> None:
     for label in ("zipf", "uniform"):
         figures[f"{label}_over_eight_adapters"] = figures[f"{label}_tokens_per_s"] / base
         figures[f"{label}_ttft_p99_over_eight"] = figures[f"{label}_ttft_p99_s"] / base_ttft
-    report("density_http", figures, [
+    return report("density_http", figures, [
         goal(figures, "zipf_over_eight_adapters", ">=", 0.9),
         goal(figures, "uniform_over_eight_adapters", ">=", 0.8),
         goal(figures, "zipf_ttft_p99_over_eight", "<=", 2.0),
         goal(figures, "zipf_failed", "<=", 0),
         goal(figures, "uniform_failed", "<=", 0),
-    ])  # fmt: skip
+    ], smoke=args.smoke)  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

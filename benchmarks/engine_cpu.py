@@ -10,6 +10,7 @@ Figures:
   (goal: at least 3x)
 - the same 64 requests vs one batch per adapter, run one after another (goal: at least 5x)
 Run: .venv/bin/python benchmarks/engine_cpu.py [--gen-tokens N] [--skip-peft]
+(--smoke: the same runs on a hidden-64, 2-layer model, 2 generated tokens)
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from _common import goal, report
+from _common import add_smoke_flag, goal, report
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
@@ -33,6 +36,9 @@ from loraplane.demo.build import build_adapter, build_llama
 SHAPE = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
          "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000,
          "max_position_embeddings": 2048}  # fmt: skip
+# --smoke: the same vocabulary (prompts draw ids below 32000) on a model too small to measure
+SMOKE_SHAPE = {**SHAPE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 128}  # fmt: skip
 RANK = 16
 NUM_SEQS = 64
 PROMPT_LEN = 32
@@ -52,7 +58,7 @@ def make_engine(model: Path, adapters: list[Path], max_loras: int) -> tuple[Engi
     return engine, refs
 
 
-def decode_step_seconds(engine: Engine, loras: list[LoRARef | None], steps: int = 8) -> float:
+def decode_step_seconds(engine: Engine, loras: Sequence[LoRARef | None], steps: int = 8) -> float:
     """Median time of a decode step of len(loras) sequences (after their prefill)."""
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i, (p, lora) in enumerate(zip(prompts(len(loras), 1), loras, strict=True)):
@@ -69,7 +75,9 @@ def decode_step_seconds(engine: Engine, loras: list[LoRARef | None], steps: int 
     return statistics.median(times)
 
 
-def engine_tokens_per_s(engine: Engine, batches: list[list[LoRARef | None]], gen: int) -> float:
+def engine_tokens_per_s(
+    engine: Engine, batches: Sequence[Sequence[LoRARef | None]], gen: int
+) -> float:
     """Tokens/s generating `gen` tokens for every request, one batch after another."""
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     tokens = 0
@@ -111,31 +119,39 @@ def bytes_per_step(engine: Engine, adapters: int) -> tuple[float, float]:
     return float(base), float(one * adapters)
 
 
-def main() -> None:
+def shape(smoke: bool) -> dict[str, int]:
+    """The benchmark model's shape: SHAPE, or SMOKE_SHAPE for --smoke."""
+    return SMOKE_SHAPE if smoke else SHAPE
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--skip-peft", action="store_true")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    gen_tokens = 2 if args.smoke else args.gen_tokens
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         root = Path(tmp)
         print("building the benchmark model and 64 rank-16 adapters ...", flush=True)
-        model = build_llama(root / "model", **SHAPE)
+        model = build_llama(root / "model", **shape(args.smoke))
         adapters = [build_adapter(model, root / f"a{i}", r=RANK, lora_alpha=32, seed=i)
                     for i in range(NUM_SEQS)]  # fmt: skip
         figures: dict[str, float] = {}
 
         engine, refs = make_engine(model, adapters, max_loras=NUM_SEQS)
         base_bytes, eight_bytes = bytes_per_step(engine, 8)
+        steps = 2 if args.smoke else 8
         decode = {
-            "none": decode_step_seconds(engine, [None] * NUM_SEQS),
-            "8": decode_step_seconds(engine, [refs[i % 8] for i in range(NUM_SEQS)]),
-            "64": decode_step_seconds(engine, refs),
+            "none": decode_step_seconds(engine, [None] * NUM_SEQS, steps),
+            "8": decode_step_seconds(engine, [refs[i % 8] for i in range(NUM_SEQS)], steps),
+            "64": decode_step_seconds(engine, refs, steps),
         }
         figures["decode_step_ms_no_adapters"] = decode["none"] * 1e3
         # The most one batch per adapter can lose: 8 steps of 8 sequences vs 1 step of 64. On a
         # CPU a 64-sequence fp32 decode step is compute-bound, so this is far below 8.
-        eight = decode_step_seconds(engine, [None] * 8)
+        eight = decode_step_seconds(engine, [None] * 8, steps)
         figures["decode_step_ms_8_seqs_no_adapters"] = eight * 1e3
         figures["batching_gain_bound_8x8"] = 8 * eight / decode["none"]
         for n in ("8", "64"):
@@ -147,9 +163,9 @@ def main() -> None:
             figures[f"lora_cost_over_bound_{n}_adapters"] = ratio / bound
 
         mixed = [[refs[i % 8] for i in range(NUM_SEQS)]]
-        ours = engine_tokens_per_s(engine, mixed, args.gen_tokens)
+        ours = engine_tokens_per_s(engine, mixed, gen_tokens)
         per_adapter = [[refs[a]] * 8 for a in range(8)]
-        naive = engine_tokens_per_s(engine, per_adapter, args.gen_tokens)
+        naive = engine_tokens_per_s(engine, per_adapter, gen_tokens)
         figures["tokens_per_s_mixed_8_adapters"] = ours
         figures["tokens_per_s_one_batch_per_adapter"] = naive
         figures["speedup_vs_one_batch_per_adapter"] = ours / naive
@@ -161,12 +177,12 @@ def main() -> None:
         if not args.skip_peft:
             del engine
             names = [f"a{i % 8}" for i in range(NUM_SEQS)]
-            theirs = peft_tokens_per_s(model, adapters[:8], names, args.gen_tokens)
+            theirs = peft_tokens_per_s(model, adapters[:8], names, gen_tokens)
             figures["tokens_per_s_peft"] = theirs
             figures["speedup_vs_peft"] = ours / theirs
             goals.append(goal(figures, "speedup_vs_peft", ">=", 3.0))
-        report("engine_cpu", figures, goals)
+        return report("engine_cpu", figures, goals, smoke=args.smoke)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

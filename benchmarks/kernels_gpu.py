@@ -17,6 +17,7 @@ cache, so weights come from memory as in serving.
 Goals at the decode shapes: the better of pair/fused at least 2x the gather baseline and at
 least 60% of memory bandwidth.
 Run: python benchmarks/kernels_gpu.py (exits 0 with a message when there is no CUDA device)
+(--smoke: every shape and variant, 2 copies of the inputs, 2 timed rounds)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import goal, report
+from _common import add_smoke_flag, goal, report
 
 HIDDEN = 4096
 RANKS = (8, 16, 64)
@@ -198,7 +199,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--iters", type=int, default=20, help="timed rounds per variant")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    rounds = 2 if args.smoke else args.iters
     if not torch.cuda.is_available():
         print("kernels_gpu: no CUDA device: skipped")
         return 0
@@ -213,11 +216,13 @@ def main() -> int:
         ranks = [RANKS[k % len(RANKS)] for k in range(adapters)]
         nbytes = useful_bytes(tokens, ranks)
         copies = max(2, min(32, -(-ROTATE_BYTES // nbytes)))  # rotate past the L2
+        if args.smoke:
+            copies = 2
         insts = [build(tokens, adapters, seed) for seed in range(copies)]
         figures[f"{name}.max_abs_diff_vs_loop"] = check(insts[0])
         for variant in VARIANTS:
             fns = [call(variant, inst) for inst in insts]
-            iters = max(2, args.iters // 4) if name.startswith("prefill") else args.iters
+            iters = max(2, rounds // 4) if name.startswith("prefill") else rounds
             if variant == "gather" and name.startswith("prefill"):
                 fns = fns[:2]  # its per-call temporaries are GBs at prefill
             us = time_us(fns, iters, graph=True)
@@ -225,7 +230,7 @@ def main() -> int:
             figures[f"{name}.{variant}.GBps"] = nbytes / us / 1e3
             print(f"  {name:<9} {variant:<7} {us:10.1f} us  {nbytes / us / 1e3:8.0f} GB/s")
         figures[f"{name}.pair_eager.us"] = time_us(
-            [call("pair", inst) for inst in insts], args.iters, graph=False
+            [call("pair", inst) for inst in insts], rounds, graph=False
         )
         best = min(figures[f"{name}.pair.us"], figures[f"{name}.fused.us"])
         figures[f"{name}.best.bw_share"] = nbytes / best / 1e3 / PEAK_GBPS
@@ -239,8 +244,7 @@ def main() -> int:
             goals.append(goal(figures, f"{name}.best.bw_share", ">=", 0.6))
         del insts
         torch.cuda.empty_cache()
-    report("kernels_gpu", figures, goals)
-    return 0
+    return report("kernels_gpu", figures, goals, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ client and the server's event loop keep a core (on 2 cores, 2 torch threads next
 make every OpenMP barrier wait, ~0.56 of the engine instead of ~0.8).
 Rounds alternate engine and HTTP runs; the best of each is kept (the machine may be shared).
 Run: .venv/bin/python benchmarks/server_http.py [--gen-tokens N] [--rounds R]
+(--smoke: engine_cpu.py's smoke model, 4 generated tokens, one round)
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from pathlib import Path
 
 import httpx
 import torch
-from _common import goal, report
-from engine_cpu import NUM_SEQS, RANK, SHAPE, engine_tokens_per_s, make_engine, prompts
+from _common import add_smoke_flag, goal, report
+from engine_cpu import NUM_SEQS, RANK, engine_tokens_per_s, make_engine, prompts, shape
 
 from loraplane.demo.build import build_adapter, build_llama
 
@@ -125,7 +126,7 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -135,12 +136,14 @@ def main() -> None:
         default=max(1, (os.cpu_count() or 2) - 1),
         help="torch threads of the server (default: cores - 1, a core left to the client)",
     )
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    gen_tokens, rounds = (4, 1) if args.smoke else (args.gen_tokens, args.rounds)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         root = Path(tmp)
         print("building the benchmark model and 8 rank-16 adapters ...", flush=True)
-        model = build_llama(root / "model", **SHAPE)
+        model = build_llama(root / "model", **shape(args.smoke))
         adapters = [build_adapter(model, root / f"a{i}", r=RANK, lora_alpha=32, seed=i)
                     for i in range(NUM_ADAPTERS)]  # fmt: skip
         engine, refs = make_engine(model, adapters, max_loras=NUM_ADAPTERS)
@@ -155,9 +158,9 @@ def main() -> None:
             engine_tokens_per_s(engine, mixed, 4)  # warm up both
             asyncio.run(http_run(port, 4))
             # interleaved rounds, best of each: other load on a shared machine hits both alike
-            for _ in range(args.rounds):
-                direct.append(engine_tokens_per_s(engine, mixed, args.gen_tokens))
-                tps, ttft, itl = asyncio.run(http_run(port, args.gen_tokens))
+            for _ in range(rounds):
+                direct.append(engine_tokens_per_s(engine, mixed, gen_tokens))
+                tps, ttft, itl = asyncio.run(http_run(port, gen_tokens))
                 if not http or tps > max(http):
                     best_ttft, best_itl = ttft, itl
                 http.append(tps)
@@ -174,11 +177,12 @@ def main() -> None:
             "ttft_ms_p99": pct(ttft, 99) * 1e3,
             "itl_ms_p50": pct(itl, 50) * 1e3,
             "itl_ms_p99": pct(itl, 99) * 1e3,
-            "gen_tokens": float(args.gen_tokens),
-            "rounds": float(args.rounds),
+            "gen_tokens": float(gen_tokens),
+            "rounds": float(rounds),
         }
-        report("server_http", figures, [goal(figures, "http_over_engine", ">=", 0.8)])
+    goals = [goal(figures, "http_over_engine", ">=", 0.8)]
+    return report("server_http", figures, goals, smoke=args.smoke)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,8 @@ same KV share. Figures: tokens/s of each and their ratio; the share of requests 
 differ (goal 0: the storage of the weights must not change the arithmetic).
 Run: python benchmarks/shared_pool_gpu.py [--device cpu --requests 64] (without --device, exits 0
 with a message when there is no CUDA device; on CPU it runs in fp32, as a smoke test)
+(--smoke: engine_cpu.py's smoke model, 20 adapters (churning through 16 adapters' memory), 24
+requests of 4 tokens; `make bench-smoke` runs it with --device cpu where there is no CUDA)
 """
 
 from __future__ import annotations
@@ -21,20 +23,21 @@ import time
 from pathlib import Path
 
 import torch
-from _common import goal, report
-from engine_cpu import SHAPE
+from _common import add_smoke_flag, goal, report
+from engine_cpu import shape
 
-from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.config import Device, Dtype, EngineConfig
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.demo.build import build_adapter, build_llama
 
-NUM_ADAPTERS, REQUESTS, IN_FLIGHT = 64, 256, 64
+NUM_ADAPTERS, REQUESTS, IN_FLIGHT, GEN_TOKENS = 64, 256, 64, 32
+SMOKE_ADAPTERS, SMOKE_REQUESTS, SMOKE_GEN_TOKENS = 20, 24, 4
 
 
-def run(model: Path, adapters: list[Path], shared: bool, budget: int, device: str,
-        requests: int) -> tuple[float, list[list[int]]]:  # fmt: skip
-    dtype = "bfloat16" if device == "cuda" else "float32"
+def run(model: Path, adapters: list[Path], shared: bool, budget: int, device: Device,
+        requests: int, gen: int) -> tuple[float, list[list[int]]]:  # fmt: skip
+    dtype: Dtype = "bfloat16" if device == "cuda" else "float32"
     config = EngineConfig(model=str(model), device=device, dtype=dtype, max_num_seqs=IN_FLIGHT,
                           num_kv_blocks=IN_FLIGHT * 8, kv_lora_shared=shared,
                           lora_memory=budget, enable_prefix_caching=False)  # fmt: skip
@@ -42,7 +45,7 @@ def run(model: Path, adapters: list[Path], shared: bool, budget: int, device: st
     refs = [engine.register_lora(f"a{i}", p, "bench") for i, p in enumerate(adapters)]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(32)] for _ in range(requests)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -57,24 +60,30 @@ def run(model: Path, adapters: list[Path], shared: bool, budget: int, device: st
     return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs]
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--requests", type=int, default=REQUESTS)
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        sys.exit(0)
-    device, dtype = args.device, "bfloat16" if args.device == "cuda" else "float32"
+        print("shared_pool_gpu: no CUDA device: nothing to measure (skipped)")
+        return 0
+    device: Device = args.device
+    dtype: Dtype = "bfloat16" if device == "cuda" else "float32"
+    if args.smoke:
+        count, requests, gen = SMOKE_ADAPTERS, SMOKE_REQUESTS, SMOKE_GEN_TOKENS
+    else:
+        count, requests, gen = NUM_ADAPTERS, args.requests, GEN_TOKENS
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = build_llama(root / "model", **SHAPE)
+        model = build_llama(root / "model", **shape(args.smoke))
         adapters = [
             build_adapter(model, root / f"a{i}", r=64 if i % 7 == 0 else 8 if i % 4 == 0 else 16,
                           lora_alpha=32, seed=i,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                           "up_proj", "down_proj"])
-            for i in range(NUM_ADAPTERS)
+            for i in range(count)
         ]  # fmt: skip
         probe = Engine(EngineConfig(model=str(model), device=device, dtype=dtype,
                                     num_kv_blocks=64, kv_lora_shared=True))  # fmt: skip
@@ -82,14 +91,15 @@ def main() -> None:
                       for i, p in enumerate(adapters))  # fmt: skip
         del probe
         budget = 16 * largest
-        off_tps, off_tokens = run(model, adapters, False, budget, device, args.requests)
-        on_tps, on_tokens = run(model, adapters, True, budget, device, args.requests)
-    differ = sum(a != b for a, b in zip(off_tokens, on_tokens, strict=True)) / args.requests
+        off_tps, off_tokens = run(model, adapters, False, budget, device, requests, gen)
+        on_tps, on_tokens = run(model, adapters, True, budget, device, requests, gen)
+    differ = sum(a != b for a, b in zip(off_tokens, on_tokens, strict=True)) / requests
     figures = {"tokens_per_s_own_buffers": off_tps, "tokens_per_s_shared": on_tps,
                "shared_over_own": on_tps / off_tps,
                "requests_with_other_tokens": differ}  # fmt: skip
-    report("shared_pool_gpu", figures, [goal(figures, "requests_with_other_tokens", "<=", 0)])
+    goals = [goal(figures, "requests_with_other_tokens", "<=", 0)]
+    return report("shared_pool_gpu", figures, goals, smoke=args.smoke)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,7 @@ which adds the model's forward pass.
 Vocabularies: a byte-level BPE trained here on seeded synthetic text to 32000 tokens (no
 download), and the tests' 384-token tokenizer.
 Run: .venv/bin/python benchmarks/structured_cpu.py [--steps N]
+(--smoke: both vocabularies, 2 steps; training the 32000-token one takes most of its seconds)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from _common import goal, report
+from _common import add_smoke_flag, goal, report
 
 from loraplane.dataplane.sampler import Sampler
 from loraplane.dataplane.sampling import SamplingParams
@@ -139,22 +141,21 @@ def measure(tok: Path, steps: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    steps = 2 if args.smoke else args.steps
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for vocab in (32000, 384):
             tok = tokenizer_dir(Path(tmp), vocab)
-            for key, value in measure(tok, args.steps).items():
+            for key, value in measure(tok, steps).items():
                 figures[f"v{vocab}_{key}"] = value
-    report(
-        "structured_cpu",
-        figures,
-        [goal(figures, "v32000_constraint_over_sampler", "<=", 0.10)],
-    )
+    goals = [goal(figures, "v32000_constraint_over_sampler", "<=", 0.10)]
+    return report("structured_cpu", figures, goals, smoke=args.smoke)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,6 +15,7 @@ Figures (all measured in this run, CPU):
   comparison; and the 8-adapter load under max_loras 8 (main's default):
   auto must lose nothing there (goal >= 0.97)
 Run: .venv/bin/python benchmarks/tiers.py [--adapters 2000] [--requests 256]
+(--smoke: every load on engine_cpu.py's smoke model, 16 adapters, 16 requests; a 5 MiB cold load)
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import goal, report
-from engine_cpu import SHAPE
-from ingest import BASE as BIG_BASE
+from _common import add_smoke_flag, goal, report
+from engine_cpu import decode_step_seconds, shape
+from ingest import base_spec
 from ingest import build_adapter as build_big_adapter
 from safetensors.numpy import save_file
 
@@ -58,12 +60,12 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def cold_load(root: Path, repeats: int) -> dict[str, float]:
+def cold_load(root: Path, repeats: int, big: BaseModelSpec) -> dict[str, float]:
     import torch
 
     store = LocalStore(root / "big-store")
-    src = build_big_adapter(root / "big-src")
-    version = ingest(src, "bench", "big", BIG_BASE, AdapterLimits(), store)
+    src = build_big_adapter(root / "big-src", big)
+    version = ingest(src, "bench", "big", big, AdapterLimits(), store)
     weights = Path(store.url()) / version.path / "adapter_model.safetensors"
     raw, load = [], []
     for i in range(repeats):
@@ -72,8 +74,8 @@ def cold_load(root: Path, repeats: int) -> dict[str, float]:
         with open(weights, "rb") as f:
             f.read()
         raw.append(time.perf_counter() - start)
-        pool = LoRAPool(1, BIG_BASE, torch.float16, "cpu")
-        manager = LoRAManager(pool, BIG_BASE, 64, disk=DiskTier(store), prefetch=False)
+        pool = LoRAPool(1, big, torch.float16, "cpu")
+        manager = LoRAManager(pool, big, 64, disk=DiskTier(store), prefetch=False)
         ref = manager.register_stored(LoRARef(f"big{i}", "bench", version.digest), version.path)
         drop_cache(weights)
         start = time.perf_counter()
@@ -127,6 +129,7 @@ def run_load(engine: Engine, refs: list[LoRARef], weights: list[float], requests
     cold: set[str] = set()
     ttft: dict[str, float] = {}
     tokens = failed = sent = 0
+    first_error = ""
 
     def send() -> None:
         nonlocal sent
@@ -147,6 +150,7 @@ def run_load(engine: Engine, refs: list[LoRARef], weights: list[float], requests
         for out in engine.step():
             if out.error:
                 failed += 1
+                first_error = first_error or str(out.error)
             if out.request_id not in ttft and out.token_ids:
                 ttft[out.request_id] = time.perf_counter() - arrived[out.request_id]
             tokens += len(out.token_ids)
@@ -155,6 +159,8 @@ def run_load(engine: Engine, refs: list[LoRARef], weights: list[float], requests
                 if sent < requests:
                     send()
     elapsed = time.perf_counter() - start
+    if failed == requests:  # nothing to measure: the benchmark is broken, not slow
+        raise RuntimeError(f"all {requests} requests failed, the first with: {first_error}")
     waits = sorted(ttft[r] for r in ttft)
     cold_waits = sorted(ttft[r] for r in cold if r in ttft)
 
@@ -166,22 +172,28 @@ def run_load(engine: Engine, refs: list[LoRARef], weights: list[float], requests
             "cold_requests": float(len(cold))}  # fmt: skip
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-cold", action="store_true", help="skip the cold-load figure")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        adapters, requests, repeats = 16, 16, 1
+    else:
+        adapters, requests, repeats = args.adapters, args.requests, args.repeats
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         root = Path(tmp)
         if not args.skip_cold:
-            print("cold loads of an 80 MiB adapter ...", flush=True)
-            figures.update(cold_load(root, args.repeats))
+            big = base_spec(args.smoke)
+            print(f"cold loads of a {big.num_layers}-layer rank-16 adapter ...", flush=True)
+            figures.update(cold_load(root, repeats, big))
 
         print("building the benchmark model ...", flush=True)
-        model = build_llama(root / "model", **SHAPE)
+        model = build_llama(root / "model", **shape(args.smoke))
         spec = BaseModelSpec.from_dir(model)
 
         def engine(**overrides: Any) -> Engine:
@@ -196,51 +208,50 @@ def main() -> None:
             return Engine(EngineConfig(model=str(model), **settings), disk=DiskTier(store))
 
         print("rank-exact pool: rank-8 adapters under max rank 64 and 8 ...", flush=True)
-        eight = [
+        rank8 = [
             build_adapter(model, root / f"r8-{i}", r=8, lora_alpha=16, seed=i) for i in range(8)
         ]
-        from engine_cpu import decode_step_seconds
-
         store = LocalStore(root / "store")
         steps, pool_bytes = {}, {}
         for max_rank in (64, 8):
             e = engine(max_lora_rank=max_rank)
-            refs = [e.register_lora(f"a{i}", p) for i, p in enumerate(eight)]
-            steps[max_rank] = decode_step_seconds(e, [refs[i % 8] for i in range(64)])
+            refs = [e.register_lora(f"a{i}", p) for i, p in enumerate(rank8)]
+            loras = [refs[i % 8] for i in range(64)]
+            steps[max_rank] = decode_step_seconds(e, loras, 2 if args.smoke else 8)
             pool_bytes[max_rank] = e.runner.pool.bytes_used
             e.loras.close()
         figures["rank_exact_step_ratio"] = steps[64] / steps[8]
         figures["rank_exact_bytes_ratio"] = pool_bytes[64] / pool_bytes[8]
 
-        print(f"ingesting {args.adapters} adapters ...", flush=True)
+        print(f"ingesting {adapters} adapters ...", flush=True)
         versions = []
-        for i in range(args.adapters):
+        for i in range(adapters):
             src = qv_adapter(spec, root / "src" / str(i), seed=10_000 + i)
             versions.append(ingest(src, "bench", f"a{i}", spec, AdapterLimits(), store))
             for f in src.iterdir():
                 f.unlink()
-        zipf = [1.0 / (k + 1) for k in range(args.adapters)]
-        uniform = [1.0] * args.adapters
+        zipf = [1.0 / (k + 1) for k in range(adapters)]
+        uniform = [1.0] * adapters
         print("warm-up load ...", flush=True)  # the first load of a process runs slow
         warm = engine()
         warm_refs = [warm.loras.register_stored(LoRARef(v.name, v.tenant, v.digest), v.path)
                      for v in versions[:8]]  # fmt: skip
-        run_load(warm, warm_refs, zipf[:8], 64, 64, seed=0)
+        run_load(warm, warm_refs, zipf[:8], min(64, requests), 64, seed=0)
         warm.loras.close()
         # the baselines run twice, first and last, and the better run counts: the machine
         # may be shared, and a slow spell must not flatter the loads measured in between
         loads: list[tuple[str, list[float], int, dict[str, Any]]] = [
             ("eight", zipf, 8, {}),
             ("eight_max8", zipf, 8, {"max_loras": 8}),
-            ("zipf", zipf, args.adapters, {}),
-            ("uniform", uniform, args.adapters, {}),
-            ("zipf_max8", zipf, args.adapters, {"max_loras": 8, "max_cpu_loras": 100}),
-            ("zipf_no_prefetch", zipf, args.adapters, {"enable_lora_prefetch": False}),
+            ("zipf", zipf, adapters, {}),
+            ("uniform", uniform, adapters, {}),
+            ("zipf_max8", zipf, adapters, {"max_loras": 8, "max_cpu_loras": 100}),
+            ("zipf_no_prefetch", zipf, adapters, {"enable_lora_prefetch": False}),
             # adapters inside the KV cache (the CUDA default), 256 MiB of adapter memory
             (
                 "zipf_shared",
                 zipf,
-                args.adapters,
+                adapters,
                 {"kv_lora_shared": True, "lora_memory": 256 << 20},
             ),
             ("eight_max8_again", zipf, 8, {"max_loras": 8}),
@@ -251,7 +262,7 @@ def main() -> None:
             e = engine(**overrides)
             refs = [e.loras.register_stored(LoRARef(v.name, v.tenant, v.digest), v.path)
                     for v in versions[:pool]]  # fmt: skip
-            result = run_load(e, refs, weights[:pool], args.requests, 64, seed=1)
+            result = run_load(e, refs, weights[:pool], requests, 64, seed=1)
             e.loras.close()
             for key, value in result.items():
                 figures[f"{label}_{key}"] = value
@@ -265,7 +276,7 @@ def main() -> None:
             figures["uniform_ttft_p99_s"] / figures["eight_ttft_p99_s"]
         )
         figures["eight_auto_over_max8"] = eight / figures["eight_max8_tokens_per_s"]
-    report("tiers", figures, [
+    return report("tiers", figures, [
         *([] if args.skip_cold else [goal(figures, "cold_load_over_raw_read", "<=", 1.5)]),
         goal(figures, "rank_exact_step_ratio", "<=", 1.2),
         goal(figures, "rank_exact_bytes_ratio", "<=", 1.2),
@@ -275,8 +286,8 @@ def main() -> None:
         goal(figures, "zipf_failed", "<=", 0),
         goal(figures, "uniform_failed", "<=", 0),
         goal(figures, "eight_auto_over_max8", ">=", 0.97),
-    ])  # fmt: skip
+    ], smoke=args.smoke)  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

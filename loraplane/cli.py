@@ -2,9 +2,9 @@
 
 Sub-commands: `adapters validate`, the tenant CLI on the REST API (`adapters push|list|versions`,
 `keys`, `tenants`), `demo`, `serve` (the data plane), `controlplane` (and `controlplane
-migrate`), `operator` (and `operator crds`). Each component registers its own
-sub-commands and imports its heavy modules only when a command runs, so `loraplane --help`
-stays fast and the control plane and operator never load torch.
+migrate`), `operator` (and `operator crds`), `plan` (the capacity planner). Each component
+registers its own sub-commands and imports its heavy modules only when a command runs, so
+`loraplane --help` stays fast and the control plane and operator never load torch.
 """
 
 from __future__ import annotations
@@ -140,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     from loraplane.controlplane.cli import add_commands as add_controlplane
     from loraplane.dataplane.server.cli import add_commands as add_serve
     from loraplane.operator.cli import add_commands as add_operator
+    from loraplane.planner.cli import add_commands as add_plan
 
     add_serve(sub)
     add_controlplane(sub)
     add_operator(sub)
+    add_plan(sub)
     return parser
 
 

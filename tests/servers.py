@@ -25,9 +25,30 @@ def free_port() -> int:
 def serve_in_thread(app: Any, port: int | None = None, timeout: float = 60.0) -> Iterator[str]:
     """Serve `app` on 127.0.0.1 from a thread; yield its base URL once uvicorn listens."""
     port = port or free_port()
+    with _serving(app, port, None, timeout):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def serve_sockets_in_thread(
+    app: Any, sockets: list[socket.socket], timeout: float = 60.0
+) -> Iterator[list[str]]:
+    """Serve `app` on every one of `sockets` (bound to 127.0.0.1) from one uvicorn server in a
+    thread; yield their base URLs, in order, once it listens."""
+    ports = [int(sock.getsockname()[1]) for sock in sockets]
+    with _serving(app, ports[0], sockets, timeout):
+        yield [f"http://127.0.0.1:{port}" for port in ports]
+
+
+@contextlib.contextmanager
+def _serving(
+    app: Any, port: int, sockets: list[socket.socket] | None, timeout: float
+) -> Iterator[None]:
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": sockets}, name=f"uvicorn-{port}", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + timeout
     while not server.started:
@@ -35,7 +56,7 @@ def serve_in_thread(app: Any, port: int | None = None, timeout: float = 60.0) ->
             raise RuntimeError(f"uvicorn did not start on port {port}")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield
     finally:
         server.should_exit = True
         thread.join(30)

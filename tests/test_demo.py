@@ -14,12 +14,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import jinja2
 import pytest
 
 from loraplane.demo.build import CHAT_TEMPLATE
 from loraplane.demo.corpus import QUESTIONS, STYLES, chat_text
-from loraplane.demo.stack import bind
+from loraplane.demo.examples import console_hint
+from loraplane.demo.provision import Tenant
+from loraplane.demo.stack import bind, running
 from loraplane.demo.workspace import ADAPTERS, Workspace, fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +73,25 @@ def test_a_taken_port_falls_back_to_a_free_one() -> None:
         sock, fell_back = bind("127.0.0.1", port)
         with sock:
             assert fell_back and sock.getsockname()[1] != port
+
+
+def test_the_console_examples_name_the_data_planes_port_even_after_a_fallback(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with running(tmp_path, "127.0.0.1", 0, port) as stack:
+            config = httpx.get(stack.controlplane.url + "/console/config.json").json()
+            reserved = stack._dp_socket
+            assert reserved is not None and reserved[1]  # fell back
+            assert config["dataplane_url"] == f"http://127.0.0.1:{reserved[0].getsockname()[1]}"
+            assert httpx.get(stack.controlplane.url + "/console/").status_code == 200
+    tenant = Tenant("acme", "lp_secret", "support", 8, 1, "0" * 64)
+    hint = console_hint("http://127.0.0.1:8080", tenant)
+    assert "http://127.0.0.1:8080/console/\n" in hint and "acme's lp_secret" in hint
+    assert "/console/?" not in hint and "#lp_" not in hint  # the key is never in the URL
 
 
 def test_a_build_without_a_matching_stamp_is_not_reused(tmp_path: Path) -> None:

@@ -16,15 +16,17 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 
 from loraplane.controlplane.main import create_app as create_controlplane
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.sockets import listen, port_of
 from tests.controlplane.conftest import ADMIN, SERVICE, make_settings
 from tests.dataplane.server.conftest import start_server
-from tests.servers import free_port, serve_in_thread
+from tests.servers import free_port, serve_in_thread, serve_sockets_in_thread
 
 POOL, BASE_NAME = "pool-a", "tiny-base"
 
@@ -37,6 +39,21 @@ def controlplane(tmp: Path) -> Iterator[str]:
     try:
         with serve_in_thread(app) as url:
             yield url
+    finally:
+        app.state.ctx.close()
+
+
+@contextlib.contextmanager
+def split_controlplane(tmp: Path) -> Iterator[tuple[str, str, FastAPI]]:
+    """The control plane as the chart runs it: a public port (tenants, admins) and an internal
+    port (the internal routes and /metrics, which the public one answers 404); both URLs and
+    the app."""
+    settings = make_settings(tmp, f"sqlite:///{tmp / 'catalog.db'}")
+    sockets = [listen("127.0.0.1", 0), listen("127.0.0.1", 0)]
+    app = create_controlplane(settings, internal_port=port_of(sockets[1]))
+    try:
+        with serve_sockets_in_thread(app, sockets) as (public, internal):
+            yield public, internal, app
     finally:
         app.state.ctx.close()
 

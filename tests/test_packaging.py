@@ -30,6 +30,10 @@ print("migrated to", db.current_revision(engine))
 from loraplane.cli import build_parser
 for argv in (["controlplane", "migrate"], ["operator", "-A", "--metrics-port", "8080"]):
     build_parser().parse_args(argv)
+from loraplane.controlplane.console import app as console
+assert Path(console.__file__).is_relative_to(site), console.__file__
+console.create_console_app(dataplane_url=None)  # reads every page from the installed package
+print("console pages:", len(console.FILES))
 """
 
 
@@ -54,6 +58,9 @@ def test_the_wheel_carries_its_migrations_and_runs_installed(tmp_path: Path) -> 
     assert f"{migrations}env.py" in names and f"{migrations}script.py.mako" in names
     assert any(n.startswith(f"{migrations}versions/0001_") for n in names)
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))]
+    console = ROOT / "loraplane/controlplane/console"
+    pages = sorted(p.name for p in console.iterdir() if p.suffix in (".html", ".css", ".js"))
+    assert pages and {f"loraplane/controlplane/console/{p}" for p in pages} <= set(names)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     done = subprocess.run(
@@ -62,7 +69,7 @@ def test_the_wheel_carries_its_migrations_and_runs_installed(tmp_path: Path) -> 
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "migrated to" in done.stdout
+    assert "migrated to" in done.stdout and "console pages:" in done.stdout
 
 
 def _dockerfile() -> tuple[list[str], list[str]]:

@@ -27,6 +27,40 @@ class ReasonCode(StrEnum):
     UNSAFE_ARCHIVE = "UnsafeArchive"
 
 
+# What each code means, for the people who upload adapters (the tenant console shows these
+# beside the message; a test checks that every code has one).
+EXPLANATIONS: dict[ReasonCode, str] = {
+    ReasonCode.INVALID_CONFIG: "adapter_config.json is missing, is not a JSON object, or has a "
+    "field whose value cannot be used (the message names the field).",
+    ReasonCode.UNSUPPORTED_FORMAT: "This is not a PEFT LoRA adapter that can be served: pickle "
+    "weights (.bin, .pt), another PEFT method than LoRA, or an option that changes how the "
+    "adapter computes.",
+    ReasonCode.RANK_TOO_LARGE: "The adapter's rank r is above the serving pool's maximum rank or "
+    "your tenant's rank quota: train it again with a smaller r.",
+    ReasonCode.BIAS_NOT_SUPPORTED: 'The adapter trains bias terms (bias other than "none", '
+    "lora_bias, or bias tensors); only bias-free LoRA adapters are served.",
+    ReasonCode.DORA_NOT_SUPPORTED: "This is a DoRA adapter (use_dora is true, or it carries "
+    "magnitude vectors); only plain LoRA is served: train it again without use_dora.",
+    ReasonCode.UNSUPPORTED_TARGET_MODULE: "The adapter targets a module that the base model "
+    "lacks or that cannot be adapted; only the q, k, v, o, gate, up and down projections of "
+    "the decoder layers can be.",
+    ReasonCode.SHAPE_MISMATCH: "A weight's shape does not fit the base model (lora_A is r x in, "
+    "lora_B is out x r): the adapter was probably trained for another model.",
+    ReasonCode.BASE_MODEL_MISMATCH: "The adapter has weights for layers the base model does not "
+    "have: it was trained for another base model.",
+    ReasonCode.INVALID_SAFETENSORS: "adapter_model.safetensors is damaged or not a safetensors "
+    "file (its header, offsets or data types are wrong, or it is cut short).",
+    ReasonCode.NON_FINITE_WEIGHTS: "Some weights are NaN or infinite, usually a sign that the "
+    "training diverged.",
+    ReasonCode.TOO_LARGE: "The adapter is over a size limit: its bytes, its number of tensors, "
+    "or your tenant's byte quota.",
+    ReasonCode.MODULES_TO_SAVE_NOT_SUPPORTED: "The adapter carries full copies of base model "
+    "weights (modules_to_save); only low-rank LoRA weights are served.",
+    ReasonCode.UNSAFE_ARCHIVE: "The archive is unsafe to unpack: absolute or '..' paths, links "
+    "or devices, or too many or too large entries.",
+}
+
+
 class AdapterRejected(Exception):
     """An adapter failed validation; nothing about it was stored."""
 

@@ -1,4 +1,8 @@
-"""`loraplane controlplane [--host H] [--port 8080]` and `loraplane controlplane migrate`.
+"""`loraplane controlplane [--host H] [--port 8080] [--internal-port N]` and
+`loraplane controlplane migrate`.
+
+With `--internal-port`, the internal routes (the operator's and the data plane's calls) and
+/metrics answer only on that port, every other route on both (`listeners.py`).
 
 `add_commands` registers both on the `loraplane` command's sub-parsers. Settings are read
 when a command runs, never at import.
@@ -16,12 +20,48 @@ def _serve(args: argparse.Namespace) -> int:
     from loraplane.controlplane.main import create_app
     from loraplane.controlplane.settings import Settings, StartupError
 
+    if args.internal_port is None:
+        try:
+            app = create_app(Settings())
+        except StartupError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    return _serve_two_ports(args)
+
+
+def _serve_two_ports(args: argparse.Namespace) -> int:
+    """The public and the internal port, one app and one server over two sockets."""
+    import logging
+
+    import uvicorn
+
+    from loraplane.controlplane.main import create_app
+    from loraplane.controlplane.settings import Settings, StartupError
+    from loraplane.sockets import listen, port_of
+
+    if args.internal_port == args.port:
+        print("error: --internal-port must differ from --port", file=sys.stderr)
+        return 2
+    sockets = []
+    for flag, port in (("--port", args.port), ("--internal-port", args.internal_port)):
+        try:
+            sockets.append(listen(args.host, port))
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{port} ({flag}): {exc}", file=sys.stderr)
+            return 1
     try:
-        app = create_app(Settings())
+        app = create_app(Settings(), internal_port=port_of(sockets[1]))
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(app, host=args.host, port=port_of(sockets[0]),
+                            log_level=args.log_level)  # fmt: skip
+    logging.getLogger("uvicorn.error").info(
+        "internal routes and /metrics on %s:%d only", args.host, port_of(sockets[1])
+    )
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 
@@ -65,6 +105,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     cp.add_argument("--host", default="127.0.0.1", help="address to listen on")
     cp.add_argument("--port", type=int, default=8080, help="port to listen on")
+    cp.add_argument(
+        "--internal-port",
+        type=int,
+        metavar="N",
+        help="serve the internal routes (/internal/v1/..., for the operator and the data"
+        " plane) and /metrics on this port only; every other route answers on both (default:"
+        " everything on --port)",
+    )
     cp.add_argument("--log-level", default="info", help="uvicorn log level")
     cp.set_defaults(func=_serve)
     actions = cp.add_subparsers(dest="controlplane_command", metavar="ACTION")

@@ -74,7 +74,7 @@ class BaseModelPending(Conflict):
 
 
 class QuotaExceeded(ControlPlaneError):
-    """A tenant quota that is not a property of one adapter (the adapter count)."""
+    """A tenant quota that is not a property of one adapter (the adapter count) is used up."""
 
     code = "QuotaExceeded"
 

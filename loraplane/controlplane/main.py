@@ -27,10 +27,13 @@ from loraplane.controlplane.api.routes import (
     uploads,
     usage,
 )
+from loraplane.controlplane.console.app import PATH as CONSOLE_PATH
+from loraplane.controlplane.console.app import create_console_app, to_index
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import jobs as crud_jobs
 from loraplane.controlplane.errors import install_error_handlers
 from loraplane.controlplane.jobs import UploadJobs
+from loraplane.controlplane.listeners import PublicPortGuard
 from loraplane.controlplane.metrics import Metrics, MetricsMiddleware
 from loraplane.controlplane.ratelimit import RateLimiter
 from loraplane.controlplane.settings import Settings, StartupError, resolve_tokens
@@ -119,8 +122,11 @@ def create_app(
     *,
     context: AppContext | None = None,
     kube_configuration: Configuration | None = None,
+    internal_port: int | None = None,
 ) -> FastAPI:
-    """The control plane app; `settings` default to the environment (read here, once)."""
+    """The control plane app; `settings` default to the environment (read here, once).
+    With `internal_port`, the internal routes and /metrics answer only on that port
+    (`listeners.PublicPortGuard`)."""
     ctx = context or build_context(
         settings if settings is not None else Settings(), kube_configuration=kube_configuration
     )
@@ -141,8 +147,13 @@ def create_app(
     app.state.ctx = ctx
     install_error_handlers(app, retry_after=ctx.settings.retry_after_seconds)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
+    if internal_port is not None:
+        app.add_middleware(PublicPortGuard, internal_port=internal_port)
     for module in (health, tenants, pools, adapters, uploads, usage, internal):
         app.include_router(module.router)
+    # the tenant console: static pages that call the routes above with the signed-in key
+    app.add_route(CONSOLE_PATH, to_index, include_in_schema=False)
+    app.mount(CONSOLE_PATH, create_console_app(dataplane_url=ctx.settings.console_dataplane_url))
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     log.info(
         "control plane ready: database %s, store %s, %s",

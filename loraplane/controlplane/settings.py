@@ -92,6 +92,13 @@ class Settings(BaseSettings):
     db_connect_timeout_seconds: int = Field(
         default=3, ge=1, le=120, description="database connect timeout"
     )
+    console_dataplane_url: str | None = Field(
+        default=None,
+        max_length=500,
+        pattern=r"^https?://[^\s\"'<>]+$",
+        description="the data plane URL the tenant console's examples call (unset: the "
+        "console's host, port 8000)",
+    )
 
     @field_validator("import_buckets", mode="before")
     @classmethod

@@ -40,8 +40,9 @@ def openai_snippet(dp_url: str, key: str, model: str, question: str) -> str:
 
 
 def show_examples(
-    dp_url: str, cp_url: str, admin_token: str, base: str, tenants: dict[str, Tenant]
-) -> None:
+    dp_url: str, cp_url: str, admin_token: str, base: str, tenants: dict[str, Tenant],
+    *, metrics_url: str,
+) -> None:  # fmt: skip
     """Print the tenants' keys and examples for both services."""
     first = next(iter(tenants.values()))
     say("  tenants, their API keys (shown once by the control plane) and adapters:")
@@ -60,7 +61,19 @@ def show_examples(
     say("# what a tenant's key sees, slot pressure, and the control plane's view:")
     say(f'curl -s {dp_url}/v1/models -H "Authorization: Bearer {first.key}"')
     wanted = "^(vllm:|loraplane_adapter_resident|loraplane_tokens)"
-    say(f"curl -s {dp_url}/metrics | grep -E '{wanted}'")
+    # per-tenant series: the metrics port (the API port's /metrics has vLLM's gauges only)
+    say(f"curl -s {metrics_url}/metrics | grep -E '{wanted}'")
     say(f'curl -s {cp_url}/v1/pools/{POOL} -H "Authorization: Bearer {admin_token}"')
     say(f'curl -s {cp_url}/v1/adapters -H "Authorization: Bearer {first.key}"')
     say(f"# API docs: {cp_url}/docs  (control plane), {dp_url}/docs (data plane)")
+    say("")
+    say(console_hint(cp_url, first))
+
+
+def console_hint(cp_url: str, tenant: Tenant) -> str:
+    """Where the tenant console is and what to sign in with (a key never goes in a URL)."""
+    return (
+        f"# tenant console: {cp_url}/console/\n"
+        f"#   sign in with a tenant's key above, e.g. {tenant.name}'s {tenant.key}\n"
+        "#   (or the admin token: tenants, keys and pools)"
+    )

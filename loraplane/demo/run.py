@@ -109,7 +109,8 @@ def _tour(stack: Stack, ws: Workspace, tenants: dict[str, Tenant], total: int) -
 
     numbers = iter(range(4, total + 1))
     run_tour(
-        stack.dataplane.url, stack.controlplane.url, stack.admin_token, BASE_NAME, tenants,
+        stack.dataplane.url, stack.metrics.url, stack.controlplane.url, stack.admin_token,
+        BASE_NAME, tenants,
         ws.model, {t: ws.adapter(t) for t in tenants}, ws.run / "scratch",
         lambda title: step(next(numbers), total, title),
     )  # fmt: skip
@@ -123,7 +124,7 @@ def _serve(stack: Stack, tenants: dict[str, Tenant], total: int) -> None:
     preview(stack.dataplane.url, BASE_NAME, tenants, QUESTIONS[0])
     say("")
     show_examples(stack.dataplane.url, stack.controlplane.url, stack.admin_token, BASE_NAME,
-                  tenants)  # fmt: skip
+                  tenants, metrics_url=stack.metrics.url)  # fmt: skip
     say("")
     say("serving until Ctrl-C (both services stop cleanly)")
     stop = threading.Event()

@@ -64,9 +64,16 @@ def bind(host: str, port: int) -> tuple[socket.socket, bool]:
         return sock, True
 
 
-def serve(name: str, app: FastAPI, host: str, port: int) -> Service:
-    """Run `app` under uvicorn on a thread, on `port` or a free one if it is taken."""
-    sock, fell_back = bind(host, port)
+def serve(
+    name: str,
+    app: FastAPI,
+    host: str,
+    port: int,
+    reserved: tuple[socket.socket, bool] | None = None,
+) -> Service:
+    """Run `app` under uvicorn on a thread, on `port` or a free one if it is taken (or on the
+    socket `bind` `reserved` earlier)."""
+    sock, fell_back = reserved or bind(host, port)
     bound = int(sock.getsockname()[1])
     config = uvicorn.Config(app, host=host, port=bound, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
@@ -89,8 +96,11 @@ def wait_ready(service: Service, path: str, timeout: float = STARTUP_TIMEOUT_S) 
     raise StackError(f"the {service.name} at {service.url} was not ready after {timeout:.0f} s")
 
 
-def start_controlplane(run_dir: Path, host: str, port: int, admin: str, service: str) -> Service:
-    """The control plane on SQLite and a local store under `run_dir`, ready to use."""
+def start_controlplane(
+    run_dir: Path, host: str, port: int, admin: str, service: str, dataplane_url: str
+) -> Service:
+    """The control plane on SQLite and a local store under `run_dir`, ready to use; its
+    console's examples call `dataplane_url`."""
     from pydantic import SecretStr
 
     from loraplane.controlplane.main import create_app
@@ -99,7 +109,7 @@ def start_controlplane(run_dir: Path, host: str, port: int, admin: str, service:
     settings = Settings(
         data_dir=run_dir, database_url=f"sqlite:///{run_dir / 'catalog.db'}",
         store=str(run_dir / "store"), admin_token=SecretStr(admin),
-        service_token=SecretStr(service),
+        service_token=SecretStr(service), console_dataplane_url=dataplane_url,
     )  # fmt: skip
     svc = serve("control plane", create_app(settings), host, port)
     wait_ready(svc, "/readyz")
@@ -107,10 +117,20 @@ def start_controlplane(run_dir: Path, host: str, port: int, admin: str, service:
 
 
 def start_dataplane(
-    model: Path, base_name: str, run_dir: Path, host: str, port: int, cp_url: str, service: str
-) -> Service:
-    """A CPU data plane in catalog mode; it loads the model in the background (see /ready)."""
+    model: Path,
+    base_name: str,
+    run_dir: Path,
+    host: str,
+    port: int,
+    cp_url: str,
+    service: str,
+    reserved: tuple[socket.socket, bool] | None = None,
+) -> tuple[Service, Service]:
+    """A CPU data plane in catalog mode; it loads the model in the background (see /ready).
+    With it, its metrics port on a free port: every series, the per-tenant ones the tour shows
+    included (the API port's /metrics has vLLM's protocol gauges only)."""
     from loraplane.dataplane.server.app import create_app
+    from loraplane.dataplane.server.metrics_port import create_metrics_app
     from loraplane.dataplane.server.settings import ServerSettings
 
     settings = ServerSettings(
@@ -120,7 +140,9 @@ def start_dataplane(
         max_lora_rank=MAX_LORA_RANK, max_cpu_loras=8, num_kv_blocks=512,
         pressure_interval_s=1.0, resolve_ttl_s=5.0, shutdown_grace_s=5.0,
     )  # fmt: skip
-    return serve("data plane", create_app(settings), host, port)
+    app = create_app(settings)
+    api = serve("data plane", app, host, port, reserved)
+    return api, serve("data plane metrics", create_metrics_app(app.state.runtime), host, 0)
 
 
 class Stack:
@@ -130,10 +152,19 @@ class Stack:
         self.run_dir, self.host, self.dp_port = run_dir, host, dp_port
         self.admin_token = secrets.token_urlsafe(32)
         self.service_token = secrets.token_urlsafe(32)
-        self.controlplane = start_controlplane(
-            run_dir, host, cp_port, self.admin_token, self.service_token
-        )
+        # the data plane's socket first, so the console's examples name its real port
+        self._dp_socket: tuple[socket.socket, bool] | None = bind(host, dp_port)
+        shown = f"[{host}]" if ":" in host else host
+        dp_url = f"http://{shown}:{self._dp_socket[0].getsockname()[1]}"
+        try:
+            self.controlplane = start_controlplane(
+                run_dir, host, cp_port, self.admin_token, self.service_token, dp_url
+            )
+        except BaseException:
+            self._dp_socket[0].close()
+            raise
         self._dataplane: Service | None = None
+        self._metrics: Service | None = None
 
     @property
     def dataplane(self) -> Service:
@@ -142,11 +173,19 @@ class Stack:
             raise StackError("the data plane was not started")
         return self._dataplane
 
+    @property
+    def metrics(self) -> Service:
+        """The data plane's metrics port (StackError before `start_dataplane`)."""
+        if self._metrics is None:
+            raise StackError("the data plane was not started")
+        return self._metrics
+
     def start_dataplane(self, model: Path, base_name: str) -> Service:
         """Start the data plane; it loads the model in the background (see `wait_ready`)."""
-        self._dataplane = start_dataplane(
+        reserved, self._dp_socket = self._dp_socket, None
+        self._dataplane, self._metrics = start_dataplane(
             model, base_name, self.run_dir, self.host, self.dp_port, self.controlplane.url,
-            self.service_token,
+            self.service_token, reserved,
         )  # fmt: skip
         return self._dataplane
 
@@ -158,6 +197,10 @@ class Stack:
         """Stop the data plane (it drains, then sends its last report), then the control plane."""
         if self._dataplane is not None:
             self._dataplane.stop()
+        if self._metrics is not None:
+            self._metrics.stop()
+        if self._dp_socket is not None:  # reserved, never served
+            self._dp_socket[0].close()
         self.controlplane.stop()
 
 

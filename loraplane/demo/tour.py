@@ -99,11 +99,12 @@ def batch_calls(base: str, tenants: dict[str, Tenant]) -> list[Call]:
 
 
 def mixed_batch(
-    base: str, tenants: dict[str, Tenant], api: dict[str, openai.OpenAI], dp_url: str
+    base: str, tenants: dict[str, Tenant], api: dict[str, openai.OpenAI], metrics_url: str
 ) -> Peaks:
-    """BATCH concurrent requests over every adapter and the base model, with /metrics watched."""
+    """BATCH concurrent requests over every adapter and the base model, with the metrics
+    port's /metrics watched."""
     calls = batch_calls(base, tenants)
-    with PeakWatch(dp_url) as peaks, ThreadPoolExecutor(BATCH) as pool:
+    with PeakWatch(metrics_url) as peaks, ThreadPoolExecutor(BATCH) as pool:
         start = time.perf_counter()
         futures = [pool.submit(ask, api[c.tenant.name], c.model, c.question) for c in calls]
         results = [f.result() for f in futures]
@@ -181,19 +182,22 @@ def preview(dp_url: str, base: str, tenants: dict[str, Tenant], question: str) -
 
 
 def run_tour(
-    dp_url: str, cp_url: str, admin_token: str, base: str, tenants: dict[str, Tenant],
+    dp_url: str, metrics_url: str, cp_url: str, admin_token: str, base: str,
+    tenants: dict[str, Tenant],
     model_dir: Path, adapters: dict[str, Path], scratch: Path,
     step: Callable[[str], None],
 ) -> None:  # fmt: skip
     """The scripted tour; TourFailed when something is not as it should be."""
     try:
-        _tour(dp_url, cp_url, admin_token, base, tenants, model_dir, adapters, scratch, step)
+        _tour(dp_url, metrics_url, cp_url, admin_token, base, tenants, model_dir, adapters,
+              scratch, step)  # fmt: skip
     except openai.OpenAIError as e:
         raise TourFailed(f"the OpenAI API answered {type(e).__name__}: {e}") from e
 
 
 def _tour(
-    dp_url: str, cp_url: str, admin_token: str, base: str, tenants: dict[str, Tenant],
+    dp_url: str, metrics_url: str, cp_url: str, admin_token: str, base: str,
+    tenants: dict[str, Tenant],
     model_dir: Path, adapters: dict[str, Path], scratch: Path,
     step: Callable[[str], None],
 ) -> None:  # fmt: skip
@@ -201,14 +205,14 @@ def _tour(
     step("one prompt, four replies: the base model and each tenant's adapter")
     same_prompt(base, tenants, api, QUESTIONS[0])
     step(f"a mixed batch: {BATCH} concurrent requests over three adapters and the base model")
-    peaks = mixed_batch(base, tenants, api, dp_url)
+    peaks = mixed_batch(base, tenants, api, metrics_url)
     step("isolation: what each tenant's key can see and use")
     models_isolation(base, tenants, api)
     step("uploads through the REST API: identical content again, then bad adapters")
     first = next(iter(tenants.values()))
     rejections(cp_url, base, model_dir, first, adapters[first.name], scratch)
     step("slot pressure and usage, as the data plane and the control plane report them")
-    tokens = show_metrics(dp_url, peaks, MAX_LORAS, say)
+    tokens = show_metrics(metrics_url, peaks, MAX_LORAS, say)
     keys = {t.name: t.key for t in tenants.values()}
     if not show_controlplane(cp_url, admin_token, keys, tokens, say):
         raise TourFailed("the data plane's usage did not all reach the control plane")

@@ -197,10 +197,51 @@ def pool_schema() -> Schema:
     autoscaling = _obj(
         {
             "enabled": {"type": "boolean", "default": True},
+            # keda: a ScaledObject owns the Deployment's replicas (the chart's
+            # autoscaling.mode: keda renders it); the operator only reports
+            "mode": {
+                "type": "string",
+                "enum": list(s.AUTOSCALING_MODES),
+                "default": s.DEFAULT_AUTOSCALING_MODE,
+            },
             "deferredPerReplica": _int(1, 1_000_000, s.DEFAULT_DEFERRED_PER_REPLICA),
             "waitingAdaptersPerReplica": _int(1, 1_000_000, s.DEFAULT_WAITING_ADAPTERS_PER_REPLICA),
             "scaleUpStabilizationSeconds": _int(0, 3600, s.DEFAULT_SCALE_UP_SECONDS),
             "scaleDownStabilizationSeconds": _int(0, 86400, s.DEFAULT_SCALE_DOWN_SECONDS),
+        }
+    )
+    routing = _obj(
+        {
+            "inferencePool": _obj(
+                {
+                    "enabled": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "own an InferencePool (inference.networking.k8s.io/v1) "
+                        "named like the pool, selecting its pods",
+                    }
+                }
+            ),
+            "endpointPicker": _obj(
+                {
+                    "service": _str(
+                        s.SERVICE_NAME, 63, description="the EPP's Service (default <pool>-epp)"
+                    ),
+                    "port": _int(1, 65535, s.DEFAULT_EPP_PORT),
+                    "failureMode": {
+                        "type": "string",
+                        "enum": list(s.FAILURE_MODES),
+                        "default": s.DEFAULT_FAILURE_MODE,
+                    },
+                    "adapterAffinity": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "name resident adapters in the API port's "
+                        "vllm:lora_requests_info (--api-metrics-adapters) for the picker's "
+                        "lora-affinity-scorer; only where nothing but the router reaches it",
+                    },
+                }
+            ),
         }
     )
     spec = _obj(
@@ -212,6 +253,7 @@ def pool_schema() -> Schema:
             "lora": lora,
             "resources": _obj({"limits": _quantities(), "requests": _quantities()}),
             "autoscaling": autoscaling,
+            "routing": routing,
             "serviceTokenSecretRef": _secret_key_ref("the control plane's service token"),
             "adminTokenSecretRef": _secret_key_ref("the data plane's admin token"),
             "store": _str(max_length=1024, description="LORAPLANE_STORE of the replicas"),

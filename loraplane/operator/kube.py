@@ -1,8 +1,9 @@
 """The few Kubernetes API calls the operator makes itself (Kopf makes the rest).
 
 A thin, synchronous wrapper over the official client (run it off the event loop) that speaks
-plain dicts: read a Secret, patch a resource's status, and create-or-patch the Deployment and
-Service a pool owns. The operator never patches a LoRAAdapter's or ServingPool's spec.
+plain dicts: read a Secret, patch a resource's status, create-or-patch the Deployment, Service
+and InferencePool a pool owns, and ask discovery whether a resource type is served. The
+operator never patches a LoRAAdapter's or ServingPool's spec.
 """
 
 from __future__ import annotations
@@ -71,6 +72,55 @@ class KubeApi:
         self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, plural, name, {"status": status}
         )
+
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in group/version (its CRD is installed)."""
+        try:
+            found = _json(self.custom.get_api_resources(group, version, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:  # the group/version is not served at all
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources") or [])
+
+    def read_custom(
+        self, group: str, version: str, plural: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        """A namespaced custom object, or None."""
+        try:
+            return _json(
+                self.custom.get_namespaced_custom_object(
+                    group, version, namespace, plural, name, _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def apply_custom(
+        self, group: str, version: str, plural: str, manifest: dict[str, Any], exists: bool
+    ) -> None:
+        """Create a namespaced custom object, or merge-patch it to `manifest`."""
+        meta = manifest["metadata"]
+        if exists:
+            self.custom.patch_namespaced_custom_object(
+                group, version, meta["namespace"], plural, meta["name"], manifest
+            )
+        else:
+            self.custom.create_namespaced_custom_object(
+                group, version, meta["namespace"], plural, manifest
+            )
+
+    def delete_custom(
+        self, group: str, version: str, plural: str, namespace: str, name: str
+    ) -> None:
+        """Delete a namespaced custom object (gone already is fine)."""
+        try:
+            self.custom.delete_namespaced_custom_object(group, version, namespace, plural, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def read_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         """A Deployment, or None."""

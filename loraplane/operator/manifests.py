@@ -13,9 +13,14 @@ from typing import Any
 from loraplane.operator.specs import PoolSpec, SecretKeyRef
 
 PORT = 8000
+# every metric, per-tenant ones included (`--metrics-port`): on the pods only, never on the
+# pool's Service; the chart's PodMonitor scrapes it and its NetworkPolicy admits monitoring only
+METRICS_PORT = 8002
 CONTAINER = "dataplane"
 STORE_MOUNT = "/var/lib/loraplane/store"
 MANAGED_BY = "loraplane-operator"
+# The llm-d router's EPP reads a pod's metrics by its engine type (vLLM-compatible here).
+ENGINE_LABEL = "llm-d.ai/engine-type"
 
 
 def labels(pool: str) -> dict[str, str]:
@@ -26,6 +31,14 @@ def labels(pool: str) -> dict[str, str]:
         "app.kubernetes.io/managed-by": MANAGED_BY,
         "loraplane.io/pool": pool,
     }
+
+
+def pod_labels(pool: str, spec: PoolSpec) -> dict[str, str]:
+    """Labels on a pool's pods: the children's, plus the engine type once an InferencePool
+    routes to them (not before: a label change rolls the pods; the merge patch keeps it after
+    routing is turned off, where it is harmless)."""
+    engine = {ENGINE_LABEL: "vllm"} if spec.routing.inference_pool else {}
+    return {**labels(pool), **engine}
 
 
 def selector_labels(pool: str) -> dict[str, str]:
@@ -53,8 +66,11 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
         "0.0.0.0",  # noqa: S104 - a pod serves on its own address
         "--port",
         str(PORT),
+        "--metrics-port",
+        str(METRICS_PORT),
         "--controlplane-url",
         controlplane_url,
+        *(["--api-metrics-adapters"] if spec.routing.adapter_affinity else []),
     ]
 
 
@@ -117,7 +133,10 @@ def deployment(
         "command": ["loraplane"],
         "args": serve_args(spec, controlplane_url),
         "env": _env(name, namespace, spec),
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
         # Loading a model takes a while: the startup probe covers it, then liveness takes over.
         "startupProbe": _probe("/health", 10, 60),
         "livenessProbe": _probe("/health", 10, 3),
@@ -132,7 +151,7 @@ def deployment(
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
             "template": {
-                "metadata": {"labels": labels(name)},
+                "metadata": {"labels": pod_labels(name, spec)},
                 "spec": {"containers": [container], "volumes": volumes},
             },
         },

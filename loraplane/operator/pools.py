@@ -1,25 +1,29 @@
 """Kopf handlers for ServingPool: children, catalog mirror, status and autoscaling.
 
 On create, update and resume: create or patch the pool's Deployment and Service (owned by
-the pool, so they go when it goes) and mirror the pool into the control plane, where it is
+the pool, so they go when it goes), its InferencePool when `spec.routing` asks for one
+(`inferencepool`), and mirror the pool into the control plane, where it is
 named by its namespace and name as here (pools named alike in two namespaces never share a
 catalog entry, pressure or scale). A timer reads
 the Deployment's replica counts and the pool's pressure, applies the autoscaling policy
-(`autoscaling`) and writes the status; every scale emits an Event.
+(`autoscaling`; not with `autoscaling.mode: keda`, where a ScaledObject owns the count) and
+writes the status; every scale emits an Event. It also looks again at an InferencePool the
+cluster could not take yet (no CRD, no RBAC).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 import kopf
 
-from loraplane.operator import autoscaling, manifests
+from loraplane.operator import autoscaling, inferencepool, manifests
 from loraplane.operator.catalog import CatalogError
-from loraplane.operator.conditions import now_iso, set_condition
+from loraplane.operator.conditions import Condition, now_iso, set_condition
 from loraplane.operator.context import OperatorContext, backoff, context_of, namespace_of
 from loraplane.operator.specs import GROUP, POOLS, VERSION, PoolSpec, SpecError
 
@@ -41,7 +45,7 @@ def _children(
     replicas: int | None
     if current is None:
         replicas = pool.min_replicas
-    elif pool.autoscaling.enabled:
+    elif pool.autoscaling.operator_scales:
         replicas = manifests.initial_replicas(pool, current.get("spec", {}).get("replicas"))
     else:
         replicas = None  # an HPA or KEDA owns the count
@@ -102,7 +106,8 @@ async def reconcile_pool(
     await asyncio.to_thread(_children, ctx, body, name, namespace, pool)
     generation = meta.get("generation")
     patch.status["observedGeneration"] = generation
-    conditions = status.get("conditions") or []
+    conditions = await _route(ctx, body, name, namespace, pool, status, generation)
+    patch.status["conditions"] = conditions
     try:
         await asyncio.to_thread(_mirror, ctx, namespace, name, pool)
     except CatalogError as exc:
@@ -118,6 +123,76 @@ async def reconcile_pool(
         conditions, REGISTERED, True, "Registered", "mirrored into the control plane",
         generation=generation, now=now_iso(),
     )  # fmt: skip
+
+
+async def _route(
+    ctx: OperatorContext,
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    pool: PoolSpec,
+    status: Mapping[str, Any],
+    generation: int | None,
+    *,
+    announce: bool = True,
+) -> list[Condition]:
+    """The pool's InferencePool (spec.routing) brought to the spec; `status`'s conditions with
+    InferencePoolReady set (left out while routing was never on). `announce`: a Warning Event
+    when it cannot be made."""
+    conditions = status.get("conditions") or []
+    before = inferencepool.condition_of(conditions)
+    outcome = await asyncio.to_thread(
+        inferencepool.reconcile, ctx.kube, body, name, namespace, pool, reported=bool(before)
+    )
+    if outcome is None:
+        return list(conditions)
+    if announce and not outcome.ready and outcome.reason != "Disabled":
+        kopf.warn(body, reason=outcome.reason, message=outcome.message[:1024])
+    return set_condition(
+        conditions, inferencepool.CONDITION, outcome.ready, outcome.reason, outcome.message,
+        generation=generation, now=now_iso(),
+    )  # fmt: skip
+
+
+async def _retry_route(
+    ctx: OperatorContext,
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    pool: PoolSpec,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+) -> None:
+    """Look again, with backoff, at an InferencePool that could not be made for a reason the
+    cluster may have fixed since (CRD installed, RBAC granted, API server back)."""
+    before = inferencepool.condition_of(status.get("conditions"))
+    if not pool.routing.inference_pool or before is None:
+        return
+    if before.get("reason") not in inferencepool.RETRY_REASONS:
+        memo.pop("route_attempts", None)
+        return
+    attempts = int(memo.get("route_attempts", 0))
+    if time.monotonic() < float(memo.get("route_retry_at", 0.0)):
+        return
+    memo["route_attempts"] = attempts + 1
+    memo["route_retry_at"] = time.monotonic() + backoff(ctx.settings, attempts)
+    fresh = await asyncio.to_thread(ctx.kube.read_custom, GROUP, VERSION, POOLS, namespace, name)
+    if fresh is None:
+        return
+    generation = body.get("metadata", {}).get("generation")
+    conditions = await _route(
+        ctx, body, name, namespace, pool, fresh.get("status") or {}, generation, announce=False
+    )
+    after = inferencepool.condition_of(conditions)
+    if after is None or (after["status"], after["reason"]) == (
+        before.get("status"),
+        before.get("reason"),
+    ):
+        return  # unchanged: no status write, no Event
+    patch.status["conditions"] = conditions
+    post = kopf.info if after["status"] == "True" else kopf.warn
+    post(body, reason=after["reason"], message=after["message"][:1024])
 
 
 def _policy(pool: PoolSpec) -> autoscaling.ScalePolicy:
@@ -186,7 +261,7 @@ async def observe_pool(
         }
     desired = current
     policy = _policy(pool)
-    if pool.autoscaling.enabled:
+    if pool.autoscaling.operator_scales:
         decision = autoscaling.decide(policy, _state(memo, status), current, pressure, time.time())
         memo["scale_state"] = decision.state
         desired = decision.replicas
@@ -211,6 +286,7 @@ async def observe_pool(
     changed = {k: v for k, v in update.items() if status.get(k) != v}
     if changed:
         patch.status.update(changed)
+    await _retry_route(ctx, body, name, namespace, pool, status, patch, memo)
 
 
 def _describe(pressure: autoscaling.Pressure | None) -> str:

@@ -44,6 +44,16 @@ DEFAULT_WAITING_ADAPTERS_PER_REPLICA = 2
 DEFAULT_SCALE_UP_SECONDS = 30
 DEFAULT_SCALE_DOWN_SECONDS = 300
 DEFAULT_TOKEN_KEY = "token"  # noqa: S105 - a key name in a Secret, not a secret
+# who writes the Deployment's replica count: the operator's policy, or a KEDA ScaledObject
+AUTOSCALING_MODES = ("operator", "keda")
+DEFAULT_AUTOSCALING_MODE = "operator"
+# spec.routing: the endpoint picker (EPP) of the Gateway API Inference Extension. The llm-d
+# router's charts serve it as Service `<release, at most 40 characters>-epp` on port 9002; a
+# dead picker costs affinity, not availability (every replica can load every adapter).
+SERVICE_NAME = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+DEFAULT_EPP_PORT = 9002
+FAILURE_MODES = ("FailOpen", "FailClose")
+DEFAULT_FAILURE_MODE = "FailOpen"
 
 
 class SpecError(ValueError):
@@ -130,10 +140,35 @@ class Autoscaling:
     """The pool's scaling targets (per replica) and stabilization windows."""
 
     enabled: bool = True
+    mode: str = DEFAULT_AUTOSCALING_MODE
     deferred_per_replica: int = DEFAULT_DEFERRED_PER_REPLICA
     waiting_adapters_per_replica: int = DEFAULT_WAITING_ADAPTERS_PER_REPLICA
     scale_up_seconds: int = DEFAULT_SCALE_UP_SECONDS
     scale_down_seconds: int = DEFAULT_SCALE_DOWN_SECONDS
+
+    @property
+    def operator_scales(self) -> bool:
+        """Whether the operator writes the replica count (else a KEDA ScaledObject or an HPA
+        owns it, and the operator never touches it)."""
+        return self.enabled and self.mode == "operator"
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """spec.routing: an InferencePool selecting the pool's pods, for a Gateway (or the llm-d
+    router) whose endpoint picker routes each request to a replica, LoRA affinity included."""
+
+    inference_pool: bool = False
+    picker_service: str | None = None  # None: the llm-d router's name for a release = the pool
+    picker_port: int = DEFAULT_EPP_PORT
+    failure_mode: str = DEFAULT_FAILURE_MODE
+    # name resident adapters in the API port's vllm:lora_requests_info, which the picker's
+    # lora-affinity-scorer reads; only where nothing but the router reaches that port
+    adapter_affinity: bool = False
+
+    def picker_name(self, pool: str) -> str:
+        """The endpoint picker's Service: as given, else `<pool, 40 characters>-epp`."""
+        return self.picker_service or f"{pool[:40]}-epp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +188,7 @@ class PoolSpec:
     device: str
     resources: dict[str, Any]
     autoscaling: Autoscaling
+    routing: Routing
     service_token: SecretKeyRef | None
     admin_token: SecretKeyRef | None
     store: str | None
@@ -198,6 +234,7 @@ class PoolSpec:
             resources=dict(_get(spec, "resources")),
             autoscaling=Autoscaling(
                 enabled=bool(scaling.get("enabled", True)),
+                mode=_enum(scaling, "mode", AUTOSCALING_MODES, DEFAULT_AUTOSCALING_MODE),
                 deferred_per_replica=_int(
                     scaling, "deferredPerReplica", DEFAULT_DEFERRED_PER_REPLICA, 1, 1_000_000
                 ),
@@ -215,6 +252,7 @@ class PoolSpec:
                     scaling, "scaleDownStabilizationSeconds", DEFAULT_SCALE_DOWN_SECONDS, 0, 86400
                 ),
             ),
+            routing=_routing(_get(spec, "routing")),
             service_token=_secret_ref(spec, "serviceTokenSecretRef"),
             admin_token=_secret_ref(spec, "adminTokenSecretRef"),
             store=spec.get("store") or None,
@@ -231,4 +269,28 @@ def _secret_ref(spec: Mapping[str, Any], key: str) -> SecretKeyRef | None:
     return SecretKeyRef(
         name=_match(DNS_SUBDOMAIN, ref.get("name"), f"spec.{key}.name"),
         key=str(ref.get("key") or DEFAULT_TOKEN_KEY),
+    )
+
+
+def _enum(obj: Mapping[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = obj.get(key, default)
+    if value not in allowed:
+        raise SpecError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    return str(value)
+
+
+def _routing(routing: Mapping[str, Any]) -> Routing:
+    pool = _get(routing, "inferencePool")
+    picker = _get(routing, "endpointPicker")
+    service = picker.get("service")
+    return Routing(
+        inference_pool=bool(pool.get("enabled", False)),
+        picker_service=(
+            _match(SERVICE_NAME, service, "spec.routing.endpointPicker.service")
+            if service
+            else None
+        ),
+        picker_port=_int(picker, "port", DEFAULT_EPP_PORT, 1, 65535),
+        failure_mode=_enum(picker, "failureMode", FAILURE_MODES, DEFAULT_FAILURE_MODE),
+        adapter_affinity=bool(picker.get("adapterAffinity", False)),
     )

@@ -64,11 +64,52 @@ CHART_SECRETS: dict[str, Any] = {
 
 CLUSTER_MODE: dict[str, Any] = {**PRODUCTION, "controlplane": {"replicas": 2, "clusterMode": True}}
 
+# NetworkPolicies fitted to a cluster: a gateway in front of the data plane, an ingress
+# controller in front of the control plane, pools in two namespaces, Prometheus by label.
+NETWORK: dict[str, Any] = {
+    "networkPolicy": {
+        "metricsFrom": [
+            {
+                "namespaceSelector": {"matchLabels": {"team": "observability"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            }
+        ],
+        "controlplane": {
+            "apiFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}
+            ]
+        },
+        "dataplane": {
+            "namespaces": [NAMESPACE, "pools"],
+            "apiFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+            ],
+        },
+    },
+}
+
+# Behind the llm-d router with KEDA scaling: the EPP config, an HTTPRoute and a ScaledObject per
+# listed pool (tests/charts/test_routing.py).
+ROUTING: dict[str, Any] = {
+    "pools": [
+        {"name": "llama-3-8b", "replicas": {"min": 1, "max": 4}, "hostnames": ["llm.example.com"]},
+        {
+            "name": "qwen-7b",
+            "replicas": {"min": 2, "max": 8},
+            "autoscaling": {"deferredPerReplica": 8, "scaleDownStabilizationSeconds": 600},
+        },
+    ],
+    "routing": {"enabled": True, "gateway": {"enabled": True}},
+    "autoscaling": {"mode": "keda", "keda": {"prometheusUrl": "http://prometheus.monitoring:9090"}},
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "default": {},
     "production": PRODUCTION,
     "chart-secrets": CHART_SECRETS,
     "cluster-mode": CLUSTER_MODE,
+    "network-policies": NETWORK,
+    "routing-keda": ROUTING,
 }
 
 

@@ -7,6 +7,7 @@ import argparse
 import base64
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
@@ -36,7 +37,12 @@ from tests.charts.render import (
 FULL = f"{RELEASE}-loraplane"
 # Kinds kubernetes-validate has no schema for (they are not built into Kubernetes); their
 # structure is checked by the tests below instead.
-NOT_BUILT_IN = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+NOT_BUILT_IN = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("keda.sh/v1alpha1", "ScaledObject"),  # tests/charts/test_routing.py
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+}
 # The oldest (Chart.yaml kubeVersion) and the newest Kubernetes kubernetes-validate knows.
 KUBE_VERSIONS = ["1.25.0", kubernetes_validate.latest_version()]
 CONTROLPLANE_ENV = {f"LORAPLANE_{name.upper()}" for name in Settings.model_fields}
@@ -75,12 +81,16 @@ def test_every_manifest_passes_kubernetes_validate_strict(
 def test_every_resource_is_namespaced_to_the_release_or_cluster_scoped(
     scenario: tuple[str, list[Manifest]],
 ) -> None:
-    _, docs = scenario
+    name, docs = scenario
     cluster_scoped = {"CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+    # the data plane's NetworkPolicies go to the namespaces holding ServingPools
+    pools = SCENARIOS[name].get("networkPolicy", {}).get("dataplane", {}).get("namespaces")
     for doc in docs:
         meta = doc["metadata"]
         if doc["kind"] in cluster_scoped:
             assert "namespace" not in meta
+        elif doc["kind"] == "NetworkPolicy" and meta["name"] == f"{FULL}-dataplane":
+            assert meta["namespace"] in (pools or [NAMESPACE]), meta
         elif doc["kind"] not in ("Role", "RoleBinding"):
             assert meta["namespace"] == NAMESPACE, meta
         assert meta["labels"]["app.kubernetes.io/instance"] == RELEASE
@@ -111,8 +121,9 @@ def test_containers_run_loraplane_commands_that_parse(
         assert (args.func.__module__, args.func.__name__) == expected[name]
         seen.add(name)
         if name.endswith("-controlplane"):
-            port = container["ports"][0]["containerPort"]
-            assert (args.host, args.port) == ("0.0.0.0", port)
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert (args.host, args.port) == ("0.0.0.0", ports["http"])
+            assert args.internal_port == ports["internal"]  # internal routes, /metrics
         if name.endswith("-operator"):
             # the liveness probe asks Kopf's --liveness endpoint; metrics on their own port
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -206,10 +217,13 @@ def test_operator_runs_once_standalone_with_recreate() -> None:
     assert op["spec"]["replicas"] == 1
     assert op["spec"]["strategy"]["type"] == "Recreate"
     env = {e["name"]: e for e in op["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # the operator (and the data plane replicas it starts) call the internal port
     url = env["LORAPLANE_CONTROLPLANE_URL"]["value"]
-    assert url == f"http://{FULL}-controlplane.{NAMESPACE}.svc:8080"
+    assert url == f"http://{FULL}-controlplane-internal.{NAMESPACE}.svc:8081"
     service = one(render(), "Service", f"{FULL}-controlplane")
-    assert service["spec"]["ports"][0]["port"] == 8080
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("http", 8080)]
+    internal = one(render(), "Service", f"{FULL}-controlplane-internal")
+    assert [(p["name"], p["port"]) for p in internal["spec"]["ports"]] == [("internal", 8081)]
 
 
 def test_production_values_wire_the_database_secret_replicas_and_monitoring() -> None:
@@ -232,16 +246,21 @@ def test_production_values_wire_the_database_secret_replicas_and_monitoring() ->
     job_env = job["spec"]["template"]["spec"]["containers"][0]["env"]
     assert job_env[0]["valueFrom"]["secretKeyRef"] == {"name": "loraplane-db", "key": "url"}
     monitors = {m["metadata"]["name"]: m for m in find(docs, "ServiceMonitor")}
-    assert set(monitors) == {f"{FULL}-controlplane", f"{FULL}-operator", f"{FULL}-dataplane"}
-    ports = {f"{FULL}-controlplane": "http", f"{FULL}-operator": "metrics"}
+    assert set(monitors) == {f"{FULL}-controlplane", f"{FULL}-operator"}
+    ports = {f"{FULL}-controlplane": "internal", f"{FULL}-operator": "metrics"}
     for name, monitor in monitors.items():
         assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         (endpoint,) = monitor["spec"]["endpoints"]
-        assert (endpoint["port"], endpoint["path"]) == (ports.get(name, "http"), "/metrics")
+        assert (endpoint["port"], endpoint["path"]) == (ports[name], "/metrics")
+    pod_monitor = one(docs, "PodMonitor", f"{FULL}-dataplane")
+    assert pod_monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # the control plane's metrics: its internal Service only (the public port answers 404)
     cp_selector = monitors[f"{FULL}-controlplane"]["spec"]["selector"]["matchLabels"]
+    internal = one(docs, "Service", f"{FULL}-controlplane-internal")
+    assert cp_selector.items() <= internal["metadata"]["labels"].items()
+    assert internal["spec"]["ports"][0]["name"] == "internal"
     service = one(docs, "Service", f"{FULL}-controlplane")
-    assert cp_selector.items() <= service["metadata"]["labels"].items()
-    assert service["spec"]["ports"][0]["name"] == "http"
+    assert not cp_selector.items() <= service["metadata"]["labels"].items()
     # The operator's monitor selects its metrics Service, whose port reaches the container's.
     op_selector = monitors[f"{FULL}-operator"]["spec"]["selector"]["matchLabels"]
     op_service = one(docs, "Service", f"{FULL}-operator-metrics")
@@ -258,20 +277,31 @@ def test_production_values_wire_the_database_secret_replicas_and_monitoring() ->
     )
 
 
-def test_dataplane_service_monitor_selects_the_services_the_operator_builds() -> None:
+def test_dataplane_pod_monitor_scrapes_the_metrics_port_of_the_pods_the_operator_builds() -> None:
     from loraplane.operator import manifests
+    from loraplane.operator.specs import PoolSpec
+    from tests.operator.conftest import pool_body
 
-    monitor = one(render(PRODUCTION), "ServiceMonitor", f"{FULL}-dataplane")
-    service = manifests.service("llama-3-8b", "loraplane-system")
+    monitor = one(render(PRODUCTION), "PodMonitor", f"{FULL}-dataplane")
+    spec = PoolSpec.parse(pool_body("llama-3-8b", Path("/models/llama"))["spec"])
+    deployment = manifests.deployment("llama-3-8b", "loraplane-system", spec,
+                                      controlplane_url="http://cp:8081", replicas=1)  # fmt: skip
+    pod = deployment["spec"]["template"]
     selector = monitor["spec"]["selector"]["matchLabels"]
-    assert selector.items() <= service["metadata"]["labels"].items()
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
-    # dashboards select on `pool`, relabelled from the Service's loraplane.io/pool label
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert endpoint["port"] == "metrics"
+    assert str(ports["metrics"]) == container["args"][container["args"].index("--metrics-port") + 1]
+    # the pool's Service (what tenants reach) does not expose the metrics port
+    service = manifests.service("llama-3-8b", "loraplane-system")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    # dashboards select on `pool`, relabelled from the pod's loraplane.io/pool label
     (relabel,) = endpoint["relabelings"]
     assert relabel["targetLabel"] == "pool"
-    assert relabel["sourceLabels"] == ["__meta_kubernetes_service_label_loraplane_io_pool"]
-    assert "loraplane.io/pool" in service["metadata"]["labels"]
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_loraplane_io_pool"]
+    assert "loraplane.io/pool" in pod["metadata"]["labels"]
 
 
 def test_migrations_job_is_a_pre_install_and_pre_upgrade_hook() -> None:
@@ -325,6 +355,10 @@ OPERATOR_RULES = (
         ("", "services", "get"),
         ("", "services", "create"),
         ("", "services", "patch"),
+        *(
+            ("inference.networking.k8s.io", "inferencepools", verb)
+            for verb in ("get", "create", "patch", "delete")
+        ),
         ("", "secrets", "get"),
         ("", "events", "create"),
     }

@@ -2,13 +2,16 @@
 temporary TSDB, 127.0.0.1 only) scrapes a data plane in catalog mode, the control plane, and the
 operator (Kopf, on kmock's emulated Kubernetes API, running the ServingPool the data plane
 reports for) while the openai client sends a short, bounded load over several tenants'
-adapters; each panel's PromQL is then evaluated through Prometheus's HTTP API."""
+adapters; each panel's PromQL is then evaluated through Prometheus's HTTP API.
+
+Prometheus scrapes what the chart's monitors scrape: the data plane's metrics port (the API
+port's /metrics has vLLM's protocol gauges only) and the control plane's internal port (its
+public port does not serve /metrics)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +22,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 from kubernetes import client
 
 from loraplane.adapters.store import LocalStore
@@ -29,14 +31,14 @@ from loraplane.operator.settings import OperatorSettings
 from loraplane.operator.specs import GROUP, POOLS, VERSION
 from tests.controlplane.conftest import SERVICE
 from tests.dashboards.dashboards import queries, substitute, variable_queries
-from tests.dataplane.server.conftest import start_server
+from tests.dataplane.server.conftest import serve_metrics, start_server
 from tests.operator.conftest import PLATFORM, pool_body
 from tests.operator.emulator import running_emulator
 from tests.operator.harness import OperatorThread
+from tests.prometheus import MISSING, PROMETHEUS, instant, running_prometheus
 from tests.servers import free_port
-from tests.test_e2e_catalog import admin, controlplane
+from tests.test_e2e_catalog import admin, split_controlplane
 
-PROMETHEUS = Path("/usr/bin/prometheus")
 POOL, BASE = "pool-a", "tiny-base"
 # tenant -> its adapters (fixture adapter names); more adapters than max_loras, so requests are
 # deferred and device-pool slots are evicted and reloaded under the load
@@ -51,62 +53,17 @@ SCRAPED_SECONDS = 8  # rate() over 15 s needs a few samples
 @contextlib.contextmanager
 def prometheus(tmp: Path, dataplane: str, controlplane: str, operator: str) -> Iterator[str]:
     """Prometheus on a free 127.0.0.1 port scraping the three components every second."""
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            # `pool` is what the chart's ServiceMonitor relabels from the Service's pool label
-            {
-                "job_name": "dataplane",
-                "static_configs": [{"targets": [dataplane], "labels": {"pool": POOL}}],
-            },
-            {"job_name": "controlplane", "static_configs": [{"targets": [controlplane]}]},
-            {"job_name": "operator", "static_configs": [{"targets": [operator]}]},
-        ],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = (tmp / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            str(PROMETHEUS),
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {(tmp / 'prometheus.log').read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("prometheus not ready after 30 s")
-            time.sleep(0.1)
+    scrape_configs = [
+        # `pool` is what the chart's PodMonitor relabels from the pod's pool label
+        {
+            "job_name": "dataplane",
+            "static_configs": [{"targets": [dataplane], "labels": {"pool": POOL}}],
+        },
+        {"job_name": "controlplane", "static_configs": [{"targets": [controlplane]}]},
+        {"job_name": "operator", "static_configs": [{"targets": [operator]}]},
+    ]
+    with running_prometheus(tmp, scrape_configs) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def instant(prom: str, promql: str) -> list[dict[str, Any]]:
-    """The result of an instant query (raises on a query error)."""
-    r = httpx.get(prom + "/api/v1/query", params={"query": promql}, timeout=10)
-    body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", f"{promql}: {body}"
-    result: list[dict[str, Any]] = body["data"]["result"]
-    return result
 
 
 @dataclass
@@ -256,7 +213,7 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(
     not PROMETHEUS.exists(),
-    reason="Debian's prometheus is not installed (run .ci/install-prometheus.sh)",
+    reason=MISSING,
 )
 def test_every_dashboard_query_returns_data_from_live_components(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
@@ -264,15 +221,19 @@ def test_every_dashboard_query_returns_data_from_live_components(
     evaluated = queries()
     assert len(evaluated) >= 30
     store = tmp_path / "cp" / "store"
-    with controlplane(tmp_path / "cp") as cp:
+    with split_controlplane(tmp_path / "cp") as (cp, cp_internal, _):
         keys = _catalog(cp, tiny_llama_dir, peft_adapters)
         settings = ServerSettings(
-            model=str(tiny_llama_dir), served_model_name=BASE, controlplane_url=cp,
+            model=str(tiny_llama_dir), served_model_name=BASE, controlplane_url=cp_internal,
             service_token=SERVICE, store=str(store), pool=POOL, pool_namespace=PLATFORM,
             pressure_interval_s=0.5, num_kv_blocks=256, max_loras=MAX_LORAS,
         )  # fmt: skip
-        with operator(cp, store, tiny_llama_dir) as op, start_server(settings) as (dp, _):
-            targets = (dp.removeprefix("http://"), cp.removeprefix("http://"), op)
+        with (
+            operator(cp_internal, store, tiny_llama_dir) as op,
+            start_server(settings) as (dp, runtime),
+            serve_metrics(runtime) as dp_metrics,
+        ):
+            targets = (dp_metrics.removeprefix("http://"), cp_internal.removeprefix("http://"), op)
             tsdb = tmp_path / "prometheus"
             tsdb.mkdir()
             with prometheus(tsdb, *targets) as prom, Load(dp, keys).running() as load:

@@ -7,7 +7,9 @@ watch streams. This subclass adds what Kopf and kubectl rely on (TESTING.md):
   namespace from the URL), a new resourceVersion on every write, and a generation bump when
   (and only when) the spec changes, as for a CRD with a status subresource;
 - the status subresource: `/status` writes touch only status, main writes never touch it;
-- kubectl-friendly errors (`reason: NotFound`, `AlreadyExists`) and typed list responses.
+- kubectl-friendly errors (`reason: NotFound`, `AlreadyExists`) and typed list responses;
+- only declared resources are served (kmock would store anything): a custom resource exists
+  once its CustomResourceDefinition is created through the API, and goes with it.
 
 It runs in its own thread and event loop (`EmulatorThread`), so shutdowns do not wait on
 the operator's watch streams.
@@ -35,6 +37,11 @@ from loraplane.operator import crds
 from loraplane.operator.specs import GROUP, VERSION
 
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
+_OBJECT_ACTIONS = {
+    enums.action.LIST, enums.action.WATCH, enums.action.FETCH,
+    enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE,
+}  # fmt: skip
+CRDS = ("apiextensions.k8s.io", "customresourcedefinitions")
 # kmock's path parser reads `/api/v1/namespaces/<name>` as a namespace, not a Namespace object:
 # such requests are served under this alias instead.
 NAMESPACES_ALIAS = "namespaceobjects"
@@ -65,19 +72,41 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             warnings.simplefilter("ignore", DeprecationWarning)
             self.resources.load_bundled()
         for crd in crds.all_crds():  # discovery as the API server derives it from our CRDs
-            names = crd["spec"]["names"]
-            self.resources[f"{GROUP}/{VERSION}/{names['plural']}"] = kmock.ResourceInfo(
-                kind=names["kind"],
-                singular=names["singular"],
-                shortnames=names["shortNames"],
-                categories=names["categories"],
-                namespaced=crd["spec"]["scope"] == "Namespaced",
-                verbs=VERBS,
-                subresources=list(crd["spec"]["versions"][0]["subresources"]),
-            )
+            self.declare(crd)
         self.resources[f"v1/{NAMESPACES_ALIAS}"] = kmock.ResourceInfo(
             kind="Namespace", singular="namespace", namespaced=False, verbs=VERBS
         )
+
+    def declare(self, crd: dict[str, Any]) -> None:
+        """Serve (and list in discovery) the resource of a CRD, each served version."""
+        spec, names = crd["spec"], crd["spec"]["names"]
+        for version in spec["versions"]:
+            if version.get("served", True):
+                self.resources[f"{spec['group']}/{version['name']}/{names['plural']}"] = (
+                    kmock.ResourceInfo(
+                        kind=names["kind"],
+                        singular=names.get("singular", names["kind"].lower()),
+                        shortnames=names.get("shortNames", []),
+                        categories=names.get("categories", []),
+                        namespaced=spec["scope"] == "Namespaced",
+                        verbs=VERBS,
+                        subresources=list(version.get("subresources") or {}),
+                    )
+                )
+
+    def _forget(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        for version in spec["versions"]:
+            key = kmock.resource(spec["group"], version["name"], spec["names"]["plural"])
+            for resource in list(self.resources):
+                if resource == key:
+                    del self.resources[resource]
+
+    def _served(self, request: kmock.Request) -> bool:
+        res = request.resource
+        if res is None or not res.plural or request.action not in _OBJECT_ACTIONS:
+            return True  # discovery and non-resource paths
+        return any(res == known for known in self.resources)
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         url = raw_request.rel_url
@@ -130,11 +159,22 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = str(next(self._versions))
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if not self._served(request):  # as the API server answers for a resource it lacks
+            raise k8s.KubernetesError(
+                status=404, message="the server could not find the requested resource"
+            )
         if request.resource is not None:
             self._fill(request)
+        current = self._current(request) if request.action == enums.action.DELETE else None
         response = await super()._handle(request)
+        res = request.resource
+        is_crd = res is not None and (res.group, res.plural) == CRDS
         if request.action == enums.action.CREATE and response.status == 200:
             response.set_status(201)  # as the API server answers a create
+            if is_crd and isinstance(request.data, dict):
+                self.declare(request.data)
+        if is_crd and current is not None and response.status == 200:
+            self._forget(current)
         return response
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:

@@ -152,8 +152,26 @@ release's resources do). */}}
 {{- if not (hasPrefix "s3://" .Values.store.uri) }}true{{ end }}
 {{- end }}
 
+{{/* The control plane's internal port (`--internal-port`): the internal routes and /metrics
+answer there only; its Service is <fullname>-controlplane-internal (docs/security.md). */}}
+{{- define "loraplane.controlplane.internalPort" -}}
+8081
+{{- end }}
+
+{{/* The URL the operator and the data plane call: the internal Service, unless overridden. */}}
 {{- define "loraplane.controlplane.url" -}}
-{{- default (printf "http://%s.%s.svc:%d" (include "loraplane.controlplane.fullname" .) .Release.Namespace (int .Values.controlplane.service.port)) .Values.operator.controlplaneUrl }}
+{{- default (printf "http://%s-internal.%s.svc:%s" (include "loraplane.controlplane.fullname" .) .Release.Namespace (include "loraplane.controlplane.internalPort" .)) .Values.operator.controlplaneUrl }}
+{{- end }}
+
+{{/* Labels of the data plane pods the operator creates (loraplane/operator/manifests.py). */}}
+{{- define "loraplane.dataplane.podLabels" -}}
+app.kubernetes.io/name: loraplane-dataplane
+app.kubernetes.io/managed-by: loraplane-operator
+{{- end }}
+
+{{/* Namespaces holding ServingPools, for the NetworkPolicies. */}}
+{{- define "loraplane.dataplane.namespaces" -}}
+{{- toYaml (default (list .Release.Namespace) .Values.networkPolicy.dataplane.namespaces) }}
 {{- end }}
 
 {{/* LORAPLANE_ADMIN_TOKEN (the control plane's admin routes). */}}

@@ -1,5 +1,9 @@
 """Operational routes: /health, /ready, /metrics, and vLLM's adapter load/unload (admin only).
 
+`/metrics` here is the API port's: anyone who can call the API reads it, so it shows only
+vLLM's protocol gauges, which an inference gateway scrapes and which carry no tenant label.
+Every other series (per tenant, per adapter) is on the metrics port (`metrics_port.py`).
+
 `/v1/load_lora_adapter` takes a name from the static `--lora-modules` list (a `lora_path` sent
 by the client is refused: the server never loads a client-given path); `/v1/unload_lora_adapter`
 stops new requests for the adapter, waits for its running ones, then frees its memory. Both
@@ -34,10 +38,10 @@ async def ready(runtime: RuntimeDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(runtime: RuntimeDep) -> Response:
-    """Prometheus text exposition, engine state read on the engine thread."""
+    """vLLM's protocol gauges (no tenant label), engine state read on the engine thread."""
     if runtime.engine is not None:
         await runtime.snapshot()
-    return Response(runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(runtime.metrics.render_gateway(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/v1/load_lora_adapter")

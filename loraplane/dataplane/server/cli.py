@@ -51,7 +51,21 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     serve.add_argument("--device", choices=["cpu", "cuda"])
     serve.add_argument("--host")
-    serve.add_argument("--port", type=int, help="default 8000")
+    serve.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        help="every metric, per-tenant and per-adapter ones included, on a port of its own for"
+        " Prometheus only (default 8002; 0: off); the API port's /metrics keeps vLLM's"
+        " protocol gauges",
+    )
+    serve.add_argument(
+        "--api-metrics-adapters",
+        action="store_true",
+        default=None,
+        help="also name adapters in the API port's vllm:lora_requests_info (for an inference"
+        " gateway; only where nothing else can reach the API port)",
+    )
     serve.add_argument("--controlplane-url", help="catalog mode: the control plane's URL")
     serve.add_argument("--api-key", help="standalone mode: the key every /v1 route needs")
     serve.add_argument("--admin-token", help="enables /v1/load_lora_adapter and unload")
@@ -83,6 +97,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
                   "max_lora_rank",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
+                  "metrics_port", "api_metrics_adapters",
                   "controlplane_url", "api_key", "admin_token", "tool_call_parser")
     }  # fmt: skip
     try:

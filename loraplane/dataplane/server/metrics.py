@@ -5,6 +5,12 @@ as an `EngineSnapshot`, taken on the engine thread when /metrics is scraped, so 
 reads a queue while a step mutates it. Request-side figures (tokens, time to first token,
 inter-token latency, host-tier loads) are fed by the routes as requests run; device-tier load
 times by a wrapper the runtime puts around the adapter manager's `make_resident`.
+
+Two views (docs/security.md): `render` is every series, tenant-labelled and per-adapter ones
+included, for the metrics port (`--metrics-port`) that only Prometheus may reach;
+`render_gateway` is what the API port's /metrics shows anyone who can call the API: vLLM's
+protocol gauges, which carry no tenant label, and `vllm:lora_requests_info` (it names
+adapters) only when `api_adapters` says nothing but a gateway reaches the API port.
 """
 
 from __future__ import annotations
@@ -100,24 +106,28 @@ class EngineSnapshot:
         )
 
 
-class _EngineCollector(Collector):
-    """Emits the gauges and engine counters from the latest snapshot."""
+class _GatewayCollector(Collector):
+    """vLLM's protocol gauges, the ones an inference gateway scrapes: no tenant label.
+    `vllm:lora_requests_info` names the adapters running and waiting, so it is emitted only
+    where `adapters` is true (the metrics port; the API port when `--api-metrics-adapters`)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, *, adapters: bool) -> None:
         self._m = metrics
+        self._adapters = adapters
 
     def collect(self) -> Iterator[Metric]:
-        s, m = self._m.snapshot, self._m
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Running and waiting adapters (value: time of the reading)",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        info.add_metric(
-            [",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)],
-            time.time(),
-        )
-        yield info
+        s = self._m.snapshot
+        if self._adapters:
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running and waiting adapters (value: time of the reading)",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            info.add_metric(
+                [",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)],
+                time.time(),
+            )
+            yield info
         yield _gauge("vllm:num_requests_running", "Requests in the running batch", s.running)
         yield _gauge("vllm:num_requests_waiting", "Requests waiting for admission", s.waiting)
         yield _gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use", s.kv_usage)
@@ -126,6 +136,17 @@ class _EngineCollector(Collector):
         )
         by_reason.add_metric(["deferred"], s.deferred)
         yield by_reason
+
+
+class _EngineCollector(Collector):
+    """Emits loraplane's engine gauges and counters (per-adapter ones included) from the
+    latest snapshot: the metrics port only."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self._m.snapshot, self._m
         resident = GaugeMetricFamily(
             "loraplane_adapter_resident",
             "Adapter versions held per tier",
@@ -199,10 +220,13 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class ServerMetrics:
-    """The registry of one app and the request-side instruments."""
+    """The registries of one server (everything; the API port's view) and the request-side
+    instruments. `api_adapters`: name adapters in the API port's view too."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, api_adapters: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self.gateway_registry = CollectorRegistry(auto_describe=False)
+        self.gateway_registry.register(_GatewayCollector(self, adapters=api_adapters))
         self.snapshot = EngineSnapshot()
         self.cpu_loads: Counter[str] = Counter()  # result -> host-tier loads (registrations)
         self.cpu_hits = 0  # catalog-mode resolutions found already registered
@@ -248,6 +272,7 @@ class ServerMetrics:
         )
         for tier in ("gpu", "cpu"):
             self.load_seconds.labels(tier=tier)  # series exist before the first load
+        self.registry.register(_GatewayCollector(self, adapters=True))
         self.registry.register(_EngineCollector(self))
 
     def add_tenant(self, tenant: str) -> None:
@@ -263,5 +288,9 @@ class ServerMetrics:
             self.tokens.labels(tenant=tenant, kind="completion").inc(completion)
 
     def render(self) -> bytes:
-        """The text exposition of every metric."""
+        """The text exposition of every metric (the metrics port)."""
         return generate_latest(self.registry)
+
+    def render_gateway(self) -> bytes:
+        """The API port's exposition: vLLM's protocol gauges, no tenant label."""
+        return generate_latest(self.gateway_registry)

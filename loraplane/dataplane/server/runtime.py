@@ -75,7 +75,7 @@ class Runtime:
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(api_adapters=settings.api_metrics_adapters)
         self.usage = UsageLog()
         self.limiter = RateLimiter()
         self.queue = QueueLimits(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from loraplane.dataplane.config import DEFAULT_LORA_MEMORY, EngineConfig
@@ -45,6 +45,12 @@ class ServerSettings(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # every series, tenant-labelled and per-adapter ones included, on a port of its own that
+    # only Prometheus may reach (0: off); the API port's /metrics keeps vLLM's protocol gauges
+    metrics_port: int = Field(default=8002, ge=0, le=65535)
+    # name adapters in the API port's vllm:lora_requests_info (an inference gateway's LoRA
+    # affinity): only where nothing but the gateway reaches the API port (docs/security.md)
+    api_metrics_adapters: bool = False
     controlplane_url: str | None = None
     api_key: str | None = None
     admin_token: str | None = None
@@ -86,6 +92,14 @@ class ServerSettings(BaseSettings):
             value = [v for v in value.split(",") if v.strip()]
         if isinstance(value, list | tuple):
             return dict(parse_lora_module(v) for v in value)
+        return value
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _check_metrics_port(cls, value: int, info: ValidationInfo) -> int:
+        """Tenant-labelled metrics never share the API port."""
+        if value and value == info.data.get("port"):
+            raise ValueError(f"{value} is the API port (--port): give another, or 0 for none")
         return value
 
     @field_validator("max_loras", mode="before")
@@ -170,7 +184,11 @@ SETTINGS_HELP: dict[str, str] = {
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",
     "device": "cpu or cuda",
     "host": "address to listen on",
-    "port": "port to listen on",
+    "port": "port to listen on (the OpenAI API; its /metrics: vLLM's protocol gauges only)",
+    "metrics_port": "port of every metric, per-tenant and per-adapter ones included, for"
+    " Prometheus only (0: off; never the API port)",
+    "api_metrics_adapters": "name adapters in the API port's vllm:lora_requests_info (for an"
+    " inference gateway; only where nothing else reaches the API port)",
     "controlplane_url": "catalog mode: the control plane's URL (tenants, keys, adapters)",
     "api_key": "standalone mode: the key every /v1 route needs (unset: none)",
     "admin_token": "enables /v1/load_lora_adapter and /v1/unload_lora_adapter",

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from loraplane.dataplane.server.app import create_app
+from loraplane.dataplane.server.metrics_port import create_metrics_app
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings
 from tests.servers import serve_in_thread
@@ -34,6 +35,7 @@ class Running:
     runtime: Runtime
     settings: ServerSettings
     adapters: dict[str, Path]
+    metrics_url: str  # the metrics port (every series, per-tenant ones included)
 
     @property
     def v1(self) -> str:
@@ -62,6 +64,13 @@ def start_server(settings: ServerSettings) -> Iterator[tuple[str, Runtime]]:
         yield url, app.state.runtime
 
 
+@contextlib.contextmanager
+def serve_metrics(runtime: Runtime) -> Iterator[str]:
+    """The metrics port's app of a running server, on a port of its own; its base URL."""
+    with serve_in_thread(create_metrics_app(runtime)) as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def adapter_names(peft_adapters: dict[str, Path]) -> dict[str, Path]:
     """20 adapter names over the 8 fixture adapters."""
@@ -88,13 +97,14 @@ def server_settings(model: Path, adapters: dict[str, Path], **overrides: object)
 def server(tiny_llama_dir: Path, adapter_names: dict[str, Path]) -> Iterator[Running]:
     """The shared server: api key and admin token set, 20 adapters, max_loras 8."""
     settings = server_settings(tiny_llama_dir, adapter_names)
-    with start_server(settings) as (url, runtime):
-        yield Running(url, runtime, settings, adapter_names)
+    with start_server(settings) as (url, runtime), serve_metrics(runtime) as metrics_url:
+        yield Running(url, runtime, settings, adapter_names, metrics_url)
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """`python -m loraplane.dataplane.server serve ARGS` in a subprocess."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    """`python -m loraplane.dataplane.server serve ARGS` in a subprocess (no metrics port
+    unless ARGS or `env` ask for one: the default port may be taken on a shared machine)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_METRICS_PORT": "0", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "loraplane.dataplane.server", "serve", *args],
         cwd=REPO,

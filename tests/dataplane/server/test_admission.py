@@ -17,7 +17,7 @@ from loraplane.dataplane.server.admission import QueueFull, QueueLimits
 from loraplane.dataplane.server.errors import InvalidRequest
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.ratelimit import PRUNE_EVERY
-from tests.dataplane.server.conftest import API_KEY, server_settings, start_server
+from tests.dataplane.server.conftest import API_KEY, serve_metrics, server_settings, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -104,7 +104,8 @@ def test_over_the_caps_the_server_answers_429_400_and_413_and_counts_them(
         ok = httpx.post(url + "/v1/completions", headers=AUTH,
                         json={"model": "ad00", "prompt": "hi", "max_tokens": 1})  # fmt: skip
         assert ok.status_code == 200
-        metrics = httpx.get(url + "/metrics").text
+        with serve_metrics(runtime) as metrics_url:  # refusals are counted on the metrics port
+            metrics = httpx.get(metrics_url + "/metrics").text
         for reason, count in (("tenant_queue_full", 1), ("too_many_prompts", 1),
                               ("body_too_large", 2), ("queue_full", 0)):  # fmt: skip
             assert f'loraplane_requests_refused_total{{reason="{reason}"}} {count}.0' in metrics

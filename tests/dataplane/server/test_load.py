@@ -43,9 +43,11 @@ REQUIRED: dict[str, set[str]] = {
 }
 
 
-def scrape(server: Running) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """sample name -> [(labels, value)]"""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+def scrape(
+    server: Running, *, api_port: bool = False
+) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """sample name -> [(labels, value)] of the metrics port (or of the API port's /metrics)"""
+    text = httpx.get((server.url if api_port else server.metrics_url) + "/metrics", timeout=10).text
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -146,3 +148,11 @@ def test_200_concurrent_streams_over_20_adapters_match_requests_run_alone(server
     assert blocks["sequences"] + blocks["free"] == 512  # the server's LORAPLANE_NUM_KV_BLOCKS
     (info,) = after["vllm:lora_requests_info"]
     assert info[0]["max_lora"] == "8"
+    # the API port shows vLLM's protocol gauges only: no tenant, no adapter named
+    gateway = scrape(server, api_port=True)
+    assert set(gateway) == {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_waiting_by_reason",
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -75,3 +76,57 @@ def test_bad_settings_are_a_usage_error(tiny_llama_dir: Path) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "LORAPLANE_LORA_MODULES" in err and "NAME=DIR" in err
+
+
+def test_tenant_series_are_served_on_the_metrics_port_only(tiny_llama_dir: Path) -> None:
+    """The process serves two ports: the API's /metrics has vLLM's protocol gauges and no
+    tenant label; the metrics port has every series; both stop on SIGTERM with exit 0."""
+    port, metrics_port = free_port(), free_port()
+    proc = spawn(
+        ["--model", str(tiny_llama_dir), "--port", str(port), "--metrics-port", str(metrics_port),
+         "--api-key", "sk-only-tenant"],
+        env={"LORAPLANE_NUM_KV_BLOCKS": "64"},
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc=proc)
+        auth = {"Authorization": "Bearer sk-only-tenant"}
+        model = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "fox", "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, headers=auth).status_code == 200
+        api = httpx.get(url + "/metrics").text
+        private = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert "vllm:num_requests_running" in api and "vllm:num_requests_running" in private
+        for series in ("loraplane_tokens_total", "loraplane_requests_total", "tenant="):
+            assert series not in api, series
+        assert 'loraplane_tokens_total{kind="completion",tenant="default"} 3.0' in private
+        assert 'loraplane_requests_total{code="200",tenant="default"} 1.0' in private
+        # the metrics port serves /metrics only: the API is not reachable through it
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/v1/models").status_code == 404
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_taken_metrics_port_fails_start_naming_the_setting(tiny_llama_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        metrics_port = taken.getsockname()[1]
+        proc = spawn(["--model", str(tiny_llama_dir), "--port", str(free_port()),
+                      "--metrics-port", str(metrics_port)])  # fmt: skip
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{metrics_port}" in err
+    assert "LORAPLANE_METRICS_PORT" in err
+
+
+def test_the_metrics_port_may_not_be_the_api_port(tiny_llama_dir: Path) -> None:
+    proc = spawn(["--model", str(tiny_llama_dir), "--port", "8123", "--metrics-port", "8123"])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "LORAPLANE_METRICS_PORT / --metrics-port" in err and "the API port" in err

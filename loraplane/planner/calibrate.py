@@ -1,0 +1,135 @@
+"""`loraplane plan --calibrate`: measure this engine here and fit the planner's cost model.
+
+Timed `Engine.step()` calls over batches of several sizes, prompt lengths and numbers of
+distinct adapters (and one closed loop, for steps that mix prompt chunks and decodes) give
+(step shape, seconds) samples; `LinearCost`'s coefficients are their non-negative least-squares
+fit in relative error. Cold loads are timed through the engine's own loader threads (disk tier
+to host memory, digest checked), one at a time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from loraplane.planner.cost import LinearCost, StepShape
+from loraplane.planner.measure import Bench, Clock, closed_loop, make_engine
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.sequence import LoRARef
+
+# (requests, distinct adapters, prompt tokens, output tokens), each run as one batch
+BATCHES = ((64, 4, 16, 5), (64, 48, 16, 24), (16, 16, 64, 3), (32, 8, 32, 3),
+           (8, 1, 16, 6))  # fmt: skip
+LOAD_SAMPLES = 8
+
+
+def load_adapters(engine: Engine, refs: list[LoRARef], timeout: float = 60.0) -> list[float]:
+    """Load each of `refs` into host memory through the loader threads, one at a time;
+    return each load's seconds as the engine times them (`loraplane_adapter_load_seconds`)."""
+    stats = engine.loras.host_stats
+    told, times = stats.load_seconds, list[float]()
+    stats.load_seconds = times.append
+    try:
+        for ref in refs:
+            engine.loras.prefetch([ref])
+            engine.loras.wait_for([ref], timeout)
+            if not engine.loras.ready(ref):
+                raise RuntimeError(f"adapter {ref.key} did not load: {engine.loras.failure(ref)}")
+    finally:
+        stats.load_seconds = told
+    return times
+
+
+def fit(samples: list[tuple[StepShape, float]]) -> tuple[float, float, float, float, float]:
+    """(base, per_token, per_seq, per_context, per_adapter) >= 0 minimising the relative
+    squared error of the samples' times (features with a negative fit are dropped)."""
+    x = np.array(
+        [[1.0, s.tokens, s.seqs, s.context, s.adapters] for s, _ in samples], dtype=np.float64
+    )
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    w = 1.0 / y
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    base, per_token, per_seq, per_context, per_adapter = (float(c) for c in coef)
+    return base, per_token, per_seq, per_context, per_adapter
+
+
+def measure_steps(
+    engine: Engine, refs: list[LoRARef], clock: Clock = time.perf_counter
+) -> tuple[list[tuple[StepShape, float]], list[float]]:
+    """Timed steps of the calibration batches and closed loop (adapters already loaded), and
+    the jitter: each decode step's time over the median of the identical steps beside it."""
+    one = engine.loras.device_bytes(refs[0])
+    samples: list[tuple[StepShape, float]] = []
+    jitter: list[float] = []
+    closed_loop(
+        engine, refs, [(0, 16, 4)] * 16, 16, clock=clock
+    )  # a process's first steps run slow
+    for n, distinct, prompt, output in BATCHES:
+        trace = [(i % distinct, prompt, output) for i in range(n)]
+        steps = closed_loop(engine, refs, trace, n, adapter_bytes=one, clock=clock).steps
+        samples += steps
+        decodes = [t for s, t in steps if s.tokens == s.seqs == n]
+        if len(decodes) >= 3:
+            middle = statistics.median(decodes)
+            jitter += [t / middle for t in decodes]
+    trace = [(i % 48, 8 + i % 17, 4 + i % 9) for i in range(96)]
+    samples += closed_loop(engine, refs, trace, 48, adapter_bytes=one, clock=clock).steps
+    return samples, jitter
+
+
+def calibrate(bench: Bench, machine: str = "", clock: Clock = time.perf_counter,
+              **engine_settings: object) -> LinearCost:  # fmt: skip
+    """Measure the engine over `bench` (at least 64 + LOAD_SAMPLES stored adapters) and fit;
+    step times read `clock` (see `measure.closed_loop`), loads the engine's own timing."""
+    need = max(n for _, n, _, _ in BATCHES) + LOAD_SAMPLES
+    if len(bench.versions) < need:
+        raise ValueError(f"calibration needs at least {need} stored adapters")
+    engine, refs = make_engine(bench, **engine_settings)
+    try:
+        loads = load_adapters(engine, refs[-LOAD_SAMPLES:])
+        load_bytes = engine.loras.device_bytes(refs[-1])
+        load_adapters(engine, refs[: need - LOAD_SAMPLES])
+        samples, jitter = measure_steps(engine, refs, clock)
+    finally:
+        engine.loras.close()
+    base, per_token, per_seq, per_context, per_adapter = fit(samples)
+    return LinearCost(
+        base=base,
+        per_token=per_token,
+        per_seq=per_seq,
+        per_context=per_context,
+        per_adapter=per_adapter,
+        load_seconds_per_byte=statistics.median(loads) / load_bytes,
+        measured_on=machine,
+        model=str(bench.model),
+        jitter=tuple(jitter),
+    )
+
+
+def mean_cost(a: LinearCost, b: LinearCost) -> LinearCost:
+    """The mean of two calibrations (its predictions are the mean of theirs), with both
+    calibrations' jitter."""
+    return LinearCost(
+        base=(a.base + b.base) / 2,
+        per_token=(a.per_token + b.per_token) / 2,
+        per_seq=(a.per_seq + b.per_seq) / 2,
+        per_context=(a.per_context + b.per_context) / 2,
+        per_adapter=(a.per_adapter + b.per_adapter) / 2,
+        load_seconds_per_byte=(a.load_seconds_per_byte + b.load_seconds_per_byte) / 2,
+        measured_on=a.measured_on,
+        model=a.model,
+        jitter=a.jitter + b.jitter,
+    )

@@ -1,0 +1,206 @@
+"""How long one replica's step and adapter loads take: the planner's cost model.
+
+Two sources:
+- `Roofline`: a GPU spec (memory bandwidth, dense peak flop/s, host link). A step moves the
+  streamed weights, the K/V it attends over and the step's distinct adapters (SGMV reads each
+  adapter's A and B once per step), and computes 2 flops per parameter per token plus
+  attention and the LoRA side path; it takes the longer of the two at the given efficiencies,
+  plus a fixed launch overhead. An adapter placed on the device for a step is copied over the
+  host link inside that step.
+- `LinearCost`: coefficients measured on this engine (`calibrate.py`): a step costs
+  `base + per_token * tokens + per_seq * rows + per_context * context + per_adapter * adapters`
+  seconds, fitted to timed `Engine.step()` calls; a cold load the measured time per byte. How
+  much identical steps vary (`jitter`: each over their median, in the order measured) is
+  replayed by the simulated replicas, so the simulation sees the step-time variation of the
+  machine it was calibrated on (a shared CPU's, say), not only its mean.
+Both load adapters into host memory on the loader threads (disk -> host) at `host_load_seconds`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+from loraplane.planner.memory import DTYPE_BYTES, AdapterProfile, adapter_elements
+from loraplane.planner.shapes import ModelShape
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one engine step computes."""
+
+    tokens: int  # prompt chunk and decode tokens
+    seqs: int  # rows (sequences) in the step
+    context: int  # K/V tokens the step attends over: sum of the rows' lengths after the step
+    attention: int  # query x key pairs: sum over rows of new tokens x length after the step
+    adapters: int  # distinct adapters in the step
+    adapter_bytes: int  # their device bytes together
+    placed_bytes: int = 0  # adapter bytes copied host -> device for this step
+
+
+class CostModel(Protocol):
+    """Seconds for a step and for an adapter's load."""
+
+    def step_seconds(self, step: StepShape) -> float:
+        """Wall time of one step (device copies of adapters placed for it included)."""
+        ...
+
+    def host_load_seconds(self, nbytes: int) -> float:
+        """Wall time of one adapter's load into host memory on a loader thread."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description, for reports."""
+        ...
+
+    @property
+    def jitter(self) -> tuple[float, ...]:
+        """Measured step time over predicted, in the order measured: a simulated replica
+        replays them (from a seeded offset) on its steps; empty: steps take what is predicted."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GPUSpec:
+    """A GPU's memory, bandwidth (bytes/s), dense bf16/fp16 peak (flop/s) and host link."""
+
+    name: str
+    memory: int
+    bandwidth: float
+    flops: float
+    pcie: float
+
+
+# Vendor data sheets (SXM parts; dense tensor-core peak without sparsity; PCIe at a usable
+# ~80% of the link's rate).
+GPUS: dict[str, GPUSpec] = {
+    g.name: g
+    for g in (
+        GPUSpec("h200", 141 * 10**9, 4.8e12, 989e12, 50e9),
+        GPUSpec("h100", 80 * 10**9, 3.35e12, 989e12, 50e9),
+        GPUSpec("a100-80gb", 80 * 10**9, 2.039e12, 312e12, 25e9),
+        GPUSpec("l40s", 48 * 10**9, 0.864e12, 362e12, 25e9),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """A step at the roofline of `gpu` for `shape` in `dtype` (see the module docstring)."""
+
+    gpu: GPUSpec
+    shape: ModelShape
+    dtype: str
+    profile: AdapterProfile
+    bandwidth_efficiency: float = 0.8
+    flops_efficiency: float = 0.5
+    step_overhead_s: float = 0.002  # launches, scheduling and sampling on the host
+    host_load_fixed_s: float = 0.002  # a load's fixed cost: open, parse, verify
+    host_load_bandwidth: float = 1.5e9  # bytes/s: local read, digest and dtype conversion
+
+    def step_seconds(self, step: StepShape) -> float:
+        """The longer of the step's memory and compute time, plus overheads."""
+        elt = DTYPE_BYTES[self.dtype]
+        shape = self.shape
+        embed = shape.vocab_size * shape.hidden_size
+        # a step gathers a few embedding rows; the LM head (the embedding, if tied) is read
+        streamed = (shape.num_params() - (0 if shape.tie_word_embeddings else embed)) * elt
+        per_token_kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elt
+        moved = streamed + per_token_kv * (step.context + step.tokens) + step.adapter_bytes
+        q_dim = shape.num_heads * shape.head_dim
+        flops = (
+            2 * shape.linear_params() * step.tokens
+            + 2 * embed * step.seqs  # the LM head, for the rows that sample
+            + 4 * shape.num_layers * q_dim * step.attention
+            + 2 * adapter_elements(shape, self.profile) * step.tokens
+        )
+        busy = max(
+            moved / (self.gpu.bandwidth * self.bandwidth_efficiency),
+            flops / (self.gpu.flops * self.flops_efficiency),
+        )
+        return busy + self.step_overhead_s + step.placed_bytes / self.gpu.pcie
+
+    def host_load_seconds(self, nbytes: int) -> float:
+        """Fixed cost plus bytes at the host's load bandwidth."""
+        return self.host_load_fixed_s + nbytes / self.host_load_bandwidth
+
+    @property
+    def jitter(self) -> tuple[float, ...]:
+        return ()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "roofline",
+            "gpu": asdict(self.gpu),
+            "bandwidth_efficiency": self.bandwidth_efficiency,
+            "flops_efficiency": self.flops_efficiency,
+            "step_overhead_s": self.step_overhead_s,
+            "host_load_fixed_s": self.host_load_fixed_s,
+            "host_load_bandwidth": self.host_load_bandwidth,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """Step and load costs fitted to this engine's measured times (`calibrate.py`)."""
+
+    base: float
+    per_token: float
+    per_seq: float
+    per_context: float
+    per_adapter: float
+    load_seconds_per_byte: float
+    measured_on: str = ""
+    model: str = ""
+    jitter: tuple[float, ...] = ()  # identical steps' times over their median, in order
+
+    def step_seconds(self, step: StepShape) -> float:
+        """The fitted linear model."""
+        return (
+            self.base
+            + self.per_token * step.tokens
+            + self.per_seq * step.seqs
+            + self.per_context * step.context
+            + self.per_adapter * step.adapters
+        )
+
+    def host_load_seconds(self, nbytes: int) -> float:
+        """The measured load time, scaled by bytes."""
+        return self.load_seconds_per_byte * nbytes
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "linear", **asdict(self)}
+
+    def save(self, path: Path | str) -> None:
+        """Write the coefficients as JSON (`--cost FILE` reads them back)."""
+        Path(path).write_text(json.dumps(self.describe(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path | str) -> LinearCost:
+        """Read coefficients saved by `save`; ValueError naming what is wrong."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read cost file {path}: {e}") from e
+        if not isinstance(data, dict) or data.get("kind") != "linear":
+            raise ValueError(f"{path} is not a calibrated cost file (kind 'linear')")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = data.get(f.name)
+            if f.name == "jitter":
+                value = value or []
+                if not isinstance(value, list) or not all(
+                    isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in value
+                ):
+                    raise ValueError(f"{path}: jitter must be a list of positive numbers")
+                value = tuple(float(v) for v in value)
+            elif f.type == "float":
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"{path}: {f.name} must be a number, got {value!r}")
+                value = float(value)
+            elif not isinstance(value, str):
+                value = ""
+            values[f.name] = value
+        return cls(**values)

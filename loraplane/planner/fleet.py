@@ -1,0 +1,272 @@
+"""A discrete-event simulation of a fleet of replicas behind a router.
+
+Requests arrive as a Poisson process at `rate` (open loop) or `concurrency` at a time (closed
+loop: each finished request sends the next, as `benchmarks/tiers.py` does); each asks for an
+adapter drawn from the popularity law (`zipf:S`: the k-th adapter with weight 1 / k^S, or
+`uniform`). The router (`routing.py`) sends it to a replica (`replica.py`), whose steps take
+what the cost model says. Seeded: the same inputs give the same result.
+
+Figures: generated tokens per second and time to first token (p50, p99) of the requests that
+arrive after the warm-up; a request still without its first token at the end counts with the
+time it has waited (so an overloaded fleet shows in the p99 instead of hiding).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+from loraplane.planner.cost import CostModel
+from loraplane.planner.replica import Replica, ReplicaSettings, Request, StepDone
+from loraplane.planner.routing import SCRAPE_INTERVAL_S, Policy, Snapshot, make_policy
+
+
+def popularity_weights(law: str, count: int) -> list[float]:
+    """Weights of adapters 0..count-1 under `zipf:S` or `uniform`; ValueError otherwise."""
+    if law == "uniform":
+        return [1.0] * count
+    kind, _, value = law.partition(":")
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if kind != "zipf" or not math.isfinite(s) or s < 0:
+        raise ValueError(f"popularity must be zipf:S (S >= 0) or uniform, got {law!r}")
+    return [1.0 / (k + 1) ** s for k in range(count)]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The load offered to the fleet."""
+
+    adapters: int
+    popularity: str = "zipf:1.0"
+    prompt_tokens: int = 512
+    output_tokens: int = 128
+    rate: float | None = None  # requests/s (open loop)
+    concurrency: int | None = None  # requests in flight (closed loop)
+    duration_s: float = 60.0  # open loop: arrivals stop, the simulation ends
+    warmup_s: float = 10.0  # open loop: requests arriving earlier are not counted
+    requests: int = 0  # closed loop: requests to finish
+    warmup_requests: int = 0  # closed loop: the first ones are not counted
+    spread: float = 0.0  # lengths uniform in mean x [1 - spread, 1 + spread]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.concurrency is None):
+            raise ValueError("give a rate (open loop) or a concurrency (closed loop), not both")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"rate must be positive, got {self.rate}")
+        if self.concurrency is not None and (self.concurrency < 1 or self.requests < 1):
+            raise ValueError("a closed loop needs concurrency >= 1 and requests >= 1")
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("prompt and output tokens must be at least 1")
+        if not 0 <= self.spread < 1:
+            raise ValueError(f"spread must be in [0, 1), got {self.spread}")
+        popularity_weights(self.popularity, 1)
+
+
+class Requests:
+    """The workload's requests in order: (adapter, prompt tokens, output tokens) each, drawn
+    from their own seeded generator (so request i is the same whatever the arrivals)."""
+
+    def __init__(self, load: Workload) -> None:
+        self.load = load
+        self.rng = random.Random(load.seed)  # noqa: S311 - a seeded workload, not secrets
+        self.cum = list(itertools.accumulate(popularity_weights(load.popularity, load.adapters)))
+
+    def _length(self, mean: int) -> int:
+        spread = self.load.spread
+        if not spread:
+            return mean
+        low, high = round(mean * (1 - spread)), round(mean * (1 + spread))
+        return max(1, self.rng.randint(low, high))
+
+    def next(self) -> tuple[int, int, int]:
+        """The next request's adapter, prompt and output tokens."""
+        load = self.load
+        adapter = bisect.bisect_left(self.cum, self.rng.random() * self.cum[-1])
+        return (min(adapter, load.adapters - 1), self._length(load.prompt_tokens),
+                self._length(load.output_tokens))  # fmt: skip
+
+
+def draw_requests(load: Workload, n: int) -> list[tuple[int, int, int]]:
+    """The first `n` requests the simulator sends for `load` (to run the same on the engine)."""
+    draws = Requests(load)
+    return [draws.next() for _ in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetResult:
+    """What a simulation measured."""
+
+    policy: str
+    replicas: int
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    requests: int  # counted requests (after the warm-up)
+    completed: int  # of which finished
+    cold_loads: int  # adapter loads into host memory, all replicas
+    offered_rate: float  # requests/s sent after the warm-up
+    served_rate: float  # requests/s finished after the warm-up (whenever they arrived)
+    ttft_s: tuple[float, ...] = field(default=(), repr=False, compare=False)  # counted ones
+
+    @property
+    def stable(self) -> bool:
+        """Did the fleet keep up (served at least 95% of what was offered)?"""
+        return self.served_rate >= 0.95 * self.offered_rate
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, nearest rank below (as tiers.run_load computes)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class _Sim:
+    def __init__(self, settings: ReplicaSettings, cost: CostModel, policy: Policy,
+                 replicas: int, load: Workload, jitter_seed: int) -> None:  # fmt: skip
+        self.replicas = [
+            Replica(settings, cost, seed=jitter_seed * 100_003 + i) for i in range(replicas)
+        ]
+        self.policy = policy
+        self.load = load
+        self.rng = random.Random(load.seed + 1)  # noqa: S311 - arrivals, seeded
+        self.draws = Requests(load)
+        self.events: list[tuple[float, int, int, int]] = []  # (time, order, kind, replica)
+        self.order = itertools.count()
+        self.pending = [False] * replicas  # a step end or wake-up is scheduled
+        self.snaps = [self._snapshot(r) for r in self.replicas]
+        self.requests: list[Request] = []
+        # tokens count from the warm-up on (open loop), or from the start (closed loop)
+        self.counted_from = load.warmup_s if load.rate is not None else 0.0
+        self.tokens = 0
+        self.end = 0.0
+        self.done: list[StepDone | None] = [None] * replicas
+
+    def _snapshot(self, r: Replica) -> Snapshot:
+        return Snapshot(
+            waiting=len(r.waiting),
+            running=r.num_running,
+            kv_usage=r.kv_usage,
+            active=frozenset(r.running),
+            waiting_adapters=frozenset(a for a, n in r.wanted.items() if n),
+            max_lora=r.s.lora_slots,
+        )
+
+    def push(self, t: float, kind: int, replica: int = -1) -> None:
+        heapq.heappush(self.events, (t, next(self.order), kind, replica))
+
+    def send(self, now: float) -> None:
+        adapter, prompt, output = self.draws.next()
+        req = Request(len(self.requests), adapter, prompt, output, now)
+        self.requests.append(req)
+        i = self.policy.pick(req.adapter, now, self.snaps)
+        self.replicas[i].add(req)
+        if not self.pending[i]:
+            self.wake(i, now)
+
+    def wake(self, i: int, now: float) -> None:
+        r = self.replicas[i]
+        outcome = r.step(now)
+        if isinstance(outcome, StepDone):
+            self.pending[i] = True
+            self.push(outcome.end, STEP_END, i)
+            self.done[i] = outcome
+        elif outcome is not None:
+            self.pending[i] = True
+            self.push(outcome, WAKE, i)
+        else:
+            self.pending[i] = False
+
+    def run(self) -> None:
+        load = self.load
+        self.push(0.0, SCRAPE)
+        if load.rate is not None:
+            self.push(self.rng.expovariate(load.rate), ARRIVAL)
+        else:
+            for _ in range(load.concurrency or 0):
+                self.send(0.0)
+        finished = 0
+        while self.events:
+            t, _, kind, i = heapq.heappop(self.events)
+            if kind == ARRIVAL:
+                if t >= load.duration_s:
+                    break
+                self.send(t)
+                self.push(t + self.rng.expovariate(load.rate or 1.0), ARRIVAL)
+            elif kind == SCRAPE:
+                self.snaps = [self._snapshot(r) for r in self.replicas]
+                self.policy.scraped()
+                if self.events:
+                    self.push(t + SCRAPE_INTERVAL_S, SCRAPE)
+            else:
+                step = self.done[i] if kind == STEP_END else None
+                self.done[i] = None
+                if step is not None and t >= self.counted_from:
+                    self.tokens += step.generated
+                if step is not None and load.concurrency is not None:
+                    finished += len(step.finished)
+                    for _ in step.finished:
+                        if len(self.requests) < load.requests:
+                            self.send(t)
+                    if finished >= load.requests:
+                        self.end = t
+                        return
+                self.wake(i, t)
+        self.end = load.duration_s if load.rate is not None else t
+
+    def result(self) -> FleetResult:
+        load = self.load
+        if load.rate is not None:
+            counted = [r for r in self.requests if r.arrival >= load.warmup_s]
+        else:
+            counted = self.requests[load.warmup_requests :]
+        span = max(self.end - self.counted_from, 1e-9)
+        waits = [(r.first_token if r.first_token >= 0 else self.end) - r.arrival for r in counted]
+        done = sum(1 for r in counted if r.finished >= 0)
+        served = sum(1 for r in self.requests if r.finished >= self.counted_from)
+        return FleetResult(
+            policy=self.policy.name,
+            replicas=len(self.replicas),
+            tokens_per_s=self.tokens / span,
+            ttft_p50_s=percentile(waits, 0.5),
+            ttft_p99_s=percentile(waits, 0.99),
+            requests=len(counted),
+            completed=done,
+            cold_loads=sum(r.loads for r in self.replicas),
+            offered_rate=len(counted) / span,
+            served_rate=served / span,
+            ttft_s=tuple(waits),
+        )
+
+
+ARRIVAL, STEP_END, WAKE, SCRAPE = range(4)
+
+
+def simulate(
+    settings: ReplicaSettings,
+    cost: CostModel,
+    policy: str | Policy,
+    replicas: int,
+    load: Workload,
+    jitter_seed: int = 0,
+) -> FleetResult:
+    """Run the fleet of `replicas` under `policy` on `load`; deterministic for the load's
+    seed (the requests and arrivals) and `jitter_seed` (where each replica starts replaying
+    the cost model's jitter)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    chosen = (
+        make_policy(policy, replicas, settings.max_num_seqs) if isinstance(policy, str) else policy
+    )
+    sim = _Sim(settings, cost, chosen, replicas, load, jitter_seed)
+    sim.run()
+    return sim.result()

@@ -1,0 +1,219 @@
+"""The real engine under load, for calibration and for checking the simulator against it.
+
+`build_bench` writes a small Llama model and stores adapters of a profile in a local object
+store (the catalog's path: ingest, then `register_stored` and loads from the disk tier, as
+`benchmarks/tiers.py` does); `closed_loop` runs requests through `Engine.step()` with a fixed
+number in flight and records what each step computed and how long it took.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loraplane.planner.cost import StepShape
+from loraplane.planner.replica import ReplicaSettings
+
+Clock = Callable[[], float]
+
+if TYPE_CHECKING:
+    from loraplane.adapters.ingest import AdapterVersion
+    from loraplane.adapters.store import LocalStore
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.scheduler import SchedulerOutput
+    from loraplane.dataplane.sequence import LoRARef
+
+# A model that steps in tens of milliseconds on two cores (fp32).
+SMALL_SHAPE: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 704,
+    "vocab_size": 4096,
+    "max_position_embeddings": 1024,
+}
+
+
+@dataclass(slots=True)
+class Bench:
+    """A model folder and stored adapter versions of it, under `root`."""
+
+    root: Path
+    model: Path
+    store: LocalStore
+    versions: list[AdapterVersion]
+
+
+def build_bench(
+    root: Path,
+    adapters: int,
+    rank: int = 16,
+    modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    shape: dict[str, Any] | None = None,
+    model: Path | None = None,
+) -> Bench:
+    """Write (or use) a model and store `adapters` seeded random adapters of it under `root`."""
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.adapters.ingest import ingest
+    from loraplane.adapters.limits import AdapterLimits
+    from loraplane.adapters.store import LocalStore
+    from loraplane.demo.build import build_adapter, build_llama
+
+    if model is None:
+        model = build_llama(root / "model", **(shape or SMALL_SHAPE))
+    spec = BaseModelSpec.from_dir(model)
+    store = LocalStore(root / "store")
+    versions = []
+    limits = AdapterLimits(max_rank=max(64, rank))
+    for i in range(adapters):
+        src = build_adapter(model, root / "src" / str(i), r=rank, lora_alpha=2 * rank,
+                            target_modules=list(modules), seed=i)  # fmt: skip
+        versions.append(ingest(src, "bench", f"a{i}", spec, limits, store))
+        for f in src.iterdir():
+            f.unlink()
+        src.rmdir()
+    return Bench(root, model, store, versions)
+
+
+def make_engine(bench: Bench, **overrides: Any) -> tuple[Engine, list[LoRARef]]:
+    """An engine on the CPU over `bench`'s model with its adapters registered (not loaded)."""
+    from loraplane.dataplane.config import EngineConfig
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.sequence import LoRARef
+    from loraplane.dataplane.tiers.disk import DiskTier
+
+    settings: dict[str, Any] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "max_num_seqs": 64,
+        "num_kv_blocks": 64 * 8,
+        "enable_prefix_caching": False,
+    }
+    settings.update(overrides)
+    disk = DiskTier(bench.store, root=bench.root / "disk")  # a local store is read in place
+    engine = Engine(EngineConfig(model=str(bench.model), **settings), disk=disk)
+    refs = [
+        engine.loras.register_stored(LoRARef(v.name, v.tenant, v.digest), v.path)
+        for v in bench.versions
+    ]
+    return engine, refs
+
+
+def replica_settings(engine: Engine, adapter_bytes: int) -> ReplicaSettings:
+    """The simulator's settings for a replica that is `engine` (its config, KV blocks and
+    resolved adapter memory), with adapters of `adapter_bytes` each."""
+    config = engine.config
+    return ReplicaSettings(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        lora_slots=config.lora_slots,
+        lora_budget_bytes=engine.runner.lora_budget_bytes,
+        adapter_bytes=adapter_bytes,
+        adapter_device_bytes=adapter_bytes,
+        max_cpu_loras=config.max_cpu_loras or config.lora_slots,
+        kv_blocks=engine.runner.num_blocks,
+        block_size=config.block_size,
+        max_deferral_steps=config.max_deferral_steps,
+        loads_in_flight=engine.loras.max_loads_in_flight,
+        device_copies=engine.runner.device.type == "cuda",
+    )
+
+
+def step_shape(out: SchedulerOutput, adapter_bytes: int) -> StepShape:
+    """The cost model's view of a scheduled step."""
+    context = attention = tokens = 0
+    for row in out.scheduled:
+        length = row.start + row.num_new_tokens
+        tokens += row.num_new_tokens
+        context += length
+        attention += row.num_new_tokens * length
+    adapters = len(out.lora_keys)
+    return StepShape(tokens, len(out.scheduled), context, attention, adapters,
+                     adapters * adapter_bytes)  # fmt: skip
+
+
+@dataclass(slots=True)
+class LoadRun:
+    """A closed-loop run: throughput, every request's time to first token, every step."""
+
+    tokens_per_s: float
+    ttft: list[float]  # in request order
+    steps: list[tuple[StepShape, float]] = field(default_factory=list)
+    loads: int = 0
+    load_seconds: list[float] = field(default_factory=list)  # each load's, as the engine saw it
+    cold: list[bool] = field(default_factory=list)  # per request: adapter not in host memory
+
+
+def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int, int]],
+                in_flight: int, seed: int = 0, adapter_bytes: int = 0,
+                clock: Clock = time.perf_counter) -> LoadRun:  # fmt: skip
+    """Run the requests of `trace` ((adapter index, prompt tokens, output tokens) each, as
+    `fleet.draw_requests` gives them), `in_flight` at a time; a finished request sends the
+    next at once. Tokens/s counts generated tokens from the first step to the last request's
+    end, as `benchmarks/tiers.py` does. `clock` reads every time: wall time by default;
+    `time.thread_time` (this thread's CPU time) gives what wall time would be on a machine
+    the engine had to itself (the engine's thread is the one that steps; its waits for
+    loader threads do not count then)."""
+    from loraplane.dataplane.sampling import SamplingParams
+
+    rng = random.Random(seed)  # noqa: S311 - a seeded workload, not secrets
+    vocab = min(engine.runner.vocab_size, 32000)
+    arrived: list[float] = []
+    cold: list[bool] = []
+    load_seconds: list[float] = []
+    first: dict[int, float] = {}
+    outs: list[SchedulerOutput] = []
+    schedule = engine.scheduler.schedule
+
+    def recording(adapters: Any = None) -> SchedulerOutput:
+        out = schedule(adapters)
+        outs.append(out)
+        return out
+
+    def send() -> None:
+        i = len(arrived)
+        adapter, prompt_tokens, output_tokens = trace[i]
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
+        params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+        cold.append(not engine.loras.ready(refs[adapter]))
+        arrived.append(clock())
+        engine.add_request(f"p{i}", prompt, params, refs[adapter])
+
+    loads_before = engine.loras.host_stats.loads
+    told = engine.loras.host_stats.load_seconds
+    engine.loras.host_stats.load_seconds = load_seconds.append
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    try:
+        for _ in range(min(in_flight, len(trace))):
+            send()
+        steps: list[tuple[StepShape, float]] = []
+        tokens = done = 0
+        start = clock()
+        while done < len(trace):
+            outs.clear()
+            began = clock()
+            results = engine.step()
+            took = clock() - began
+            if outs and outs[-1].scheduled:
+                steps.append((step_shape(outs[-1], adapter_bytes), took))
+            for r in results:
+                i = int(r.request_id[1:])
+                if i not in first and r.token_ids:
+                    first[i] = clock() - arrived[i]
+                tokens += len(r.token_ids)
+                if r.finished:
+                    done += 1
+                    if len(arrived) < len(trace):
+                        send()
+        elapsed = clock() - start
+    finally:
+        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+        engine.loras.host_stats.load_seconds = told
+    loads = engine.loras.host_stats.loads - loads_before
+    ttft = [first.get(i, 0.0) for i in range(len(trace))]
+    return LoadRun(tokens / elapsed, ttft, steps, loads, load_seconds, cold)

@@ -1,0 +1,203 @@
+"""One replica's memory split, computed by the rules the engine applies (docs/dataplane.md,
+"Adapter memory"):
+
+- weights: every parameter in the serving dtype;
+- adapter memory (`--lora-memory`): bytes as given, or that fraction of what the weights leave
+  free, `int(free * fraction)` (`model_runner.lora_budget_bytes`);
+- KV cache (CUDA): `int(free * 0.85)` less the adapter memory, in whole blocks, at most what
+  `max_num_seqs` sequences of `max_model_len` tokens could use (`ModelRunner._auto_blocks`); on
+  a CPU a quarter of RAM, at most 4 GiB;
+- an adapter's bytes: rank-exact, `r * (in + out) * dtype bytes` per adapted module and layer
+  (`LoRAPool.bytes_needed`); with adapters inside the KV cache (`kv_lora_shared`, the CUDA
+  default) whole blocks of every layer, packed first-fit largest first (`KVArena.blocks_for`);
+- adapters running at once: as many as fit in the adapter memory, at most the pool's slots
+  (`EngineConfig.lora_slots`: `--max-loras`, or for `auto` `max_num_seqs`);
+- host tier: `max_cpu_loras` copies (auto: twice the slots), each the rank-exact bytes;
+- disk tier: every adapter's stored file.
+
+`EngineConfig` itself checks the settings and derives the slots and `max_cpu_loras`, so the
+planner cannot drift from the engine; it is torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loraplane.adapters.base_model import SUPPORTED_MODULES
+from loraplane.dataplane.config import EngineConfig
+from loraplane.planner.shapes import ModelShape
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+GPU_MEMORY_FRACTION = 0.85  # model_runner.GPU_MEMORY_FRACTION: of free memory, for the KV cache
+CPU_KV_BUDGET = 4 << 30  # model_runner.CPU_KV_BUDGET
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterProfile:
+    """The adapters a pool serves: how many, their rank and modules, and how popular each is."""
+
+    count: int
+    rank: int = 16
+    modules: tuple[str, ...] = SUPPORTED_MODULES
+    popularity: str = "zipf:1.0"  # zipf:S or uniform (see fleet.popularity_weights)
+    stored_dtype: str | None = None  # dtype of the stored files; None: the serving dtype
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"adapter count must be a positive integer, got {self.count!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"adapter rank must be a positive integer, got {self.rank!r}")
+        unknown = [m for m in self.modules if m not in SUPPORTED_MODULES]
+        if unknown or not self.modules:
+            raise ValueError(
+                f"adapter modules must be among {', '.join(SUPPORTED_MODULES)}, got"
+                f" {', '.join(self.modules) or 'none'}"
+            )
+        if self.stored_dtype is not None and self.stored_dtype not in DTYPE_BYTES:
+            raise ValueError(f"stored dtype must be one of {', '.join(DTYPE_BYTES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """What one replica holds (bytes unless named otherwise)."""
+
+    device_memory: int
+    weights_bytes: int
+    free_bytes: int  # device memory the weights (and `reserved`) leave
+    kv_bytes_per_token: int
+    block_bytes: int  # one KV block, all layers, K and V
+    kv_blocks: int  # the sequences' share of the KV cache
+    kv_cache_bytes: int
+    lora_budget_bytes: int  # --lora-memory resolved
+    adapter_bytes: int  # one adapter, rank-exact (host copy, and the device copy off the arena)
+    adapter_device_bytes: int  # what it takes in the device pool (whole blocks in the arena)
+    adapter_stored_bytes: int
+    lora_slots: int
+    adapters_resident: int  # adapters that can run at once on the device
+    max_cpu_loras: int
+    host_tier_bytes: int
+    disk_tier_bytes: int
+    kv_lora_shared: bool
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the sequences' KV share holds."""
+        return self.kv_cache_bytes // self.kv_bytes_per_token
+
+
+def weights_bytes(shape: ModelShape, dtype: str) -> int:
+    """Bytes of the model's parameters in `dtype`."""
+    return shape.num_params() * DTYPE_BYTES[dtype]
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
+    """K and V of one token across all layers."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
+
+
+def adapter_elements(shape: ModelShape, profile: AdapterProfile) -> int:
+    """A and B elements of one adapter: r * (in + out) per adapted module and layer."""
+    spec = shape.spec
+    per_layer = sum(sum(spec.module_shape(m)) for m in profile.modules)
+    return profile.rank * per_layer * shape.num_layers
+
+
+def arena_blocks(shape: ModelShape, profile: AdapterProfile, block_size: int) -> int:
+    """KV blocks one adapter takes inside the KV cache: the fewest n such that each layer's A
+    and B tensors, largest first, fit first-fit into that layer's two regions (K and V) of n
+    blocks. Every layer adapts the same modules, so one layer decides."""
+    chunk = block_size * shape.num_kv_heads * shape.head_dim  # elements per block and region
+    spec = shape.spec
+    sizes = sorted(
+        (n for m in profile.modules for n in (profile.rank * spec.module_shape(m)[0],
+                                               spec.module_shape(m)[1] * profile.rank)),
+        reverse=True,
+    )  # fmt: skip
+    n = max(1, -(-sizes[0] // chunk), -(-sum(sizes) // (2 * chunk)))
+    while not _packs(sizes, n * chunk):
+        n += 1
+    return n
+
+
+def _packs(sizes: list[int], room: int) -> bool:
+    used = [0, 0]
+    for size in sizes:
+        for region in (0, 1):
+            if used[region] + size <= room:
+                used[region] += size
+                break
+        else:
+            return False
+    return True
+
+
+def lora_budget(lora_memory: int | float, free: int) -> int:
+    """`--lora-memory` in bytes: as given, or that fraction of the free memory."""
+    if isinstance(lora_memory, int):
+        return lora_memory
+    return max(1, int(free * lora_memory))
+
+
+def plan_memory(
+    shape: ModelShape,
+    config: EngineConfig,
+    device_memory: int,
+    profile: AdapterProfile,
+    reserved: int = 0,
+) -> MemoryPlan:
+    """The memory split of one replica of `config` on a device of `device_memory` bytes;
+    `reserved`: memory the weights do not explain (CUDA context, activations) taken off first."""
+    if device_memory < 1:
+        raise ValueError(f"device memory must be positive, got {device_memory}")
+    dtype = config.dtype
+    weights = weights_bytes(shape, dtype)
+    free = device_memory - weights - reserved
+    if free <= 0:
+        raise ValueError(
+            f"the weights of {shape.name} ({weights / 1e9:.1f} GB in {dtype}) do not fit in"
+            f" {device_memory / 1e9:.1f} GB of device memory"
+        )
+    per_token = kv_bytes_per_token(shape, dtype)
+    block_bytes = per_token * config.block_size
+    budget = lora_budget(config.lora_memory, free)
+    max_len = config.max_model_len or shape.max_position_embeddings
+    wanted = config.max_num_seqs * -(-max_len // config.block_size)
+    if config.device == "cuda":
+        kv_budget = int(free * GPU_MEMORY_FRACTION) - budget
+    else:
+        kv_budget = min(CPU_KV_BUDGET, device_memory // 4)
+    kv_blocks = config.num_kv_blocks or max(1, min(wanted, kv_budget // block_bytes))
+    elements = adapter_elements(shape, profile)
+    exact = elements * DTYPE_BYTES[dtype]
+    shared = bool(config.kv_lora_shared)
+    device_bytes = (
+        arena_blocks(shape, profile, config.block_size) * block_bytes if shared else exact
+    )
+    stored = elements * DTYPE_BYTES[profile.stored_dtype or dtype]
+    cpu_loras = config.max_cpu_loras or config.lora_slots
+    return MemoryPlan(
+        device_memory=device_memory,
+        weights_bytes=weights,
+        free_bytes=free,
+        kv_bytes_per_token=per_token,
+        block_bytes=block_bytes,
+        kv_blocks=kv_blocks,
+        kv_cache_bytes=kv_blocks * block_bytes,
+        lora_budget_bytes=budget,
+        adapter_bytes=exact,
+        adapter_device_bytes=device_bytes,
+        adapter_stored_bytes=stored,
+        lora_slots=config.lora_slots,
+        adapters_resident=min(config.lora_slots, budget // device_bytes),
+        max_cpu_loras=cpu_loras,
+        host_tier_bytes=min(cpu_loras, profile.count) * exact,
+        disk_tier_bytes=profile.count * stored,
+        kv_lora_shared=shared,
+    )
+
+
+def shared_pool_blocks(plan: MemoryPlan) -> int:
+    """KV blocks allocated with adapters inside the cache: the KV share plus the adapter
+    memory in whole blocks (`ModelRunner`)."""
+    return plan.kv_blocks + math.ceil(plan.lora_budget_bytes / plan.block_bytes)

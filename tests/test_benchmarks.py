@@ -1,0 +1,109 @@
+"""The benchmarks' contract with `make bench` / `make bench-smoke` (CI runs the smoke runs
+themselves; these checks only read the scripts and call the shared helpers, in milliseconds)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.fixture
+def common(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> ModuleType:
+    """benchmarks/_common.py, writing its results under tmp_path."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = importlib.import_module("_common")
+    monkeypatch.setattr(module, "RESULTS", tmp_path)
+    return module
+
+
+@pytest.fixture
+def runner(common: ModuleType) -> ModuleType:
+    return importlib.import_module("_run")
+
+
+def _calls(script: Path, name: str) -> list[ast.Call]:
+    tree = ast.parse(script.read_text())
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+    ]
+
+
+def test_the_runner_finds_every_benchmark_script(runner: ModuleType) -> None:
+    assert [p.name for p in runner.scripts()] == [p.name for p in SCRIPTS]
+    assert len(SCRIPTS) >= 9
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_every_script_takes_smoke_and_reports_under_its_own_name_with_it(script: Path) -> None:
+    assert _calls(script, "add_smoke_flag"), f"{script.name} has no --smoke flag"
+    reports = _calls(script, "report")
+    assert len(reports) == 1, f"{script.name} should report once"
+    (call,) = reports
+    # the runner looks for results/<script stem>[.smoke].json
+    assert isinstance(call.args[0], ast.Constant) and call.args[0].value == script.stem
+    assert [k.arg for k in call.keywords] == ["smoke"], f"{script.name}: report(..., smoke=)"
+
+
+def test_the_gpu_runbook_takes_smoke_and_skips_without_cuda() -> None:
+    text = (BENCH / "gpu_check.sh").read_text()
+    assert "--smoke)" in text
+    assert "no CUDA device: skipped" in text
+
+
+def test_a_smoke_report_writes_the_same_shape_marked_smoke_and_never_fails(
+    common: ModuleType, runner: ModuleType, tmp_path: Path
+) -> None:
+    figures = {"tokens_per_s": 1.5, "failed": 0.0}
+    goals = [common.goal(figures, "tokens_per_s", ">=", 100.0)]  # not met
+    assert common.report("demo", figures, goals, smoke=True) == 0
+    body = json.loads((tmp_path / "demo.smoke.json").read_text())
+    assert set(body) == {"figures", "goals", "machine", "smoke"}
+    assert body["smoke"] is True
+    assert body["figures"] == figures
+    assert body["goals"] == [{"figure": "tokens_per_s", "op": ">=", "target": 100.0, "met": False}]
+    assert runner.shape_problems(body, smoke=True) == []
+    assert not (tmp_path / "demo.json").exists(), "a smoke run overwrote the full-size results"
+
+
+def test_a_full_size_run_that_misses_a_goal_exits_GOALS_NOT_MET_with_its_results_written(
+    common: ModuleType, runner: ModuleType, tmp_path: Path
+) -> None:
+    figures = {"ratio": 0.5}
+    missed = [common.goal(figures, "ratio", ">=", 0.9)]
+    assert common.report("demo", figures, missed) == common.GOALS_NOT_MET
+    body = json.loads((tmp_path / "demo.json").read_text())
+    assert body["smoke"] is False
+    assert runner.shape_problems(body, smoke=False) == []
+    assert common.report("demo", figures, [common.goal(figures, "ratio", "<=", 0.9)]) == 0
+
+
+def test_the_shape_check_names_what_is_wrong(runner: ModuleType) -> None:
+    good = {
+        "figures": {"a": 1.0},
+        "goals": [{"figure": "a", "op": "<=", "target": 2, "met": True}],
+        "machine": "m",
+        "smoke": True,
+    }
+    assert runner.shape_problems(good, smoke=True) == []
+    assert runner.shape_problems(good, smoke=False) == ["smoke: True, expected False"]
+    nan = {**good, "figures": {"a": float("nan")}}
+    assert runner.shape_problems(nan, smoke=True) == ["figure a: nan is not a finite number"]
+    unknown = {**good, "goals": [{"figure": "b", "op": "<=", "target": 2, "met": True}]}
+    assert "unknown figure" in runner.shape_problems(unknown, smoke=True)[0]
+    missing = {k: v for k, v in good.items() if k != "machine"}
+    assert runner.shape_problems(missing, smoke=True)[0].startswith("keys ")
+
+
+def test_a_goal_with_an_unknown_op_is_refused(common: ModuleType) -> None:
+    with pytest.raises(ValueError, match="op"):
+        common.goal({"a": 1.0}, "a", "<", 2.0)
