@@ -40,7 +40,7 @@ async def ready(runtime: RuntimeDep) -> Response:
 async def metrics(runtime: RuntimeDep) -> Response:
     """vLLM's protocol gauges (no tenant label), engine state read on the engine thread."""
     if runtime.engine is not None:
-        await runtime.snapshot()
+        await runtime.gateway_snapshot()
     return Response(runtime.metrics.render_gateway(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -66,21 +66,45 @@ class EngineSnapshot:
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # free or cached prefix blocks nobody uses
     kv_blocks_adapters: int = 0  # lent to adapters (kv_lora_shared)
+    # the model-server protocol's view: adapters resident on the device, and adapters that
+    # waiting requests need and that are not resident (names as clients send them)
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, engine: Engine) -> EngineSnapshot:
-        """Read `engine` (call on the engine thread, between steps)."""
-        sched, loras = engine.scheduler, engine.loras
-        names = {r.key: r.name for r in loras.registered}
+    def gateway(cls, engine: Engine) -> EngineSnapshot:
+        """Only what an inference gateway reads (`vllm:*`), in time proportional to what
+        runs, waits and is resident, never to what is registered: the endpoint picker scrapes
+        every 50 ms and each reading runs on the engine thread."""
+        sched = engine.scheduler
+        resident = {r.name for r in engine.loras.resident}
+        waiting = {r.name for r in sched.waiting_loras()}
         return cls(
             running=len(sched.running),
             waiting=len(sched.waiting),
             kv_usage=engine.block_manager.usage,
             deferred=sched.num_deferred,
-            deferred_total=sched.deferred_total,
             max_loras=engine.config.lora_slots,
-            running_adapters=sorted({names.get(k, k) for k in sched.running_lora_keys}),
-            waiting_adapters=sorted({names.get(k, k) for k in sched.waiting_lora_keys}),
+            lora_running=sorted(resident),
+            lora_waiting=sorted(waiting - resident),
+        )
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineSnapshot:
+        """Read `engine` (call on the engine thread, between steps)."""
+        sched, loras = engine.scheduler, engine.loras
+        view = cls.gateway(engine)
+        return cls(
+            running=view.running,
+            waiting=view.waiting,
+            kv_usage=view.kv_usage,
+            deferred=view.deferred,
+            deferred_total=sched.deferred_total,
+            max_loras=view.max_loras,
+            lora_running=view.lora_running,
+            lora_waiting=view.lora_waiting,
+            running_adapters=sorted({s.lora.name for s in sched.running if s.lora is not None}),
+            waiting_adapters=sorted({r.name for r in sched.waiting_loras()}),
             resident=Counter((r.tenant, r.name) for r in loras.resident),
             registered=Counter((r.tenant, r.name) for r in loras.registered),
             waiting_per_adapter=Counter(
@@ -111,20 +135,21 @@ class _GatewayCollector(Collector):
     `vllm:lora_requests_info` names the adapters running and waiting, so it is emitted only
     where `adapters` is true (the metrics port; the API port when `--api-metrics-adapters`)."""
 
-    def __init__(self, metrics: ServerMetrics, *, adapters: bool) -> None:
-        self._m = metrics
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], *, adapters: bool) -> None:
+        self._snapshot = snapshot
         self._adapters = adapters
 
     def collect(self) -> Iterator[Metric]:
-        s = self._m.snapshot
+        s = self._snapshot()
         if self._adapters:
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
-                "Running and waiting adapters (value: time of the reading)",
+                "Adapters resident on the device (running) and only queued (waiting); value:"
+                " the time of the reading",
                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
             )
             info.add_metric(
-                [",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)],
+                [",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)],
                 time.time(),
             )
             yield info
@@ -226,8 +251,11 @@ class ServerMetrics:
     def __init__(self, *, api_adapters: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.gateway_registry = CollectorRegistry(auto_describe=False)
-        self.gateway_registry.register(_GatewayCollector(self, adapters=api_adapters))
+        self.gateway_registry.register(
+            _GatewayCollector(lambda: self.gateway_snapshot, adapters=api_adapters)
+        )
         self.snapshot = EngineSnapshot()
+        self.gateway_snapshot = EngineSnapshot()  # the API port's reading (EngineSnapshot.gateway)
         self.cpu_loads: Counter[str] = Counter()  # result -> host-tier loads (registrations)
         self.cpu_hits = 0  # catalog-mode resolutions found already registered
         self.cpu_evictions = 0  # adapters unregistered (unload)
@@ -272,7 +300,7 @@ class ServerMetrics:
         )
         for tier in ("gpu", "cpu"):
             self.load_seconds.labels(tier=tier)  # series exist before the first load
-        self.registry.register(_GatewayCollector(self, adapters=True))
+        self.registry.register(_GatewayCollector(lambda: self.snapshot, adapters=True))
         self.registry.register(_EngineCollector(self))
 
     def add_tenant(self, tenant: str) -> None:

@@ -217,6 +217,15 @@ class Runtime:
         engine.call(run)
         return await future
 
+    async def gateway_snapshot(self) -> EngineSnapshot:
+        """The inference gateway's reading (EngineSnapshot.gateway), on the engine thread."""
+        try:
+            snap = await asyncio.wait_for(self.call(EngineSnapshot.gateway), SNAPSHOT_TIMEOUT_S)
+        except (TimeoutError, Unavailable):
+            return self.metrics.gateway_snapshot
+        self.metrics.gateway_snapshot = snap
+        return snap
+
     async def snapshot(self) -> EngineSnapshot:
         """The engine state, read on its thread (racy read if the thread does not answer)."""
         try:

@@ -5,6 +5,7 @@ only when the server is told nothing but a gateway reaches its API port."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,10 +22,11 @@ GATEWAY = {
 def _metrics(**kw: bool) -> ServerMetrics:
     metrics = ServerMetrics(**kw)
     metrics.snapshot = EngineSnapshot(
-        running=1, running_adapters=["b-secret"], max_loras=4,
+        running=1, running_adapters=["b-secret"], max_loras=4, lora_running=["b-secret"],
         resident=Counter({("tenant-b", "b-secret"): 1}),
         registered=Counter({("tenant-b", "b-secret"): 1}),
     )  # fmt: skip
+    metrics.gateway_snapshot = EngineSnapshot(running=1, max_loras=4, lora_running=["b-secret"])
     metrics.count_tokens("tenant-b", 7, 11)
     metrics.requests.labels(tenant="tenant-b", code="200").inc()
     return metrics
@@ -54,3 +56,42 @@ def test_the_metrics_port_view_has_everything() -> None:
                       "loraplane_adapter_resident"} <= names  # fmt: skip
     assert b'loraplane_tokens_total{kind="completion",tenant="tenant-b"} 11.0' in text
     assert b'loraplane_adapter_resident{adapter="b-secret",tenant="tenant-b",tier="gpu"}' in text
+
+
+def test_the_protocol_gauge_read_as_the_endpoint_picker_reads_it(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """A real engine with one seat: the running request's adapter is resident on the device
+    and listed as running; the waiting requests' adapters are listed as waiting, by the names
+    clients send; the value is the time of the reading; max_lora is the engine's slots."""
+    import time
+
+    from loraplane.dataplane.config import EngineConfig
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                                 num_kv_blocks=64, max_num_seqs=1))  # fmt: skip
+    refs = {n: engine.register_lora(n, peft_adapters[n]) for n in ("r4", "r16", "r64")}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, name in enumerate(("r4", "r16", "r64")):
+        engine.add_request(f"q{i}", [5, 6, 7], params, refs[name])
+    engine.step()  # q0 runs with r4; the others wait
+    metrics = ServerMetrics(api_adapters=True)
+    metrics.gateway_snapshot = EngineSnapshot.gateway(engine)
+    before = time.time()
+    families = {f.name: f for f in text_string_to_metric_families(
+        metrics.render_gateway().decode())}  # fmt: skip
+    (sample,) = families["vllm:lora_requests_info"].samples
+    running = sample.labels["running_lora_adapters"].split(",")
+    waiting = set(sample.labels["waiting_lora_adapters"].split(","))
+    (seq,) = engine.scheduler.running
+    assert seq.lora is not None and seq.lora.name in running
+    assert running == sorted(r.name for r in engine.loras.resident)
+    queued = {s.lora.name for s in engine.scheduler.waiting if s.lora is not None}
+    assert waiting == queued - set(running) and len(waiting) == 2
+    assert int(sample.labels["max_lora"]) == engine.config.lora_slots
+    assert abs(sample.value - before) < 5  # a timestamp: the picker keeps the newest reading
+    assert families["vllm:num_requests_running"].samples[0].value == 1
+    assert families["vllm:num_requests_waiting"].samples[0].value == 2
+    assert 0 < families["vllm:kv_cache_usage_perc"].samples[0].value <= 1
