@@ -8,9 +8,9 @@
 # then adapters inside the KV cache (the CUDA default) against adapters in their own buffers,
 # then the paged attention kernel against the torch gather + SDPA path and the HBM roofline
 # (its bf16 `gpu` tests run in the first step).
-# Each step has a time limit so the whole run ends within ~8 minutes; a failing step does not
-# stop the others, but the script exits non-zero if any failed. Without a CUDA device it says
-# so and exits 0 (skipped).
+# Each step has a time limit (470 s in all) so the whole run ends within 8 minutes; a failing
+# step does not stop the others, but the script exits non-zero if any failed. Without a CUDA
+# device it says so and exits 0 (skipped).
 set -u
 
 OUT="${OUT:-./gpu-out}"
@@ -72,14 +72,14 @@ step() {  # step NAME SECONDS COMMAND... : run with a time limit, log to $OUT/NA
     "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "cuda available", torch.cuda.is_available())' 2>&1
 } | tee "$OUT/env.log"
 
-step tests-gpu 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
+step tests-gpu 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
     --junitxml="$OUT/tests-gpu.xml" tests/dataplane/test_kernels_triton.py \
     tests/dataplane/test_attention_triton.py
-step tests-cuda 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m "not gpu" \
+step tests-cuda 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m "not gpu" \
     --junitxml="$OUT/tests-cuda.xml" tests/dataplane/test_kernels_triton.py
-step bench 240 "$PYTHON" benchmarks/kernels_gpu.py ${smoke[@]+"${smoke[@]}"}
-step shared-pool 150 "$PYTHON" benchmarks/shared_pool_gpu.py ${smoke[@]+"${smoke[@]}"}
-step attention 120 "$PYTHON" benchmarks/attention_gpu.py ${smoke[@]+"${smoke[@]}"}
+step bench 120 "$PYTHON" benchmarks/kernels_gpu.py ${smoke[@]+"${smoke[@]}"}
+step shared-pool 80 "$PYTHON" benchmarks/shared_pool_gpu.py ${smoke[@]+"${smoke[@]}"}
+step attention 70 "$PYTHON" benchmarks/attention_gpu.py ${smoke[@]+"${smoke[@]}"}
 suffix=$([ "${#smoke[@]}" -gt 0 ] && echo .smoke)
 for result in kernels_gpu shared_pool_gpu attention_gpu; do
     if [ -f "benchmarks/results/$result$suffix.json" ]; then
