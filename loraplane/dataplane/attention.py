@@ -15,14 +15,13 @@ is first imported; Triton is imported only when its path is taken.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from loraplane.dataplane.kernels.backends import choose
 
 _INT_DTYPES = (torch.int32, torch.int64)
 ENV = "LORAPLANE_ATTENTION"
@@ -177,19 +176,9 @@ def _mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> tor
     return allowed
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def backend(q: torch.Tensor) -> str:
     """The implementation `paged_attention` uses for queries `q`: torch or triton."""
-    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}, got {choice!r}")
-    if choice == "auto":
-        return "triton" if q.is_cuda and _has_triton() else "torch"
-    return choice
+    return choose(ENV, BACKENDS, q)
 
 
 def paged_attention(

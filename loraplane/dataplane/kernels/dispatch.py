@@ -13,10 +13,7 @@ has changed (a load or free in the pool gives the slot new tensors).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import itertools
-import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplane.dataplane.kernels import sgmv_torch
+from loraplane.dataplane.kernels.backends import choose
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 
 if TYPE_CHECKING:  # annotations only: `lora.layers` imports this module
@@ -36,19 +34,9 @@ BACKENDS = ("auto", "torch", "triton", "triton-fused")
 _tables: weakref.WeakKeyDictionary[ModuleSlots, SlotWeights] = weakref.WeakKeyDictionary()
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def backend(x: torch.Tensor) -> str:
     """The implementation `lora_apply` uses for input `x`: torch, triton or triton-fused."""
-    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if choice not in BACKENDS:
-        raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}, got {choice!r}")
-    if choice == "auto":
-        return "triton" if x.is_cuda and _has_triton() else "torch"
-    return choice
+    return choose(ENV, BACKENDS, x)
 
 
 def _is_current(table: SlotWeights, slots: ModuleSlots, used: Sequence[int]) -> bool:
