@@ -91,3 +91,33 @@ def report(
         return 0
     print(f"  {name}: a goal was not met (exit status {GOALS_NOT_MET})")
     return GOALS_NOT_MET
+
+
+def cuda_time_us(fn: Callable[[], object], iters: int, graph: bool) -> float:
+    """Mean microseconds per call of `fn` on CUDA, timed with CUDA events; with `graph`, `fn`
+    is captured once in a CUDA graph (after a warm-up on a side stream) and its replays are
+    timed. `fn` must have run once already (compiled outside any capture)."""
+    import torch
+
+    torch.cuda.synchronize()
+    call: Callable[[], object] = fn
+    if graph:
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        call = g.replay
+    call()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) * 1000 / iters

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import add_smoke_flag, goal, report
+from _common import add_smoke_flag, cuda_time_us, goal, report
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PEAK_GBPS = 4800.0  # H200 HBM3e
@@ -144,28 +144,7 @@ def time_us(fn: Callable[[], object], iters: int, graph: bool, device: torch.dev
         for _ in range(iters):
             fn()
         return (time.perf_counter() - start) * 1e6 / iters
-    torch.cuda.synchronize()
-    call = fn
-    if graph:
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        call = g.replay
-    call()
-    torch.cuda.synchronize()
-    start_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end_ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start_ev.record()
-    for _ in range(iters):
-        call()
-    end_ev.record()
-    end_ev.synchronize()
-    return float(start_ev.elapsed_time(end_ev)) * 1000 / iters
+    return cuda_time_us(fn, iters, graph)
 
 
 def sweep(case: Case, iters: int, smoke: bool, device: torch.device) -> dict[str, float]:

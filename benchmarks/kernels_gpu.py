@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import add_smoke_flag, goal, report
+from _common import add_smoke_flag, cuda_time_us, goal, report
 
 HIDDEN = 4096
 RANKS = (8, 16, 64)
@@ -149,38 +149,12 @@ def time_us(fns: list[Callable[[], object]], iters: int, graph: bool) -> float:
     """Mean microseconds per call of fns (one call per instance per round), CUDA-event timed."""
     for fn in fns:  # compile and warm up outside any capture
         fn()
-    torch.cuda.synchronize()
-    if graph:
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for fn in fns:
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for fn in fns:
-                fn()
-        g.replay()
 
-        def round_() -> None:
-            g.replay()
-    else:
+    def round_() -> None:
+        for fn in fns:
+            fn()
 
-        def round_() -> None:
-            for fn in fns:
-                fn()
-
-    round_()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(iters):
-        round_()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) * 1000 / (iters * len(fns))
+    return cuda_time_us(round_, iters, graph) / len(fns)
 
 
 def check(inst: Instance) -> float:
