@@ -42,3 +42,12 @@ def parse_memory(text: str | int | float) -> int | float:
     if value < 1:
         raise ValueError(f"lora_memory must be at least 1 byte, got {value!r}")
     return value
+
+
+def resolve_memory(memory: int | float, free: int) -> int:
+    """A `parse_memory` value in bytes: a size as given, or that fraction of `free` bytes (at
+    least 1). The engine applies it to the device memory the weights leave free; the capacity
+    planner to what it computes would be free."""
+    if isinstance(memory, int):
+        return memory
+    return max(1, int(free * memory))

@@ -25,6 +25,7 @@ from loraplane.dataplane.models.loader import load_model
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow, build_step
 from loraplane.dataplane.tiers.disk import DiskTier
+from loraplane.sizes import resolve_memory
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET = 4 << 30  # bytes of KV cache at most on CPU (or a quarter of RAM, if less)
@@ -45,7 +46,7 @@ def lora_budget_bytes(lora_memory: int | float, device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return max(1, int(free * lora_memory))
+    return resolve_memory(lora_memory, free)
 
 
 @dataclass(frozen=True, slots=True)

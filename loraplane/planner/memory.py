@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.shapes import ModelShape
+from loraplane.sizes import resolve_memory
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GPU_MEMORY_FRACTION = 0.85  # model_runner.GPU_MEMORY_FRACTION: of free memory, for the KV cache
@@ -132,13 +133,6 @@ def _packs(sizes: list[int], room: int) -> bool:
     return True
 
 
-def lora_budget(lora_memory: int | float, free: int) -> int:
-    """`--lora-memory` in bytes: as given, or that fraction of the free memory."""
-    if isinstance(lora_memory, int):
-        return lora_memory
-    return max(1, int(free * lora_memory))
-
-
 def plan_memory(
     shape: ModelShape,
     config: EngineConfig,
@@ -160,7 +154,7 @@ def plan_memory(
         )
     per_token = kv_bytes_per_token(shape, dtype)
     block_bytes = per_token * config.block_size
-    budget = lora_budget(config.lora_memory, free)
+    budget = resolve_memory(config.lora_memory, free)
     max_len = config.max_model_len or shape.max_position_embeddings
     wanted = config.max_num_seqs * -(-max_len // config.block_size)
     if config.device == "cuda":
