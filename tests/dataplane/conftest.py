@@ -184,3 +184,22 @@ class PagedRunner:
             seq.logits.extend(logits[offset : offset + n])
             seq.num_computed += n
             offset += n
+
+
+def compile_without_gpu(script: str, timeout: float) -> str:
+    """Run `script` (Triton compiles for a GPU target) in a fresh interpreter without
+    TRITON_INTERPRET; its stdout. Skips when Triton's NVIDIA backend or ptxas is missing."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
+        pytest.skip("Triton's ptxas is not available")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

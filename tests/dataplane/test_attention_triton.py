@@ -22,8 +22,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
 import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -41,7 +39,13 @@ from loraplane.dataplane.config import EngineConfig  # noqa: E402
 from loraplane.dataplane.engine import Engine  # noqa: E402
 from loraplane.dataplane.kernels import attention_triton as at  # noqa: E402
 from loraplane.dataplane.sampling import SamplingParams  # noqa: E402
-from tests.dataplane.conftest import Family, LoadedModel, PagedRunner, Seq  # noqa: E402
+from tests.dataplane.conftest import (  # noqa: E402
+    Family,
+    LoadedModel,
+    PagedRunner,
+    Seq,
+    compile_without_gpu,
+)
 
 if INTERPRETED and not at.is_interpreted():
     pytest.skip(
@@ -406,20 +410,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_kernels_compile_to_sm90_cubin_in_every_dtype_without_a_gpu() -> None:
     """The interpreter does not lower kernels; compile them for an H100/H200 target here."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
-        pytest.skip("Triton's ptxas is not available")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "compiled 5" in run.stdout
+    assert "compiled 5" in compile_without_gpu(_COMPILE_SCRIPT, timeout=300)
 
 
 @pytest.mark.gpu

@@ -19,8 +19,6 @@ DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
 import itertools  # noqa: E402
 import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -43,6 +41,7 @@ from loraplane.dataplane.lora import (  # noqa: E402
     LoRAWeights,
     ModuleSlots,
 )
+from tests.dataplane.conftest import compile_without_gpu  # noqa: E402
 
 if INTERPRETED and type(st._shrink_kernel).__name__ != "InterpretedFunction":
     pytest.skip(
@@ -482,20 +481,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_kernels_compile_to_sm90_cubin_in_every_dtype_without_a_gpu() -> None:
     """The interpreter does not lower kernels; compile them for an H100/H200 target here."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
-        pytest.skip("Triton's ptxas is not available")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "compiled 9" in run.stdout
+    assert "compiled 9" in compile_without_gpu(_COMPILE_SCRIPT, timeout=120)
 
 
 @pytest.mark.gpu
