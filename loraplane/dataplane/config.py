@@ -75,6 +75,9 @@ class EngineConfig:
     max_deferral_steps: int = 32
     # stored versions (catalog mode) unused this long are forgotten (registered again on use)
     forget_idle_adapters_s: float = 600.0
+    # decode steps replay CUDA graphs captured at a ladder of batch sizes (cuda_graphs.py);
+    # off until verified on a GPU; ignored on CPU, falls back to eager on a capture error
+    cuda_graphs: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -120,6 +123,7 @@ class EngineConfig:
             "enable_chunked_prefill",
             "enable_lora_prefetch",
             "kv_lora_shared",
+            "cuda_graphs",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -25,6 +25,7 @@ import torch
 
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.cuda_graphs import Capture
 from loraplane.dataplane.detokenizer import IncrementalDetokenizer
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
@@ -117,6 +118,8 @@ class Engine:
         self.scheduler = Scheduler(
             config.scheduler_config(), self.block_manager, self.tokenizer.eos_token_id
         )
+        if config.cuda_graphs:
+            self.enable_cuda_graphs()
         self.sampler = Sampler(seed=config.seed)
         self.loras = self.runner.loras
         self.stats = EngineStats()
@@ -127,6 +130,21 @@ class Engine:
         self.last_batch: list[str] = []  # request ids of the step being run (see step)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+
+    def enable_cuda_graphs(self, capture: Capture | None = None) -> bool:
+        """Capture decode CUDA graphs (`cuda_graphs.py`; `capture`: how, CUDA's by default),
+        reserving one KV block for their padding rows; False, logged, when they cannot be
+        captured (no CUDA, a torch kernel path, a capture error): steps stay eager."""
+        if self.runner.cuda_graphs is not None:
+            return True
+        pad_block = self.block_manager.reserve(1)
+        if pad_block is None:
+            log.warning("no free KV block for CUDA graph padding: decode steps run eagerly")
+            return False
+        if not self.runner.enable_cuda_graphs(pad_block, capture):
+            self.block_manager.release(pad_block, 1)
+            return False
+        return True
 
     # -- adapters ---------------------------------------------------------------------------
 

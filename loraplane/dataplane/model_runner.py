@@ -17,6 +17,7 @@ import torch
 
 from loraplane.adapters.base_model import BaseModelSpec, read_config
 from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 from loraplane.dataplane.lora.layers import install_lora
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
@@ -96,6 +97,24 @@ class ModelRunner:
             raise RuntimeError("the KV cache was not allocated")
         self.kv_cache: torch.Tensor = self.model.kv_cache  # [2, layers, blocks, bs, kv, dim]
         self.config = config
+        self.cuda_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self, pad_block: int, capture: Capture | None = None) -> bool:
+        """Capture decode graphs (cuda_graphs.py) whose padding rows write into KV block
+        `pad_block`, which the caller keeps from every sequence; False (logged) when they
+        cannot be captured, and decode steps stay eager."""
+        assert self.config.max_model_len is not None
+        self.cuda_graphs = capture_decode_graphs(
+            self.model,
+            self.pool,
+            max_batch=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            block_size=self.config.block_size,
+            pad_block=pad_block,
+            max_lora_rank=self.config.max_lora_rank,
+            capture=capture,
+        )
+        return self.cuda_graphs is not None
 
     @property
     def vocab_size(self) -> int:
@@ -132,22 +151,26 @@ class ModelRunner:
             return StepLogits(torch.empty(0, self.vocab_size, dtype=torch.float32), {})
         self.loras.make_resident(out.lora_keys, in_use, wanted or ())
         slot_of = self.loras.slot_of
-        step = build_step(
-            [
-                StepRow(
-                    r.seq.token_ids[r.start : r.start + r.num_new_tokens],
-                    r.start + r.num_new_tokens,
-                    r.seq.block_table,
-                    BASE_SLOT if r.seq.lora is None else slot_of(r.seq.lora.key),
-                )
-                for r in rows
-            ],
-            self.config.block_size,
-            self.device,
-            with_lora=bool(out.lora_keys),
-        )
-        hidden = self.model(step.input_ids, step.positions, step.attn, step.lora)
-        cu = step.attn.host_cu_seqlens_q
+        step_rows = [
+            StepRow(
+                r.seq.token_ids[r.start : r.start + r.num_new_tokens],
+                r.start + r.num_new_tokens,
+                r.seq.block_table,
+                BASE_SLOT if r.seq.lora is None else slot_of(r.seq.lora.key),
+            )
+            for r in rows
+        ]
+        hidden = None
+        if self.cuda_graphs is not None:  # decode rows only, so no prompt log-probabilities
+            hidden = self.cuda_graphs.run(step_rows)
+        if hidden is not None:
+            cu = list(range(len(rows) + 1))
+        else:
+            step = build_step(
+                step_rows, self.config.block_size, self.device, with_lora=bool(out.lora_keys)
+            )
+            hidden = self.model(step.input_ids, step.positions, step.attn, step.lora)
+            cu = step.attn.host_cu_seqlens_q
         dev = self.device
         prompt = {}
         for i, r in enumerate(rows):  # rows whose request wants its prompt's log-probabilities

@@ -43,16 +43,33 @@ class StepInputs:
     lora: LoRABatch | None  # None when no token uses an adapter slot
 
 
-def build_step(
-    rows: Sequence[StepRow], block_size: int, device: torch.device | str, with_lora: bool = True
-) -> StepInputs:
-    """The step's inputs from its rows (see the module docstring); ValueError for a row whose
-    block table does not cover its context or holds a negative block id."""
+@dataclass(frozen=True, slots=True)
+class HostStep:
+    """A step's integer arrays on the host (int64), before they go to the device.
+
+    `parts` holds ids, positions, cu (query offsets), ctx (context lengths), tables (block
+    tables, [rows, width] flattened, padded with -1) and slot_mapping; with adapter tokens also
+    order (adapter tokens grouped by slot), sorted_slots, seg_slots and bounds.
+    """
+
+    parts: dict[str, np.ndarray]
+    width: int  # block table columns
+    cu: np.ndarray  # [B + 1] query offsets
+    ctx: np.ndarray  # [B] context lengths
+
+    @property
+    def has_lora(self) -> bool:
+        """True when some token uses an adapter slot."""
+        return "order" in self.parts
+
+
+def host_step(rows: Sequence[StepRow], block_size: int, with_lora: bool = True) -> HostStep:
+    """The step's arrays from its rows, with numpy and no per-sequence tensor op; ValueError
+    for a row whose block table does not cover its context or holds a negative block id."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if not rows:
         raise ValueError("a step needs at least one row")
-    device = torch.device(device)
     q_lens = np.fromiter((len(r.tokens) for r in rows), dtype=np.int64, count=len(rows))
     ctx = np.fromiter((r.context_len for r in rows), dtype=np.int64, count=len(rows))
     if (q_lens < 1).any() or (ctx < q_lens).any():
@@ -86,7 +103,6 @@ def build_step(
         "tables": tables.reshape(-1),
         "slot_mapping": slot_mapping,
     }
-    lora_host = None
     if with_lora:
         token_slots = np.repeat(
             np.fromiter((r.slot for r in rows), dtype=np.int64, count=len(rows)), q_lens
@@ -100,24 +116,34 @@ def build_step(
             np.cumsum(counts, out=bounds[1:])
             parts.update(order=order, sorted_slots=sorted_slots, seg_slots=seg_slots,
                          bounds=bounds)  # fmt: skip
-            lora_host = (tuple(seg_slots.tolist()), tuple(bounds.tolist()))
+    return HostStep(parts, width, cu, ctx)
+
+
+def build_step(
+    rows: Sequence[StepRow], block_size: int, device: torch.device | str, with_lora: bool = True
+) -> StepInputs:
+    """The step's inputs from its rows (see the module docstring); ValueError for a row whose
+    block table does not cover its context or holds a negative block id."""
+    device = torch.device(device)
+    host = host_step(rows, block_size, with_lora)
+    parts, cu, ctx = host.parts, host.cu, host.ctx
+    num_tokens = int(cu[-1])
     views = _to_device(parts, device)
     attn = AttentionMetadata(
         cu_seqlens_q=views["cu"].to(torch.int32),
         context_lens=views["ctx"].to(torch.int32),
-        block_tables=views["tables"].view(len(rows), width).to(torch.int32),
+        block_tables=views["tables"].view(len(rows), host.width).to(torch.int32),
         slot_mapping=views["slot_mapping"],
         host_cu_seqlens_q=cu.tolist(),
         host_context_lens=ctx.tolist(),
     )
     lora = None
-    if lora_host is not None:
-        seg_slots_host, bounds_host = lora_host
+    if host.has_lora:
         lora = LoRABatch(
             num_tokens=num_tokens,
             token_order=views["order"],
-            seg_slots=seg_slots_host,
-            seg_bounds=bounds_host,
+            seg_slots=tuple(parts["seg_slots"].tolist()),
+            seg_bounds=tuple(parts["bounds"].tolist()),
             seg_slots_t=views["seg_slots"].to(torch.int32),
             seg_bounds_t=views["bounds"].to(torch.int32),
             token_slots=views["sorted_slots"],

@@ -99,6 +99,8 @@ def lora_apply(
     Same meaning as `sgmv_torch.lora_apply`; returns y untouched, launching nothing, when no
     token uses a slot whose adapter targets this module.
     """
+    if batch.static_max_seg_len is not None:
+        return _lora_apply_static(y, x, batch, slots)
     if batch.is_empty or not any(slots.lora_a[k] is not None for k in batch.seg_slots):
         return y
     name = backend(x)
@@ -129,5 +131,33 @@ def lora_apply(
         weights,
         slots.scales,
         max_seg_len,
+        fused=name == "triton-fused",
+    )
+
+
+def _lora_apply_static(
+    y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots
+) -> torch.Tensor:
+    """`lora_apply` for a batch captured in a CUDA graph: always the Triton kernels, reading
+    the slot table the graph owner keeps current (`slots.graph_table`), launched for
+    `batch.static_max_seg_len`-token segments whatever the segments hold at replay."""
+    name = backend(x)
+    if name == "torch" or slots.graph_table is None:
+        raise RuntimeError(
+            "a static (CUDA graph) LoRA batch needs the Triton SGMV kernels and a graph slot "
+            f"table; backend {name!r}, table {'set' if slots.graph_table else 'missing'}"
+        )
+    from loraplane.dataplane.kernels import sgmv_triton
+
+    assert batch.static_max_seg_len is not None
+    return sgmv_triton.lora_apply(
+        y,
+        x.contiguous(),
+        batch.token_order,
+        batch.seg_slots_t,
+        batch.seg_bounds_t,
+        slots.graph_table,
+        slots.scales,
+        batch.static_max_seg_len,
         fused=name == "triton-fused",
     )

@@ -34,7 +34,7 @@ class LoRAContext:
 
     def activate(self, batch: LoRABatch | None) -> None:
         """Use `batch` for the following forward (None: base model only)."""
-        if batch is not None:
+        if batch is not None:  # (a static batch's slots are checked when it is refilled)
             for slot in batch.seg_slots:
                 if not self.pool.is_loaded(slot):
                     raise ValueError(f"tokens use LoRA slot {slot}, which holds no adapter")

@@ -31,6 +31,10 @@ class LoRABatch:
     seg_slots_t: torch.Tensor  # [S] int32
     seg_bounds_t: torch.Tensor  # [S + 1] int32
     token_slots: torch.Tensor  # [N] int64: the slot of each token of token_order
+    # Set only for a batch a CUDA graph is captured with (cuda_graphs.py): its segments live
+    # on the device alone (the tensors are static buffers refilled before each replay, the
+    # host tuples are empty) and every launch is sized for segments of up to this many tokens
+    static_max_seg_len: int | None = None
 
     @classmethod
     def from_token_slots(
@@ -73,5 +77,6 @@ class LoRABatch:
 
     @property
     def is_empty(self) -> bool:
-        """True when no token uses an adapter (LoRA layers then add nothing)."""
-        return not self.seg_slots
+        """True when no token uses an adapter (LoRA layers then add nothing); never for a
+        static batch, whose contents the host does not know."""
+        return not self.seg_slots and self.static_max_seg_len is None

@@ -25,6 +25,7 @@ from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
     from loraplane.dataplane.kernels.sgmv_torch import CheckedPair
+    from loraplane.dataplane.kernels.slot_weights import SlotWeights
     from loraplane.dataplane.lora.arena import KVArena, Placement
 
 
@@ -37,6 +38,8 @@ class ModuleSlots:
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)  # [max_loras]
         # the CPU kernel's per-slot memo of checked shapes (sgmv_torch.lora_apply_grouped)
         self.checked: list[CheckedPair | None] = [None] * max_loras
+        # the slot table CUDA graphs read (cuda_graphs.py keeps it current), None without them
+        self.graph_table: SlotWeights | None = None
 
     def clear(self, slot: int) -> None:
         """Forget the slot's tensors (the pool frees its buffer)."""
@@ -74,6 +77,14 @@ class LoRAPool:
         self.bytes_used = 0  # device bytes of all loaded adapters
         self.arena: KVArena | None = None
         self._placements: list[Placement | None] = [None] * max_loras
+        # slot -> how many times it was filled or emptied: its tensors change with this
+        # number, so a copy of its pointers (a CUDA graph's slot table) knows when to refresh
+        self.slot_generation = [0] * max_loras
+
+    @property
+    def modules(self) -> dict[tuple[int, str], ModuleSlots]:
+        """Every (layer, module)'s slot table."""
+        return self._modules
 
     def attach_arena(self, arena: KVArena) -> None:
         """Keep adapters in KV cache blocks from now on (before any adapter is loaded)."""
@@ -178,6 +189,7 @@ class LoRAPool:
         return True
 
     def _take(self, slot: int, storage: list[torch.Tensor], nbytes: int | None = None) -> None:
+        self.slot_generation[slot] += 1
         self._buffers[slot] = storage
         self._bytes[slot] = (
             nbytes if nbytes is not None else sum(t.numel() * t.element_size() for t in storage)
@@ -193,6 +205,7 @@ class LoRAPool:
         self._check_slot(slot)
         if self._buffers[slot] is None:
             return
+        self.slot_generation[slot] += 1
         for table in self._modules.values():
             table.clear(slot)
         placement, self._placements[slot] = self._placements[slot], None

@@ -49,6 +49,13 @@ def add_commands(subparsers: Any) -> None:
     ):
         serve.add_argument(flag, type=int, help=what)
     serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="decode steps replay CUDA graphs captured at start for a ladder of batch sizes"
+        " (cuda only; falls back to eager, with a log line, if capture fails)",
+    )
     serve.add_argument("--device", choices=["cpu", "cuda"])
     serve.add_argument("--host")
     serve.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
@@ -95,7 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = {
         k: getattr(args, k, None)
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
-                  "max_lora_rank",
+                  "max_lora_rank", "cuda_graphs",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
                   "metrics_port", "api_metrics_adapters",
                   "controlplane_url", "api_key", "admin_token", "tool_call_parser")

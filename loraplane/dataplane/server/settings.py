@@ -39,6 +39,8 @@ class ServerSettings(BaseSettings):
     # adapters inside the KV cache (one device pool); None: on for cuda, off for cpu
     kv_lora_shared: bool | None = None
     max_lora_rank: int = Field(default=64, ge=1)
+    # decode steps replay CUDA graphs (cuda only; off until verified on your GPU)
+    cuda_graphs: bool = False
     max_cpu_loras: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: by device
@@ -162,6 +164,7 @@ class ServerSettings(BaseSettings):
             kv_lora_shared=self.kv_lora_shared,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
+            cuda_graphs=self.cuda_graphs,
         )
 
     def adapter_dirs(self) -> dict[str, Path]:
@@ -179,6 +182,8 @@ SETTINGS_HELP: dict[str, str] = {
     " leave free",
     "kv_lora_shared": "adapters inside the KV cache, one device pool (unset: on for cuda)",
     "max_lora_rank": "largest adapter rank accepted",
+    "cuda_graphs": "decode steps replay CUDA graphs captured at start (cuda only; eager on a"
+    " capture error)",
     "max_cpu_loras": "adapters kept in host memory (unset: twice the device slots)",
     "max_num_seqs": "requests per batch at most",
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",

@@ -1,0 +1,345 @@
+"""Decode steps replayed from CUDA graphs (`--cuda-graphs`): one launch sequence per step.
+
+An eager decode step launches every kernel of every layer from Python (30+ per layer), which
+on a GPU costs about as much as the step's memory traffic. With graphs the model's forward
+is captured once per batch size of a ladder (1, 2, 4, 8, 16, 24, 32, 48, 64, then steps of 32)
+and replayed: a step costs its host preparation, two or three host-to-device copies and one
+replay.
+
+What a graph reads lives in static buffers, refilled before each replay:
+- input ids, positions, KV slot mapping, context lengths, block tables (`max_model_len` wide)
+  and query offsets (always 0..b: every row is one decode token);
+- the LoRA segments (token order, per-segment slot and bounds), laid out for up to b segments of
+  up to b tokens: the SGMV launches are sized for that, segments past the step's own are empty;
+- one slot table per (layer, module) (`ModuleSlots.graph_table`): each slot's A and B pointers
+  and rank, rewritten for a step's slots whose adapter changed since (`LoRAPool.slot_generation`).
+A step of B rows runs in the graph of the smallest ladder size b >= B. The b - B padding rows
+decode token 0 at position 0 of a one-token context in a KV block reserved for them (taken
+from the block manager at start, never given to a sequence), use no adapter, and their outputs
+are dropped. Two graphs per size: with the LoRA launches, for steps where some row uses an
+adapter, and without, for base-model steps.
+
+A step runs eagerly instead when a row is not a single decode token, when it has more rows than
+the largest graph, or when a slot it uses breaks the table's alignment promise (pointers on 16
+bytes, ranks a multiple of 8: what the kernels were compiled for). Graphs need the Triton
+attention and SGMV paths (the CUDA defaults); a capture error leaves the runner eager, with a
+log line.
+
+Capture is pluggable (`Capture`): `cuda_capture` records CUDA graphs; `replay_eagerly`, for
+tests on CPU (Triton's interpreter), "replays" by running the captured function again on the
+same static buffers and the same host-side objects, so anything a graph would have frozen at
+capture (sizes, host numbers, launch grids) is frozen there too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraplane.dataplane.attention import AttentionMetadata
+from loraplane.dataplane.kernels.slot_weights import SlotWeights
+from loraplane.dataplane.lora.layers import LinearWithLoRA
+from loraplane.dataplane.lora.metadata import LoRABatch
+from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
+from loraplane.dataplane.models.llama import LlamaForCausalLM
+from loraplane.dataplane.step_metadata import HostStep, StepRow, host_step
+
+log = logging.getLogger(__name__)
+
+SMALL_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+LARGE_STEP = 32  # past 64 rows, a graph every this many
+PTR_ALIGN = 16  # bytes: what the graph's slot tables promise the SGMV kernels
+RANK_MULTIPLE = 8
+
+Forward = Callable[[], torch.Tensor]
+# records `forward` (run against the static buffers) and returns what replays it
+Capture = Callable[[Forward], Forward]
+
+
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The ladder of graph batch sizes up to `max_batch` (which is always the last)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = [b for b in SMALL_SIZES if b < max_batch]
+    sizes += range(SMALL_SIZES[-1] + LARGE_STEP, max_batch, LARGE_STEP)
+    return (*sizes, max_batch)
+
+
+def cuda_capture() -> Capture:
+    """A Capture recording CUDA graphs in one shared memory pool (warmed up on a side stream
+    first: Triton compiles and cuBLAS picks its kernels outside the capture)."""
+    mempool = torch.cuda.graph_pool_handle()
+
+    def capture(forward: Forward) -> Forward:
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            out = forward()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+    return capture
+
+
+def replay_eagerly(forward: Forward) -> Forward:
+    """A Capture for CPU tests: runs `forward` once (as capture's warm-up does) and replays it
+    by running it again on the same static buffers and host objects."""
+    forward()
+    return forward
+
+
+@dataclass(frozen=True, slots=True)
+class _Static:
+    """The static inputs a graph of one size reads (views of the shared buffers)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    lora: LoRABatch
+
+
+class DecodeGraphs:
+    """Captured decode forwards at a ladder of batch sizes and the static buffers they read."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: LoRAPool,
+        *,
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        pad_block: int,
+        max_lora_rank: int,
+        capture: Capture,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.block_size = block_size
+        self.pad_slot = pad_block * block_size  # where padding rows write their K and V
+        self.batch_sizes = batch_sizes(max_batch)
+        self.replays = 0  # steps replayed from a graph
+        self.fallbacks = 0  # decode steps that ran eagerly (unaligned slot, too many rows)
+        self.max_batch = m = self.batch_sizes[-1]
+        self.width = w = -(-max_model_len // block_size)
+        device = pool.device
+        pin = device.type == "cuda"
+        # the static buffers: int64 ids, positions, slot mapping, token order, token slots;
+        # int32 query offsets, context lengths, segment slots and bounds; block tables
+        self._i64_host = torch.zeros(5, m, dtype=torch.int64, pin_memory=pin)
+        self._i32_host = torch.zeros(4, m + 1, dtype=torch.int32, pin_memory=pin)
+        self._tables_host = torch.zeros(m, w, dtype=torch.int32, pin_memory=pin)
+        self._i64 = self._i64_host.to(device)
+        self._i32 = self._i32_host.to(device)
+        self._i32[0] = torch.arange(m + 1, dtype=torch.int32, device=device)  # query offsets
+        self._tables = self._tables_host.to(device)
+        self._pad_defaults(m, pad_block)
+        # one slot table per (layer, module), its pointers and ranks in two packed buffers
+        wrapped = [mod for mod in model.modules() if isinstance(mod, LinearWithLoRA)]
+        self._modules: list[ModuleSlots] = []
+        for mod in wrapped:
+            if mod.slots is None:
+                raise ValueError(f"{mod} is not bound to the LoRA pool")
+            self._modules.append(mod.slots)
+        slots = pool.max_loras
+        self._ptrs_np = np.zeros((2, len(wrapped), slots), dtype=np.int64)
+        self._ranks_np = np.zeros((len(wrapped), slots), dtype=np.int32)
+        self._ptrs = torch.zeros(2, len(wrapped), slots, dtype=torch.int64, device=device)
+        self._ranks = torch.zeros(len(wrapped), slots, dtype=torch.int32, device=device)
+        for i, mod in enumerate(wrapped):
+            assert mod.slots is not None
+            mod.slots.graph_table = SlotWeights(
+                a_ptrs=self._ptrs[0, i], b_ptrs=self._ptrs[1, i], ranks=self._ranks[i],
+                a_ptrs_host=(0,) * slots, b_ptrs_host=(0,) * slots,
+                ranks_host=(max_lora_rank,) + (0,) * (slots - 1),  # R: the largest rank
+                in_features=mod.base_layer.in_features, out_features=mod.base_layer.out_features,
+                dtype=pool.dtype, device=self._ptrs.device,
+                ptr_align=PTR_ALIGN, rank_multiple=RANK_MULTIPLE,
+            )  # fmt: skip
+        self._seen = [-1] * slots  # slot -> the pool generation its table entries show
+        self._unfit: set[int] = set()  # slots whose tensors break PTR_ALIGN / RANK_MULTIPLE
+        self._graphs: dict[tuple[int, bool], Forward] = {}
+        for b in reversed(self.batch_sizes):  # the largest first: smaller ones reuse its memory
+            for with_lora in (True, False):
+                self._graphs[(b, with_lora)] = capture(self._forward(b, with_lora))
+
+    def _pad_defaults(self, rows: int, pad_block: int) -> None:
+        """Padding rows from `rows` on: token 0 at position 0 in the reserved block, no adapter."""
+        i64, i32, tables = self._i64_host, self._i32_host, self._tables_host
+        i64[:, :] = 0
+        i64[2, :] = self.pad_slot  # slot mapping
+        i32[1, :] = 1  # context lengths
+        i32[2:, :] = 0  # segment slots and bounds
+        tables[:, 0] = pad_block
+        self._i64.copy_(i64)
+        self._i32[1:].copy_(i32[1:])
+        self._tables.copy_(tables)
+
+    def _static(self, b: int) -> _Static:
+        i64, i32 = self._i64, self._i32
+        attn = AttentionMetadata(
+            cu_seqlens_q=i32[0, : b + 1],
+            context_lens=i32[1, :b],
+            block_tables=self._tables[:b],
+            slot_mapping=i64[2, :b],
+            host_cu_seqlens_q=list(range(b + 1)),
+            # what the attention launcher sizes its split-KV grid for: the longest context
+            host_context_lens=[self.width * self.block_size] * b,
+        )
+        lora = LoRABatch(
+            num_tokens=b,
+            token_order=i64[3, :b],
+            seg_slots=(),
+            seg_bounds=(0,),
+            seg_slots_t=i32[2, :b],
+            seg_bounds_t=i32[3, : b + 1],
+            token_slots=i64[4, :b],
+            static_max_seg_len=b,
+        )
+        return _Static(i64[0, :b], i64[1, :b], attn, lora)
+
+    def _forward(self, b: int, with_lora: bool) -> Forward:
+        static = self._static(b)
+        lora = static.lora if with_lora else None
+        model = self.model
+
+        def forward() -> torch.Tensor:
+            with torch.inference_mode():
+                hidden: torch.Tensor = model(static.input_ids, static.positions, static.attn, lora)
+            return hidden
+
+        return forward
+
+    def run(self, rows: Sequence[StepRow]) -> torch.Tensor | None:
+        """Replay the step of decode `rows` ([len(rows), hidden] hidden states), or None when
+        it must run eagerly (see the module docstring)."""
+        count = len(rows)
+        if not count or count > self.max_batch or any(len(r.tokens) != 1 for r in rows):
+            return None
+        host = host_step(rows, self.block_size)
+        used = host.parts.get("seg_slots")
+        if used is not None and not self._refresh(used.tolist()):
+            self.fallbacks += 1
+            return None
+        b = next(size for size in self.batch_sizes if size >= count)
+        self._fill(host, count, b)
+        hidden = self._graphs[(b, used is not None)]()
+        self.replays += 1
+        return hidden[:count]
+
+    def _fill(self, host: HostStep, count: int, b: int) -> None:
+        """Write the step's arrays into the static buffers (rows count..b-1: padding)."""
+        p = host.parts
+        i64, i32, tables = self._i64_host, self._i32_host, self._tables_host
+        i64[0, :count] = torch.from_numpy(p["ids"])
+        i64[1, :count] = torch.from_numpy(p["positions"])
+        i64[2, :count] = torch.from_numpy(p["slot_mapping"])
+        i64[0:2, count:b] = 0
+        i64[2, count:b] = self.pad_slot
+        i32[1, :count] = torch.from_numpy(p["ctx"])
+        i32[1, count:b] = 1
+        width = host.width
+        tables[:count, :width] = torch.from_numpy(p["tables"].reshape(count, width))
+        tables[count:b, 0] = self.pad_slot // self.block_size  # (other columns: never read)
+        if "order" in p:
+            n, s = len(p["order"]), len(p["seg_slots"])
+            i64[3, :n] = torch.from_numpy(p["order"])
+            i64[4, :n] = torch.from_numpy(p["sorted_slots"])
+            i32[2, :s] = torch.from_numpy(p["seg_slots"])
+            i32[2, s:b] = int(p["seg_slots"][-1])  # empty segments past the step's own
+            i32[3, : s + 1] = torch.from_numpy(p["bounds"])
+            i32[3, s + 1 : b + 1] = n
+        self._i64[:, :b].copy_(i64[:, :b], non_blocking=True)
+        self._i32[1:, : b + 1].copy_(i32[1:, : b + 1], non_blocking=True)
+        self._tables[:b, :width].copy_(tables[:b, :width], non_blocking=True)
+
+    def _refresh(self, used: list[int]) -> bool:
+        """Bring the slot tables' entries for `used` up to date with the pool; False when one of
+        them cannot be replayed (its tensors break the tables' alignment promise)."""
+        generation = self.pool.slot_generation
+        stale = [slot for slot in used if generation[slot] != self._seen[slot]]
+        for slot in stale:
+            fit = True
+            for i, slots in enumerate(self._modules):
+                a, b = slots.lora_a[slot], slots.lora_b[slot]
+                if a is None or b is None:
+                    self._ptrs_np[:, i, slot] = 0
+                    self._ranks_np[i, slot] = 0
+                    continue
+                rank = a.shape[0]
+                pa, pb = a.data_ptr(), b.data_ptr()
+                fit &= pa % PTR_ALIGN == 0 and pb % PTR_ALIGN == 0 and rank % RANK_MULTIPLE == 0
+                self._ptrs_np[0, i, slot], self._ptrs_np[1, i, slot] = pa, pb
+                self._ranks_np[i, slot] = rank
+            self._seen[slot] = generation[slot]
+            if fit:
+                self._unfit.discard(slot)
+            else:
+                self._unfit.add(slot)
+        if stale:
+            self._ptrs.copy_(torch.from_numpy(self._ptrs_np))
+            self._ranks.copy_(torch.from_numpy(self._ranks_np))
+        return not any(slot in self._unfit for slot in used)
+
+    def close(self) -> None:
+        """Drop the graphs and the modules' graph tables."""
+        self._graphs.clear()
+        for slots in self._modules:
+            slots.graph_table = None
+
+
+def capture_decode_graphs(
+    model: LlamaForCausalLM,
+    pool: LoRAPool,
+    *,
+    max_batch: int,
+    max_model_len: int,
+    block_size: int,
+    pad_block: int,
+    max_lora_rank: int,
+    capture: Capture | None = None,
+) -> DecodeGraphs | None:
+    """Capture the decode graphs, or None (with a log line saying why) when they cannot be."""
+    from loraplane.dataplane import attention
+    from loraplane.dataplane.kernels import dispatch
+
+    probe = torch.empty(0, device=pool.device)
+    backends = (attention.backend(probe), dispatch.backend(probe))
+    if "torch" in backends:
+        log.warning(
+            "CUDA graphs need the Triton attention and SGMV paths (LORAPLANE_ATTENTION, "
+            "LORAPLANE_SGMV), got %s / %s: decode steps run eagerly",
+            *backends,
+        )
+        return None
+    if capture is None:
+        if pool.device.type != "cuda":
+            log.warning("CUDA graphs need a CUDA device: decode steps run eagerly")
+            return None
+        capture = cuda_capture()
+    try:
+        graphs = DecodeGraphs(
+            model, pool, max_batch=max_batch, max_model_len=max_model_len,
+            block_size=block_size, pad_block=pad_block, max_lora_rank=max_lora_rank,
+            capture=capture,
+        )  # fmt: skip
+    except Exception as e:  # any capture error: serve eagerly, say why
+        for mod in model.modules():
+            if isinstance(mod, LinearWithLoRA) and mod.slots is not None:
+                mod.slots.graph_table = None
+        log.warning("CUDA graph capture failed (%r): decode steps run eagerly", e)
+        return None
+    log.info("captured CUDA graphs for decode batches of %s rows", list(graphs.batch_sizes))
+    return graphs

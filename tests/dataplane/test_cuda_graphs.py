@@ -1,0 +1,200 @@
+"""Decode CUDA graphs (`cuda_graphs.py`), as far as a CPU can check them.
+
+Capture is pluggable: here `replay_eagerly` "replays" by running the captured forward again on
+the same static buffers and host objects, and the Triton kernels run in the interpreter
+(`TRITON_INTERPRET=1`, set before Triton is imported). Whatever a CUDA graph would freeze at
+capture (sizes, host numbers, launch grids, the slot tables' host fields) is frozen here too,
+so these tests check the static buffers, the padding rows, the LoRA segments laid out for a
+fixed launch, the slot tables kept current under adapter churn, and every fallback to eager,
+against the eager engine on the same kernels. What only a GPU shows (a sync or an allocation
+inside the capture) is checked by `benchmarks/gpu_check.sh` (engine step: graph replays).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+import logging  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from loraplane.dataplane import attention  # noqa: E402
+from loraplane.dataplane.config import EngineConfig  # noqa: E402
+from loraplane.dataplane.cuda_graphs import (  # noqa: E402
+    Forward,
+    batch_sizes,
+    replay_eagerly,
+)
+from loraplane.dataplane.engine import Engine  # noqa: E402
+from loraplane.dataplane.kernels import dispatch  # noqa: E402
+from loraplane.dataplane.sampling import SamplingParams  # noqa: E402
+from loraplane.dataplane.sequence import LoRARef  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+def test_the_ladder_of_batch_sizes_ends_at_the_largest_batch() -> None:
+    assert batch_sizes(1) == (1,)
+    assert batch_sizes(5) == (1, 2, 4, 5)
+    assert batch_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert batch_sizes(200) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 200)
+    with pytest.raises(ValueError, match="max_batch"):
+        batch_sizes(0)
+
+
+@pytest.fixture
+def triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA defaults on CPU tensors: Triton attention and SGMV, in the interpreter."""
+    if not INTERPRETED:
+        pytest.skip("these tests run the tiny model on CPU through Triton's interpreter")
+    monkeypatch.setenv(attention.ENV, "triton")
+    monkeypatch.setenv(dispatch.ENV, "triton")
+
+
+def _engine(model: Path, **overrides: object) -> Engine:
+    config = dict(model=str(model), device="cpu", dtype="float32", block_size=4,
+                  num_kv_blocks=96, max_num_seqs=8, enable_prefix_caching=False)  # fmt: skip
+    config.update(overrides)
+    return Engine(EngineConfig(**config))  # type: ignore[arg-type]
+
+
+# prompts of several lengths, and how many tokens each request generates (the batch shrinks as
+# they finish, so several graph sizes replay, most of them with padding rows)
+PROMPTS = [[5, 9, 13], [7, 11, 2, 3, 19, 23, 29], [31, 37], [41, 43, 47, 53, 59], [61]]
+MAX_TOKENS = [9, 5, 7, 3, 8]
+
+
+def _generate(
+    engine: Engine, adapters: dict[str, Path], names: Sequence[str | None]
+) -> list[tuple[list[int], list[float]]]:
+    refs: dict[str, LoRARef] = {}
+    loras = []
+    for name in names:
+        if name is not None and name not in refs:
+            refs[name] = engine.register_lora(name, adapters[name], "t")
+        loras.append(None if name is None else refs[name])
+    outs = []
+    for i, (prompt, lora, n) in enumerate(zip(PROMPTS, loras, MAX_TOKENS, strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=True)
+        engine.add_request(f"r{i}", prompt, params, lora)
+    done: dict[str, tuple[list[int], list[float]]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (list(out.token_ids), list(out.logprobs or []))
+    for i in range(len(PROMPTS)):
+        outs.append(done[f"r{i}"])
+    return outs
+
+
+def _same(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]):
+    for (g_tokens, g_lp), (w_tokens, w_lp) in zip(got, want, strict=True):
+        assert g_tokens == w_tokens
+        torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=1e-4, rtol=0)
+
+
+def test_replayed_decode_steps_generate_the_eager_engines_tokens_and_logprobs(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], triton_paths: None
+) -> None:
+    """Four adapters of ranks 8 to 64 (all modules, q/v only, MLP only) and the base model in
+    one batch of 5 (graph 8: three padding rows), shrinking to 1 as requests finish."""
+    names = ["r16", "r8-qv", None, "r32-mlp", "r64"]
+    want = _generate(_engine(tiny_llama_dir), peft_adapters, names)
+    engine = _engine(tiny_llama_dir)
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None and graphs.batch_sizes == (1, 2, 4, 8)
+    _same(_generate(engine, peft_adapters, names), want)
+    # every decode step replayed (the last request decodes alone for its final tokens)
+    assert graphs.replays >= max(MAX_TOKENS) - 1 and graphs.fallbacks == 0
+
+
+def test_base_model_steps_replay_the_graphs_without_lora_launches(
+    tiny_llama_dir: Path, triton_paths: None
+) -> None:
+    names: list[str | None] = [None] * len(PROMPTS)
+    want = _generate(_engine(tiny_llama_dir), {}, names)
+    engine = _engine(tiny_llama_dir)
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    _same(_generate(engine, {}, names), want)
+    assert engine.runner.cuda_graphs is not None and engine.runner.cuda_graphs.replays > 0
+
+
+def test_slot_tables_follow_adapters_moving_between_slots(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], triton_paths: None
+) -> None:
+    """Two device slots for three adapters: slots are emptied and refilled between replays
+    (new tensors, new ranks), and each replay must read the slot's current adapter."""
+    names = ["r16", "r64", "r8-qv", "r16", "r64"]
+    want = _generate(_engine(tiny_llama_dir, max_loras=2), peft_adapters, names)
+    engine = _engine(tiny_llama_dir, max_loras=2)
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    got = _generate(engine, peft_adapters, names)
+    _same(got, want)
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None and graphs.replays > 0
+    assert max(engine.runner.pool.slot_generation) > 2  # some slot held several adapters
+
+
+def test_a_slot_breaking_the_tables_alignment_promise_runs_eagerly(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], triton_paths: None
+) -> None:
+    """Ranks 4 and 12 (r4, r8-patterns) are not multiples of 8: steps using them run eagerly,
+    the others still replay, and the tokens are the eager engine's."""
+    names = ["r16", "r8-patterns", None, "r4", "r16"]
+    want = _generate(_engine(tiny_llama_dir), peft_adapters, names)
+    engine = _engine(tiny_llama_dir)
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    _same(_generate(engine, peft_adapters, names), want)
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None and graphs.fallbacks > 0
+    assert graphs.replays > 0  # once r8-patterns and r4 finish (after 5 and 3 tokens of 9)
+
+
+def test_a_capture_error_leaves_the_engine_eager_and_says_so(
+    tiny_llama_dir: Path,
+    peft_adapters: dict[str, Path],
+    triton_paths: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(forward: Forward) -> Forward:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    names = ["r16", None, "r8-qv", "r16", None]
+    want = _generate(_engine(tiny_llama_dir), peft_adapters, names)
+    engine = _engine(tiny_llama_dir)
+    with caplog.at_level(logging.WARNING, logger="loraplane.dataplane.cuda_graphs"):
+        assert not engine.enable_cuda_graphs(capture=broken)
+    assert "CUDA graph capture failed" in caplog.text and "not permitted" in caplog.text
+    assert engine.runner.cuda_graphs is None
+    assert engine.block_manager.num_reserved == 0  # the padding block went back
+    assert all(slots.graph_table is None for slots in engine.runner.pool.modules.values())
+    _same(_generate(engine, peft_adapters, names), want)
+
+
+def test_cuda_graphs_on_a_cpu_engine_are_refused_with_a_reason(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--cuda-graphs` on CPU: a log line, eager steps; and the torch kernel paths cannot be
+    captured either (they decide on the host what each step launches)."""
+    with caplog.at_level(logging.WARNING, logger="loraplane.dataplane.cuda_graphs"):
+        engine = _engine(tiny_llama_dir, cuda_graphs=True)
+    assert engine.runner.cuda_graphs is None and engine.block_manager.num_reserved == 0
+    assert "Triton attention and SGMV paths" in caplog.text
+    if INTERPRETED:
+        monkeypatch.setenv(attention.ENV, "triton")
+        monkeypatch.setenv(dispatch.ENV, "triton")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="loraplane.dataplane.cuda_graphs"):
+            assert not engine.enable_cuda_graphs()
+        assert "need a CUDA device" in caplog.text
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert len(engine.generate([[5, 9, 13]], params)[0].token_ids) == 3
