@@ -1,27 +1,44 @@
 #!/usr/bin/env bash
-# The SGMV kernels' GPU checks, in one run on a lent GPU machine (torch, triton, transformers,
-# peft installed; no registry, no virtualenv). Run from the repository root:
+# The GPU checks, in one run on a lent GPU machine (torch, triton, transformers, peft
+# installed; no registry, no virtualenv). Run from the repository root:
 #   bash benchmarks/gpu_check.sh            # logs and results under $OUT (default ./gpu-out)
 #   bash benchmarks/gpu_check.sh --smoke    # the same steps, the benchmarks at --smoke size
-# Steps: the kernel tests on CUDA with compiled Triton (the bf16 `gpu` tests, then the rest of
-# the module, which runs on CUDA tensors when TRITON_INTERPRET is unset), then the benchmark,
-# then adapters inside the KV cache (the CUDA default) against adapters in their own buffers,
-# then the paged attention kernel against the torch gather + SDPA path and the HBM roofline
-# (its bf16 `gpu` tests run in the first step).
-# Each step has a time limit (470 s in all) so the whole run ends within 8 minutes; a failing
-# step does not stop the others, but the script exits non-zero if any failed. Without a CUDA
-# device it says so and exits 0 (skipped).
+#   bash benchmarks/gpu_check.sh --dry-run  # where there is no GPU: checks this script itself
+# Steps and their time limits (470 s in all, so that the whole run ends within 8 minutes):
+#   tests-gpu    40 s  the bf16 `gpu` tests of the SGMV and attention kernels (compiled Triton)
+#   tests-cuda   75 s  the rest of the SGMV kernel tests, on CUDA tensors (TRITON_INTERPRET unset)
+#   bench        80 s  the SGMV kernel benchmark (kernels_gpu.py)
+#   shared-pool  50 s  adapters inside the KV cache (the CUDA default) against adapters in
+#                      their own buffers (shared_pool_gpu.py)
+#   attention    55 s  the paged attention kernel against the torch gather + SDPA path and the
+#                      HBM roofline (attention_gpu.py)
+#   engine      170 s  the engine end to end: an 8B-shaped bf16 model from a sharded checkpoint
+#                      (load time, host memory), decode steps against the roofline, CUDA
+#                      graphs on and off, HF + PEFT on the same adapters (engine_gpu.py)
+# A failing step does not stop the others, but the script exits non-zero if any failed; each
+# benchmark's results JSON is copied to $OUT. Without a CUDA device it says so and exits 0
+# (skipped).
+# --dry-run (implies --smoke) runs where there is no GPU (CUDA hidden where there is one), in
+# well under 2 minutes on 2 cores: each step in its CPU form, or skipped with the reason in the
+# summary. The kernel test steps run some of the same files' non-`gpu` tests in Triton's
+# interpreter (-k "$DRY_RUN_TESTS": all of them take ~40 s there, and a dry run checks the
+# runbook, not the kernels); a benchmark takes its CPU smoke path where it has one (_run.py's
+# CPU_SMOKE_ARGS, which `make bench-smoke` uses too), else it is skipped (needs CUDA).
 set -u
 
 OUT="${OUT:-./gpu-out}"
 PYTHON="${PYTHON:-python}"
+DRY_RUN_TESTS="reject or without_launching or mixed"
 smoke=()
+dry_run=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) smoke=(--smoke) ;;
+        --dry-run) dry_run=1 smoke=(--smoke) ;;
         -h | --help)
-            echo "usage: bash benchmarks/gpu_check.sh [--smoke]  (OUT=dir PYTHON=python)"
-            echo "  --smoke  the benchmarks at tiny sizes (seconds): checks they run, not speed"
+            echo "usage: bash benchmarks/gpu_check.sh [--smoke | --dry-run]  (OUT=dir PYTHON=python)"
+            echo "  --smoke    the benchmarks at tiny sizes (seconds): checks they run, not speed"
+            echo "  --dry-run  without a GPU: each step's CPU form at smoke size, or skipped"
             exit 0
             ;;
         *)
@@ -34,17 +51,26 @@ if ! "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
     echo "gpu_check: $PYTHON cannot import torch" >&2
     exit 1
 fi
-if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+if [ "$dry_run" = 1 ]; then
+    export CUDA_VISIBLE_DEVICES=""  # the CPU forms, even on a machine with a GPU
+    export TRITON_INTERPRET=1
+    # tiny models run faster on one torch thread (as in `make bench-smoke`, _run.py)
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+elif ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo "gpu_check: no CUDA device: skipped"
     exit 0
+else
+    unset TRITON_INTERPRET  # compiled kernels: the interpreter gets bf16 tl.dot wrong
 fi
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}."
 export HF_HUB_OFFLINE=1
-unset TRITON_INTERPRET  # compiled kernels: the interpreter gets bf16 tl.dot wrong
+suffix=$([ "${#smoke[@]}" -gt 0 ] && echo .smoke)
+marker="$OUT/.step-started"
 
 failed=()
 summary=()
+note=""  # said after a step's time in the summary (what form it ran in)
 
 step() {  # step NAME SECONDS COMMAND... : run with a time limit, log to $OUT/NAME.log
     local name="$1" limit="$2"
@@ -55,42 +81,94 @@ step() {  # step NAME SECONDS COMMAND... : run with a time limit, log to $OUT/NA
     rc=$?
     tail -n 5 "$OUT/$name.log"
     if [ "$rc" -eq 0 ]; then
-        summary+=("ok     $name ($((SECONDS - start)) s)")
+        summary+=("ok      $name ($((SECONDS - start)) s$note)")
     elif [ "$rc" -eq 3 ] && [[ "$*" == *benchmarks/* ]]; then  # ran, missed a goal (_common.py)
-        summary+=("GOALS  $name (ran, a goal not met, $((SECONDS - start)) s, see $OUT/$name.log)")
+        summary+=("GOALS   $name (ran, a goal not met, $((SECONDS - start)) s, see $OUT/$name.log)")
         failed+=("$name")
     else
         [ "$rc" -eq 124 ] && echo "   (timed out after $limit s)"
-        summary+=("FAILED $name (rc $rc, $((SECONDS - start)) s, see $OUT/$name.log)")
+        summary+=("FAILED  $name (rc $rc, $((SECONDS - start)) s, see $OUT/$name.log)")
         failed+=("$name")
+    fi
+    note=""
+}
+
+skip() {  # skip NAME REASON: a step that cannot run here, and why, in the summary
+    echo "== $1: skipped: $2"
+    summary+=("skipped $1: $2")
+}
+
+cpu_smoke_args() {  # the arguments of SCRIPT's smoke run on CPU (_run.CPU_SMOKE_ARGS), or status 1
+    PYTHONPATH=benchmarks "$PYTHON" -c 'import sys
+from _run import CPU_SMOKE_ARGS
+args = CPU_SMOKE_ARGS.get(sys.argv[1])
+sys.exit(1) if args is None else print(*args)' "$1"
+}
+
+bench_step() {  # bench_step NAME SECONDS SCRIPT: a benchmark, its results JSON copied to $OUT
+    local name="$1" limit="$2" script="$3"
+    local result args cpu
+    result=$(basename "$script" .py)
+    args=(${smoke[@]+"${smoke[@]}"})
+    if [ "$dry_run" = 1 ]; then
+        if ! cpu=$(cpu_smoke_args "$result"); then
+            skip "$name" "needs CUDA ($script has no CPU smoke path)"
+            return
+        fi
+        # shellcheck disable=SC2206  # split on purpose: CPU_SMOKE_ARGS hold no spaces
+        args+=($cpu)
+        note=", its CPU smoke path"
+    fi
+    touch "$marker"
+    step "$name" "$limit" "$PYTHON" "$script" ${args[@]+"${args[@]}"}
+    local file="benchmarks/results/$result$suffix.json"
+    if [ -n "$(find "$file" -newer "$marker" 2>/dev/null)" ]; then  # written by this step
+        cp "$file" "$OUT/"
     fi
 }
 
 {
     echo "date: $(date -u +%FT%TZ)"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    if [ "$dry_run" = 1 ]; then
+        echo "dry run: each step's CPU form at smoke size, or skipped (CUDA hidden)"
+    fi
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    fi
     "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "cuda available", torch.cuda.is_available())' 2>&1
 } | tee "$OUT/env.log"
 
-step tests-gpu 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
-    --junitxml="$OUT/tests-gpu.xml" tests/dataplane/test_kernels_triton.py \
-    tests/dataplane/test_attention_triton.py
-step tests-cuda 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m "not gpu" \
-    --junitxml="$OUT/tests-cuda.xml" tests/dataplane/test_kernels_triton.py
-step bench 120 "$PYTHON" benchmarks/kernels_gpu.py ${smoke[@]+"${smoke[@]}"}
-step shared-pool 80 "$PYTHON" benchmarks/shared_pool_gpu.py ${smoke[@]+"${smoke[@]}"}
-step attention 70 "$PYTHON" benchmarks/attention_gpu.py ${smoke[@]+"${smoke[@]}"}
-suffix=$([ "${#smoke[@]}" -gt 0 ] && echo .smoke)
-for result in kernels_gpu shared_pool_gpu attention_gpu; do
-    if [ -f "benchmarks/results/$result$suffix.json" ]; then
-        cp "benchmarks/results/$result$suffix.json" "$OUT/"
-    fi
-done
+kernel_tests=(tests/dataplane/test_kernels_triton.py)
+if [ "$dry_run" = 1 ]; then
+    select_gpu=(-m "not gpu" -k "$DRY_RUN_TESTS")
+    select_cuda=(-m "not gpu" -k "$DRY_RUN_TESTS")
+    note=", CPU: Triton's interpreter, not its gpu tests (they need CUDA), -k subset"
+else
+    select_gpu=(-m gpu)
+    select_cuda=(-m "not gpu")
+fi
+step tests-gpu 40 "$PYTHON" -m pytest -q -p no:cacheprovider "${select_gpu[@]}" \
+    --junitxml="$OUT/tests-gpu.xml" "${kernel_tests[@]}" tests/dataplane/test_attention_triton.py
+[ "$dry_run" = 1 ] && note=", CPU: Triton's interpreter, -k subset"
+step tests-cuda 75 "$PYTHON" -m pytest -q -p no:cacheprovider "${select_cuda[@]}" \
+    --junitxml="$OUT/tests-cuda.xml" "${kernel_tests[@]}"
+bench_step bench 80 benchmarks/kernels_gpu.py
+bench_step shared-pool 50 benchmarks/shared_pool_gpu.py
+bench_step attention 55 benchmarks/attention_gpu.py
+bench_step engine 170 benchmarks/engine_gpu.py
+rm -f "$marker"
 
 echo "== summary ($OUT)"
-printf '  %s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+{
+    [ "$dry_run" = 1 ] && echo "dry run (no GPU): the steps' CPU forms at smoke size"
+    printf '%s\n' "${summary[@]}"
+} | sed 's/^/  /' | tee "$OUT/summary.txt"
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "failed: ${failed[*]}"
     exit 1
 fi
-echo "all steps passed"
+if [ "$dry_run" = 1 ]; then
+    echo "dry run: every step ran in its CPU form or was skipped (see above)"
+else
+    echo "all steps passed"
+fi

@@ -1,0 +1,73 @@
+"""benchmarks/gpu_check.sh, the lent GPU's one run: its dry run works where there is no GPU,
+and its steps' time limits fit the machine's 8 minutes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+STEPS = ("tests-gpu", "tests-cuda", "bench", "shared-pool", "attention", "engine")
+
+
+def _step_limits() -> dict[str, int]:
+    """Each step's time limit in seconds, as the script's `step` / `bench_step` calls say."""
+    calls = re.findall(r"^(?:step|bench_step) (\S+) (\d+) ", SCRIPT.read_text(), re.MULTILINE)
+    return {name: int(seconds) for name, seconds in calls}
+
+
+def test_the_step_limits_add_up_to_at_most_470_s_so_the_run_ends_within_8_minutes() -> None:
+    limits = _step_limits()
+    assert set(limits) == set(STEPS)
+    assert sum(limits.values()) <= 470, limits
+    assert limits["engine"] >= 170, "engine_gpu.py needs about 170 s on an H200"
+
+
+@pytest.mark.slow
+def test_the_dry_run_runs_each_step_in_its_cpu_form_or_says_why_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """About 45 s on 2 cores; rewrites the (git-ignored) smoke results under
+    benchmarks/results, as `make bench-smoke` does."""
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=240, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = (out / "summary.txt").read_text().splitlines()
+    for name in STEPS:
+        (line,) = [ln for ln in lines if ln.split()[1:2] in ([name], [f"{name}:"])]
+        status, _, reason = line.strip().partition(" ")
+        assert status in ("ok", "skipped"), line
+        if status == "skipped":
+            assert "needs CUDA" in reason, line
+    (engine,) = [ln for ln in lines if ln.split()[1:2] == ["engine"]]
+    assert engine.split()[0] == "ok", "engine_gpu.py has a CPU smoke path"
+
+    body = json.loads((out / "engine_gpu.smoke.json").read_text())
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    assert importlib.import_module("_run").shape_problems(body, smoke=True) == []
+    figures = body["figures"]
+    for key in ("load_s", "load_peak_host_over_checkpoint", "decode_step_ms_0_adapters",
+                "decode_step_ms_8_adapters", "decode_step_ms_64_adapters",
+                "decode_step_over_roofline_8_adapters", "lora_cost_over_traffic_bound",
+                "engine_over_hf_peft_tokens_per_s", "greedy_within_tol_fraction"):  # fmt: skip
+        assert key in figures, key
+    assert figures["failed_phases"] == 0
+    assert figures["greedy_match_fraction"] == 1.0, "fp32 on CPU: HF + PEFT's tokens exactly"
+    assert figures["checkpoint_shards"] > 1, "the load must read a sharded checkpoint"
