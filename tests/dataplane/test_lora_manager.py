@@ -61,6 +61,24 @@ def test_the_budget_evicts_idle_adapters_least_recently_used_first(
     assert "r32-mlp" in resident and "r4" not in resident  # r4 was the least recently used
 
 
+def test_capacity_is_what_the_budget_holds_of_adapters_the_size_of_those_resident(
+    loaded: tuple[LoRAManager, dict[str, LoRARef]],
+) -> None:
+    """The protocol's max_lora: all slots while nothing is resident or nothing limits bytes,
+    then the budget over the resident adapters' mean size, never more than the slots."""
+    m, refs = loaded
+    size = sizes(m, refs)
+    assert m.capacity == 8  # unlimited budget
+    m.device_budget_bytes = 3 * size["r16"]
+    assert m.capacity == 8  # nothing resident yet: no size to go by
+    m.make_resident([refs["r16"].key], in_use=[])
+    assert m.capacity == 3
+    m.make_resident([refs["r4"].key], in_use=[])
+    assert m.capacity == 3 * size["r16"] * 2 // (size["r16"] + size["r4"]) > 3
+    m.device_budget_bytes = 100 * size["r16"]
+    assert m.capacity == 8  # the slots bound it
+
+
 def test_an_adapter_in_use_is_never_evicted_and_one_waiting_requests_need_goes_last(
     loaded: tuple[LoRAManager, dict[str, LoRARef]],
 ) -> None:

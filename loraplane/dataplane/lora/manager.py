@@ -341,6 +341,18 @@ class LoRAManager:
         return 0 if entry is None else entry.device_bytes
 
     @property
+    def capacity(self) -> int:
+        """How many adapters the device holds at once: the pool's slots, or fewer where the
+        memory budget holds fewer adapters of the mean size of those resident now (all slots
+        while none is). The model-server protocol's `max_lora`: an inference gateway scores a
+        replica with fewer adapters than this as having room for another."""
+        slots = self.pool.max_loras
+        budget, resident = self.device_budget_bytes, len(self._slots)
+        if budget is None or not resident or not self.pool.bytes_used:
+            return slots
+        return max(1, min(slots, budget * resident // self.pool.bytes_used))
+
+    @property
     def budget_bytes(self) -> int | None:
         """The adapter memory budget of the device pool (None: unlimited)."""
         return self.device_budget_bytes

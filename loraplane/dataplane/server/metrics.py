@@ -84,7 +84,7 @@ class EngineSnapshot:
             waiting=len(sched.waiting),
             kv_usage=engine.block_manager.usage,
             deferred=sched.num_deferred,
-            max_loras=engine.config.lora_slots,
+            max_loras=engine.loras.capacity,
             lora_running=sorted(resident),
             lora_waiting=sorted(waiting - resident),
         )
