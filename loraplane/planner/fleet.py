@@ -151,14 +151,14 @@ class _Sim:
         self.end = 0.0
         self.done: list[StepDone | None] = [None] * replicas
 
-    def _snapshot(self, r: Replica) -> Snapshot:
+    def _snapshot(self, r: Replica) -> Snapshot:  # what the replica's /metrics would say
         return Snapshot(
             waiting=len(r.waiting),
             running=r.num_running,
             kv_usage=r.kv_usage,
             active=frozenset(r.running),
             waiting_adapters=frozenset(a for a, n in r.wanted.items() if n),
-            max_lora=r.s.lora_slots,
+            max_lora=_max_lora(r),
         )
 
     def push(self, t: float, kind: int, replica: int = -1) -> None:
@@ -270,3 +270,12 @@ def simulate(
     sim = _Sim(settings, cost, chosen, replicas, load, jitter_seed)
     sim.run()
     return sim.result()
+
+
+def _max_lora(r: Replica) -> int:
+    """The protocol's max_lora as the engine reports it (`LoRAManager.capacity`): the slots, or
+    what the adapter memory holds of adapters this size once one is resident."""
+    s = r.s
+    if not r.device:
+        return s.lora_slots
+    return max(1, min(s.lora_slots, s.lora_budget_bytes // s.adapter_device_bytes))
