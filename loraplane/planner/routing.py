@@ -7,7 +7,7 @@
   when the replica's active plus waiting adapters are fewer than its `max_lora`, 0.6 when the
   adapter only waits there, 0 otherwise. llm-d's default profile has no LoRA scorer (queue 2,
   KV cache 2, prefix cache 3; a scorer added without a weight gets 1); loraplane's chart adds
-  it with weight 2 (`routing.endpointPicker.weights`), KServe with 4: `lora_affinity` is the
+  it with weight 10 (`routing.endpointPicker.weights`), KServe with 4: `lora_affinity` is the
   chart's profile, `lora_affinity:W` another weight. Beside it the `queue-scorer` (min-max
   normalised waiting queues, 1 for the shortest) and the `kv-cache-utilization-scorer`
   (1 - KV usage); the `prefix-cache-scorer` scores every replica 0 for prompts that share no
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 POLICIES = ("round_robin", "lora_affinity", "bounded_k")
+CHART_LORA_WEIGHT = 10.0  # charts/loraplane/values.yaml routing.endpointPicker.weights
 SCRAPE_INTERVAL_S = 0.05
 
 
@@ -87,10 +88,11 @@ def lora_affinity_score(adapter: int, snap: Snapshot) -> float:
 class LoraAffinity:
     """The EPP's weighted scorers and max-score picker (see the module docstring)."""
 
-    def __init__(self, lora_weight: float = 2.0, queue_weight: float = 2.0,
+    def __init__(self, lora_weight: float = CHART_LORA_WEIGHT, queue_weight: float = 2.0,
                  kv_weight: float = 2.0) -> None:  # fmt: skip
         self.weights = (lora_weight, queue_weight, kv_weight)
-        self.name = "lora_affinity" if lora_weight == 2.0 else f"lora_affinity:{lora_weight:g}"
+        chart = lora_weight == CHART_LORA_WEIGHT
+        self.name = "lora_affinity" if chart else f"lora_affinity:{lora_weight:g}"
         self._rotate = 0
 
     def pick(self, adapter: int, now: float, snaps: list[Snapshot]) -> int:

@@ -128,7 +128,7 @@ def test_epp_config_adds_lora_affinity_to_the_queue_kv_cache_and_prefix_scorers(
     (profile,) = config["schedulingProfiles"]
     weights = {ref["pluginRef"]: ref["weight"] for ref in profile["plugins"]}
     assert set(weights) <= names
-    assert weights == dict(zip(SCORERS, [2, 2, 3, 2], strict=True))
+    assert weights == dict(zip(SCORERS, [2, 2, 3, 10], strict=True))
 
 
 def test_epp_config_follows_the_weights_and_metrics_port_and_goes_to_each_pool_namespace() -> None:
