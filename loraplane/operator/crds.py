@@ -249,6 +249,12 @@ def pool_schema() -> Schema:
             "baseModel": base_model,
             "image": _str(max_length=512, minLength=1),
             "device": {"type": "string", "enum": ["cpu", "cuda"], "default": s.DEFAULT_DEVICE},
+            "cudaGraphs": {
+                "type": "boolean",
+                "default": False,
+                "description": "decode steps replay CUDA graphs (--cuda-graphs; cuda only, off"
+                " until verified on your GPU with benchmarks/gpu_check.sh)",
+            },
             "replicas": replicas,
             "lora": lora,
             "resources": _obj({"limits": _quantities(), "requests": _quantities()}),

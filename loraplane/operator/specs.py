@@ -187,6 +187,7 @@ class PoolSpec:
     lora_memory: str | None  # None: the data plane's default
     device: str
     resources: dict[str, Any]
+    cuda_graphs: bool
     autoscaling: Autoscaling
     routing: Routing
     service_token: SecretKeyRef | None
@@ -217,6 +218,11 @@ class PoolSpec:
         device = spec.get("device", DEFAULT_DEVICE)
         if device not in ("cpu", "cuda"):
             raise SpecError(f"spec.device must be cpu or cuda, got {device!r}")
+        cuda_graphs = spec.get("cudaGraphs", False)
+        if not isinstance(cuda_graphs, bool):
+            raise SpecError(f"spec.cudaGraphs must be true or false, got {cuda_graphs!r}")
+        if cuda_graphs and device != "cuda":
+            raise SpecError("spec.cudaGraphs needs spec.device cuda")
         claim = base.get("volumeClaim")
         store_claim = spec.get("storeVolumeClaim")
         return cls(
@@ -232,6 +238,7 @@ class PoolSpec:
             lora_memory=_lora_memory(lora.get("memory")),
             device=device,
             resources=dict(_get(spec, "resources")),
+            cuda_graphs=cuda_graphs,
             autoscaling=Autoscaling(
                 enabled=bool(scaling.get("enabled", True)),
                 mode=_enum(scaling, "mode", AUTOSCALING_MODES, DEFAULT_AUTOSCALING_MODE),

@@ -63,6 +63,18 @@ def test_pool_lora_memory_reaches_serve_as_given_and_auto_max_loras_stays_auto()
     assert args[args.index("--max-loras") + 1] == "16"
 
 
+def test_pool_cuda_graphs_reach_serve_only_when_asked_and_only_on_cuda() -> None:
+    assert "--cuda-graphs" not in manifests.serve_args(PoolSpec.parse(POOL), "http://cp:8080")
+    crd_spec = crds.pool_schema()["properties"]["spec"]["properties"]
+    assert crd_spec["cudaGraphs"]["default"] is False
+    args = manifests.serve_args(PoolSpec.parse({**POOL, "cudaGraphs": True}), "http://cp:8080")
+    assert "--cuda-graphs" in args and args[args.index("--device") + 1] == "cuda"
+    with pytest.raises(SpecError, match=r"spec\.cudaGraphs needs spec\.device cuda"):
+        PoolSpec.parse({**POOL, "device": "cpu", "cudaGraphs": True})
+    with pytest.raises(SpecError, match="true or false"):
+        PoolSpec.parse({**POOL, "cudaGraphs": "yes"})
+
+
 @pytest.mark.parametrize("memory", ["2 parsecs", "1.5", "0", "-1GiB"])
 def test_a_pool_lora_memory_the_data_plane_cannot_read_is_a_spec_error(memory: str) -> None:
     with pytest.raises(SpecError, match=r"spec\.lora\.memory"):
