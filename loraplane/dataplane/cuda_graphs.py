@@ -131,7 +131,7 @@ class DecodeGraphs:
         self.pad_slot = pad_block * block_size  # where padding rows write their K and V
         self.batch_sizes = batch_sizes(max_batch)
         self.replays = 0  # steps replayed from a graph
-        self.fallbacks = 0  # decode steps that ran eagerly (unaligned slot, too many rows)
+        self.fallbacks = 0  # decode steps run eagerly for a slot breaking the alignment promise
         self.max_batch = m = self.batch_sizes[-1]
         self.width = w = -(-max_model_len // block_size)
         device = pool.device
