@@ -58,14 +58,17 @@ when there is no CUDA device)
 (--smoke: the same path on a hidden-64, 2-layer, vocab-512 model in several shards, 4 rank-8
 adapters (graphs replay ranks that are multiples of 8), 4 sequences (the "8 adapters" case
 over 2) of 8 prompt tokens, 2 timed steps and 2 tokens; without CUDA it runs on CPU in fp32,
-where the engine's greedy tokens must equal HF + PEFT's exactly, and skips the CUDA graph part)
+where the engine's greedy tokens must equal HF + PEFT's exactly, and runs the graph phase with
+Triton's interpreter and an emulated capture: that checks the script's graph path, not graphs)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
 import random
 import signal
 import statistics
@@ -73,7 +76,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -287,10 +290,21 @@ def graphs_phase(
     figures: dict[str, float], model: Path, adapters: list[Path], sizes: Sizes,
     prompt_ids: list[list[int]], eager_tokens: list[list[int]], dtype: Dtype, clock: Clock,
 ) -> None:  # fmt: skip
-    """The mixed case again on an engine with cuda_graphs=True; what its graphs did."""
-    clock.log("graphs: loading the checkpoint (cuda_graphs=True)")
+    """The mixed case again on an engine with cuda_graphs=True; what its graphs did.
+
+    Without CUDA (the --smoke run on CPU) the same phase runs with the Triton kernels in the
+    interpreter and `replay_eagerly` for capture (as tests/dataplane/test_cuda_graphs.py does):
+    it checks this script's graph path, not the speed of graphs."""
+    cuda = torch.cuda.is_available()
+    clock.log(f"graphs: loading the checkpoint ({'cuda_graphs=True' if cuda else 'CPU emulation'})")
     start = time.perf_counter()
-    engine = make_engine(model, sizes, "cuda", dtype, graphs=True)
+    if cuda:
+        engine = make_engine(model, sizes, "cuda", dtype, graphs=True)
+    else:
+        from loraplane.dataplane.cuda_graphs import replay_eagerly
+
+        engine = make_engine(model, sizes, "cpu", dtype, graphs=False)
+        engine.enable_cuda_graphs(capture=replay_eagerly)
     figures["load_s_graphs"] = time.perf_counter() - start
     refs = [engine.register_lora(f"a{i}", p, "bench") for i, p in enumerate(adapters)]
     mixed: list[LoRARef | None] = [refs[i % len(refs)] for i in range(sizes.batch)]
@@ -419,18 +433,39 @@ def run_phases(
             return
         figures.update(roofline_figures(figures, config, sizes, dtype.itemsize, args.hbm_tbps))
         few = adapters[: sizes.few]
-        if cuda:
+        with _graph_kernels(cuda):
             guarded("graphs", lambda: graphs_phase(
                 figures, model, few, sizes, prompt_ids, tokens, dtype_name, clock
             ), failed, clock)  # fmt: skip
-            release(dev)
-        else:
-            clock.log("graphs: skipped (CUDA graphs need a CUDA device)")
+        release(dev)
         guarded("hf+peft", lambda: hf_peft_phase(
             figures, model, few, sizes, prompt_ids, tokens, device, dtype, args.logit_tol, clock
         ), failed, clock)  # fmt: skip
         release(dev)
 
+
+@contextlib.contextmanager
+def _graph_kernels(cuda: bool) -> Iterator[None]:
+    """On CPU, the graph phase's kernels: Triton's, in the interpreter (main sets
+    TRITON_INTERPRET before anything can import Triton)."""
+    if cuda:
+        yield
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the CPU graph phase needs TRITON_INTERPRET=1 (set by main)")
+    saved = {k: os.environ.get(k) for k in _CPU_GRAPH_ENV}
+    os.environ.update(_CPU_GRAPH_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+_CPU_GRAPH_ENV = {"LORAPLANE_ATTENTION": "triton", "LORAPLANE_SGMV": "triton"}
 
 GOALS = (("load_peak_host_over_checkpoint", "<=", 0.25),
          ("decode_step_over_roofline_8_adapters", "<=", 1.5),
@@ -456,6 +491,8 @@ def main() -> int:
         return 0
     if not cuda:
         print("engine_gpu: no CUDA device: CPU smoke run, figures mean nothing", flush=True)
+        # the graph phase runs Triton's interpreter on CPU: chosen before Triton first loads
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     clock = Clock()
     figures: dict[str, float] = {}
     failed: list[str] = []

@@ -71,3 +71,6 @@ def test_the_dry_run_runs_each_step_in_its_cpu_form_or_says_why_not(
     assert figures["failed_phases"] == 0
     assert figures["greedy_match_fraction"] == 1.0, "fp32 on CPU: HF + PEFT's tokens exactly"
     assert figures["checkpoint_shards"] > 1, "the load must read a sharded checkpoint"
+    # the graph phase ran through the interpreter and an emulated capture, and replayed
+    assert figures["graph_replays"] >= 1 and figures["graph_fallbacks"] == 0
+    assert figures["graphs_greedy_match_fraction"] == 1.0
