@@ -58,11 +58,21 @@ def make_engine(model: Path, adapters: list[Path], max_loras: int) -> tuple[Engi
     return engine, refs
 
 
-def decode_step_seconds(engine: Engine, loras: Sequence[LoRARef | None], steps: int = 8) -> float:
-    """Median time of a decode step of len(loras) sequences (after their prefill)."""
+def decode_step_seconds(
+    engine: Engine,
+    loras: Sequence[LoRARef | None],
+    steps: int = 8,
+    prompt_ids: Sequence[list[int]] | None = None,
+) -> float:
+    """Median time of a decode step of len(loras) sequences (after their prefill), with
+    `prompt_ids` (default: this benchmark's prompts). A step returns sampled tokens, so on a
+    GPU its device work is done when it returns."""
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for i, (p, lora) in enumerate(zip(prompts(len(loras), 1), loras, strict=True)):
-        engine.add_request(f"d{i}-{time.monotonic_ns()}", p, params, lora)
+    if prompt_ids is None:
+        prompt_ids = prompts(len(loras), 1)
+    stamp = time.monotonic_ns()
+    for i, (p, lora) in enumerate(zip(prompt_ids, loras, strict=True)):
+        engine.add_request(f"d{stamp}-{i}", p, params, lora)
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     times = []

@@ -71,7 +71,6 @@ import math
 import os
 import random
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -92,6 +91,7 @@ from _gpu_model import (
     write_adapter,
     write_llama,
 )
+from engine_cpu import decode_step_seconds
 
 from loraplane.dataplane.config import Device, Dtype, EngineConfig
 from loraplane.dataplane.engine import Engine
@@ -181,27 +181,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def decode_step_seconds(
-    engine: Engine, prompt_ids: Sequence[list[int]], loras: Sequence[LoRARef | None], steps: int
-) -> float:
-    """Median time of a decode step of len(loras) sequences after their prefill (engine_cpu's
-    measure, on these prompts). A step returns sampled tokens: its device work is done."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    stamp = time.monotonic_ns()
-    for i, (p, lora) in enumerate(zip(prompt_ids, loras, strict=True)):
-        engine.add_request(f"d{stamp}-{i}", p, params, lora)
-    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    while engine.has_unfinished:
-        engine.step()
-    return statistics.median(times)
-
-
 def engine_generate(
     engine: Engine, prompt_ids: Sequence[list[int]], loras: Sequence[LoRARef | None], gen: int
 ) -> tuple[float, list[list[int]]]:
@@ -249,7 +228,7 @@ def engine_phase(
     engine_generate(engine, prompt_ids, cases["64"], 2)
     for name, loras in cases.items():
         clock.log(f"engine: decode steps with {name} adapters")
-        step = decode_step_seconds(engine, prompt_ids, loras, sizes.steps)
+        step = decode_step_seconds(engine, loras, sizes.steps, prompt_ids)
         figures[f"decode_step_ms_{name}_adapters"] = step * 1e3
         figures[f"decode_tokens_per_s_{name}_adapters"] = sizes.batch / step
     clock.log(f"engine: generate {sizes.gen_tokens} tokens over {sizes.few} adapters")
@@ -310,7 +289,7 @@ def graphs_phase(
     mixed: list[LoRARef | None] = [refs[i % len(refs)] for i in range(sizes.batch)]
     engine_generate(engine, prompt_ids, mixed, 2)  # warm-up
     clock.log(f"graphs: decode steps with {len(refs)} adapters")
-    step = decode_step_seconds(engine, prompt_ids, mixed, sizes.steps)
+    step = decode_step_seconds(engine, mixed, sizes.steps, prompt_ids)
     figures["decode_step_ms_8_adapters_graphs"] = step * 1e3
     eager_ms = figures["decode_step_ms_8_adapters"]
     figures["graphs_over_eager_8_adapters"] = step * 1e3 / eager_ms
