@@ -40,7 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loraplane.dataplane import attention
 from loraplane.dataplane.attention import AttentionMetadata
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 from loraplane.dataplane.lora.layers import LinearWithLoRA
 from loraplane.dataplane.lora.metadata import LoRABatch
@@ -101,6 +103,19 @@ def replay_eagerly(forward: Forward) -> Forward:
 
 
 @dataclass(frozen=True, slots=True)
+class GraphShape:
+    """What the graphs are sized for: the largest batch (the ladder's top), the longest
+    context (block tables' width), the KV block size, the KV block padding rows write into,
+    and the largest adapter rank (the SGMV launches' rank space)."""
+
+    max_batch: int
+    max_model_len: int
+    block_size: int
+    pad_block: int
+    max_lora_rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Static:
     """The static inputs a graph of one size reads (views of the shared buffers)."""
 
@@ -114,26 +129,18 @@ class DecodeGraphs:
     """Captured decode forwards at a ladder of batch sizes and the static buffers they read."""
 
     def __init__(
-        self,
-        model: LlamaForCausalLM,
-        pool: LoRAPool,
-        *,
-        max_batch: int,
-        max_model_len: int,
-        block_size: int,
-        pad_block: int,
-        max_lora_rank: int,
-        capture: Capture,
+        self, model: LlamaForCausalLM, pool: LoRAPool, shape: GraphShape, capture: Capture
     ) -> None:
         self.model = model
         self.pool = pool
-        self.block_size = block_size
+        self.block_size = block_size = shape.block_size
+        pad_block = shape.pad_block
         self.pad_slot = pad_block * block_size  # where padding rows write their K and V
-        self.batch_sizes = batch_sizes(max_batch)
+        self.batch_sizes = batch_sizes(shape.max_batch)
         self.replays = 0  # steps replayed from a graph
         self.fallbacks = 0  # decode steps run eagerly for a slot breaking the alignment promise
         self.max_batch = m = self.batch_sizes[-1]
-        self.width = w = -(-max_model_len // block_size)
+        self.width = w = -(-shape.max_model_len // block_size)
         device = pool.device
         pin = device.type == "cuda"
         # the static buffers: int64 ids, positions, slot mapping, token order, token slots;
@@ -163,7 +170,7 @@ class DecodeGraphs:
             mod.slots.graph_table = SlotWeights(
                 a_ptrs=self._ptrs[0, i], b_ptrs=self._ptrs[1, i], ranks=self._ranks[i],
                 a_ptrs_host=(0,) * slots, b_ptrs_host=(0,) * slots,
-                ranks_host=(max_lora_rank,) + (0,) * (slots - 1),  # R: the largest rank
+                ranks_host=(shape.max_lora_rank,) + (0,) * (slots - 1),  # R: the largest rank
                 in_features=mod.base_layer.in_features, out_features=mod.base_layer.out_features,
                 dtype=pool.dtype, device=self._ptrs.device,
                 ptr_align=PTR_ALIGN, rank_multiple=RANK_MULTIPLE,
@@ -301,20 +308,9 @@ class DecodeGraphs:
 
 
 def capture_decode_graphs(
-    model: LlamaForCausalLM,
-    pool: LoRAPool,
-    *,
-    max_batch: int,
-    max_model_len: int,
-    block_size: int,
-    pad_block: int,
-    max_lora_rank: int,
-    capture: Capture | None = None,
+    model: LlamaForCausalLM, pool: LoRAPool, shape: GraphShape, capture: Capture | None = None
 ) -> DecodeGraphs | None:
     """Capture the decode graphs, or None (with a log line saying why) when they cannot be."""
-    from loraplane.dataplane import attention
-    from loraplane.dataplane.kernels import dispatch
-
     probe = torch.empty(0, device=pool.device)
     backends = (attention.backend(probe), dispatch.backend(probe))
     if "torch" in backends:
@@ -330,11 +326,7 @@ def capture_decode_graphs(
             return None
         capture = cuda_capture()
     try:
-        graphs = DecodeGraphs(
-            model, pool, max_batch=max_batch, max_model_len=max_model_len,
-            block_size=block_size, pad_block=pad_block, max_lora_rank=max_lora_rank,
-            capture=capture,
-        )  # fmt: skip
+        graphs = DecodeGraphs(model, pool, shape, capture)
     except Exception as e:  # any capture error: serve eagerly, say why
         for mod in model.modules():
             if isinstance(mod, LinearWithLoRA) and mod.slots is not None:

@@ -17,7 +17,12 @@ import torch
 
 from loraplane.adapters.base_model import BaseModelSpec, read_config
 from loraplane.dataplane.config import EngineConfig
-from loraplane.dataplane.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
+from loraplane.dataplane.cuda_graphs import (
+    Capture,
+    DecodeGraphs,
+    GraphShape,
+    capture_decode_graphs,
+)
 from loraplane.dataplane.lora.layers import install_lora
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
@@ -104,16 +109,14 @@ class ModelRunner:
         `pad_block`, which the caller keeps from every sequence; False (logged) when they
         cannot be captured, and decode steps stay eager."""
         assert self.config.max_model_len is not None
-        self.cuda_graphs = capture_decode_graphs(
-            self.model,
-            self.pool,
+        shape = GraphShape(
             max_batch=self.config.max_num_seqs,
             max_model_len=self.config.max_model_len,
             block_size=self.config.block_size,
             pad_block=pad_block,
             max_lora_rank=self.config.max_lora_rank,
-            capture=capture,
         )
+        self.cuda_graphs = capture_decode_graphs(self.model, self.pool, shape, capture)
         return self.cuda_graphs is not None
 
     @property
