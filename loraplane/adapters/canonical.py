@@ -34,7 +34,9 @@ class CanonicalAdapter:
     weights_bytes: int
 
 
-def _start_digest(config: bytes) -> hashlib._Hash:
+def start_digest(config: bytes) -> hashlib._Hash:
+    """The digest with the domain tag and the canonical config fed in: feeding it the canonical
+    weights file's bytes, in order, gives the version's digest."""
     h = hashlib.sha256(DIGEST_DOMAIN)
     h.update(len(config).to_bytes(8, "little"))
     h.update(config)
@@ -44,7 +46,7 @@ def _start_digest(config: bytes) -> hashlib._Hash:
 def canonical_digest(adapter: ValidatedAdapter) -> str:
     """The digest of the adapter's canonical form, without writing it anywhere."""
     config, header, sources = _layout(adapter)
-    h = _start_digest(config)
+    h = start_digest(config)
     h.update(header)
     for name in sources:
         h.update(adapter.weights.raw(name))
@@ -65,7 +67,7 @@ def stored_digest_start(adapter: ValidatedAdapter) -> hashlib._Hash | None:
         pos = info.end
     if pos != weights.size or weights.head(len(header)) != header:
         return None
-    return _start_digest(config)
+    return start_digest(config)
 
 
 def write_canonical(
@@ -80,7 +82,7 @@ def write_canonical(
     """
     config, header, sources = _layout(adapter)
     weights = adapter.weights
-    h = _start_digest(config)
+    h = start_digest(config)
     failure: list[BaseException] = []
 
     def digest() -> None:
@@ -159,7 +161,7 @@ def _layout(adapter: ValidatedAdapter) -> tuple[bytes, bytes, list[str]]:
 
 def digest_files(config_path: Path, weights_path: Path) -> str:
     """Recompute the digest of stored canonical files (to verify a download or a cache)."""
-    h = _start_digest(config_path.read_bytes())
+    h = start_digest(config_path.read_bytes())
     with open(weights_path, "rb") as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)

@@ -73,6 +73,7 @@ class ValidatedAdapter:
     dtypes: tuple[str, ...]
     base_model: str | None = None
     warnings: list[str] = field(default_factory=list)
+    config_bytes: bytes = b""  # the config file as read and checked
 
     @property
     def rank(self) -> int:
@@ -336,7 +337,9 @@ def validate_adapter(
         weights.close()
         raise
     dtypes = tuple(sorted({t.dtype for t in weights.tensors.values()}))
-    return ValidatedAdapter(spec, modules, weights, files, dtypes, base.name if base else None)
+    return ValidatedAdapter(
+        spec, modules, weights, files, dtypes, base.name if base else None, [], config_bytes
+    )
 
 
 def _check_modules(

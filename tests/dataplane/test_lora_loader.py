@@ -18,8 +18,9 @@ from loraplane.adapters.ingest import ingest
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.safetensors_io import TensorInfo
 from loraplane.adapters.store import LocalStore
-from loraplane.dataplane.lora import load_lora
+from loraplane.dataplane.lora import load_lora, loader
 from loraplane.dataplane.lora.loader import _tensor_view
+from loraplane.demo.build import build_adapter
 
 
 @pytest.fixture(scope="module")
@@ -155,5 +156,75 @@ def test_a_tensor_at_an_unaligned_offset_is_copied_not_viewed() -> None:
     buf = np.zeros(2 + values.nbytes, dtype=np.uint8)
     buf[2:] = np.frombuffer(values.tobytes(), dtype=np.uint8)
     info = TensorInfo("t", "F32", (2, 3), 2, 2 + values.nbytes)
-    tensor = _tensor_view(buf, info)
+    tensor = _tensor_view(torch.from_numpy(buf), info)
     assert tensor.shape == (2, 3) and torch.equal(tensor.flatten(), torch.from_numpy(values))
+
+
+@pytest.fixture
+def no_known_layouts() -> None:
+    loader._layouts.clear()
+
+
+def test_a_version_of_a_known_layout_is_read_without_validating_again_and_digest_checked(
+    tiny_llama_dir: Path,
+    spec: BaseModelSpec,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    no_known_layouts: None,
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    srcs = [build_adapter(tiny_llama_dir, tmp_path / f"src{i}", r=8, seed=i) for i in range(3)]
+    other = build_adapter(tiny_llama_dir, tmp_path / "r4", r=4, seed=9)
+    versions = [ingest(p, "acme", p.name, spec, AdapterLimits(), store) for p in [*srcs, other]]
+    expected = load_lora(srcs[1], spec)  # the tenant's own file, validated in full
+    load_lora(tmp_path / "store" / versions[0].path, spec, expected_digest=versions[0].digest)
+
+    def validate_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(loader, "validate_adapter", validate_again)
+    # same rank, modules and dtypes as the first: the same config and header bytes
+    fast = load_lora(
+        tmp_path / "store" / versions[1].path, spec, expected_digest=versions[1].digest
+    )
+    assert fast.digest == versions[1].digest and fast.modules.keys() == expected.modules.keys()
+    for key, w in fast.modules.items():
+        assert torch.equal(w.a, expected.modules[key].a) and w.scale == expected.modules[key].scale
+        assert torch.equal(w.b, expected.modules[key].b)
+    # its digest is still checked: one flipped tensor byte fails it, without validation
+    weights = tmp_path / "store" / versions[2].path / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.chmod(0o644)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError):
+        load_lora(weights.parent, spec, expected_digest=versions[2].digest)
+    # another layout (rank 4), or the same one under other limits, is validated in full
+    with pytest.raises(AssertionError, match="validated again"):
+        load_lora(tmp_path / "store" / versions[3].path, spec, expected_digest=versions[3].digest)
+    with pytest.raises(AssertionError, match="validated again"):
+        load_lora(
+            tmp_path / "store" / versions[1].path,
+            spec,
+            AdapterLimits(max_rank=8),
+            expected_digest=versions[1].digest,
+        )
+
+
+def test_a_layout_is_remembered_only_once_its_digest_matched(
+    tiny_llama_dir: Path, spec: BaseModelSpec, tmp_path: Path, no_known_layouts: None
+) -> None:
+    version = ingest(
+        build_adapter(tiny_llama_dir, tmp_path / "src", r=8, seed=1),
+        "acme",
+        "bot",
+        spec,
+        AdapterLimits(),
+        LocalStore(tmp_path / "store"),
+    )
+    folder = tmp_path / "store" / version.path
+    with pytest.raises(IntegrityError):
+        load_lora(folder, spec, expected_digest="0" * 64)
+    assert not loader._layouts
+    load_lora(folder, spec, expected_digest=version.digest)
+    assert len(loader._layouts) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.dataplane.lora import LoadedAdapter, LoRAPool, LoRAWeights, load_lora
+from loraplane.dataplane.lora.pool import PARALLEL_GRAIN, copy_serial
 
 SPEC = BaseModelSpec("tiny", "llama", 2, 64, 128, 4, 2, 16)
 
@@ -118,3 +120,47 @@ def test_a_host_copy_of_the_pools_device_and_dtype_is_read_in_place_others_are_c
     same.free(0)
     assert table.lora_a[0] is None and not same.is_loaded(0)
     assert w.a.shape == (8, 64)
+
+
+def _one_buffer(adapter: LoadedAdapter, dtype: torch.dtype) -> LoadedAdapter:
+    """`adapter` as the loader reads a stored version: views of one buffer, back to back, in
+    an order (reversed here) that is not the modules' order."""
+    tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
+    whole = torch.empty(sum(t.numel() for t in tensors), dtype=dtype)
+    offset, views = 0, {}
+    for t in reversed(tensors):
+        views[id(t)] = whole[offset : offset + t.numel()].view(t.shape)
+        views[id(t)].copy_(t)
+        offset += t.numel()
+    return LoadedAdapter(
+        adapter.source,
+        {
+            k: LoRAWeights(views[id(w.a)], views[id(w.b)], w.scale)
+            for k, w in adapter.modules.items()
+        },
+    )
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(one_buffer: bool) -> None:
+    source = _adapter(8)
+    adapter = _one_buffer(source, torch.float16) if one_buffer else source
+    pool = LoRAPool(2, SPEC, torch.bfloat16, "cpu")
+    host = pool.host_form(adapter)
+    spans = sorted((t.data_ptr(), t.nbytes) for w in host.modules.values() for t in (w.a, w.b))
+    assert all(p + n == q for (p, n), (q, _) in itertools.pairwise(spans))
+    for key, w in host.modules.items():
+        assert w.a.dtype == torch.bfloat16 and w.scale == adapter.modules[key].scale
+        assert torch.equal(w.a, adapter.modules[key].a.to(torch.bfloat16))
+        assert torch.equal(w.b, adapter.modules[key].b.to(torch.bfloat16))
+
+
+def test_copy_serial_copies_across_its_pieces_and_refuses_other_shapes() -> None:
+    src = torch.randn(2 * PARALLEL_GRAIN + 5).to(torch.float16)
+    dst = torch.empty(src.numel())
+    copy_serial(dst, src)
+    assert torch.equal(dst, src.float())
+    with pytest.raises(ValueError, match="flat tensors"):
+        copy_serial(torch.empty(4), torch.empty(5))
+    with pytest.raises(ValueError, match="flat tensors"):
+        copy_serial(torch.empty(2, 2), torch.empty(2, 2))

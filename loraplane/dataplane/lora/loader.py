@@ -7,9 +7,12 @@ lora_alpha, use_rslora, rank_pattern and alpha_pattern as validation computed th
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +20,17 @@ import numpy as np
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
-from loraplane.adapters.canonical import canonical_digest, stored_digest_start
+from loraplane.adapters.canonical import canonical_digest, start_digest, stored_digest_start
 from loraplane.adapters.errors import IntegrityError
 from loraplane.adapters.limits import AdapterLimits
-from loraplane.adapters.safetensors_io import DTYPES, SafetensorsFile, TensorInfo
-from loraplane.adapters.source import open_adapter_source
-from loraplane.adapters.validate import ValidatedAdapter, validate_adapter
+from loraplane.adapters.safetensors_io import (
+    DTYPES,
+    MAX_HEADER_BYTES,
+    SafetensorsFile,
+    TensorInfo,
+)
+from loraplane.adapters.source import AdapterFiles, open_adapter_source
+from loraplane.adapters.validate import ModuleLoRA, ValidatedAdapter, validate_adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,43 +81,68 @@ def _to_torch(weights: SafetensorsFile, name: str) -> torch.Tensor:
 
 
 READ_CHUNK = 8 << 20
+# validated layouts remembered (see `_Layout`): adapters trained by one recipe share one
+MAX_LAYOUTS = 64
+
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def _read_stored(
-    adapter: ValidatedAdapter,
-) -> tuple[dict[tuple[int, str], LoRAWeights], str] | None:
-    """A stored version's weights in one sequential read, hashed as they arrive.
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What validating a stored version found, true of any file with the same config bytes,
+    weights header bytes and size (validation reads nothing else, for a given base model and
+    limits): the canonical config its digest starts with, and each module's tensors."""
 
-    When the weights file is canonical (every stored version's is), its bytes are read once
-    into one buffer while a second thread hashes each chunk read, and the tensors are views
-    of that buffer: no memory map, no second copy. None when the file is not canonical.
-    """
-    h = stored_digest_start(adapter)
-    if h is None:
+    config: bytes
+    modules: tuple[tuple[ModuleLoRA, TensorInfo, TensorInfo], ...]
+
+
+# (config bytes, weights header bytes, weights file size, base model, limits) -> layout
+_LayoutKey = tuple[bytes, bytes, int, BaseModelSpec, AdapterLimits]
+_layouts: OrderedDict[_LayoutKey, _Layout] = OrderedDict()
+_layouts_lock = threading.Lock()
+
+
+def _known_layout(key: _LayoutKey) -> _Layout | None:
+    with _layouts_lock:
+        layout = _layouts.get(key)
+        if layout is not None:
+            _layouts.move_to_end(key)
+        return layout
+
+
+def _remember_layout(key: _LayoutKey, layout: _Layout) -> None:
+    with _layouts_lock:
+        _layouts[key] = layout
+        _layouts.move_to_end(key)
+        while len(_layouts) > MAX_LAYOUTS:
+            _layouts.popitem(last=False)
+
+
+def _read_header(f: FileIO, size: int) -> bytes | None:
+    """The weights file's first bytes up to the end of its header (None: not a plausible one;
+    the full validation then says what is wrong)."""
+    head = f.read(8)
+    if len(head) < 8:
         return None
-    weights = adapter.weights
-    buf = np.empty(weights.size, dtype=np.uint8)
+    end = 8 + int.from_bytes(head, "little")
+    if end > min(size, 8 + MAX_HEADER_BYTES):
+        return None
+    rest = f.read(end - 8)
+    return head + rest if len(rest) == end - 8 else None
+
+
+def _read_hashed(f: FileIO, size: int, h: Any) -> np.ndarray[Any, Any]:
+    """The whole file `f` (from its start) in one buffer, fed to `h` as it arrives: in one
+    read when small, else in chunks that a second thread hashes while the next is read."""
+    f.seek(0)
+    buf = np.empty(size, dtype=np.uint8)
     view = buf.data  # a writable memoryview of the buffer
-    if weights.size <= READ_CHUNK:  # one read: nothing to overlap, so no hashing thread
-        with open(weights.path, "rb", buffering=0) as f:
-            if f.readinto(view) != weights.size:
-                raise OSError(f"{weights.path.name} shrank while it was read")
+    if size <= READ_CHUNK:  # one read: nothing to overlap, so no hashing thread
+        if f.readinto(view) != size:
+            raise OSError(f"{Path(f.name).name} shrank while it was read")
         h.update(view)
-    else:
-        _read_hashing(weights.path, weights.size, view, h)
-    modules = {
-        (m.layer, m.module): LoRAWeights(
-            a=_tensor_view(buf, weights.tensors[m.a_name]),
-            b=_tensor_view(buf, weights.tensors[m.b_name]),
-            scale=m.scale,
-        )
-        for m in adapter.modules
-    }
-    return modules, h.hexdigest()
-
-
-def _read_hashing(path: Path, size: int, view: memoryview, h: Any) -> None:
-    """Read `size` bytes of `path` into `view` in chunks while another thread hashes them."""
+        return buf
     chunks: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
 
     def digest() -> None:
@@ -119,28 +152,94 @@ def _read_hashing(path: Path, size: int, view: memoryview, h: Any) -> None:
     hasher = threading.Thread(target=digest, name="lora-digest")
     hasher.start()
     try:
-        with open(path, "rb", buffering=0) as f:
-            pos = 0
-            while pos < size:
-                n = f.readinto(view[pos : pos + READ_CHUNK])
-                if not n:
-                    raise OSError(f"{path.name} shrank while it was read")
-                chunks.put(view[pos : pos + n])
-                pos += n
+        pos = 0
+        while pos < size:
+            n = f.readinto(view[pos : pos + READ_CHUNK])
+            if not n:
+                raise OSError(f"{Path(f.name).name} shrank while it was read")
+            chunks.put(view[pos : pos + n])
+            pos += n
     finally:
         chunks.put(None)
         hasher.join()
+    return buf
 
 
-def _tensor_view(buf: np.ndarray[Any, Any], info: TensorInfo) -> torch.Tensor:
-    """The tensor `info` as a view of `buf` (a copy where its offset is not aligned)."""
-    dt = np.dtype(DTYPES[info.dtype][0])
-    raw = buf[info.start : info.end]
-    array = raw.view(dt) if info.start % dt.itemsize == 0 else raw.copy().view(dt)
-    array = array.reshape(info.shape)
-    if info.dtype == "BF16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+def _weights(buf: np.ndarray[Any, Any], layout: _Layout) -> dict[tuple[int, str], LoRAWeights]:
+    """Each module's A and B as views of `buf`, all of one torch storage (so `LoRAPool.
+    host_form` converts them in one operation)."""
+    whole = torch.from_numpy(buf)
+    return {
+        (m.layer, m.module): LoRAWeights(
+            a=_tensor_view(whole, a), b=_tensor_view(whole, b), scale=m.scale
+        )
+        for m, a, b in layout.modules
+    }
+
+
+def _tensor_view(whole: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    """The tensor `info` as a view of the file's bytes (a copy where its offset is not
+    aligned to its element size)."""
+    raw = whole[info.start : info.end]
+    if info.start % DTYPES[info.dtype][1]:
+        raw = raw.clone()
+    return raw.view(_TORCH_DTYPES[info.dtype]).view(info.shape)
+
+
+def _load_known(
+    files: AdapterFiles,
+    base: BaseModelSpec,
+    limits: AdapterLimits,
+    expected_digest: str,
+    source: str,
+) -> LoadedAdapter | None:
+    """A stored version whose config and weights header are byte for byte those of one
+    validated before (against the same base and limits): read, hashed and checked against
+    its digest without validating again. None when the layout is not known (or the file
+    changed while it was read): the caller validates it in full."""
+    try:
+        config = files.config_path.read_bytes()
+        with open(files.weights_path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            header = _read_header(f, size)
+            if header is None:
+                return None
+            layout = _known_layout((config, header, size, base, limits))
+            if layout is None:
+                return None
+            h = start_digest(layout.config)
+            buf = _read_hashed(f, size, h)
+    except OSError:
+        return None  # the full validation reports it
+    if buf[: len(header)].tobytes() != header:
+        return None
+    digest = h.hexdigest()
+    if digest != expected_digest:
+        raise IntegrityError(source, expected_digest, digest)
+    return LoadedAdapter(source=source, modules=_weights(buf, layout), digest=digest)
+
+
+def _read_stored(
+    adapter: ValidatedAdapter, source: str
+) -> tuple[LoadedAdapter, _Layout, bytes] | None:
+    """A validated stored version's weights in one sequential read, hashed as they arrive
+    (the digest is not checked here), with its layout and its weights header. None when
+    the weights file is not canonical; OSError when it changed since it was validated."""
+    h = stored_digest_start(adapter)
+    if h is None:
+        return None
+    weights = adapter.weights
+    header = weights.head(8 + int.from_bytes(weights.head(8), "little"))
+    layout = _Layout(
+        adapter.spec.canonical_json(),
+        tuple((m, weights.tensors[m.a_name], weights.tensors[m.b_name]) for m in adapter.modules),
+    )
+    with open(weights.path, "rb", buffering=0) as f:
+        buf = _read_hashed(f, weights.size, h)
+    if buf[: len(header)].tobytes() != header:
+        raise OSError(f"{weights.path.name} changed while it was read")
+    loaded = LoadedAdapter(source=source, modules=_weights(buf, layout), digest=h.hexdigest())
+    return loaded, layout, header
 
 
 def load_lora(
@@ -157,22 +256,35 @@ def load_lora(
     (every stored one) is read in one pass into one buffer, hashed as it arrives, and the
     tensors are views of that buffer; another file is copied out of its memory map while a
     second thread hashes it. The weights file is closed before returning.
+
+    A stored version's validation is remembered by the exact bytes it read (config, weights
+    header, file size) with the base model and limits: a later version with the same bytes
+    there (adapters trained by one recipe differ only in their tensors' values) is read and
+    digest-checked without validating again. Its digest covers every byte of both files, so
+    nothing unchecked gets through; a cold load of such a version costs a read and a hash.
     """
     limits = limits or AdapterLimits()
+    source = str(path)
     with open_adapter_source(path, limits) as files:
+        if expected_digest is not None:
+            known = _load_known(files, base, limits, expected_digest, source)
+            if known is not None:
+                return known
         adapter = validate_adapter(files, base, limits, scan_weights=expected_digest is None)
         if expected_digest is not None:
             try:
-                stored = _read_stored(adapter)
+                stored = _read_stored(adapter, source)
             except BaseException:
                 adapter.close()
                 raise
             if stored is not None:
                 adapter.close()
-                modules, digest_hex = stored
-                if digest_hex != expected_digest:
-                    raise IntegrityError(str(path), expected_digest, digest_hex)
-                return LoadedAdapter(source=str(path), modules=modules, digest=digest_hex)
+                loaded, layout, header = stored
+                if loaded.digest != expected_digest:
+                    raise IntegrityError(source, expected_digest, loaded.digest)
+                key = (adapter.config_bytes, header, adapter.weights.size, base, limits)
+                _remember_layout(key, layout)
+                return loaded
         adapter.weights.will_need()
         digest: list[str] = []
         hasher = threading.Thread(target=lambda: digest.append(canonical_digest(adapter)))

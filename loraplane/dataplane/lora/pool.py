@@ -16,6 +16,7 @@ slot id.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,44 @@ if TYPE_CHECKING:
     from loraplane.dataplane.kernels.sgmv_torch import CheckedPair
     from loraplane.dataplane.kernels.slot_weights import SlotWeights
     from loraplane.dataplane.lora.arena import KVArena, Placement
+
+
+# ATen runs an element-wise op over this many elements or more on its OpenMP thread team
+# (at::internal::GRAIN_SIZE). Started from a loader thread, such an op makes that thread a
+# team of its own, whose threads then spin on the cores the engine's step computes on.
+PARALLEL_GRAIN = 32768
+
+
+def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for flat tensors, in pieces small enough to run on the calling thread
+    alone: how loader threads convert adapters without taking cores from the step."""
+    if dst.shape != src.shape or dst.dim() != 1:
+        raise ValueError(f"copy_serial needs flat tensors of one size: {dst.shape}, {src.shape}")
+    for i in range(0, dst.numel(), PARALLEL_GRAIN - 1):
+        dst[i : i + PARALLEL_GRAIN - 1].copy_(src[i : i + PARALLEL_GRAIN - 1])
+
+
+def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+    """When `tensors` (host, one dtype, contiguous) lie back to back in one storage, covering
+    one range of it once (the loader's views of a stored version's file): that range as one
+    flat tensor, and its storage offset. Else None."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (
+            t.dtype != first.dtype
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+    ordered = sorted(tensors, key=lambda t: int(t.storage_offset()))
+    start = end = int(ordered[0].storage_offset())
+    for t in ordered:
+        if t.storage_offset() != end:
+            return None
+        end += t.numel()
+    return ordered[0].as_strided((end - start,), (1,)), start
 
 
 class ModuleSlots:
@@ -122,16 +161,24 @@ class LoRAPool:
         buffer = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype)
         if self.device.type == "cuda":
             buffer = buffer.pin_memory()
-        modules: dict[tuple[int, str], LoRAWeights] = {}
-        offset = 0
-        for key, w in adapter.modules.items():
-            views = []
-            for t in (w.a, w.b):
-                view = buffer[offset : offset + t.numel()].view(t.shape)
-                view.copy_(t)
-                views.append(view)
-                offset += t.numel()
-            modules[key] = LoRAWeights(a=views[0], b=views[1], scale=w.scale)
+        run = _one_run(tensors)
+        if run is not None:  # a stored version as the loader reads it: one conversion
+            whole, start = run
+            copy_serial(buffer, whole)
+            offsets = [int(t.storage_offset()) - start for t in tensors]
+        else:
+            offsets = list(itertools.accumulate((t.numel() for t in tensors), initial=0))[:-1]
+        views = [
+            buffer[o : o + t.numel()].view(t.shape) for o, t in zip(offsets, tensors, strict=True)
+        ]
+        if run is None:
+            for view, t in zip(views, tensors, strict=True):
+                copy_serial(view.view(-1), t.reshape(-1))
+        pairs = iter(views)  # tensors holds each module's A then B
+        modules = {
+            key: LoRAWeights(a=next(pairs), b=next(pairs), scale=w.scale)
+            for key, w in adapter.modules.items()
+        }
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
