@@ -6,8 +6,10 @@ never is, and how every kind of load failure ends.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -198,6 +200,37 @@ def test_a_prefetch_list_longer_than_the_depth_loads_only_its_head(
     m.wait_for(refs, timeout=5)
     states = [m._entries[r.key].state for r in refs]  # the tier's own state
     assert states[:2] == [State.HOST, State.HOST] and states[2:] == [State.COLD, State.COLD]
+    m.close()
+
+
+def test_a_thread_that_would_wait_loads_the_queued_adapters_itself(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    m = manager(tiny_llama_dir, None, disk=DiskTier(store), max_loads_in_flight=1)
+    refs = []
+    for name in NAMES:
+        v = ingest(peft_adapters[name], "acme", name, spec, AdapterLimits(), store)
+        refs.append(m.register_stored(LoRARef(name, "acme", v.digest), v.path))
+    readers: dict[str, str] = {}
+    read = m._read
+
+    def reading(entry: Any) -> Any:
+        readers[entry.ref.name] = threading.current_thread().name
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)  # a loader thread at its low priority, on a busy machine
+        return read(entry)
+
+    m._read = reading  # type: ignore[method-assign]
+    m.prefetch(refs)  # one loader thread takes the first; the others stay queued
+    m.load_or_wait(refs[1:], timeout=0)  # no time to spend: loads nothing here
+    assert threading.current_thread().name not in readers.values()
+    m.load_or_wait(refs, timeout=5)
+    assert all(m._entries[r.key].state is State.HOST for r in refs)
+    here = [n for n, t in readers.items() if t == threading.current_thread().name]
+    assert here == list(NAMES[1:])  # the queued ones, not the one a loader thread took
+    assert m.pending() == set() and m._loads_in_flight == 0
     m.close()
 
 
