@@ -186,16 +186,24 @@ def test_an_adapter_larger_than_the_whole_budget_fails_its_requests_with_the_rea
     assert small_ok[0].error is None
 
 
+def stored_manager(
+    model: Path, adapters: dict[str, Path], tmp_path: Path, **kw: Any
+) -> tuple[LoRAManager, list[LoRARef]]:
+    """A manager over a disk tier holding the NAMES adapters as stored versions, all cold."""
+    store = LocalStore(tmp_path / "store")
+    spec = BaseModelSpec.from_dir(model)
+    m = manager(model, None, disk=DiskTier(store), **kw)
+    refs = []
+    for name in NAMES:
+        v = ingest(adapters[name], "acme", name, spec, AdapterLimits(), store)
+        refs.append(m.register_stored(LoRARef(name, "acme", v.digest), v.path))
+    return m, refs
+
+
 def test_a_prefetch_list_longer_than_the_depth_loads_only_its_head(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
-    store = LocalStore(tmp_path / "store")
-    spec = BaseModelSpec.from_dir(tiny_llama_dir)
-    m = manager(tiny_llama_dir, None, disk=DiskTier(store), prefetch_depth=2)
-    refs = []
-    for name in NAMES:
-        v = ingest(peft_adapters[name], "acme", name, spec, AdapterLimits(), store)
-        refs.append(m.register_stored(LoRARef(name, "acme", v.digest), v.path))
+    m, refs = stored_manager(tiny_llama_dir, peft_adapters, tmp_path, prefetch_depth=2)
     m.prefetch(refs)
     m.wait_for(refs, timeout=5)
     states = [m._entries[r.key].state for r in refs]  # the tier's own state
@@ -206,13 +214,7 @@ def test_a_prefetch_list_longer_than_the_depth_loads_only_its_head(
 def test_a_thread_that_would_wait_loads_the_queued_adapters_itself(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
-    store = LocalStore(tmp_path / "store")
-    spec = BaseModelSpec.from_dir(tiny_llama_dir)
-    m = manager(tiny_llama_dir, None, disk=DiskTier(store), max_loads_in_flight=1)
-    refs = []
-    for name in NAMES:
-        v = ingest(peft_adapters[name], "acme", name, spec, AdapterLimits(), store)
-        refs.append(m.register_stored(LoRARef(name, "acme", v.digest), v.path))
+    m, refs = stored_manager(tiny_llama_dir, peft_adapters, tmp_path, max_loads_in_flight=1)
     readers: dict[str, str] = {}
     read = m._read
 
