@@ -387,7 +387,7 @@ class Engine:
             return
         share = min(len(held), seats) / max(1, len(self.scheduler.running))
         refs = [s.lora for s in held if s.lora is not None]
-        self.loras.load_or_wait(refs, min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
+        self.loras.wait_for(refs, min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """End waiting requests whose adapter's last load failed; other requests go on."""

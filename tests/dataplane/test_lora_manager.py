@@ -211,31 +211,6 @@ def test_a_prefetch_list_longer_than_the_depth_loads_only_its_head(
     m.close()
 
 
-def test_a_thread_that_would_wait_loads_the_queued_adapters_itself(
-    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
-) -> None:
-    m, refs = stored_manager(tiny_llama_dir, peft_adapters, tmp_path, max_loads_in_flight=1)
-    readers: dict[str, str] = {}
-    read = m._read
-
-    def reading(entry: Any) -> Any:
-        readers[entry.ref.name] = threading.current_thread().name
-        if threading.current_thread() is not threading.main_thread():
-            time.sleep(0.3)  # a loader thread at its low priority, on a busy machine
-        return read(entry)
-
-    m._read = reading  # type: ignore[method-assign]
-    m.prefetch(refs)  # one loader thread takes the first; the others stay queued
-    m.load_or_wait(refs[1:], timeout=0)  # no time to spend: loads nothing here
-    assert threading.current_thread().name not in readers.values()
-    m.load_or_wait(refs, timeout=5)
-    assert all(m._entries[r.key].state is State.HOST for r in refs)
-    here = [n for n, t in readers.items() if t == threading.current_thread().name]
-    assert here == list(NAMES[1:])  # the queued ones, not the one a loader thread took
-    assert m.pending() == set() and m._loads_in_flight == 0
-    m.close()
-
-
 class CountingDict(dict):  # type: ignore[type-arg]
     """A dict that counts full scans (values, items, iteration)."""
 
@@ -301,7 +276,6 @@ def test_loader_threads_run_at_the_configured_low_priority(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     import os
-    import threading
 
     from loraplane.dataplane.lora import manager as module
 

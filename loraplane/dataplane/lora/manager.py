@@ -335,27 +335,6 @@ class LoRAManager:
                     return
                 self._load_ended.wait(left)
 
-    def load_or_wait(self, refs: Iterable[LoRARef], timeout: float) -> None:
-        """`wait_for`, from a thread that has nothing else to do meanwhile (the engine's,
-        before a step with free seats): it loads the adapters of `refs` that are still only
-        queued itself, one after the other, while `timeout` lasts, then waits for those in
-        flight for what is left of it. The loader threads run at a low priority so as not to
-        slow the steps; a step that waits anyway gets its adapters at the waiting thread's."""
-        keys = {r.key for r in refs}
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                entry = next(
-                    (e for e in self._queue if e.ref.key in keys and e.state is State.COLD), None
-                )
-                if entry is None:
-                    break
-                entry.state = State.LOADING
-                self._loading.add(entry.ref.key)
-                self._loads_in_flight += 1
-            self._load(entry, chain=False)
-        self.wait_for(refs, max(0.0, deadline - time.monotonic()))
-
     def device_bytes(self, ref: LoRARef) -> int:
         """Device bytes `ref` takes in the pool (0 until it is in host memory)."""
         entry = self._entries.get(ref.key)
@@ -407,8 +386,7 @@ class LoRAManager:
         if future is not None:
             future.result()
 
-    def _load(self, entry: _Entry, chain: bool = True) -> None:
-        """Load `entry` on this thread; a loader thread (`chain`) goes on down the list."""
+    def _load(self, entry: _Entry) -> None:
         try:
             self._load_once(entry)
         finally:
@@ -416,7 +394,7 @@ class LoRAManager:
                 self._loads_in_flight -= 1
                 self._loading.discard(entry.ref.key)
                 self._load_ended.notify_all()
-                if chain and self.prefetch_enabled and not self._closed:
+                if self.prefetch_enabled and not self._closed:
                     following = self._next_queued()  # go on down the prefetch list
                     if following is not None:
                         self._begin_load(following)
