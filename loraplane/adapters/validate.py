@@ -338,8 +338,9 @@ def validate_adapter(
         raise
     dtypes = tuple(sorted({t.dtype for t in weights.tensors.values()}))
     return ValidatedAdapter(
-        spec, modules, weights, files, dtypes, base.name if base else None, [], config_bytes
-    )
+        spec, modules, weights, files, dtypes, base.name if base else None,
+        config_bytes=config_bytes,
+    )  # fmt: skip
 
 
 def _check_modules(

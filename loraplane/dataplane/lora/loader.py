@@ -7,6 +7,7 @@ lora_alpha, use_rslora, rank_pattern and alpha_pattern as validation computed th
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import threading
@@ -97,10 +98,20 @@ class _Layout:
     modules: tuple[tuple[ModuleLoRA, TensorInfo, TensorInfo], ...]
 
 
-# (config bytes, weights header bytes, weights file size, base model, limits) -> layout
-_LayoutKey = tuple[bytes, bytes, int, BaseModelSpec, AdapterLimits]
+# (sha256 of the config and weights header bytes, weights file size, base model, limits)
+_LayoutKey = tuple[bytes, int, BaseModelSpec, AdapterLimits]
 _layouts: OrderedDict[_LayoutKey, _Layout] = OrderedDict()
 _layouts_lock = threading.Lock()
+
+
+def _layout_key(
+    config: bytes, header: bytes, size: int, base: BaseModelSpec, limits: AdapterLimits
+) -> _LayoutKey:
+    """The memo's key: the bytes hashed, not kept (a header may be megabytes long)."""
+    h = hashlib.sha256(len(config).to_bytes(8, "little"))
+    h.update(config)
+    h.update(header)
+    return h.digest(), size, base, limits
 
 
 def _known_layout(key: _LayoutKey) -> _Layout | None:
@@ -204,7 +215,7 @@ def _load_known(
             header = _read_header(f, size)
             if header is None:
                 return None
-            layout = _known_layout((config, header, size, base, limits))
+            layout = _known_layout(_layout_key(config, header, size, base, limits))
             if layout is None:
                 return None
             h = start_digest(layout.config)
@@ -282,7 +293,7 @@ def load_lora(
                 loaded, layout, header = stored
                 if loaded.digest != expected_digest:
                     raise IntegrityError(source, expected_digest, loaded.digest)
-                key = (adapter.config_bytes, header, adapter.weights.size, base, limits)
+                key = _layout_key(adapter.config_bytes, header, adapter.weights.size, base, limits)
                 _remember_layout(key, layout)
                 return loaded
         adapter.weights.will_need()

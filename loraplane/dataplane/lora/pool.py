@@ -49,6 +49,8 @@ def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
     """When `tensors` (host, one dtype, contiguous) lie back to back in one storage, covering
     one range of it once (the loader's views of a stored version's file): that range as one
     flat tensor, and its storage offset. Else None."""
+    if not tensors:
+        return None
     first = tensors[0]
     storage = first.untyped_storage().data_ptr()
     for t in tensors:
