@@ -5,6 +5,7 @@ the simulator against the real engine on one replica (within 15% on tokens/s and
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import tempfile
@@ -320,16 +321,23 @@ def test_plan_draws_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 @pytest.fixture
 def quiet_engine_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """One torch thread (the step runs on the calling thread, so its CPU time is the step's),
-    and the adapter loader threads at the engine's own priority: on a shared 2-core host,
-    loaders at nice 19 wait behind other processes' work, which the planner does not model."""
+    the adapter loader threads at the engine's own priority (on a shared 2-core host, loaders
+    at nice 19 wait behind other processes' work, which the planner does not model), and this
+    process's heap frozen out of the garbage collector, as `loraplane serve` freezes its
+    startup heap: a full collection walks every object the test session has made (96 ms of
+    the engine thread's time in a lone run, more deep in the suite), which the planner does
+    not model either."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setenv("LORAPLANE_LOADER_NICE", "0")
+    gc.collect()
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         torch.set_num_threads(threads)
 
 
@@ -344,8 +352,10 @@ def test_the_simulator_predicts_the_engine_within_15_percent() -> None:
     the engine: engine time is read as the engine thread's CPU time (`time.thread_time`),
     which is the wall time it would take on a machine of its own, for the calibration and
     the runs alike. Calibrations and runs alternate (each run is simulated with the mean of
-    the calibrations on either side of it), and the p99 is taken over the three runs'
-    requests pooled."""
+    the calibrations on either side of it), and the verdict is the median of five rounds'
+    ratios: a neighbour's burst during one run, seen by no calibration, moves one round only
+    (in one CI run such a round ran at 2004 tokens/s against 2750 in the others, and pooled it
+    held the p99 TTFT)."""
     from loraplane.planner.measure import build_bench
     from loraplane.planner.validate import validate
 
@@ -356,16 +366,16 @@ def test_the_simulator_predicts_the_engine_within_15_percent() -> None:
         load = Workload(200, "zipf:1.0", prompt_tokens=16, output_tokens=8, spread=0.5,
                         concurrency=64, requests=600, warmup_requests=64)  # fmt: skip
         started = time.perf_counter()
-        verdict = validate(bench, load, rounds=3, clock=time.thread_time)
-    rounds = [(round(r.real_tokens_per_s), round(r.sim_tokens_per_s), r.real_loads, r.sim_loads)
-              for r in verdict.rounds]  # fmt: skip
+        verdict = validate(bench, load, rounds=5, clock=time.thread_time)
+    rounds = [(round(r.real_tokens_per_s), round(r.sim_tokens_per_s), round(r.ttft_ratio, 3),
+               r.real_loads, r.sim_loads) for r in verdict.rounds]  # fmt: skip
     detail = (
-        f"tokens/s sim/real {verdict.tokens_ratio:.3f}; p99 TTFT real"
-        f" {verdict.real_ttft_p99_s:.4f} s, sim {verdict.sim_ttft_p99_s:.4f} s"
-        f" ({verdict.ttft_ratio:.3f}); rounds (real, sim tokens/s, real, sim loads) {rounds};"
+        f"tokens/s sim/real {verdict.tokens_ratio:.3f}; p99 TTFT sim/real {verdict.ttft_ratio:.3f}"
+        f" (pooled: real {verdict.real_ttft_p99_s:.4f} s, sim {verdict.sim_ttft_p99_s:.4f} s);"
+        f" rounds (real, sim tokens/s, TTFT ratio, real, sim loads) {rounds};"
         f" {time.perf_counter() - started:.0f} s"
     )
     print(detail)
-    assert all(r[2] > 20 for r in rounds), detail  # the tiers were exercised
+    assert all(r[3] > 20 for r in rounds), detail  # the tiers were exercised
     assert 0.85 <= verdict.tokens_ratio <= 1.15, detail
     assert 0.85 <= verdict.ttft_ratio <= 1.15, detail
