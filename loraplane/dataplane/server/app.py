@@ -26,9 +26,15 @@ from loraplane.dataplane.server.settings import ServerSettings
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: ServerSettings, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
-    """Build the app; the engine loads when the app starts (its lifespan)."""
-    runtime = Runtime(settings)
+def create_app(
+    settings: ServerSettings,
+    on_fatal: Callable[[str], None] | None = None,
+    freeze_heap: bool = False,
+) -> FastAPI:
+    """Build the app; the engine loads when the app starts (its lifespan). `freeze_heap`
+    (for a process that serves this app alone, as `loraplane serve` does): once started,
+    move every object then alive out of the garbage collector's reach (`Runtime.start`)."""
+    runtime = Runtime(settings, freeze_heap=freeze_heap)
 
     async def start() -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -70,11 +71,24 @@ class Lease:
             runtime._release(self.ref.key)
 
 
+def freeze_startup_heap() -> None:
+    """Collect, then move every object alive now (the model's modules, the tokenizer, the
+    libraries' own) into the collector's permanent generation. A full collection walks every
+    tracked object, and it runs on whichever thread allocates when it falls due, the engine's
+    step included: 360,000 objects after start on the demo-sized model, 87-92 ms a walk,
+    which every request in flight would wait. Frozen objects are never walked again (nor freed
+    if they become cyclic garbage: fine for what lives as long as the process)."""
+    gc.collect()
+    gc.freeze()
+    log.info("froze %d startup objects out of the garbage collector", gc.get_freeze_count())
+
+
 class Runtime:
     """Everything a route needs, built once per app."""
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, freeze_heap: bool = False) -> None:
         self.settings = settings
+        self.freeze_heap = freeze_heap
         self.metrics = ServerMetrics(api_adapters=settings.api_metrics_adapters)
         self.usage = UsageLog()
         self.limiter = RateLimiter()
@@ -128,6 +142,8 @@ class Runtime:
                 self.static.add(ref.name, ref.digest)
             self.catalog = self.static
             self.metrics.add_tenant(DEFAULT_TENANT)
+        if self.freeze_heap:
+            freeze_startup_heap()
         self.ready = True
 
     def _base_model_config(self) -> dict[str, Any] | None:

@@ -108,7 +108,7 @@ def serve(settings: ServerSettings) -> int:
                   f" (--metrics-port / LORAPLANE_METRICS_PORT; 0 turns it off): {e}",
                   file=sys.stderr, flush=True)  # fmt: skip
             return EXIT_FAILED
-    app = create_app(settings, on_fatal=on_fatal)
+    app = create_app(settings, on_fatal=on_fatal, freeze_heap=True)
     if sock is not None:
         # log_config None: this Config leaves the logging the API's Config set up alone
         metrics_config = uvicorn.Config(

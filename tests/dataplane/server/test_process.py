@@ -4,6 +4,7 @@ start with its reason code."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -45,6 +46,9 @@ def test_sigterm_finishes_running_requests_and_exits_0(tiny_llama_dir: Path) -> 
         _, err = proc.communicate(timeout=60)
         reader.join(30)
         assert proc.returncode == 0, err
+        # the startup heap left the collector's walks before the first request was served
+        frozen = re.search(r"froze (\d+) startup objects out of the garbage collector", err)
+        assert frozen and int(frozen[1]) > 10_000, err
         assert received[-1] == "data: [DONE]"  # the running request was finished, not cut
         last = json.loads(received[-2][6:])
         assert last["choices"][0]["finish_reason"] == "length"
