@@ -24,6 +24,8 @@ cold load)
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import os
 import random
@@ -31,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.heap import freeze_startup_heap
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.sampling import SamplingParams
@@ -121,6 +125,19 @@ def qv_adapter(spec: BaseModelSpec, out: Path, seed: int, rank: int = 16) -> Pat
         )
     )
     return out
+
+
+def serving_heap(make: Callable[[], Engine]) -> Engine:
+    """An engine in the heap a server has: the engines of earlier loads collected now (an
+    engine is freed by the cycle collector; freeing one's weights and KV cache inside a timed
+    step of the next load costs that step tens of milliseconds), then everything alive frozen
+    out of the collector, as `loraplane serve` does once started (a full collection of this
+    process's heap would walk every object the setup made)."""
+    gc.unfreeze()
+    gc.collect()
+    engine = make()
+    freeze_startup_heap()
+    return engine
 
 
 def run_load(engine: Engine, refs: list[LoRARef], weights: list[float], requests: int,
@@ -272,7 +289,7 @@ def main() -> int:
         for round_no, (label, weights, pool, overrides) in schedule:
             print(f"load: {label}" + (f" (round {round_no})" if round_no else "") + " ...",
                   flush=True)  # fmt: skip
-            e = engine(**overrides)
+            e = serving_heap(functools.partial(engine, **overrides))
             refs = [e.loras.register_stored(LoRARef(v.name, v.tenant, v.digest), v.path)
                     for v in versions[:pool]]  # fmt: skip
             runs.setdefault(label, []).append(run_load(e, refs, weights[:pool], requests, 64,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -26,6 +25,7 @@ from loraplane.adapters.base_model import BaseModelError, read_config
 from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import AsyncEngine
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.heap import freeze_startup_heap
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.admission import QueueLimits
 from loraplane.dataplane.server.catalog import DEFAULT_TENANT, Catalog, Resolved, StaticCatalog
@@ -69,18 +69,6 @@ class Lease:
         runtime.queue.leave(self.tenant, self.queued)
         if self.ref is not None:
             runtime._release(self.ref.key)
-
-
-def freeze_startup_heap() -> None:
-    """Collect, then move every object alive now (the model's modules, the tokenizer, the
-    libraries' own) into the collector's permanent generation. A full collection walks every
-    tracked object, and it runs on whichever thread allocates when it falls due, the engine's
-    step included: 360,000 objects after start on the demo-sized model, 87-92 ms a walk,
-    which every request in flight would wait. Frozen objects are never walked again (nor freed
-    if they become cyclic garbage: fine for what lives as long as the process)."""
-    gc.collect()
-    gc.freeze()
-    log.info("froze %d startup objects out of the garbage collector", gc.get_freeze_count())
 
 
 class Runtime:
