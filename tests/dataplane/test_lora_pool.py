@@ -141,11 +141,14 @@ def _one_buffer(adapter: LoadedAdapter, dtype: torch.dtype) -> LoadedAdapter:
     )
 
 
+@pytest.mark.parametrize("b_transposed", [True, False])
 @pytest.mark.parametrize("one_buffer", [True, False])
-def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(one_buffer: bool) -> None:
+def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(
+    one_buffer: bool, b_transposed: bool
+) -> None:
     source = _adapter(8)
     adapter = _one_buffer(source, torch.float16) if one_buffer else source
-    pool = LoRAPool(2, SPEC, torch.bfloat16, "cpu")
+    pool = LoRAPool(2, SPEC, torch.bfloat16, "cpu", b_transposed=b_transposed)
     host = pool.host_form(adapter)
     spans = sorted((t.data_ptr(), t.nbytes) for w in host.modules.values() for t in (w.a, w.b))
     assert all(p + n == q for (p, n), (q, _) in itertools.pairwise(spans))
@@ -153,6 +156,52 @@ def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(one_buffe
         assert w.a.dtype == torch.bfloat16 and w.scale == adapter.modules[key].scale
         assert torch.equal(w.a, adapter.modules[key].a.to(torch.bfloat16))
         assert torch.equal(w.b, adapter.modules[key].b.to(torch.bfloat16))
+        assert w.a.is_contiguous()
+        # B keeps its [out, r] shape; its bytes are rows of B^T where the pool transposes
+        assert w.b.shape == adapter.modules[key].b.shape
+        assert (w.b.t().is_contiguous() and not w.b.is_contiguous()) == b_transposed
+    assert pool.host_form(host) is host  # already in the pool's form: nothing to do
+    pool.load(0, host)  # and a slot reads it in place
+    table = pool.module_slots(1, "v_proj")
+    assert table.lora_b[0] is host.modules[(1, "v_proj")].b
+
+
+def test_a_cpu_pool_transposes_b_unless_the_triton_kernels_read_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert LoRAPool(1, SPEC, torch.float32, "cpu").b_transposed
+    monkeypatch.setenv("LORAPLANE_SGMV", "triton")  # Triton's interpreter on CPU tensors
+    assert not LoRAPool(1, SPEC, torch.float32, "cpu").b_transposed
+
+
+def test_the_transposed_layout_computes_what_the_plain_one_does() -> None:
+    from loraplane.dataplane.kernels import sgmv_torch
+
+    adapters = [_adapter(4), _adapter(8)]
+    x = torch.randn(5, 64)
+    order, slots = torch.tensor([0, 3, 1, 2, 4]), torch.tensor([0, 0, 1, 1, 1])
+    seg_slots, bounds = [0, 1], [0, 2, 5]
+    results = []
+    for transposed in (False, True):
+        pool = LoRAPool(2, SPEC, torch.float32, "cpu", b_transposed=transposed)
+        for slot, adapter in enumerate(adapters):
+            pool.load(slot, pool.host_form(adapter))
+        table = pool.module_slots(0, "q_proj")
+        y = torch.zeros(5, 64)
+        sgmv_torch.lora_apply_grouped(
+            y, x, order, slots, seg_slots, bounds, table.lora_a, table.lora_b, table.scales,
+            table.checked,
+        )  # fmt: skip
+        results.append(y)
+    oracle = torch.zeros(5, 64)
+    table = LoRAPool(2, SPEC, torch.float32, "cpu", b_transposed=False)
+    for slot, adapter in enumerate(adapters):
+        table.load(slot, adapter)
+    t = table.module_slots(0, "q_proj")
+    sgmv_torch.lora_apply(oracle, x, order, seg_slots, bounds, t.lora_a, t.lora_b, t.scales)
+    torch.testing.assert_close(results[1], results[0])
+    torch.testing.assert_close(results[1], oracle)
+    assert results[1].abs().sum() > 0
 
 
 def test_copy_serial_copies_across_its_pieces_and_refuses_other_shapes() -> None:
@@ -160,7 +209,13 @@ def test_copy_serial_copies_across_its_pieces_and_refuses_other_shapes() -> None
     dst = torch.empty(src.numel())
     copy_serial(dst, src)
     assert torch.equal(dst, src.float())
-    with pytest.raises(ValueError, match="flat tensors"):
+    # 2-D, from a transposed view: in blocks of rows, or row by row when rows are long
+    for rows, cols in ((16, 1000), (3, 2 * PARALLEL_GRAIN + 7)):
+        b = torch.randn(cols, rows).to(torch.float16)
+        out = torch.empty(rows, cols)
+        copy_serial(out, b.t())
+        assert torch.equal(out, b.t().float())
+    with pytest.raises(ValueError, match="1-D or 2-D tensors of one shape"):
         copy_serial(torch.empty(4), torch.empty(5))
-    with pytest.raises(ValueError, match="flat tensors"):
-        copy_serial(torch.empty(2, 2), torch.empty(2, 2))
+    with pytest.raises(ValueError, match="1-D or 2-D tensors of one shape"):
+        copy_serial(torch.empty(2, 2, 2), torch.empty(2, 2, 2))
