@@ -227,12 +227,15 @@ class LoRAPool:
         modules = {}
         offset = 0
         for key, w in adapter.modules.items():
-            a = buffer[offset : offset + w.a.numel()].view(w.a.shape)
-            offset += w.a.numel()
-            b_t = buffer[offset : offset + w.b.numel()].view(w.b.shape[1], w.b.shape[0])
-            offset += w.b.numel()
-            copy_serial(a, w.a)
-            copy_serial(b_t, w.b.t())
+            (out, rank), size_a, size_b = w.b.shape, w.a.numel(), w.b.numel()
+            a = buffer[offset : offset + size_a].view(w.a.shape)
+            b_t = buffer[offset + size_a : offset + size_a + size_b].view(rank, out)
+            offset += size_a + size_b
+            for dst, src in ((a, w.a), (b_t, w.b.t())):
+                if dst.numel() < PARALLEL_GRAIN:  # one op, serial already
+                    dst.copy_(src)
+                else:
+                    copy_serial(dst, src)
             modules[key] = LoRAWeights(a=a, b=b_t.t(), scale=w.scale)
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
