@@ -313,7 +313,7 @@ def capture_decode_graphs(
     """Capture the decode graphs, or None (with a log line saying why) when they cannot be."""
     probe = torch.empty(0, device=pool.device)
     backends = (attention.backend(probe), dispatch.backend(probe))
-    if "torch" in backends:
+    if "torch" in backends or "native" in backends:
         log.warning(
             "CUDA graphs need the Triton attention and SGMV paths (LORAPLANE_ATTENTION, "
             "LORAPLANE_SGMV), got %s / %s: decode steps run eagerly",

@@ -326,10 +326,16 @@ def test_dispatch_lora_apply_matches_torch_with_every_backend(
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_dispatch_picks_triton_for_cuda_and_torch_for_cpu_unless_overridden(
+def test_dispatch_picks_triton_for_cuda_and_native_or_torch_for_cpu_unless_overridden(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from loraplane.dataplane.kernels import sgmv_cpu
+
     monkeypatch.delenv(dispatch.ENV, raising=False)
+    native = "native" if sgmv_cpu.library() is not None else "torch"
+    assert dispatch.backend(torch.zeros(1)) == native
+    assert dispatch.backend(torch.zeros(1, dtype=torch.bfloat16)) == "torch"  # fp32 only
+    monkeypatch.setenv(dispatch.ENV, "torch")
     assert dispatch.backend(torch.zeros(1)) == "torch"
     if torch.cuda.is_available():
         assert dispatch.backend(torch.zeros(1, device="cuda")) == "triton"

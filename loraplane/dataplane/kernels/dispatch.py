@@ -1,9 +1,12 @@
-"""Pick the SGMV implementation per call: the Triton kernels on CUDA tensors, torch elsewhere.
+"""Pick the SGMV implementation per call: Triton on CUDA tensors, the native C kernel or torch
+on the CPU.
 
 `LORAPLANE_SGMV` overrides the choice (read at each call, so tests can set it):
-`torch`, `triton` (the unfused shrink + expand pair), `triton-fused` (one launch), or `auto`
-(the default). `triton` on CPU tensors needs `TRITON_INTERPRET=1` set before Triton is first
-imported; this module imports Triton only when a Triton path is taken.
+`native` (the C kernel of `sgmv_cpu`, CPU fp32 only), `torch`, `triton` (the unfused shrink +
+expand pair), `triton-fused` (one launch), or `auto` (the default: Triton on CUDA, the native
+kernel on CPU fp32 where it builds, torch otherwise). `triton` on CPU tensors needs
+`TRITON_INTERPRET=1` set before Triton is first imported; this module imports Triton only when
+a Triton path is taken.
 
 The Triton launchers read per-slot pointer tables (`SlotWeights`) instead of the pool's Python
 lists; `slot_weights` builds one per `ModuleSlots` and caches it until a slot the batch uses
@@ -14,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from loraplane.dataplane.kernels import sgmv_torch
+from loraplane.dataplane.kernels import sgmv_cpu, sgmv_torch
 from loraplane.dataplane.kernels.backends import choose
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 
@@ -29,14 +33,25 @@ if TYPE_CHECKING:  # annotations only: `lora.layers` imports this module
     from loraplane.dataplane.lora.pool import ModuleSlots
 
 ENV = "LORAPLANE_SGMV"
-BACKENDS = ("auto", "torch", "triton", "triton-fused")
+BACKENDS = ("auto", "native", "torch", "triton", "triton-fused")
 
 _tables: weakref.WeakKeyDictionary[ModuleSlots, SlotWeights] = weakref.WeakKeyDictionary()
 
 
 def backend(x: torch.Tensor) -> str:
-    """The implementation `lora_apply` uses for input `x`: torch, triton or triton-fused."""
-    return choose(ENV, BACKENDS, x)
+    """The implementation `lora_apply` uses for input `x`: native, torch, triton or
+    triton-fused."""
+    name = choose(ENV, BACKENDS, x)
+    if name == "torch" and _native_by_default(x):
+        return "native"
+    return name
+
+
+def _native_by_default(x: torch.Tensor) -> bool:
+    """auto on a CPU fp32 tensor, and the native kernel builds here."""
+    if os.environ.get(ENV, "auto").strip().lower() not in ("", "auto"):
+        return False
+    return x.device.type == "cpu" and x.dtype == torch.float32 and sgmv_cpu.library() is not None
 
 
 def _is_current(table: SlotWeights, slots: ModuleSlots, used: Sequence[int]) -> bool:
@@ -104,7 +119,9 @@ def lora_apply(
     if batch.is_empty or not any(slots.lora_a[k] is not None for k in batch.seg_slots):
         return y
     name = backend(x)
-    if name == "torch":
+    if name == "native" and sgmv_cpu.lora_apply(y, x, batch, slots):
+        return y
+    if name in ("torch", "native"):  # native: tensors the kernel does not take
         return sgmv_torch.lora_apply_grouped(
             y,
             x,
@@ -142,7 +159,7 @@ def _lora_apply_static(
     the slot table the graph owner keeps current (`slots.graph_table`), launched for
     `batch.static_max_seg_len`-token segments whatever the segments hold at replay."""
     name = backend(x)
-    if name == "torch" or slots.graph_table is None:
+    if name in ("torch", "native") or slots.graph_table is None:
         raise RuntimeError(
             "a static (CUDA graph) LoRA batch needs the Triton SGMV kernels and a graph slot "
             f"table; backend {name!r}, table {'set' if slots.graph_table else 'missing'}"

@@ -25,6 +25,7 @@ from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
+    from loraplane.dataplane.kernels.sgmv_cpu import NativeTable
     from loraplane.dataplane.kernels.sgmv_torch import CheckedPair
     from loraplane.dataplane.kernels.slot_weights import SlotWeights
     from loraplane.dataplane.lora.arena import KVArena, Placement
@@ -95,6 +96,8 @@ class ModuleSlots:
         self.checked: list[CheckedPair | None] = [None] * max_loras
         # the slot table CUDA graphs read (cuda_graphs.py keeps it current), None without them
         self.graph_table: SlotWeights | None = None
+        # the native CPU kernel's slot table (sgmv_cpu.lora_apply makes it on first use)
+        self.native: NativeTable | None = None
 
     def clear(self, slot: int) -> None:
         """Forget the slot's tensors (the pool frees its buffer)."""
@@ -102,12 +105,14 @@ class ModuleSlots:
         self.lora_b[slot] = None
         self.checked[slot] = None
         self.scales[slot] = 0.0
+        if self.native is not None:
+            self.native.forget(slot)
 
 
 class LoRAPool:
     """Fixed slots on the model's device; the engine's cache tiers decide what goes where.
 
-    `b_transposed` (by default: on the CPU, where the torch SGMV path serves) keeps each B
+    `b_transposed` (by default: on the CPU, where the native or torch SGMV path serves) keeps each B
     as the transpose of a dense [r, out] tensor, the layout the CPU path's expand reads
     fastest (a token's update is a sum of r contiguous rows of B^T): 10-14% less time in the
     LoRA layers of a step over 42 adapters (`benchmarks/lora_cpu.py`). The Triton kernels
@@ -130,7 +135,8 @@ class LoRAPool:
         if b_transposed is None:
             from loraplane.dataplane.kernels import dispatch
 
-            b_transposed = dispatch.backend(torch.empty(0, device=self.device)) == "torch"
+            probe = torch.empty(0, dtype=dtype, device=self.device)
+            b_transposed = dispatch.backend(probe) in ("torch", "native")
         self.b_transposed = b_transposed
         self._modules = {
             (layer, module): ModuleSlots(max_loras, self.device)

@@ -1,0 +1,109 @@
+/* SGMV LoRA on the CPU, fp32: y[t] += scale_k * B_k (A_k x[t]) for every adapter token t of
+ * slot k, segment by segment, in one call for a whole (layer, module) of a step.
+ *
+ * The meaning is `sgmv_torch.lora_apply`'s. Each slot's A is a dense [r, in] and its B is held
+ * transposed, a dense [r, out] (LoRAPool with b_transposed): a token's update is a sum of r
+ * contiguous rows. Tokens go BLOCK at a time, so a segment reads its adapter's weights once per
+ * BLOCK tokens; segments longer than `max_len` are skipped (the caller does them with a GEMM).
+ * Built and loaded by sgmv_cpu.py; the caller checks every shape, rank and pointer.
+ */
+#include <stdint.h>
+
+#define BLOCK 4
+#define MAX_RANK 256
+
+/* h[b][j] = A_j . x_b for b < nb, j < r */
+static void shrink(const float *const *xs, int nb, const float *a, int64_t r, int64_t in,
+                   float h[BLOCK][MAX_RANK]) {
+    for (int64_t j = 0; j < r; j++) {
+        const float *aj = a + j * in;
+        if (nb == BLOCK) {
+            const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3];
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t i = 0; i < in; i++) {
+                float v = aj[i];
+                s0 += v * x0[i];
+                s1 += v * x1[i];
+                s2 += v * x2[i];
+                s3 += v * x3[i];
+            }
+            h[0][j] = s0;
+            h[1][j] = s1;
+            h[2][j] = s2;
+            h[3][j] = s3;
+        } else {
+            for (int b = 0; b < nb; b++) {
+                const float *xb = xs[b];
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t i = 0; i < in; i++) s += aj[i] * xb[i];
+                h[b][j] = s;
+            }
+        }
+    }
+}
+
+/* y_b += sum_j h[b][j] * bt_j for b < nb */
+static void expand(float *const *ys, int nb, const float *bt, int64_t r, int64_t out,
+                   float h[BLOCK][MAX_RANK]) {
+    for (int64_t j = 0; j < r; j++) {
+        const float *bj = bt + j * out;
+        if (nb == BLOCK) {
+            float *y0 = ys[0], *y1 = ys[1], *y2 = ys[2], *y3 = ys[3];
+            float c0 = h[0][j], c1 = h[1][j], c2 = h[2][j], c3 = h[3][j];
+#pragma omp simd
+            for (int64_t o = 0; o < out; o++) {
+                float v = bj[o];
+                y0[o] += c0 * v;
+                y1[o] += c1 * v;
+                y2[o] += c2 * v;
+                y3[o] += c3 * v;
+            }
+        } else {
+            for (int b = 0; b < nb; b++) {
+                float *yb = ys[b];
+                float c = h[b][j];
+#pragma omp simd
+                for (int64_t o = 0; o < out; o++) yb[o] += c * bj[o];
+            }
+        }
+    }
+}
+
+/* Returns 0, or 1 when a slot's rank exceeds MAX_RANK (nothing is written then). */
+int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
+                       int64_t in, int64_t out, const int64_t *token_order,
+                       const int32_t *seg_slots, const int32_t *seg_bounds, int64_t num_segs,
+                       int64_t max_len, const int64_t *slot_table, int64_t num_slots,
+                       const float *scales) {
+    /* slot_table: [3, num_slots]: A pointers, B^T pointers, ranks (0: not adapted) */
+    const int64_t *a_ptrs = slot_table, *bt_ptrs = slot_table + num_slots;
+    const int64_t *ranks = slot_table + 2 * num_slots;
+    for (int64_t s = 0; s < num_segs; s++)
+        if (ranks[seg_slots[s]] > MAX_RANK) return 1;
+    float h[BLOCK][MAX_RANK];
+    const float *xs[BLOCK];
+    float *ys[BLOCK];
+    for (int64_t s = 0; s < num_segs; s++) {
+        int64_t k = seg_slots[s], r = ranks[k];
+        int64_t start = seg_bounds[s], end = seg_bounds[s + 1];
+        if (r <= 0 || end - start > max_len) continue;
+        const float *a = (const float *)(intptr_t)a_ptrs[k];
+        const float *bt = (const float *)(intptr_t)bt_ptrs[k];
+        float scale = scales[k];
+        for (int64_t n = start; n < end; n += BLOCK) {
+            int nb = end - n < BLOCK ? (int)(end - n) : BLOCK;
+            for (int b = 0; b < nb; b++) {
+                int64_t t = token_order[n + b];
+                xs[b] = x + t * x_stride;
+                ys[b] = y + t * y_stride;
+            }
+            shrink(xs, nb, a, r, in, h);
+            for (int b = 0; b < nb; b++)
+                for (int64_t j = 0; j < r; j++) h[b][j] *= scale;
+            expand(ys, nb, bt, r, out, h);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,220 @@
+"""The native CPU SGMV kernel (`sgmv_cpu.c`): one C call per (layer, module) of a step.
+
+The torch path (`sgmv_torch.lora_apply_grouped`) dispatches two small matmuls per segment from
+Python; with tens of adapters in a step that per-segment cost, not arithmetic, is most of the
+LoRA layers' time. The kernel loops over the segments in C, reads each adapter's A and B^T
+once per four tokens, and adds straight into the layer's output (`benchmarks/lora_cpu.py`).
+
+It is compiled on first use with the system C compiler (`$CC`, else `cc`; -O3 -march=native)
+into a cache folder (`$LORAPLANE_KERNEL_CACHE`, else `~/.cache/loraplane/kernels`, else the
+temp folder), keyed by the source, the flags and this CPU, and loaded with ctypes. Where there
+is no compiler or the build fails, one warning says why and the torch path serves.
+
+`lora_apply` takes fp32 CPU tensors whose slots hold B transposed (`LoRAPool.b_transposed`)
+and answers False for anything else, so the caller falls back. It checks every slot it reads
+(shapes against the layer, as the torch path does, raising ValueError on a misfit) and keeps a
+reference to the tensors whose addresses it handed to C, so none is freed under it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from loraplane.dataplane.kernels.sgmv_torch import _checked_pair
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.lora.metadata import LoRABatch
+    from loraplane.dataplane.lora.pool import ModuleSlots
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("sgmv_cpu.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+MAX_RANK = 256  # the kernel's (sgmv_cpu.c)
+# segments longer than this go to a GEMM: a long prompt of one adapter is a matrix product
+# that BLAS does better than four tokens at a time
+MAX_SEGMENT = 64
+_build_lock = threading.Lock()
+
+
+def _cpu_key() -> str:
+    """What -march=native compiles for: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def _cache_dirs() -> list[Path]:
+    configured = os.environ.get("LORAPLANE_KERNEL_CACHE")
+    if configured:
+        return [Path(configured)]
+    return [Path.home() / ".cache" / "loraplane" / "kernels", Path(tempfile.gettempdir())]
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library, from the cache or built now (OSError or CalledProcessError)."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_key())).encode()).hexdigest()
+    name = f"loraplane-sgmv-cpu-{key[:16]}.so"
+    errors = []
+    for folder in _cache_dirs():
+        target = folder / name
+        if target.is_file():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, partial = tempfile.mkstemp(dir=folder, prefix=name, suffix=".part")
+            os.close(fd)
+        except OSError as e:
+            errors.append(f"{folder}: {e}")
+            continue
+        try:
+            subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], check=True,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+            os.replace(partial, target)  # whole or not at all, for a concurrent builder
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return target
+    raise OSError("no writable kernel cache folder: " + "; ".join(errors))
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernel, built and loaded once per process; None (with a warning) where it cannot
+    be, or where `LORAPLANE_SGMV_NATIVE=0` turns it off."""
+    if os.environ.get("LORAPLANE_SGMV_NATIVE", "1").strip() == "0":
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        log.warning("no C compiler (%s) for the native CPU LoRA kernel: the torch path serves",
+                    compiler)  # fmt: skip
+        return None
+    with _build_lock:
+        try:
+            lib = ctypes.CDLL(str(_build(compiler)))
+        except subprocess.CalledProcessError as e:
+            log.warning("the native CPU LoRA kernel did not build (the torch path serves): %s",
+                        (e.stderr or "").strip()[-2000:])  # fmt: skip
+            return None
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.warning("the native CPU LoRA kernel is unavailable (the torch path serves): %s", e)
+            return None
+    fn = lib.loraplane_sgmv_f32
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, p, i64, i64, i64, p, p, p, i64, i64, p, i64, p]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+class NativeTable:
+    """One (layer, module)'s slots as the kernel reads them: [3, slots] int64 (A pointers,
+    B^T pointers, ranks), and the tensors those pointers belong to."""
+
+    def __init__(self, num_slots: int) -> None:
+        # numpy, not torch: written between and during steps, inference mode or not
+        self.table = np.zeros((3, num_slots), dtype=np.int64)
+        self.held: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+        self.held = [(None, None)] * num_slots
+
+    def current(self, slots: ModuleSlots, used: tuple[int, ...], x: torch.Tensor,
+                y: torch.Tensor) -> bool:  # fmt: skip
+        """Bring the entries of the slots in `used` up to date; False when one holds tensors
+        the kernel cannot read (a layout, dtype or rank it does not take)."""
+        for k in used:
+            a, b = slots.lora_a[k], slots.lora_b[k]
+            held = self.held[k]
+            if held[0] is a and held[1] is b:
+                continue
+            if a is None or b is None:
+                self.table[:, k] = 0
+            else:
+                pair = _checked_pair(k, a, b, x, y)  # ValueError when they do not fit
+                if (
+                    a.dtype != torch.float32
+                    or b.dtype != torch.float32
+                    or a.device.type != "cpu"
+                    or not a.is_contiguous()
+                    or not pair.b_t.is_contiguous()
+                    or a.shape[0] > MAX_RANK
+                ):
+                    return False
+                self.table[0, k] = a.data_ptr()
+                self.table[1, k] = b.data_ptr()
+                self.table[2, k] = a.shape[0]
+            self.held[k] = (a, b)
+        return True
+
+    def forget(self, slot: int) -> None:
+        """Drop a freed slot's entry and its tensors."""
+        self.table[:, slot] = 0
+        self.held[slot] = (None, None)
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> bool:
+    """`dispatch.lora_apply` through the kernel: True when done, False when the kernel does not
+    take these tensors (the caller then runs the torch path; nothing was written)."""
+    lib = library()
+    if (
+        lib is None
+        or x.dtype != torch.float32
+        or y.dtype != torch.float32
+        or x.device.type != "cpu"
+        or y.device.type != "cpu"
+        or x.dim() != 2
+        or y.dim() != 2
+        or x.stride(1) != 1
+        or y.stride(1) != 1
+    ):
+        return False
+    native = slots.native
+    if native is None or native.table.shape[1] != len(slots.lora_a):
+        native = slots.native = NativeTable(len(slots.lora_a))
+    if not native.current(slots, batch.seg_slots, x, y):
+        return False
+    order, seg_slots, bounds = batch.token_order, batch.seg_slots_t, batch.seg_bounds_t
+    if order.dtype != torch.int64 or seg_slots.dtype != torch.int32 or bounds.dtype != torch.int32:
+        return False
+    scales = slots.scales
+    status = lib.loraplane_sgmv_f32(
+        x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1],
+        order.data_ptr(), seg_slots.data_ptr(), bounds.data_ptr(), len(batch.seg_slots),
+        MAX_SEGMENT, native.table.ctypes.data, native.table.shape[1], scales.data_ptr(),
+    )  # fmt: skip
+    if status != 0:  # pragma: no cover - ranks were checked above
+        raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
+    _long_segments(y, x, batch, slots)
+    return True
+
+
+def _long_segments(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> None:
+    """The segments the kernel left (longer than MAX_SEGMENT tokens), as matrix products."""
+    bounds = batch.seg_bounds
+    for s, k in enumerate(batch.seg_slots):
+        start, end = bounds[s], bounds[s + 1]
+        a, b = slots.lora_a[k], slots.lora_b[k]
+        if end - start <= MAX_SEGMENT or a is None or b is None:
+            continue
+        rows = batch.token_order[start:end]
+        delta = (x.index_select(0, rows) @ a.t()) @ b.t()
+        y.index_add_(0, rows, delta, alpha=float(slots.scales[k]))

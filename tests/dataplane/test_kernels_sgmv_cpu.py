@@ -1,0 +1,165 @@
+"""The native CPU SGMV kernel (sgmv_cpu.c through ctypes) against the torch oracle; the cases
+it hands back to the torch path; how it is built, cached, and done without."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplane.dataplane.kernels import dispatch, sgmv_cpu
+from loraplane.dataplane.kernels.sgmv_torch import lora_apply as oracle
+from loraplane.dataplane.lora import LoRABatch
+from loraplane.dataplane.lora.pool import ModuleSlots
+
+IN, OUT = 96, 80
+
+
+@pytest.fixture
+def native() -> None:
+    if sgmv_cpu.library() is None:
+        pytest.skip("no C compiler here: the native kernel is not built (the torch path serves)")
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """library() built anew into an empty cache folder; the process's own one afterwards."""
+    monkeypatch.setenv("LORAPLANE_KERNEL_CACHE", str(tmp_path))
+    sgmv_cpu.library.cache_clear()
+    yield tmp_path
+    sgmv_cpu.library.cache_clear()
+
+
+def _slots(ranks: list[int | None], transposed: bool = True, seed: int = 0) -> ModuleSlots:
+    g = torch.Generator().manual_seed(seed)
+    slots = ModuleSlots(len(ranks), torch.device("cpu"))
+    for k, r in enumerate(ranks):
+        if r is None:
+            continue
+        slots.lora_a[k] = torch.randn(r, IN, generator=g) * 0.2
+        b = torch.randn(OUT, r, generator=g) * 0.2
+        slots.lora_b[k] = b.t().contiguous().t() if transposed else b
+        slots.scales[k] = 0.5 + k / 4
+    return slots
+
+
+def _token_slots(lengths: dict[int, int], base: int, seed: int) -> list[int]:
+    """Tokens of each slot (slot -> count) and `base` base-model tokens, shuffled."""
+    tokens = [k for k, n in lengths.items() for _ in range(n)] + [-1] * base
+    random.Random(seed).shuffle(tokens)
+    return tokens
+
+
+def _expected(
+    slots: ModuleSlots, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch
+) -> torch.Tensor:
+    return oracle(y.clone(), x, batch.token_order, batch.seg_slots, batch.seg_bounds,
+                  slots.lora_a, slots.lora_b, slots.scales)  # fmt: skip
+
+
+@pytest.mark.usefixtures("native")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_native_kernel_equals_the_oracle_over_mixed_ranks_and_segment_lengths(
+    seed: int,
+) -> None:
+    # ranks 4..64 and an untargeted slot; segments of 1 to 9 tokens (partial and whole blocks of
+    # four) and one longer than MAX_SEGMENT, which goes to a GEMM
+    slots = _slots([4, 8, None, 16, 64, 8, 4], seed=seed)
+    lengths = {0: 1, 1: 3, 2: 2, 3: 4, 4: 9, 5: sgmv_cpu.MAX_SEGMENT + 6, 6: 5}
+    batch = LoRABatch.from_token_slots(_token_slots(lengths, base=7, seed=seed))
+    wide_x = torch.randn(batch.num_tokens, IN + 16)
+    x = wide_x[:, 3 : 3 + IN]  # rows not contiguous with each other: strides are honoured
+    y_store = torch.randn(batch.num_tokens, OUT + 8)
+    y = y_store[:, :OUT]
+    padding = y_store[:, OUT:].clone()
+    expected = _expected(slots, x, y, batch)
+    assert sgmv_cpu.lora_apply(y, x, batch, slots)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(y_store[:, OUT:], padding)  # the columns beside y are not written
+    base_rows = [t for t, k in enumerate(_token_slots(lengths, base=7, seed=seed)) if k == -1]
+    torch.testing.assert_close(y[base_rows], expected[base_rows])
+
+
+@pytest.mark.usefixtures("native")
+def test_the_native_table_follows_the_slots_tensors_and_forgets_freed_slots() -> None:
+    slots = _slots([8, 8])
+    batch = LoRABatch.from_token_slots([0, 1, 1, 0])
+    x, y = torch.randn(4, IN), torch.zeros(4, OUT)
+    assert sgmv_cpu.lora_apply(y, x, batch, slots)
+    swapped = _slots([8, 8], seed=5)  # slot 1 gets other tensors (a load into a freed slot)
+    slots.lora_a[1], slots.lora_b[1] = swapped.lora_a[1], swapped.lora_b[1]
+    y2 = torch.zeros(4, OUT)
+    assert sgmv_cpu.lora_apply(y2, x, batch, slots)
+    torch.testing.assert_close(y2, _expected(slots, x, torch.zeros(4, OUT), batch))
+    assert slots.native is not None and slots.native.held[1][0] is swapped.lora_a[1]
+    slots.clear(1)  # the pool frees the slot: its tensors are not kept alive by the table
+    assert slots.native.held[1] == (None, None) and int(slots.native.table[2, 1]) == 0
+
+
+@pytest.mark.usefixtures("native")
+def test_what_the_kernel_does_not_take_goes_back_to_the_torch_path_untouched() -> None:
+    batch = LoRABatch.from_token_slots([0, 0, 1])
+    x = torch.randn(3, IN)
+    y = torch.zeros(3, OUT)
+    assert not sgmv_cpu.lora_apply(y, x, batch, _slots([4, 4], transposed=False))  # B as is
+    assert not sgmv_cpu.lora_apply(y, x, batch, _slots([4, sgmv_cpu.MAX_RANK + 8]))
+    assert not sgmv_cpu.lora_apply(y.bfloat16(), x.bfloat16(), batch, _slots([4, 4]))
+    assert torch.equal(y, torch.zeros(3, OUT))
+    # through dispatch, the torch path then serves the same request
+    slots = _slots([4, 4], transposed=False)
+    got = dispatch.lora_apply(y, x, batch, slots)
+    torch.testing.assert_close(got, _expected(slots, x, torch.zeros(3, OUT), batch))
+
+
+@pytest.mark.usefixtures("native")
+def test_a_slot_that_does_not_fit_the_layer_is_refused_before_any_pointer_is_read() -> None:
+    slots = _slots([4, 4])
+    slots.lora_a[1] = torch.zeros(4, IN + 1)  # a bad copy: A no longer fits the layer
+    with pytest.raises(ValueError, match="slot 1"):
+        sgmv_cpu.lora_apply(torch.zeros(2, OUT), torch.randn(2, IN),
+                            LoRABatch.from_token_slots([0, 1]), slots)  # fmt: skip
+
+
+def test_the_library_is_built_once_into_its_cache_and_reused(fresh_library: Path) -> None:
+    if sgmv_cpu.library() is None:
+        pytest.skip("no C compiler here")
+    built = list(fresh_library.glob("loraplane-sgmv-cpu-*.so"))
+    assert len(built) == 1 and not list(fresh_library.glob("*.part"))
+    stamp = built[0].stat().st_mtime_ns
+    sgmv_cpu.library.cache_clear()
+    assert sgmv_cpu.library() is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not built again
+
+
+@pytest.mark.parametrize(
+    ("env", "why"),
+    [
+        ({"CC": "/nonexistent/cc"}, "no C compiler"),
+        ({"CC": "false"}, "did not build"),
+        ({"LORAPLANE_SGMV_NATIVE": "0"}, None),
+    ],
+)
+def test_without_the_kernel_the_torch_path_serves_and_a_warning_says_why(
+    fresh_library: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    env: dict[str, str],
+    why: str | None,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger=sgmv_cpu.__name__):
+        assert sgmv_cpu.library() is None
+    assert dispatch.backend(torch.zeros(1)) == "torch"
+    if why is not None:
+        assert why in caplog.text and "the torch path serves" in caplog.text
+    slots = _slots([4])
+    batch = LoRABatch.from_token_slots([0, -1])
+    x = torch.randn(2, IN)
+    got = dispatch.lora_apply(torch.zeros(2, OUT), x, batch, slots)
+    torch.testing.assert_close(got, _expected(slots, x, torch.zeros(2, OUT), batch))
