@@ -6,17 +6,30 @@
  * contiguous rows. Tokens go BLOCK at a time, so a segment reads its adapter's weights once per
  * BLOCK tokens; segments longer than `max_len` are skipped (the caller does them with a GEMM).
  * Built and loaded by sgmv_cpu.py; the caller checks every shape, rank and pointer.
+ *
+ * A step's adapters come from memory, not from cache, a 4 KiB row of A or B^T at a time, and
+ * the hardware's prefetcher stops at page boundaries: while one row is used the next is
+ * prefetched (after the last row of A, B^T's first; after B^T's, the next segment's A).
  */
 #include <stdint.h>
 
 #define BLOCK 4
 #define MAX_RANK 256
 
-/* h[b][j] = A_j . x_b for b < nb, j < r */
+static inline void prefetch(const float *p, int64_t n) {
+    if (p == 0) return;
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3); /* 64-byte lines */
+}
+
+/* h[b][j] = A_j . x_b for b < nb, j < r; then (n floats at) `after` is prefetched */
 static void shrink(const float *const *xs, int nb, const float *a, int64_t r, int64_t in,
-                   float h[BLOCK][MAX_RANK]) {
+                   float h[BLOCK][MAX_RANK], const float *after, int64_t n) {
     for (int64_t j = 0; j < r; j++) {
         const float *aj = a + j * in;
+        if (j + 1 < r)
+            prefetch(aj + in, in);
+        else
+            prefetch(after, n);
         if (nb == BLOCK) {
             const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3];
             float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
@@ -44,11 +57,15 @@ static void shrink(const float *const *xs, int nb, const float *a, int64_t r, in
     }
 }
 
-/* y_b += sum_j h[b][j] * bt_j for b < nb */
+/* y_b += sum_j h[b][j] * bt_j for b < nb; then (n floats at) `after` is prefetched */
 static void expand(float *const *ys, int nb, const float *bt, int64_t r, int64_t out,
-                   float h[BLOCK][MAX_RANK]) {
+                   float h[BLOCK][MAX_RANK], const float *after, int64_t n) {
     for (int64_t j = 0; j < r; j++) {
         const float *bj = bt + j * out;
+        if (j + 1 < r)
+            prefetch(bj + out, out);
+        else
+            prefetch(after, n);
         if (nb == BLOCK) {
             float *y0 = ys[0], *y1 = ys[1], *y2 = ys[2], *y3 = ys[3];
             float c0 = h[0][j], c1 = h[1][j], c2 = h[2][j], c3 = h[3][j];
@@ -69,6 +86,18 @@ static void expand(float *const *ys, int nb, const float *bt, int64_t r, int64_t
             }
         }
     }
+}
+
+/* The A of the first segment after s that the kernel does (0: none). */
+static const float *next_a(int64_t s, int64_t num_segs, const int32_t *seg_slots,
+                           const int32_t *seg_bounds, int64_t max_len, const int64_t *a_ptrs,
+                           const int64_t *ranks) {
+    for (int64_t t = s + 1; t < num_segs; t++) {
+        int64_t k = seg_slots[t];
+        if (ranks[k] > 0 && seg_bounds[t + 1] - seg_bounds[t] <= max_len)
+            return (const float *)(intptr_t)a_ptrs[k];
+    }
+    return 0;
 }
 
 /* Returns 0, or 1 when a slot's rank exceeds MAX_RANK (nothing is written then). */
@@ -99,10 +128,13 @@ int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_str
                 xs[b] = x + t * x_stride;
                 ys[b] = y + t * y_stride;
             }
-            shrink(xs, nb, a, r, in, h);
+            shrink(xs, nb, a, r, in, h, bt, out);
             for (int b = 0; b < nb; b++)
                 for (int64_t j = 0; j < r; j++) h[b][j] *= scale;
-            expand(ys, nb, bt, r, out, h);
+            /* next: this segment's A again, or the next segment the kernel does */
+            const float *next = n + BLOCK < end ? a : next_a(s, num_segs, seg_slots, seg_bounds,
+                                                              max_len, a_ptrs, ranks);
+            expand(ys, nb, bt, r, out, h, next, in);
         }
     }
     return 0;
