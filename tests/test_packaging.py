@@ -61,6 +61,8 @@ def test_the_wheel_carries_its_migrations_and_runs_installed(tmp_path: Path) -> 
     console = ROOT / "loraplane/controlplane/console"
     pages = sorted(p.name for p in console.iterdir() if p.suffix in (".html", ".css", ".js"))
     assert pages and {f"loraplane/controlplane/console/{p}" for p in pages} <= set(names)
+    # the native CPU kernel's source: it is compiled where the package is installed
+    assert "loraplane/dataplane/kernels/sgmv_cpu.c" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     done = subprocess.run(
