@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -41,17 +40,13 @@ _tables: weakref.WeakKeyDictionary[ModuleSlots, SlotWeights] = weakref.WeakKeyDi
 def backend(x: torch.Tensor) -> str:
     """The implementation `lora_apply` uses for input `x`: native, torch, triton or
     triton-fused."""
-    name = choose(ENV, BACKENDS, x)
-    if name == "torch" and _native_by_default(x):
-        return "native"
-    return name
+    return choose(ENV, BACKENDS, x, cpu_auto=_cpu_auto)
 
 
-def _native_by_default(x: torch.Tensor) -> bool:
-    """auto on a CPU fp32 tensor, and the native kernel builds here."""
-    if os.environ.get(ENV, "auto").strip().lower() not in ("", "auto"):
-        return False
-    return x.device.type == "cpu" and x.dtype == torch.float32 and sgmv_cpu.library() is not None
+def _cpu_auto(x: torch.Tensor) -> str:
+    """`auto` off CUDA: the native kernel for CPU fp32 where it builds, else torch."""
+    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
+    return "native" if cpu_fp32 and sgmv_cpu.library() is not None else "torch"
 
 
 def _is_current(table: SlotWeights, slots: ModuleSlots, used: Sequence[int]) -> bool:

@@ -100,7 +100,8 @@ static const float *next_a(int64_t s, int64_t num_segs, const int32_t *seg_slots
     return 0;
 }
 
-/* Returns 0, or 1 when a slot's rank exceeds MAX_RANK (nothing is written then). */
+/* Returns how many segments it left for being longer than max_len (0: it did them all), or
+ * -1 when a slot's rank exceeds MAX_RANK (nothing is written then). */
 int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
                        int64_t in, int64_t out, const int64_t *token_order,
                        const int32_t *seg_slots, const int32_t *seg_bounds, int64_t num_segs,
@@ -110,14 +111,19 @@ int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_str
     const int64_t *a_ptrs = slot_table, *bt_ptrs = slot_table + num_slots;
     const int64_t *ranks = slot_table + 2 * num_slots;
     for (int64_t s = 0; s < num_segs; s++)
-        if (ranks[seg_slots[s]] > MAX_RANK) return 1;
+        if (ranks[seg_slots[s]] > MAX_RANK) return -1;
     float h[BLOCK][MAX_RANK];
     const float *xs[BLOCK];
     float *ys[BLOCK];
+    int left = 0;
     for (int64_t s = 0; s < num_segs; s++) {
         int64_t k = seg_slots[s], r = ranks[k];
         int64_t start = seg_bounds[s], end = seg_bounds[s + 1];
-        if (r <= 0 || end - start > max_len) continue;
+        if (r <= 0) continue;
+        if (end - start > max_len) {
+            left++;
+            continue;
+        }
         const float *a = (const float *)(intptr_t)a_ptrs[k];
         const float *bt = (const float *)(intptr_t)bt_ptrs[k];
         float scale = scales[k];
@@ -137,5 +143,5 @@ int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_str
             expand(ys, nb, bt, r, out, h, next, in);
         }
     }
-    return 0;
+    return left;
 }

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from loraplane.dataplane.kernels.sgmv_torch import _checked_pair
+from loraplane.dataplane.kernels.sgmv_torch import checked_pair
 
 if TYPE_CHECKING:
     from loraplane.dataplane.lora.metadata import LoRABatch
@@ -149,7 +149,7 @@ class NativeTable:
             if a is None or b is None:
                 self.table[:, k] = 0
             else:
-                pair = _checked_pair(k, a, b, x, y)  # ValueError when they do not fit
+                pair = checked_pair(k, a, b, x, y)  # ValueError when they do not fit
                 if (
                     a.dtype != torch.float32
                     or b.dtype != torch.float32
@@ -201,9 +201,10 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: Module
         order.data_ptr(), seg_slots.data_ptr(), bounds.data_ptr(), len(batch.seg_slots),
         MAX_SEGMENT, native.table.ctypes.data, native.table.shape[1], scales.data_ptr(),
     )  # fmt: skip
-    if status != 0:  # pragma: no cover - ranks were checked above
+    if status < 0:  # pragma: no cover - ranks were checked above
         raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
-    _long_segments(y, x, batch, slots)
+    if status:  # segments it left to a matrix product
+        _long_segments(y, x, batch, slots)
     return True
 
 

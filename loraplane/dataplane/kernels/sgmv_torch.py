@@ -124,9 +124,11 @@ class CheckedPair:
     b_t: torch.Tensor
 
 
-def _checked_pair(
+def checked_pair(
     slot: int, a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, y: torch.Tensor
 ) -> CheckedPair:
+    """Slot `slot`'s A and B with their transposed views; ValueError when they do not fit
+    input `x` and output `y` (every CPU path checks a slot this way before reading it)."""
     if a.shape[1] != x.shape[1] or b.shape != (y.shape[1], a.shape[0]):
         raise ValueError(
             f"slot {slot}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit"
@@ -174,7 +176,7 @@ def lora_apply_grouped(
             continue
         pair = checked[slot] if checked is not None else None
         if pair is None or pair.a is not a or pair.b is not b:
-            pair = _checked_pair(slot, a, b, x, y)
+            pair = checked_pair(slot, a, b, x, y)
             if checked is not None:
                 checked[slot] = pair
         mm(mm(x_parts[s], pair.a_t), pair.b_t, out=delta_parts[s])

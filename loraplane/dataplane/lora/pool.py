@@ -44,6 +44,9 @@ def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape or dst.dim() not in (1, 2):
         raise ValueError(f"copy_serial needs 1-D or 2-D tensors of one shape: {dst.shape}, "
                          f"{src.shape}")  # fmt: skip
+    if dst.numel() < PARALLEL_GRAIN:  # one op, serial already (most adapter tensors)
+        dst.copy_(src)
+        return
     piece = PARALLEL_GRAIN - 1
     if dst.dim() == 1:
         for i in range(0, dst.numel(), piece):
@@ -112,8 +115,8 @@ class ModuleSlots:
 class LoRAPool:
     """Fixed slots on the model's device; the engine's cache tiers decide what goes where.
 
-    `b_transposed` (by default: on the CPU, where the native or torch SGMV path serves) keeps each B
-    as the transpose of a dense [r, out] tensor, the layout the CPU path's expand reads
+    `b_transposed` (by default: on the CPU, where the native or torch SGMV path serves) keeps
+    each B as the transpose of a dense [r, out] tensor, the layout the CPU path's expand reads
     fastest (a token's update is a sum of r contiguous rows of B^T): 10-14% less time in the
     LoRA layers of a step over 42 adapters (`benchmarks/lora_cpu.py`). The Triton kernels
     want B dense as [out, r], so a pool they read keeps that layout."""
@@ -237,11 +240,8 @@ class LoRAPool:
             a = buffer[offset : offset + size_a].view(w.a.shape)
             b_t = buffer[offset + size_a : offset + size_a + size_b].view(rank, out)
             offset += size_a + size_b
-            for dst, src in ((a, w.a), (b_t, w.b.t())):
-                if dst.numel() < PARALLEL_GRAIN:  # one op, serial already
-                    dst.copy_(src)
-                else:
-                    copy_serial(dst, src)
+            copy_serial(a, w.a)
+            copy_serial(b_t, w.b.t())
             modules[key] = LoRAWeights(a=a, b=b_t.t(), scale=w.scale)
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
