@@ -10,12 +10,12 @@ returns the logits of the rows that sample, in `SchedulerOutput.sampled` order.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec, read_config
+from loraplane.dataplane import host_memory
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import (
     Capture,
@@ -45,13 +45,14 @@ def _model_max_len(model_dir: str) -> int:
 
 def lora_budget_bytes(lora_memory: int | float, device: torch.device) -> int:
     """`lora_memory` in bytes: as given, or that fraction of the device memory free now (after
-    the weights: CUDA's free memory, or on CPU the RAM available to new allocations)."""
+    the weights: CUDA's free memory, or on CPU the RAM available to new allocations, page cache
+    the kernel can reclaim included: `host_memory.available_bytes`)."""
     if isinstance(lora_memory, int):
         return lora_memory
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        free = host_memory.available_bytes()
     return resolve_memory(lora_memory, free)
 
 
@@ -135,8 +136,7 @@ class ModelRunner:
             # the adapter pool fills up later: its budget is not KV memory
             budget = int(free * GPU_MEMORY_FRACTION) - self.lora_budget_bytes
         else:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(CPU_KV_BUDGET, ram // 4)
+            budget = min(CPU_KV_BUDGET, host_memory.total_bytes() // 4)
         return max(1, min(wanted, budget // block_bytes))
 
     @torch.inference_mode()

@@ -3,6 +3,7 @@ it hands back to the torch path; how it is built, cached, and done without."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 from collections.abc import Iterator
@@ -163,3 +164,66 @@ def test_without_the_kernel_the_torch_path_serves_and_a_warning_says_why(
     x = torch.randn(2, IN)
     got = dispatch.lora_apply(torch.zeros(2, OUT), x, batch, slots)
     torch.testing.assert_close(got, _expected(slots, x, torch.zeros(2, OUT), batch))
+
+
+# -- the loader's conversion (loraplane_host_form_f32) ---------------------------------------
+
+
+def _every_half() -> torch.Tensor:
+    """All 65,536 fp16 bit patterns (zeros, subnormals, normals, infinities, NaNs), [256, 256]."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.float16).reshape(256, 256)
+
+
+def _same_values(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit, except that any NaN stands for any NaN."""
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.mark.usefixtures("native")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_conversion_writes_each_tensor_back_to_back_as_fp32_transposed_where_asked(
+    dtype: torch.dtype,
+) -> None:
+    g = torch.Generator().manual_seed(7)
+    # shapes that are not multiples of the 16 x 16 tiles or of 8 lanes; one empty tensor
+    shapes = [(5, 37), (37, 5), (16, 16), (33, 1), (0, 4), (3, 300)]
+    parts = [(torch.randn(s, generator=g).to(dtype), k % 2 == 1) for k, s in enumerate(shapes)]
+    out = torch.full((sum(r * c for r, c in shapes),), float("nan"))
+    assert sgmv_cpu.convert_f32(parts, out)
+    offset = 0
+    for t, transpose in parts:
+        want = (t.t() if transpose else t).float().contiguous().reshape(-1)
+        _same_values(out[offset : offset + t.numel()], want)
+        offset += t.numel()
+
+
+@pytest.mark.usefixtures("native")
+def test_every_fp16_value_converts_exactly_with_and_without_f16c(fresh_library: Path) -> None:
+    halves = _every_half()
+    want = halves.float()
+    portable = sgmv_cpu._declare(
+        ctypes.CDLL(str(sgmv_cpu._build("cc", ("-DLORAPLANE_PORTABLE_F16",))))
+    )
+    for lib in (sgmv_cpu.library(), portable):
+        for transpose in (False, True):
+            out = torch.empty(halves.numel())
+            assert sgmv_cpu.convert_f32([(halves, transpose)], out, lib)
+            _same_values(out, (want.t() if transpose else want).contiguous().reshape(-1))
+
+
+@pytest.mark.usefixtures("native")
+def test_what_the_conversion_does_not_take_is_refused_with_nothing_written() -> None:
+    a = torch.randn(4, 6).half()
+    out = torch.zeros(24)
+    assert not sgmv_cpu.convert_f32([(a.t(), False)], out)  # not contiguous
+    assert not sgmv_cpu.convert_f32([(a.to(torch.int16), False)], out)  # not a float dtype
+    assert not sgmv_cpu.convert_f32([(a.reshape(-1), False)], out)  # not 2-D
+    assert not sgmv_cpu.convert_f32([(a, False)], torch.zeros(25))  # not its size
+    assert not sgmv_cpu.convert_f32([(a, False)], torch.zeros(24).double())  # not fp32 out
+    assert not sgmv_cpu.convert_f32([(a, False)], torch.zeros(48)[::2])  # out not contiguous
+    assert torch.equal(out, torch.zeros(24))
+    assert sgmv_cpu.convert_f32([(a, False)], out)
+    assert torch.equal(out, a.float().reshape(-1))

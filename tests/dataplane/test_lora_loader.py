@@ -156,7 +156,7 @@ def test_a_tensor_at_an_unaligned_offset_is_copied_not_viewed() -> None:
     buf = np.zeros(2 + values.nbytes, dtype=np.uint8)
     buf[2:] = np.frombuffer(values.tobytes(), dtype=np.uint8)
     info = TensorInfo("t", "F32", (2, 3), 2, 2 + values.nbytes)
-    tensor = _tensor_view(torch.from_numpy(buf), info)
+    tensor = _tensor_view(torch.from_numpy(buf), {}, info)
     assert tensor.shape == (2, 3) and torch.equal(tensor.flatten(), torch.from_numpy(values))
 
 

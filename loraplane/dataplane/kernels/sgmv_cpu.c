@@ -5,13 +5,19 @@
  * transposed, a dense [r, out] (LoRAPool with b_transposed): a token's update is a sum of r
  * contiguous rows. Tokens go BLOCK at a time, so a segment reads its adapter's weights once per
  * BLOCK tokens; segments longer than `max_len` are skipped (the caller does them with a GEMM).
- * Built and loaded by sgmv_cpu.py; the caller checks every shape, rank and pointer.
+ * Built and loaded by sgmv_cpu.py; the caller checks every shape, rank and pointer. The same
+ * library holds the loader's conversion of an adapter into the pool's form (at the end).
  *
  * A step's adapters come from memory, not from cache, a 4 KiB row of A or B^T at a time, and
  * the hardware's prefetcher stops at page boundaries: while one row is used the next is
  * prefetched (after the last row of A, B^T's first; after B^T's, the next segment's A).
  */
 #include <stdint.h>
+#include <string.h>
+#if defined(__F16C__) && !defined(LORAPLANE_PORTABLE_F16)
+#include <immintrin.h>
+#define HAVE_F16C 1
+#endif
 
 #define BLOCK 4
 #define MAX_RANK 256
@@ -144,4 +150,104 @@ int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_str
         }
     }
     return left;
+}
+
+/* ---- The loader's conversion: an adapter's tensors into one fp32 buffer ---------------------
+ *
+ * `LoRAPool.host_form` on a CPU fp32 pool: every A and B of an adapter, from the file's dtype
+ * (fp16, bf16 or fp32) into `dst`, back to back, each B transposed where the pool holds it so.
+ * One call instead of two torch operations per tensor: a loader thread holds the GIL for a few
+ * microseconds per adapter, not once per tensor (with two loader threads those hand-overs
+ * serialised the loads, and took the GIL from the engine's step).
+ */
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf, nan (payload kept) */
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* n elements of type `dtype` at `src` -> n floats at `dst` */
+static void to_f32(const void *src, int dtype, float *dst, int64_t n) {
+    if (dtype == DT_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == DT_F16) {
+        const uint16_t *h = (const uint16_t *)src;
+        int64_t i = 0;
+#ifdef HAVE_F16C
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+        for (; i < n; i++) dst[i] = half_to_float(h[i]);
+    } else {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(dst + i, &bits, sizeof bits);
+        }
+    }
+}
+
+/* Transposed copies go TILE x TILE at a time: a [rows, cols] source read a row of TILE at a
+ * time, written to the [cols, rows] destination a TILE-float run (a 64-byte line) at a time.
+ * Element by element, B's columns would be written a row apart, every write to another page
+ * and to the same cache set. */
+#define TILE 16
+
+static void transpose_to_f32(const char *src, int dtype, int64_t size, int64_t rows,
+                             int64_t cols, float *out) {
+    float tile[TILE][TILE];
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+        int64_t nr = rows - r0 < TILE ? rows - r0 : TILE;
+        for (int64_t c0 = 0; c0 < cols; c0 += TILE) {
+            int64_t nc = cols - c0 < TILE ? cols - c0 : TILE;
+            for (int64_t r = 0; r < nr; r++)
+                to_f32(src + ((r0 + r) * cols + c0) * size, dtype, tile[r], nc);
+            for (int64_t c = 0; c < nc; c++) {
+                float *dst = out + (c0 + c) * rows + r0;
+                for (int64_t r = 0; r < nr; r++) dst[r] = tile[r][c];
+            }
+        }
+    }
+}
+
+/* table: n rows of (source address, dtype, rows, cols, transpose, offset in dst): a dense
+ * [rows, cols] source goes to dst + offset as [rows, cols], or as [cols, rows] when transpose.
+ * Returns 0, or -1 for a dtype it does not know (nothing is written then). */
+int loraplane_host_form_f32(const int64_t *table, int64_t n, float *dst) {
+    for (int64_t k = 0; k < n; k++) {
+        int64_t dtype = table[6 * k + 1];
+        if (dtype != DT_F32 && dtype != DT_F16 && dtype != DT_BF16) return -1;
+    }
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t *e = table + 6 * k;
+        const char *src = (const char *)(intptr_t)e[0];
+        int dtype = (int)e[1];
+        int64_t rows = e[2], cols = e[3], size = dtype == DT_F32 ? 4 : 2;
+        if (e[4])
+            transpose_to_f32(src, dtype, size, rows, cols, dst + e[5]);
+        else
+            to_f32(src, dtype, dst + e[5], rows * cols);
+    }
+    return 0;
 }

@@ -71,10 +71,12 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "loraplane" / "kernels", Path(tempfile.gettempdir())]
 
 
-def _build(compiler: str) -> Path:
-    """The compiled library, from the cache or built now (OSError or CalledProcessError)."""
+def _build(compiler: str, defines: tuple[str, ...] = ()) -> Path:
+    """The compiled library, from the cache or built now (OSError or CalledProcessError);
+    `defines` (-D flags) make a variant of it (the tests build the portable fp16 conversion)."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, _cpu_key())).encode()).hexdigest()
+    flags = (*FLAGS, *defines)
+    key = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_key())).encode()).hexdigest()
     name = f"loraplane-sgmv-cpu-{key[:16]}.so"
     errors = []
     for folder in _cache_dirs():
@@ -89,7 +91,7 @@ def _build(compiler: str) -> Path:
             errors.append(f"{folder}: {e}")
             continue
         try:
-            subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], check=True,
+            subprocess.run([compiler, *flags, "-o", partial, str(SOURCE)], check=True,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
             os.replace(partial, target)  # whole or not at all, for a concurrent builder
         finally:
@@ -120,11 +122,50 @@ def library() -> ctypes.CDLL | None:
         except (OSError, subprocess.TimeoutExpired) as e:
             log.warning("the native CPU LoRA kernel is unavailable (the torch path serves): %s", e)
             return None
-    fn = lib.loraplane_sgmv_f32
+    return _declare(lib)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with its functions' argument and result types set."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, p, i64, i64, i64, p, p, p, i64, i64, p, i64, p]
-    fn.restype = ctypes.c_int
+    lib.loraplane_sgmv_f32.argtypes = [p, i64, p, i64, i64, i64, p, p, p, i64, i64, p, i64, p]
+    lib.loraplane_sgmv_f32.restype = ctypes.c_int
+    lib.loraplane_host_form_f32.argtypes = [p, i64, p]
+    lib.loraplane_host_form_f32.restype = ctypes.c_int
     return lib
+
+
+# the conversion's codes for the dtypes adapter files hold (sgmv_cpu.c)
+_SOURCE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def convert_f32(parts: list[tuple[torch.Tensor, bool]], out: torch.Tensor,
+                lib: ctypes.CDLL | None = None) -> bool:  # fmt: skip
+    """Write each 2-D tensor of `parts` into the fp32 CPU tensor `out`, back to back in their
+    order, as fp32, transposed where its flag says (a [rows, cols] as a dense [cols, rows]): in
+    one C call, which lets go of the GIL. False, with nothing written, when the library is not
+    there or a tensor is not a contiguous 2-D CPU fp32, fp16 or bf16 one, or `out` is not a
+    contiguous fp32 CPU tensor of exactly their size; the caller then converts with torch."""
+    lib = lib or library()
+    if lib is None or out.dtype != torch.float32 or out.device.type != "cpu":
+        return False
+    if not out.is_contiguous():
+        return False
+    table = np.empty((len(parts), 6), dtype=np.int64)
+    offset = 0
+    for k, (t, transpose) in enumerate(parts):
+        code = _SOURCE_DTYPES.get(t.dtype)
+        if code is None or t.dim() != 2 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+        rows, cols = t.shape
+        table[k] = (t.data_ptr(), code, rows, cols, transpose, offset)
+        offset += rows * cols
+    if offset != out.numel():
+        return False
+    status = lib.loraplane_host_form_f32(table.ctypes.data, len(parts), out.data_ptr())
+    if status:  # pragma: no cover - every dtype was checked above
+        raise RuntimeError(f"the native conversion failed ({status})")
+    return True
 
 
 class NativeTable:

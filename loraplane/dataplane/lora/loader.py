@@ -178,23 +178,34 @@ def _read_hashed(f: FileIO, size: int, h: Any) -> np.ndarray[Any, Any]:
 
 def _weights(buf: np.ndarray[Any, Any], layout: _Layout) -> dict[tuple[int, str], LoRAWeights]:
     """Each module's A and B as views of `buf`, all of one torch storage (so `LoRAPool.
-    host_form` converts them in one operation)."""
+    host_form` converts them in one operation): one torch operation per tensor (loader threads
+    hand the GIL over at each, so these are kept few)."""
     whole = torch.from_numpy(buf)
+    typed: dict[str, torch.Tensor] = {}  # the buffer as each dtype its tensors have
     return {
         (m.layer, m.module): LoRAWeights(
-            a=_tensor_view(whole, a), b=_tensor_view(whole, b), scale=m.scale
+            a=_tensor_view(whole, typed, a), b=_tensor_view(whole, typed, b), scale=m.scale
         )
         for m, a, b in layout.modules
     }
 
 
-def _tensor_view(whole: torch.Tensor, info: TensorInfo) -> torch.Tensor:
-    """The tensor `info` as a view of the file's bytes (a copy where its offset is not
-    aligned to its element size)."""
-    raw = whole[info.start : info.end]
-    if info.start % DTYPES[info.dtype][1]:
-        raw = raw.clone()
-    return raw.view(_TORCH_DTYPES[info.dtype]).view(info.shape)
+def _tensor_view(whole: torch.Tensor, typed: dict[str, torch.Tensor], info: TensorInfo
+                 ) -> torch.Tensor:  # fmt: skip
+    """The tensor `info` as a view of the file's bytes `whole` (a copy where its offset is not
+    aligned to its element size); `typed` memoises `whole` viewed as each dtype."""
+    size = DTYPES[info.dtype][1]
+    if info.start % size:
+        raw = whole[info.start : info.end].clone()
+        return raw.view(_TORCH_DTYPES[info.dtype]).view(info.shape)
+    as_dtype = typed.get(info.dtype)
+    if as_dtype is None:
+        usable = whole.numel() - whole.numel() % size
+        as_dtype = typed[info.dtype] = whole[:usable].view(_TORCH_DTYPES[info.dtype])
+    strides = [1] * len(info.shape)
+    for d in range(len(info.shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * info.shape[d + 1]
+    return as_dtype.as_strided(info.shape, strides, info.start // size)
 
 
 def _load_known(

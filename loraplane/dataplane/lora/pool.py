@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.dataplane.kernels import sgmv_cpu
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
-    from loraplane.dataplane.kernels.sgmv_cpu import NativeTable
     from loraplane.dataplane.kernels.sgmv_torch import CheckedPair
     from loraplane.dataplane.kernels.slot_weights import SlotWeights
     from loraplane.dataplane.lora.arena import KVArena, Placement
@@ -100,7 +100,7 @@ class ModuleSlots:
         # the slot table CUDA graphs read (cuda_graphs.py keeps it current), None without them
         self.graph_table: SlotWeights | None = None
         # the native CPU kernel's slot table (sgmv_cpu.lora_apply makes it on first use)
-        self.native: NativeTable | None = None
+        self.native: sgmv_cpu.NativeTable | None = None
 
     def clear(self, slot: int) -> None:
         """Forget the slot's tensors (the pool frees its buffer)."""
@@ -199,7 +199,10 @@ class LoRAPool:
         `b_transposed`), back to back in one host buffer (pinned when the pool is on CUDA):
         what the loader threads hand over, so that `load` reads it in place on CPU and copies
         it without conversion on CUDA, and the engine's step does none of that work. Returned
-        as is when already in that form."""
+        as is when already in that form.
+
+        Into fp32 (CPU pools) the native library converts the whole adapter in one call
+        (`sgmv_cpu.convert_f32`); torch operations do it otherwise, two per tensor."""
         tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
         if all(
             self._in_host_form(w.a, "a") and self._in_host_form(w.b, "b")
@@ -209,8 +212,16 @@ class LoRAPool:
         buffer = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype)
         if self.device.type == "cuda":
             buffer = buffer.pin_memory()
-        if self._transposing():
-            return self._host_form_transposed(adapter, buffer)
+        transposing = self._transposing()
+        parts = [(t, transposing and i % 2 == 1) for i, t in enumerate(tensors)]
+        if sgmv_cpu.convert_f32(parts, buffer):  # fp32 pools: one C call
+            return self._views_of(adapter, buffer, transposing)
+        if transposing:
+            host = self._views_of(adapter, buffer, transposing)
+            for w, h in zip(adapter.modules.values(), host.modules.values(), strict=True):
+                copy_serial(h.a, w.a)
+                copy_serial(h.b, w.b)
+            return host
         run = _one_run(tensors)
         if run is not None:  # a stored version as the loader reads it: one conversion
             whole, start = run
@@ -231,18 +242,20 @@ class LoRAPool:
         }
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
-    def _host_form_transposed(self, adapter: LoadedAdapter, buffer: torch.Tensor) -> LoadedAdapter:
-        """`host_form` into `buffer` with each B stored as a dense [r, out]."""
+    @staticmethod
+    def _views_of(adapter: LoadedAdapter, buffer: torch.Tensor, transposed: bool) -> LoadedAdapter:
+        """`adapter`'s modules as views of `buffer`, each A then B back to back in module
+        order, each B a [out, r] view of a dense [r, out] where `transposed`."""
         modules = {}
         offset = 0
         for key, w in adapter.modules.items():
-            (out, rank), size_a, size_b = w.b.shape, w.a.numel(), w.b.numel()
-            a = buffer[offset : offset + size_a].view(w.a.shape)
-            b_t = buffer[offset + size_a : offset + size_a + size_b].view(rank, out)
-            offset += size_a + size_b
-            copy_serial(a, w.a)
-            copy_serial(b_t, w.b.t())
-            modules[key] = LoRAWeights(a=a, b=b_t.t(), scale=w.scale)
+            (rank, fan_in), (fan_out, _) = w.a.shape, w.b.shape
+            a = buffer.as_strided((rank, fan_in), (fan_in, 1), offset)
+            offset += rank * fan_in
+            b_strides = (1, fan_out) if transposed else (rank, 1)
+            b = buffer.as_strided((fan_out, rank), b_strides, offset)
+            offset += fan_out * rank
+            modules[key] = LoRAWeights(a=a, b=b, scale=w.scale)
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
