@@ -86,6 +86,34 @@ def test_the_native_kernel_equals_the_oracle_over_mixed_ranks_and_segment_length
 
 
 @pytest.mark.usefixtures("native")
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_a_call_split_over_threads_gives_the_one_thread_result_bit_for_bit(threads: int) -> None:
+    # 40 slots of rank 32 to 64 (about 1.3 MB of weights: enough to split), segments of 1 to
+    # 9 tokens, one long one for the GEMM, an untargeted slot and base tokens
+    ranks: list[int | None] = [32 + (k * 7) % 33 for k in range(40)]
+    ranks[5] = None
+    slots = _slots(ranks, seed=threads)
+    lengths = {k: 1 + k % 9 for k in range(40)}
+    lengths[11] = sgmv_cpu.MAX_SEGMENT + 3
+    batch = LoRABatch.from_token_slots(_token_slots(lengths, base=5, seed=threads))
+    x = torch.randn(batch.num_tokens, IN)
+    y0 = torch.randn(batch.num_tokens, OUT)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            y = y0.clone()
+            assert sgmv_cpu.lora_apply(y, x, batch, slots)
+            results.append(y)
+    finally:
+        torch.set_num_threads(before)
+    # every segment is done whole by one thread, with the same arithmetic
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[1], _expected(slots, x, y0, batch), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("native")
 def test_the_native_table_follows_the_slots_tensors_and_forgets_freed_slots() -> None:
     slots = _slots([8, 8])
     batch = LoRABatch.from_token_slots([0, 1, 1, 0])
@@ -134,6 +162,36 @@ def test_the_library_is_built_once_into_its_cache_and_reused(fresh_library: Path
     sgmv_cpu.library.cache_clear()
     assert sgmv_cpu.library() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not built again
+
+
+def test_the_library_joins_torchs_openmp_team_and_builds_serial_where_openmp_fails(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if sgmv_cpu.library() is None:
+        pytest.skip("no C compiler here")
+    maps = Path("/proc/self/maps").read_text()
+    assert sgmv_cpu._threading() == (sgmv_cpu.OPENMP if "libgomp" in maps else sgmv_cpu.SERIAL)
+    # loading the kernel added no second OpenMP runtime to the process
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if "libgomp" in line}  # fmt: skip
+    assert len(gomp) <= 1
+    # a compiler that cannot build with OpenMP: the kernel is built for one thread instead
+    cc = fresh_library / "cc-no-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\n'
+                  'exec cc "$@"\n')  # fmt: skip
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    sgmv_cpu.library.cache_clear()
+    with caplog.at_level(logging.INFO, logger=sgmv_cpu.__name__):
+        assert sgmv_cpu.library() is not None
+    if sgmv_cpu._threading() == sgmv_cpu.OPENMP:
+        assert "did not build with OpenMP" in caplog.text
+    slots = _slots([8, 16, 4])
+    batch = LoRABatch.from_token_slots(_token_slots({0: 3, 1: 5, 2: 2}, base=2, seed=0))
+    x, y = torch.randn(batch.num_tokens, IN), torch.zeros(batch.num_tokens, OUT)
+    expected = _expected(slots, x, y, batch)
+    assert sgmv_cpu.lora_apply(y, x, batch, slots)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -205,7 +263,7 @@ def test_every_fp16_value_converts_exactly_with_and_without_f16c(fresh_library: 
     halves = _every_half()
     want = halves.float()
     portable = sgmv_cpu._declare(
-        ctypes.CDLL(str(sgmv_cpu._build("cc", ("-DLORAPLANE_PORTABLE_F16",))))
+        ctypes.CDLL(str(sgmv_cpu._build("cc", (*sgmv_cpu.SERIAL, "-DLORAPLANE_PORTABLE_F16"))))
     )
     for lib in (sgmv_cpu.library(), portable):
         for transpose in (False, True):

@@ -106,49 +106,114 @@ static const float *next_a(int64_t s, int64_t num_segs, const int32_t *seg_slots
     return 0;
 }
 
-/* Returns how many segments it left for being longer than max_len (0: it did them all), or
- * -1 when a slot's rank exceeds MAX_RANK (nothing is written then). */
-int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
-                       int64_t in, int64_t out, const int64_t *token_order,
-                       const int32_t *seg_slots, const int32_t *seg_bounds, int64_t num_segs,
-                       int64_t max_len, const int64_t *slot_table, int64_t num_slots,
-                       const float *scales) {
-    /* slot_table: [3, num_slots]: A pointers, B^T pointers, ranks (0: not adapted) */
-    const int64_t *a_ptrs = slot_table, *bt_ptrs = slot_table + num_slots;
-    const int64_t *ranks = slot_table + 2 * num_slots;
-    for (int64_t s = 0; s < num_segs; s++)
-        if (ranks[seg_slots[s]] > MAX_RANK) return -1;
+/* One call's arguments, as every thread that works on it reads them. */
+struct call {
+    const float *x, *scales;
+    float *y;
+    int64_t x_stride, y_stride, in, out, num_segs, max_len;
+    const int64_t *token_order, *a_ptrs, *bt_ptrs, *ranks;
+    const int32_t *seg_slots, *seg_bounds;
+};
+
+/* Segments [lo, hi) of the call; returns how many it left for being longer than max_len. */
+static int run_segments(const struct call *c, int64_t lo, int64_t hi) {
     float h[BLOCK][MAX_RANK];
     const float *xs[BLOCK];
     float *ys[BLOCK];
     int left = 0;
-    for (int64_t s = 0; s < num_segs; s++) {
-        int64_t k = seg_slots[s], r = ranks[k];
-        int64_t start = seg_bounds[s], end = seg_bounds[s + 1];
+    for (int64_t s = lo; s < hi; s++) {
+        int64_t k = c->seg_slots[s], r = c->ranks[k];
+        int64_t start = c->seg_bounds[s], end = c->seg_bounds[s + 1];
         if (r <= 0) continue;
-        if (end - start > max_len) {
+        if (end - start > c->max_len) {
             left++;
             continue;
         }
-        const float *a = (const float *)(intptr_t)a_ptrs[k];
-        const float *bt = (const float *)(intptr_t)bt_ptrs[k];
-        float scale = scales[k];
+        const float *a = (const float *)(intptr_t)c->a_ptrs[k];
+        const float *bt = (const float *)(intptr_t)c->bt_ptrs[k];
+        float scale = c->scales[k];
         for (int64_t n = start; n < end; n += BLOCK) {
             int nb = end - n < BLOCK ? (int)(end - n) : BLOCK;
             for (int b = 0; b < nb; b++) {
-                int64_t t = token_order[n + b];
-                xs[b] = x + t * x_stride;
-                ys[b] = y + t * y_stride;
+                int64_t t = c->token_order[n + b];
+                xs[b] = c->x + t * c->x_stride;
+                ys[b] = c->y + t * c->y_stride;
             }
-            shrink(xs, nb, a, r, in, h, bt, out);
+            shrink(xs, nb, a, r, c->in, h, bt, c->out);
             for (int b = 0; b < nb; b++)
                 for (int64_t j = 0; j < r; j++) h[b][j] *= scale;
-            /* next: this segment's A again, or the next segment the kernel does */
-            const float *next = n + BLOCK < end ? a : next_a(s, num_segs, seg_slots, seg_bounds,
-                                                              max_len, a_ptrs, ranks);
-            expand(ys, nb, bt, r, out, h, next, in);
+            /* next: this segment's A again, or the next segment this range does */
+            const float *next = n + BLOCK < end ? a : next_a(s, hi, c->seg_slots, c->seg_bounds,
+                                                              c->max_len, c->a_ptrs, c->ranks);
+            expand(ys, nb, bt, r, c->out, h, next, c->in);
         }
     }
+    return left;
+}
+
+/* ---- Threads ---------------------------------------------------------------------------------
+ *
+ * With tens of adapters in a step the kernel streams their weights from memory, and one core
+ * draws about half of what two do, while the step's other cores wait for it. So a call with
+ * enough work splits its segments (each writes only its own tokens' rows of y) into ranges of
+ * about equal weight bytes, one per thread of an OpenMP team. Built with -fopenmp, the library
+ * needs libgomp.so.1, which torch has loaded already: the team is torch's own, whose threads
+ * are spinning or sleeping on the step's cores (a pool of its own would fight them for those
+ * cores). Without OpenMP the kernel runs on the calling thread.
+ */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MAX_THREADS 16
+/* below this many weight bytes a call stays on one thread: a team costs more */
+#define MIN_SPLIT_BYTES (256 << 10)
+
+/* Split the call's segments into at most `threads` ranges of about equal weight bytes;
+ * returns the number of ranges (1: not worth splitting). */
+static int split(const struct call *c, int threads, int64_t *bounds) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < c->num_segs; s++) {
+        int64_t r = c->ranks[c->seg_slots[s]], len = c->seg_bounds[s + 1] - c->seg_bounds[s];
+        if (r > 0 && len <= c->max_len) total += r * (c->in + c->out);
+    }
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 2 || c->num_segs < 2 || total * (int64_t)sizeof(float) < MIN_SPLIT_BYTES)
+        return 1;
+    int n = 0;
+    int64_t acc = 0;
+    bounds[0] = 0;
+    for (int64_t s = 0; s < c->num_segs && n + 1 < threads; s++) {
+        int64_t r = c->ranks[c->seg_slots[s]], len = c->seg_bounds[s + 1] - c->seg_bounds[s];
+        if (r > 0 && len <= c->max_len) acc += r * (c->in + c->out);
+        if (acc * threads >= total * (n + 1)) bounds[++n] = s + 1;
+    }
+    if (bounds[n] < c->num_segs) bounds[++n] = c->num_segs;
+    return n;
+}
+
+/* Returns how many segments it left for being longer than max_len (0: it did them all), or
+ * -1 when a slot's rank exceeds MAX_RANK (nothing is written then). `threads`: at most this
+ * many threads work on the call (the caller's included). */
+int loraplane_sgmv_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
+                       int64_t in, int64_t out, const int64_t *token_order,
+                       const int32_t *seg_slots, const int32_t *seg_bounds, int64_t num_segs,
+                       int64_t max_len, const int64_t *slot_table, int64_t num_slots,
+                       const float *scales, int64_t threads) {
+    /* slot_table: [3, num_slots]: A pointers, B^T pointers, ranks (0: not adapted) */
+    struct call c = {x, scales, y, x_stride, y_stride, in, out, num_segs, max_len, token_order,
+                     slot_table, slot_table + num_slots, slot_table + 2 * num_slots,
+                     seg_slots, seg_bounds};
+    for (int64_t s = 0; s < num_segs; s++)
+        if (c.ranks[seg_slots[s]] > MAX_RANK) return -1;
+    int64_t bounds[MAX_THREADS + 1];
+    int n = split(&c, (int)threads, bounds);
+    if (n < 2) return run_segments(&c, 0, num_segs);
+    int left = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(n) schedule(static, 1) reduction(+ : left)
+#endif
+    for (int i = 0; i < n; i++) left += run_segments(&c, bounds[i], bounds[i + 1]);
     return left;
 }
 

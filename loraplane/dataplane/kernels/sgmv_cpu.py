@@ -43,7 +43,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("sgmv_cpu.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+# with torch's OpenMP runtime (libgomp) in the process, the kernel splits a call over its
+# team; else it runs on the calling thread (only its loops vectorised by OpenMP's simd)
+OPENMP, SERIAL = ("-fopenmp",), ("-fopenmp-simd",)
 MAX_RANK = 256  # the kernel's (sgmv_cpu.c)
 # segments longer than this go to a GEMM: a long prompt of one adapter is a matrix product
 # that BLAS does better than four tokens at a time
@@ -71,11 +74,11 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "loraplane" / "kernels", Path(tempfile.gettempdir())]
 
 
-def _build(compiler: str, defines: tuple[str, ...] = ()) -> Path:
-    """The compiled library, from the cache or built now (OSError or CalledProcessError);
-    `defines` (-D flags) make a variant of it (the tests build the portable fp16 conversion)."""
+def _build(compiler: str, extra: tuple[str, ...]) -> Path:
+    """The compiled library with FLAGS and `extra` (OPENMP or SERIAL, and any -D), from the
+    cache or built now (OSError or CalledProcessError)."""
     source = SOURCE.read_bytes()
-    flags = (*FLAGS, *defines)
+    flags = (*FLAGS, *extra)
     key = hashlib.sha256(source + " ".join((compiler, *flags, _cpu_key())).encode()).hexdigest()
     name = f"loraplane-sgmv-cpu-{key[:16]}.so"
     errors = []
@@ -113,8 +116,17 @@ def library() -> ctypes.CDLL | None:
                     compiler)  # fmt: skip
         return None
     with _build_lock:
+        threading_flags = _threading()
         try:
-            lib = ctypes.CDLL(str(_build(compiler)))
+            try:
+                path = _build(compiler, threading_flags)
+            except subprocess.CalledProcessError:
+                if threading_flags == SERIAL:
+                    raise
+                log.info("the native CPU LoRA kernel did not build with OpenMP: it runs on one "
+                         "thread")  # fmt: skip
+                path = _build(compiler, SERIAL)
+            lib = ctypes.CDLL(str(path))
         except subprocess.CalledProcessError as e:
             log.warning("the native CPU LoRA kernel did not build (the torch path serves): %s",
                         (e.stderr or "").strip()[-2000:])  # fmt: skip
@@ -125,10 +137,24 @@ def library() -> ctypes.CDLL | None:
     return _declare(lib)
 
 
+def _threading() -> tuple[str, ...]:
+    """OPENMP where this process runs GNU OpenMP already (torch's libgomp.so.1: the library
+    then shares torch's thread team instead of starting a second one to fight it for the
+    cores) and the compiler can build with it; SERIAL otherwise."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return SERIAL
+    if "libgomp" not in maps:
+        return SERIAL
+    return OPENMP
+
+
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with its functions' argument and result types set."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.loraplane_sgmv_f32.argtypes = [p, i64, p, i64, i64, i64, p, p, p, i64, i64, p, i64, p]
+    lib.loraplane_sgmv_f32.argtypes = [p, i64, p, i64, i64, i64, p, p, p, i64, i64, p, i64, p,
+                                       i64]  # fmt: skip
     lib.loraplane_sgmv_f32.restype = ctypes.c_int
     lib.loraplane_host_form_f32.argtypes = [p, i64, p]
     lib.loraplane_host_form_f32.restype = ctypes.c_int
@@ -241,6 +267,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: Module
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1],
         order.data_ptr(), seg_slots.data_ptr(), bounds.data_ptr(), len(batch.seg_slots),
         MAX_SEGMENT, native.table.ctypes.data, native.table.shape[1], scales.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status < 0:  # pragma: no cover - ranks were checked above
         raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
