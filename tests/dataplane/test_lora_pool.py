@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.dataplane.kernels import sgmv_cpu
 from loraplane.dataplane.lora import LoadedAdapter, LoRAPool, LoRAWeights, load_lora
 from loraplane.dataplane.lora.pool import PARALLEL_GRAIN, copy_serial
 
@@ -143,19 +144,37 @@ def _one_buffer(adapter: LoadedAdapter, dtype: torch.dtype) -> LoadedAdapter:
 
 @pytest.mark.parametrize("b_transposed", [True, False])
 @pytest.mark.parametrize("one_buffer", [True, False])
+@pytest.mark.parametrize(
+    ("dtype", "native"),
+    [(torch.bfloat16, False), (torch.float32, True), (torch.float32, False)],
+)
 def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(
-    one_buffer: bool, b_transposed: bool
+    one_buffer: bool,
+    b_transposed: bool,
+    dtype: torch.dtype,
+    native: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # into fp32 the native library converts in one call; without it (and into other dtypes)
+    # torch does: the same bytes either way
+    if native and sgmv_cpu.library() is None:
+        pytest.skip("no C compiler here: the native conversion is not built")
+    if not native:
+        monkeypatch.setattr(sgmv_cpu, "convert_f32", lambda *_args: False)
     source = _adapter(8)
+    if dtype == torch.float32:  # separate fp16 tensors: an fp32 source is in host form already
+        source = LoadedAdapter(source.source, {
+            k: LoRAWeights(w.a.half(), w.b.half(), w.scale) for k, w in source.modules.items()
+        })  # fmt: skip
     adapter = _one_buffer(source, torch.float16) if one_buffer else source
-    pool = LoRAPool(2, SPEC, torch.bfloat16, "cpu", b_transposed=b_transposed)
+    pool = LoRAPool(2, SPEC, dtype, "cpu", b_transposed=b_transposed)
     host = pool.host_form(adapter)
     spans = sorted((t.data_ptr(), t.nbytes) for w in host.modules.values() for t in (w.a, w.b))
     assert all(p + n == q for (p, n), (q, _) in itertools.pairwise(spans))
     for key, w in host.modules.items():
-        assert w.a.dtype == torch.bfloat16 and w.scale == adapter.modules[key].scale
-        assert torch.equal(w.a, adapter.modules[key].a.to(torch.bfloat16))
-        assert torch.equal(w.b, adapter.modules[key].b.to(torch.bfloat16))
+        assert w.a.dtype == dtype and w.scale == adapter.modules[key].scale
+        assert torch.equal(w.a, adapter.modules[key].a.to(dtype))
+        assert torch.equal(w.b, adapter.modules[key].b.to(dtype))
         assert w.a.is_contiguous()
         # B keeps its [out, r] shape; its bytes are rows of B^T where the pool transposes
         assert w.b.shape == adapter.modules[key].b.shape
