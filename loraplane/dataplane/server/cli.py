@@ -40,7 +40,8 @@ def add_commands(subparsers: Any) -> None:
         "--lora-memory",
         metavar="SIZE|FRACTION",
         help="device memory for adapters: a size (2GiB, 512MiB) or a fraction of the memory"
-        " the weights leave free (default 0.1)",
+        " the weights leave free (default 0.1; on CPU of the RAM available, reclaimable page"
+        " cache included, within the container's memory limit)",
     )
     for flag, what in (
         ("--max-lora-rank", "largest adapter rank accepted"),
