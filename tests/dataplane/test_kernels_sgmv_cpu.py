@@ -285,3 +285,15 @@ def test_what_the_conversion_does_not_take_is_refused_with_nothing_written() -> 
     assert torch.equal(out, torch.zeros(24))
     assert sgmv_cpu.convert_f32([(a, False)], out)
     assert torch.equal(out, a.float().reshape(-1))
+
+
+def test_a_conversion_into_another_dtype_never_builds_the_library(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a GPU pool's host form (fp16 or bf16, pinned): no compile, no "no compiler" warning
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    a = torch.randn(2, 3).half()
+    with caplog.at_level(logging.WARNING, logger=sgmv_cpu.__name__):
+        for dtype in (torch.float16, torch.bfloat16):
+            assert not sgmv_cpu.convert_f32([(a, False)], torch.zeros(6, dtype=dtype))
+    assert sgmv_cpu.library.cache_info().currsize == 0 and not caplog.text

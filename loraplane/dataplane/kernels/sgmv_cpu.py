@@ -172,10 +172,10 @@ def convert_f32(parts: list[tuple[torch.Tensor, bool]], out: torch.Tensor,
     one C call, which lets go of the GIL. False, with nothing written, when the library is not
     there or a tensor is not a contiguous 2-D CPU fp32, fp16 or bf16 one, or `out` is not a
     contiguous fp32 CPU tensor of exactly their size; the caller then converts with torch."""
+    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+        return False  # (checked first: a GPU pool's fp16 or bf16 host form builds nothing)
     lib = lib or library()
-    if lib is None or out.dtype != torch.float32 or out.device.type != "cpu":
-        return False
-    if not out.is_contiguous():
+    if lib is None:
         return False
     table = np.empty((len(parts), 6), dtype=np.int64)
     offset = 0

@@ -214,7 +214,7 @@ class LoRAPool:
             buffer = buffer.pin_memory()
         transposing = self._transposing()
         parts = [(t, transposing and i % 2 == 1) for i, t in enumerate(tensors)]
-        if sgmv_cpu.convert_f32(parts, buffer):  # fp32 pools: one C call
+        if self.device.type == "cpu" and sgmv_cpu.convert_f32(parts, buffer):  # one C call
             return self._views_of(adapter, buffer, transposing)
         if transposing:
             host = self._views_of(adapter, buffer, transposing)
