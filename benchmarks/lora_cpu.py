@@ -12,7 +12,11 @@ adapters come from memory, not from cache); a figure is the best pass, in micros
 layer.
 
 Goals (42 adapters, both steps): torch with B transposed at most 0.95 of the plain layout's
-time; the native kernel at most 0.8 of torch with B transposed.
+time; the native kernel at most 0.8 of torch with B transposed. Then the native kernel on a
+team of two threads (torch's OpenMP team, `torch.set_num_threads(2)`) against one, on a step of
+64 tokens spread over the adapters (the density benchmarks' decode step): at most 0.8 at 42
+adapters, where the weights stream from memory (only where the library was built with OpenMP
+and the machine has two cores).
 
 Run: .venv/bin/python benchmarks/lora_cpu.py [--adapters 42] [--passes 7]
 """
@@ -123,6 +127,20 @@ def main() -> int:
     if "native" in ways:
         goals += [goal(figures, f"{count}_{label}_native_over_transposed", "<=", 0.8)
                   for label in steps]  # fmt: skip
+    if "native" in ways and sgmv_cpu._threading() == sgmv_cpu.OPENMP and (os.cpu_count() or 1) > 1:
+        for n in sorted({count, min(8, count)}, reverse=True):
+            lengths = [64 // n + (1 if i < 64 % n else 0) for i in range(n)]  # 64 tokens
+            times = {1: [], 2: []}
+            for threads in (1, 2) * 2:
+                torch.set_num_threads(threads)
+                times[threads].append(step_seconds(spec, adapters[:n], lengths, "native", passes))
+            torch.set_num_threads(1)
+            figures[f"{n}_step64_native_1thread_us_per_layer"] = min(times[1]) * 1e6
+            figures[f"{n}_step64_native_2threads_us_per_layer"] = min(times[2]) * 1e6
+            figures[f"{n}_step64_native_2threads_over_1"] = min(times[2]) / min(times[1])
+        goals.append(goal(figures, f"{count}_step64_native_2threads_over_1", "<=", 0.8))
+    else:
+        print("the native kernel is not built with OpenMP here, or one core: no thread figures")
     return report("lora_cpu", figures, goals, smoke=args.smoke)
 
 
