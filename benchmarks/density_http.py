@@ -17,8 +17,12 @@ Figures: tokens/s and time to first token p99 of each load, their ratios to eigh
 >= 0.9, uniform >= 0.8, zipf TTFT p99 <= 2x), failed requests (goal 0).
 As in benchmarks/server_http.py the client runs on the same machine, so the server's torch
 threads are cores - 1 (OMP_NUM_THREADS; a core for the client and the event loop).
+`--large`: a larger model of another shape instead (LARGE: 12 layers, hidden 2048, 32 heads / 4
+KV heads, MLP 5632; about 0.7B parameters), a check that the ratios hold where a step costs
+more; pair it with fewer adapters and rounds, e.g. `--large --adapters 400 --rounds 1` (about
+4 minutes).
 Run: .venv/bin/python benchmarks/density_http.py [--adapters 2000] [--requests 256] [--rounds 3]
-(--smoke: one round on engine_cpu.py's smoke model, 16 adapters, 16 requests)
+[--large] (--smoke: one round on engine_cpu.py's smoke model, 16 adapters, 16 requests)
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.demo.build import build_llama
 
 IN_FLIGHT = 64
+
+LARGE = {"hidden_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 32,
+         "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
+         "max_position_embeddings": 2048}  # fmt: skip
 
 
 def start_server(
@@ -105,6 +113,7 @@ def main() -> int:
         "--rounds", type=int, default=3, help="rounds (a fresh server each); figure: median"
     )
     parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--large", action="store_true", help="the LARGE model (see above)")
     add_smoke_flag(parser)
     args = parser.parse_args()
     count, requests = (16, 16) if args.smoke else (args.adapters, args.requests)
@@ -114,7 +123,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         root = Path(tmp)
         print(f"building the benchmark model and {count} adapters ...", flush=True)
-        model = build_llama(root / "model", **shape(args.smoke))
+        model = build_llama(root / "model", **(LARGE if args.large else shape(args.smoke)))
         spec = BaseModelSpec.from_dir(model)
         adapters = [qv_adapter(spec, root / "a" / str(i), seed=10_000 + i)
                     for i in range(count)]  # fmt: skip
@@ -158,7 +167,7 @@ def main() -> int:
     for label in ("zipf", "uniform"):
         figures[f"{label}_over_eight_adapters"] = figures[f"{label}_tokens_per_s"] / base
         figures[f"{label}_ttft_p99_over_eight"] = figures[f"{label}_ttft_p99_s"] / base_ttft
-    return report("density_http", figures, [
+    return report("density_http_large" if args.large else "density_http", figures, [
         goal(figures, "zipf_over_eight_adapters", ">=", 0.9),
         goal(figures, "uniform_over_eight_adapters", ">=", 0.8),
         goal(figures, "zipf_ttft_p99_over_eight", "<=", 2.0),
