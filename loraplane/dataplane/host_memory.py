@@ -35,8 +35,8 @@ def available_bytes(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> int:
 def total_bytes(cgroup: Path = CGROUP) -> int:
     """The machine's memory, or the cgroup's limit where that is lower."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = _cgroup_usage(cgroup)
-    return physical if limit is None else min(physical, limit[0])
+    usage = _cgroup_usage(cgroup)
+    return physical if usage is None else min(physical, usage[0])  # (limit, working set)
 
 
 def _meminfo_kib(meminfo: Path, field: str) -> int | None:

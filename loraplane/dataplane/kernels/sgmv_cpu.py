@@ -140,7 +140,7 @@ def library() -> ctypes.CDLL | None:
 def _threading() -> tuple[str, ...]:
     """OPENMP where this process runs GNU OpenMP already (torch's libgomp.so.1: the library
     then shares torch's thread team instead of starting a second one to fight it for the
-    cores) and the compiler can build with it; SERIAL otherwise."""
+    cores); SERIAL otherwise. (`library` falls back to SERIAL where OPENMP does not build.)"""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:

@@ -16,7 +16,6 @@ slot id.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -216,31 +215,25 @@ class LoRAPool:
         parts = [(t, transposing and i % 2 == 1) for i, t in enumerate(tensors)]
         if self.device.type == "cpu" and sgmv_cpu.convert_f32(parts, buffer):  # one C call
             return self._views_of(adapter, buffer, transposing)
-        if transposing:
-            host = self._views_of(adapter, buffer, transposing)
-            for w, h in zip(adapter.modules.values(), host.modules.values(), strict=True):
-                copy_serial(h.a, w.a)
-                copy_serial(h.b, w.b)
-            return host
-        run = _one_run(tensors)
+        run = None if transposing else _one_run(tensors)
         if run is not None:  # a stored version as the loader reads it: one conversion
             whole, start = run
             copy_serial(buffer, whole)
             offsets = [int(t.storage_offset()) - start for t in tensors]
-        else:
-            offsets = list(itertools.accumulate((t.numel() for t in tensors), initial=0))[:-1]
-        views = [
-            buffer[o : o + t.numel()].view(t.shape) for o, t in zip(offsets, tensors, strict=True)
-        ]
-        if run is None:
-            for view, t in zip(views, tensors, strict=True):
-                copy_serial(view.view(-1), t.reshape(-1))
-        pairs = iter(views)  # tensors holds each module's A then B
-        modules = {
-            key: LoRAWeights(a=next(pairs), b=next(pairs), scale=w.scale)
-            for key, w in adapter.modules.items()
-        }
-        return LoadedAdapter(adapter.source, modules, adapter.digest)
+            views = iter(  # tensors holds each module's A then B
+                buffer[o : o + t.numel()].view(t.shape)
+                for o, t in zip(offsets, tensors, strict=True)
+            )
+            modules = {
+                key: LoRAWeights(a=next(views), b=next(views), scale=w.scale)
+                for key, w in adapter.modules.items()
+            }
+            return LoadedAdapter(adapter.source, modules, adapter.digest)
+        host = self._views_of(adapter, buffer, transposing)  # then two copies per module
+        for w, h in zip(adapter.modules.values(), host.modules.values(), strict=True):
+            copy_serial(h.a, w.a)
+            copy_serial(h.b, w.b)
+        return host
 
     @staticmethod
     def _views_of(adapter: LoadedAdapter, buffer: torch.Tensor, transposed: bool) -> LoadedAdapter:
