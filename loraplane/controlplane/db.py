@@ -17,7 +17,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -115,18 +115,35 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+@contextmanager
+def _migrating(engine: Engine) -> Iterator[Connection]:
+    """A connection in one transaction that holds the migration's DDL too, so a migration
+    that fails (a refused downgrade) leaves the schema as it found it.
+
+    pysqlite opens transactions only before DML: an ALTER TABLE outside one commits at once,
+    and a failure after it left SQLite with a changed schema under the old revision. Here
+    pysqlite is told to keep out (autocommit) and the transaction is begun explicitly.
+    """
+    with engine.connect() as conn:
+        if conn.dialect.name == "sqlite":
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            event.listen(conn, "begin", lambda c: c.exec_driver_sql("BEGIN"))
+        with conn.begin():
+            yield conn
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Migrate the database behind `engine` to `revision`."""
+    """Migrate the database behind `engine` to `revision` (all or nothing)."""
     cfg = alembic_config(engine.url.render_as_string(hide_password=False))
-    with engine.begin() as conn:
+    with _migrating(engine) as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
 
 
 def downgrade(engine: Engine, revision: str = "base") -> None:
-    """Migrate the database behind `engine` down to `revision`."""
+    """Migrate the database behind `engine` down to `revision` (all or nothing)."""
     cfg = alembic_config(engine.url.render_as_string(hide_password=False))
-    with engine.begin() as conn:
+    with _migrating(engine) as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
 

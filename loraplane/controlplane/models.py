@@ -36,6 +36,7 @@ NAMING_CONVENTION = {
 }
 NAME_LEN = 63  # a DNS label: tenants are Kubernetes namespaces
 DEFAULT_NAMESPACE = "default"  # of a pool registered without one (and of pools before 0003)
+DEFAULT_WEIGHT = 1.0  # a tenant's scheduling weight unless the admin sets one
 
 
 def utcnow() -> datetime:
@@ -84,6 +85,9 @@ class Tenant(Base):
     max_bytes: Mapped[int] = mapped_column(BigInteger)
     requests_per_minute: Mapped[int] = mapped_column(Integer)
     tokens_per_minute: Mapped[int] = mapped_column(BigInteger)
+    # The tenant's share of a contended replica's seats and served tokens, relative to the
+    # other tenants' weights (rows from before 0004 have 1: every tenant alike).
+    weight: Mapped[float] = mapped_column(Float, default=DEFAULT_WEIGHT, server_default="1")
     deleted: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import event
 
 from tests.controlplane.conftest import ADMIN_H, BASE_NAME, SERVICE_H, Api, bearer
 
@@ -29,6 +30,28 @@ def test_resolve_current_pinned_and_base(ready: Api) -> None:
     # rolling back changes what the unpinned name resolves to
     ready.client.patch("/v1/adapters/bot", json={"current_version": 1}, headers=bearer(key))
     assert resolve(ready, key, "bot").json()["version"] == 1  # type: ignore[attr-defined]
+
+
+def test_resolve_carries_the_tenants_weight_in_its_one_query(ready: Api) -> None:
+    key = ready.keys["acme"]
+    ready.upload(key, "bot", ready.adapter_dir(seed=1))
+    assert resolve(ready, key, "bot").json()["weight"] == 1.0  # type: ignore[attr-defined]
+    r = ready.client.patch("/v1/tenants/acme", json={"weight": 4.5}, headers=ADMIN_H)
+    assert r.status_code == 200
+    engine = ready.client.app.state.ctx.resolve_engine  # type: ignore[attr-defined]
+    statements: list[str] = []
+    listen = ("before_cursor_execute", lambda *a: statements.append(a[2]))
+    event.listen(engine, *listen)
+    try:
+        for model in ("bot", "bot@1", BASE_NAME):
+            body = resolve(ready, key, model).json()  # type: ignore[attr-defined]
+            assert (body["tenant"], body["weight"]) == ("acme", 4.5), model
+    finally:
+        event.remove(engine, *listen)
+    # the key's use was recorded by the first resolve: one statement per resolution
+    assert len(statements) == 3 and all(s.lstrip().startswith("SELECT") for s in statements)
+    other = resolve(ready, ready.keys["globex"], BASE_NAME).json()  # type: ignore[attr-defined]
+    assert other["weight"] == 1.0  # another tenant's weight is its own
 
 
 @pytest.mark.parametrize("model", ["nope", "bot@3", "bot@0", "bot@x", "@1", "bot@99999999999"])

@@ -15,7 +15,7 @@ from sqlalchemy import MetaData, Table, delete, insert, inspect, select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane import db
-from loraplane.controlplane.models import Base, Pool
+from loraplane.controlplane.models import Base, Pool, Tenant
 from tests.controlplane import pg
 
 TABLES = {
@@ -94,9 +94,58 @@ def test_a_pool_from_before_0003_is_found_in_namespace_default(
             session.commit()
         with pytest.raises(RuntimeError, match=r"pool-a \(in several namespaces\).*team-b/pool-a"):
             db.downgrade(engine, "0002")
+        # refused as a whole: the later migrations it had undone are back (SQLite too)
+        assert db.current_revision(engine) == db.head_revision()
+        with Session(engine) as session:
+            assert session.scalars(select(Pool.name)).all() == ["pool-a", "pool-a"]
+            assert session.scalars(select(Tenant)).all() == []  # every column still there
         with engine.begin() as conn:
             conn.execute(delete(Pool).where(Pool.namespace == "team-b"))
         db.downgrade(engine, "0002")
         assert "namespace" not in {c["name"] for c in inspect(engine).get_columns("pools")}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_a_tenant_from_before_0004_has_weight_1_and_a_downgrade_drops_the_column(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """0004 adds the tenant's scheduling weight: rows already there get 1 (equal shares), new
+    rows may set another; the downgrade works with tenants (and rows that refer to them)."""
+    engine = db.make_engine(fresh_url(backend, tmp_path, request))
+    now = datetime.now(UTC)
+    row = {
+        "name": "acme", "namespace": "acme", "max_adapters": 10, "max_rank": 16,
+        "max_bytes": 1 << 20, "requests_per_minute": 60, "tokens_per_minute": 1000,
+        "deleted": False, "created_at": now, "updated_at": now,
+    }  # fmt: skip
+    try:
+        db.upgrade(engine, "0003")
+        with engine.begin() as conn:
+            tenants = Table("tenants", MetaData(), autoload_with=conn)
+            tenant_id = conn.execute(insert(tenants).values(**row)).inserted_primary_key[0]
+            keys = Table("api_keys", MetaData(), autoload_with=conn)
+            conn.execute(
+                insert(keys).values(
+                    tenant_id=tenant_id, name="k", prefix="lp_abc", key_hash="0" * 64,
+                    created_at=now,
+                )
+            )  # fmt: skip
+        db.upgrade(engine)
+        with Session(engine) as session:
+            (acme,) = session.scalars(select(Tenant))
+            assert acme.weight == 1.0 and isinstance(acme.weight, float)
+            session.add(Tenant(**{**row, "name": "heavy", "namespace": "heavy", "weight": 2.5}))
+            session.commit()
+            weights = {n: w for n, w in session.execute(select(Tenant.name, Tenant.weight))}
+            assert weights == {"acme": 1.0, "heavy": 2.5}
+        db.downgrade(engine, "0003")
+        assert "weight" not in {c["name"] for c in inspect(engine).get_columns("tenants")}
+        with engine.connect() as conn:
+            names = conn.execute(select(Table("tenants", MetaData(), autoload_with=conn).c.name))
+            assert sorted(names.scalars()) == ["acme", "heavy"]
     finally:
         engine.dispose()

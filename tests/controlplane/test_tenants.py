@@ -27,6 +27,47 @@ def test_tenant_lifecycle_create_get_list_patch_delete(api: Api) -> None:
     assert c.get("/v1/tenants", headers=ADMIN_H).json() == []
 
 
+def test_weight_defaults_to_1_and_is_set_at_create_and_by_patch(api: Api) -> None:
+    c = api.client
+    plain = c.post("/v1/tenants", json={"name": "acme"}, headers=ADMIN_H).json()
+    assert plain["weight"] == 1.0
+    r = c.post("/v1/tenants", json={"name": "heavy", "weight": 2.5}, headers=ADMIN_H)
+    assert r.status_code == 201 and r.json()["weight"] == 2.5
+    r = c.patch("/v1/tenants/acme", json={"weight": 0.25}, headers=ADMIN_H)
+    assert r.status_code == 200 and r.json()["weight"] == 0.25
+    r = c.patch("/v1/tenants/acme", json={"max_rank": 8}, headers=ADMIN_H)
+    assert r.json()["weight"] == 0.25  # a patch without weight keeps it
+    assert c.get("/v1/tenants/acme", headers=ADMIN_H).json()["weight"] == 0.25
+    listed = {t["name"]: t["weight"] for t in c.get("/v1/tenants", headers=ADMIN_H).json()}
+    assert listed == {"acme": 0.25, "heavy": 2.5}
+
+
+@pytest.mark.parametrize(
+    ("weight", "reason"),
+    [
+        ("0", "greater than 0"), ("-1", "greater than 0"), ("1000.5", "less than or equal"),
+        ("1e999", "finite number"), ("NaN", "finite number"), ('"heavy"', "valid number"),
+        ("null", "valid number"),
+    ],
+)  # fmt: skip
+def test_a_weight_not_in_0_to_1000_is_refused_naming_the_field(
+    api: Api, weight: str, reason: str
+) -> None:
+    c = api.client
+    json_h = {**ADMIN_H, "Content-Type": "application/json"}
+    r = c.post("/v1/tenants", content=f'{{"name": "acme", "weight": {weight}}}', headers=json_h)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "InvalidRequest" and error["message"].startswith("weight: ")
+    assert reason in error["message"]
+    assert c.get("/v1/tenants", headers=ADMIN_H).json() == []
+    assert c.post("/v1/tenants", json={"name": "acme", "weight": 1000}, headers=ADMIN_H).is_success
+    if weight != "null":  # null in a patch means "leave it"
+        r = c.patch("/v1/tenants/acme", content=f'{{"weight": {weight}}}', headers=json_h)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("weight: ")
+    assert c.get("/v1/tenants/acme", headers=ADMIN_H).json()["weight"] == 1000.0
+
+
 def test_a_namespace_belongs_to_one_live_tenant(api: Api) -> None:
     c = api.client
     assert c.post("/v1/tenants", json={"name": "acme"}, headers=ADMIN_H).status_code == 201

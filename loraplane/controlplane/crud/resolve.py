@@ -38,6 +38,7 @@ class Resolution:
     tenant: str
     requests_per_minute: int
     tokens_per_minute: int
+    weight: float  # the tenant's scheduling weight (its share of a contended replica)
     base_model: str
     adapter: str | None = None
     version: ResolvedVersion | None = None
@@ -72,6 +73,7 @@ def _statement(*, pinned: bool) -> Select[*tuple[Any, ...]]:
             Tenant.deleted.label("tenant_deleted"),
             Tenant.requests_per_minute,
             Tenant.tokens_per_minute,
+            Tenant.weight,
             Adapter.name.label("adapter"),
             AdapterVersion.version,
             AdapterVersion.digest,
@@ -118,7 +120,7 @@ def resolve(conn: Connection, *, secret: str, model: str) -> Resolution:
     now = utcnow()
     if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
         conn.execute(update(ApiKey).where(ApiKey.id == row.id).values(last_used_at=now))
-    tenant = (row.tenant, row.requests_per_minute, row.tokens_per_minute)
+    tenant = (row.tenant, row.requests_per_minute, row.tokens_per_minute, row.weight)
     if row.version is not None:
         found = ResolvedVersion(row.version, row.digest, row.path, row.rank, row.alpha)
         return Resolution(*tenant, row.base_model, adapter=row.adapter, version=found)

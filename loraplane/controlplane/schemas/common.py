@@ -22,6 +22,9 @@ Count = Annotated[int, Field(ge=0, le=1_000_000)]
 Rank = Annotated[int, Field(ge=1, le=4096)]
 Bytes = Annotated[int, Field(ge=1, le=1 << 50)]
 PerMinute = Annotated[int, Field(ge=1, le=1_000_000_000)]
+# A tenant's share of a contended replica, relative to the other tenants' (1: an equal share).
+MAX_WEIGHT = 1000.0
+Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT, allow_inf_nan=False)]
 INT32 = 2**31 - 1
 BIG = 2**62
 

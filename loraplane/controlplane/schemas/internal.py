@@ -35,6 +35,9 @@ class Resolved(BaseModel):
     alpha: float | None
     requests_per_minute: int
     tokens_per_minute: int
+    # the tenant's share of a contended replica's seats and served tokens, relative to the
+    # other tenants' weights (a data plane that finds none, an older control plane, uses 1)
+    weight: float
 
 
 class AdapterUsage(Strict):

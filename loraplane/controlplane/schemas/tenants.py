@@ -6,6 +6,7 @@ from datetime import datetime
 
 from pydantic import Field
 
+from loraplane.controlplane.models import DEFAULT_WEIGHT
 from loraplane.controlplane.schemas.common import (
     Bytes,
     Count,
@@ -14,6 +15,7 @@ from loraplane.controlplane.schemas.common import (
     Rank,
     Strict,
     TenantName,
+    Weight,
 )
 
 
@@ -27,6 +29,7 @@ class TenantCreate(Strict):
     max_bytes: Bytes = 1 << 30
     requests_per_minute: PerMinute = 600
     tokens_per_minute: PerMinute = 1_000_000
+    weight: Weight = DEFAULT_WEIGHT
 
 
 class TenantUpdate(Strict):
@@ -37,10 +40,15 @@ class TenantUpdate(Strict):
     max_bytes: Bytes | None = None
     requests_per_minute: PerMinute | None = None
     tokens_per_minute: PerMinute | None = None
+    weight: Weight | None = None
 
 
 class TenantPublic(Public):
-    """A tenant and its quotas (`max_bytes` caps each adapter's weights)."""
+    """A tenant and its quotas (`max_bytes` caps each adapter's weights).
+
+    `weight` is the tenant's share of a contended replica's seats and served tokens, relative
+    to the other tenants' weights.
+    """
 
     name: str
     namespace: str
@@ -49,6 +57,7 @@ class TenantPublic(Public):
     max_bytes: int
     requests_per_minute: int
     tokens_per_minute: int
+    weight: float
     created_at: datetime
     updated_at: datetime
 

@@ -60,6 +60,7 @@ async def resolve_model(
         alpha=v.alpha if v else None,
         requests_per_minute=found.requests_per_minute,
         tokens_per_minute=found.tokens_per_minute,
+        weight=found.weight,
     )
 
 
