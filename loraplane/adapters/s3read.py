@@ -4,6 +4,9 @@ The one S3 reader of the control plane and the operator (the store's own reads a
 `store.S3Store`'s). Only `s3://` locations are read (boto3 talks to the S3 API alone and
 follows no redirects elsewhere); reads are bounded in size and time, and every failure is an
 `S3ReadError` that says whether the object is missing or access was denied.
+
+`client_config` is the project's one S3 client configuration: these reads, the store
+(`S3Store`, so the data plane's disk tier too) and every client `make_client` makes use it.
 """
 
 from __future__ import annotations
@@ -44,23 +47,47 @@ def split_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
+# boto3's defaults wait 60 s to connect and 60 s for each read, up to 5 attempts: a silent
+# endpoint would hold a caller (a data plane loader thread, and the requests waiting for its
+# adapter) for many minutes. A healthy S3 connects in milliseconds and sends the first bytes of
+# an object within a second or two, so 3 s to connect and 10 s per read still leave a wide
+# margin, and one retry rides over a dropped connection. A silent endpoint then costs at most
+# MAX_ATTEMPTS * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S) (plus boto3's backoff, under a second)
+# per request: the data plane's disk tier, which tries a download twice, gives up on one
+# within about 55 s, inside the engine's default adapter load deadline (60 s).
+CONNECT_TIMEOUT_S = 3.0
+READ_TIMEOUT_S = 10.0
+MAX_ATTEMPTS = 2  # in all, the first one included
+
+
+def client_config(
+    *, connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S
+) -> Config:
+    """The project's one S3 client configuration: short timeouts, MAX_ATTEMPTS attempts (the
+    timeouts may be given shorter, e.g. by tests)."""
+    return Config(
+        connect_timeout=connect_timeout_s,
+        read_timeout=read_timeout_s,
+        retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+    )
+
+
 def make_client(
-    endpoint_url: str | None,
+    endpoint_url: str | None = None,
     *,
     access_key_id: str | None = None,
     secret_access_key: str | None = None,
     session_token: str | None = None,
     region_name: str | None = None,
+    config: Config | None = None,
 ) -> S3Client:
-    """A client with short timeouts and few retries (a request must not hang on S3); with
-    explicit credentials (a tenant's Secret) or the environment's."""
-    config = Config(
-        connect_timeout=3, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"}
-    )
+    """A client with `client_config()` (or `config`), so a request never hangs on S3; with
+    explicit credentials (a tenant's Secret) or the environment's (endpoint, region and
+    credentials from boto3's own configuration where not given)."""
     client: S3Client = boto3.client(
         "s3",
         endpoint_url=endpoint_url,
-        config=config,
+        config=config if config is not None else client_config(),
         aws_access_key_id=access_key_id,
         aws_secret_access_key=secret_access_key,
         aws_session_token=session_token,

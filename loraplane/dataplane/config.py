@@ -73,8 +73,14 @@ class EngineConfig:
     # a request deferred by the adapter limit for longer than this many steps stops admission
     # of other adapters until it gets a slot (see scheduler.py)
     max_deferral_steps: int = 32
+    # prompt tokens of requests for prompt log-probabilities (scoring) computed per step at
+    # most, so an evaluation run cannot stall other tenants' decodes (chunked prefill only)
+    max_prompt_logprob_tokens_per_step: int = 512
     # stored versions (catalog mode) unused this long are forgotten (registered again on use)
     forget_idle_adapters_s: float = 600.0
+    # a waiting request whose adapter is not in host memory this many seconds after it
+    # arrived fails alone (AdapterLoadTimeout, HTTP 504) instead of waiting on a dead store
+    adapter_load_timeout_s: float = 60.0
     # decode steps replay CUDA graphs captured at a ladder of batch sizes (cuda_graphs.py);
     # off until verified on a GPU; ignored on CPU, falls back to eager on a capture error
     cuda_graphs: bool = False
@@ -133,6 +139,13 @@ class EngineConfig:
             raise ValueError(
                 f"forget_idle_adapters_s must be a positive number, got"
                 f" {self.forget_idle_adapters_s!r}"
+            )
+        if isinstance(self.adapter_load_timeout_s, bool) or not isinstance(
+            self.adapter_load_timeout_s, int | float
+        ) or not self.adapter_load_timeout_s > 0:  # fmt: skip
+            raise ValueError(
+                f"adapter_load_timeout_s must be a positive number, got"
+                f" {self.adapter_load_timeout_s!r}"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

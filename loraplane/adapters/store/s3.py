@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-import boto3
 from botocore.exceptions import BotoCoreError, ClientError, ConnectionError
 
+from loraplane.adapters import s3read
 from loraplane.adapters.errors import ObjectExists, ObjectNotFound, StoreError
 from loraplane.adapters.store.base import ObjectStore, check_key
 from loraplane.adapters.store.local import check_prefix, write_atomically
@@ -65,7 +65,8 @@ class S3Store(ObjectStore):
             raise ValueError(f"multipart_threshold: {multipart_threshold} must be positive")
         self._bucket = bucket
         self._prefix = prefix
-        self._client: S3Client = client if client is not None else boto3.client("s3")
+        # the project's one client configuration (short timeouts, few retries) by default
+        self._client: S3Client = client if client is not None else s3read.make_client()
         self._multipart_threshold = multipart_threshold
         self._part_size = part_size
         self._staging: Path | None = None

@@ -4,8 +4,10 @@ A LocalStore already is a local disk, so its versions are read in place. For a r
 (S3) each version is downloaded once into `<root>/<digest>/` (through a temp folder, renamed
 when complete) and kept while the byte budget allows, least recently used out first. Reads
 verify the digest (the host loader hashes while it copies); a copy that fails the check is
-discarded and fetched again. An unreachable store gets a few retries with backoff, then
-StoreError, which fails only the requests that need this adapter.
+discarded and fetched again. A failed download is tried once more after a short backoff (the
+S3 client already retries each request once, with short timeouts: `adapters/s3read.py`), then
+StoreError, which fails only the requests that need this adapter: a silent store costs a load
+about a minute at most, not the many minutes boto3's defaults and more retries would.
 
 Readers hold a folder with `reading(store_path, digest)`: while it is held the folder is never
 evicted, replaced or deleted (two tenants with identical content share a digest, and two loader
@@ -42,7 +44,7 @@ class DiskTier:
         store: ObjectStore,
         root: Path | str | None = None,
         budget_bytes: int = 20 << 30,
-        retries: int = 3,
+        retries: int = 1,  # a download's retries after its first try (body reads included)
         backoff_s: float = 0.2,
     ) -> None:
         if budget_bytes <= 0:
@@ -155,7 +157,8 @@ class DiskTier:
                 last = e
                 self.failures_total += 1
                 log.warning("fetching %s failed (attempt %d): %s", store_path, attempt + 1, e)
-                time.sleep(self.backoff_s * 2**attempt)
+                if attempt < self.retries:  # no wait after the last try: the caller is told now
+                    time.sleep(self.backoff_s * 2**attempt)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         raise StoreError(f"cannot fetch {store_path} after {self.retries + 1} attempts: {last}")
