@@ -161,7 +161,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the special tokens tokenizer.json's post-processor adds."""
-        return [int(i) for i in self._tok.encode(text, add_special_tokens=add_special_tokens).ids]
+        # encode_batch releases the GIL while Rust works (encode holds it: an 8 MiB prompt would
+        # stop the event loop and every other thread for seconds); same ids
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return [int(i) for i in encoding.ids]
 
     def to_json(self) -> str:
         """The tokenizer as `tokenizer.json` text (grammar engines build their view of it)."""

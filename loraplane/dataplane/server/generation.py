@@ -42,6 +42,7 @@ class Choice:
     prompt_logprobs: list[PromptLogprob] | None = None  # per prompt token after the first
     finish_reason: str | None = None
     echo: str | None = None  # completions with echo: the prompt's text, shown first
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(slots=True)
@@ -63,6 +64,12 @@ class Job:
     def prompt_tokens(self) -> int:
         """Prompt tokens of the request (each prompt once, whatever n is)."""
         return sum(len(c.tokens) for c in self.choices if c.counts_prompt)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt once (the choice that
+        counts it in prompt_tokens), as vLLM reports a request's prompt once whatever n is."""
+        return sum(c.cached_tokens for c in self.choices if c.counts_prompt)
 
     @property
     def completion_tokens(self) -> int:
@@ -151,6 +158,7 @@ def _record(choice: Choice, out: RequestOutput) -> None:
     choice.token_ids.extend(out.token_ids)
     choice.logprobs.extend(out.logprobs or [])
     choice.top_logprobs.extend(out.top_logprobs or [])
+    choice.cached_tokens = out.num_cached_tokens
     if out.prompt_logprobs is not None:
         choice.prompt_logprobs = out.prompt_logprobs
     if out.finished:

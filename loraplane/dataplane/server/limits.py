@@ -6,8 +6,13 @@ takes one request token and its prompt tokens up front (`admit`); the tokens it 
 charged as they are produced (`charge`), which may drive the bucket below zero: then the
 tenant's next request waits until it has refilled. A limit of 0 means unlimited.
 
+A request is admitted before its prompt is tokenized (a refusal must cost no tokenizer time),
+so it is admitted on an estimate of its prompt tokens (`estimate_tokens`) and `settle`d once
+they are counted.
+
     limiter = RateLimiter()
-    limiter.admit("acme", requests_per_minute=60, tokens_per_minute=10_000, prompt_tokens=42)
+    limiter.admit("acme", requests_per_minute=60, tokens_per_minute=10_000, prompt_tokens=7)
+    limiter.settle("acme", tokens_per_minute=10_000, estimated=7, counted=42)
     ...
     limiter.charge("acme", tokens_per_minute=10_000, tokens=1)
 """
@@ -19,6 +24,18 @@ from collections.abc import Callable
 
 from loraplane.dataplane.server.errors import RateLimited
 from loraplane.ratelimit import TokenBuckets
+
+# Characters per token of the admission estimate. Text averages about 4 characters per token
+# in English and fewer in code and most other scripts, so 6 rarely over-counts (which would
+# refuse a prompt the tenant could afford) while an 8 MiB prompt is still estimated at over a
+# million tokens and refused at the door when the tenant cannot afford it. What the estimate
+# misses is charged after tokenization, like generated tokens.
+CHARS_PER_TOKEN = 6
+
+
+def estimate_tokens(characters: int) -> int:
+    """A prompt's tokens as estimated from its length in characters, before tokenizing."""
+    return characters // CHARS_PER_TOKEN
 
 
 class RateLimiter:
@@ -49,6 +66,12 @@ class RateLimiter:
             self._requests.take(tenant, requests_per_minute, 1)
         if tokens_per_minute > 0:
             self._tokens.take(tenant, tokens_per_minute, prompt_tokens)
+
+    def settle(self, tenant: str, *, tokens_per_minute: int, estimated: int, counted: int) -> None:
+        """Correct an admission on `estimated` prompt tokens to the `counted` ones (what was
+        over-estimated is given back)."""
+        if tokens_per_minute > 0 and counted != estimated:
+            self._tokens.take(tenant, tokens_per_minute, counted - estimated)
 
     def charge(self, tenant: str, *, tokens_per_minute: int, tokens: int) -> None:
         """Count generated tokens against the tenant's tokens per minute."""

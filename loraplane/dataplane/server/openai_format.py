@@ -27,13 +27,15 @@ def sse(payload: dict[str, Any]) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-def usage(job: Job) -> dict[str, int]:
-    """The `usage` object."""
+def usage(job: Job) -> dict[str, Any]:
+    """The `usage` object; `prompt_tokens_details.cached_tokens`: the prompt tokens served
+    from the prefix cache (always present, 0 included, as OpenAI answers)."""
     prompt, completion = job.prompt_tokens, job.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
     }
 
 
@@ -245,7 +247,7 @@ def chunk(
     *,
     chat: bool,
     include_usage: bool,
-    usage_body: dict[str, int] | None = None,
+    usage_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A stream chunk (`text_completion` or `chat.completion.chunk`)."""
     body: dict[str, Any] = {

@@ -1,19 +1,25 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
-Each completion request: check the key, resolve `model` through the catalog, tokenize (the chat
-template for chat), fit max_tokens to the context (vLLM's rule: 400 when prompt + max_tokens
-exceeds it), lease the adapter, pass the tenant's rate limits, then run `n` engine requests per
-prompt and answer a JSON body or an SSE stream ending with `data: [DONE]`.
+Each completion request, cheapest refusal first: check the key, resolve `model` through the
+catalog, take its places in the queue and lease the adapter (queue caps), pass the tenant's
+rate limits (on an estimate of its prompt tokens, settled once counted), then, on workers that
+tenants share fairly (intake.py), tokenize (the chat template for chat), fit max_tokens to the
+context (vLLM's rule: 400 when prompt + max_tokens exceeds it) and compile the grammar; then run
+`n` engine requests per prompt and answer a JSON body or an SSE stream ending with
+`data: [DONE]`. Answers with a part per token (log-probabilities, an echo) are built on a
+tokenizing worker from a table of token texts, not on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -33,6 +39,7 @@ from loraplane.dataplane.server.generation import (
     make_choices,
     run_job,
 )
+from loraplane.dataplane.server.limits import estimate_tokens
 from loraplane.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest, Generation
 from loraplane.dataplane.server.runtime import Lease, Runtime
 from loraplane.dataplane.server.streaming import ClientGone, EventStream, unless_disconnected
@@ -77,24 +84,26 @@ async def completions(
     """Text completion of one or more prompts."""
     body.check_supported()
     resolved = await catalog.resolve(key, body.model)
-    tokenizer = runtime.require_engine().engine.tokenizer
+    engine = runtime.require_engine().engine
+    tokenizer, vocab = engine.tokenizer, engine.runner.model.config.vocab_size
     texts = body.prompts()
     cap = runtime.settings.max_prompts_per_request
     if len(texts) > cap:
         runtime.metrics.refused.labels(reason="too_many_prompts").inc()
         raise InvalidRequest(f"{len(texts)} prompts in one request; at most {cap}", param="prompt")
-    prompts = await runtime.tokenize(
-        lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
-    )
-    echo = None
-    if body.echo:  # the prompt as given, or the text of its token ids
-        echo = await runtime.tokenize(
-            lambda: [p if isinstance(p, str) else tokenizer.decode(p) for p in texts]
-        )
-    top = body.logprobs
+
+    def tokenize() -> Tokenized:
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in texts]
+        prompts = _checked(prompts, body.truncate_prompt_tokens, vocab)
+        if not body.echo:
+            return prompts, None
+        # the echo is the prompt as given, or the text of its token ids
+        return prompts, [p if isinstance(p, str) else tokenizer.decode(p) for p in texts]
+
+    estimate = sum(estimate_tokens(len(p)) if isinstance(p, str) else len(p) for p in texts)
     return await _serve(
-        request, runtime, resolved, body, prompts, COMPLETION_DEFAULT_MAX_TOKENS, top,
-        chat=False, echo=echo,
+        request, runtime, resolved, body, Intake(len(texts), estimate, tokenize),
+        COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs, chat=False,
     )  # fmt: skip
 
 
@@ -110,26 +119,48 @@ async def chat_completions(
     body.check_supported()
     tools = body.tool_plan(runtime.settings.tool_call_parser)
     resolved = await catalog.resolve(key, body.model)
-    tokenizer = runtime.require_engine().engine.tokenizer
+    engine = runtime.require_engine().engine
+    tokenizer, vocab = engine.tokenizer, engine.runner.model.config.vocab_size
     messages = [m.to_template() for m in body.messages]
     listed = tools.template_tools if tools is not None else None
-    try:
-        prompt = await runtime.tokenize(
-            lambda: tokenizer.encode_chat(messages, body.add_generation_prompt, tools=listed)
-        )
-    except (jinja2.TemplateError, ValueError) as e:
-        raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from None
+
+    def tokenize() -> Tokenized:
+        try:
+            prompt = tokenizer.encode_chat(messages, body.add_generation_prompt, tools=listed)
+        except (jinja2.TemplateError, ValueError) as e:
+            raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from None
+        return _checked([prompt], body.truncate_prompt_tokens, vocab), None
+
+    estimate = estimate_tokens(sum(len(m["content"]) for m in messages))
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await _serve(
-        request, runtime, resolved, body, [prompt], None, top, chat=True, tools=tools
-    )
+        request, runtime, resolved, body, Intake(1, estimate, tokenize), None, top, chat=True,
+        tools=tools,
+    )  # fmt: skip
 
 
-def _check_tokens(runtime: Runtime, prompts: list[list[int]]) -> None:
-    vocab = runtime.require_engine().engine.runner.model.config.vocab_size
+Tokenized = tuple[list[list[int]], list[str] | None]  # the prompts' ids, the echoed texts
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """A request's prompts before tokenization: how many, their estimated tokens (for the
+    rate limit), and the work that tokenizes them (on a tokenizing worker)."""
+
+    prompts: int
+    estimated_tokens: int
+    tokenize: Callable[[], Tokenized]
+
+
+def _checked(prompts: list[list[int]], truncate: int | None, vocab: int) -> list[list[int]]:
+    """The prompts truncated (before the context check, as vLLM does), their ids checked to be
+    in the vocabulary (min and max: no Python loop over the tokens)."""
+    if truncate is not None:
+        prompts = [p[-truncate:] for p in prompts]
     for tokens in prompts:
-        if any(not 0 <= t < vocab for t in tokens):
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
+    return prompts
 
 
 async def _serve(
@@ -137,18 +168,65 @@ async def _serve(
     runtime: Runtime,
     resolved: Resolved,
     body: Generation,
-    prompts: list[list[int]],
+    intake: Intake,
     default_max: int | None,
     top: int | None,
     *,
     chat: bool,
-    echo: list[str] | None = None,
     tools: ToolPlan | None = None,
 ) -> Response:
+    """Admit, then take in, then run. The cheap refusals come first (queue caps, rate limit):
+    a refused request costs no tokenizer or compiler time; from the lease on, every failure
+    gives the lease back."""
     request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
-    if body.truncate_prompt_tokens is not None:  # before the context check, as vLLM does
-        prompts = [p[-body.truncate_prompt_tokens :] for p in prompts]
-    _check_tokens(runtime, prompts)
+    forced = tools.constraint if tools is not None else None
+    constraint = forced or body.constraint()  # parsed (a malformed one is a 400), not compiled
+    lease = await runtime.lease(resolved, body.model, intake.prompts * body.n)
+    try:
+        tokens_per_minute = runtime.share(resolved.tokens_per_minute)  # this replica's share
+        runtime.limiter.admit(
+            resolved.tenant,
+            requests_per_minute=runtime.share(resolved.requests_per_minute),
+            tokens_per_minute=tokens_per_minute,
+            prompt_tokens=intake.estimated_tokens,
+        )
+        work = _take_in(runtime, resolved, body, intake, constraint, default_max, top)
+        choices, hide_output = await unless_disconnected(request, asyncio.create_task(work))
+    except ClientGone:
+        lease.release()
+        return Response(status_code=499)
+    except BaseException:
+        lease.release()
+        raise
+    prefix = "chatcmpl" if chat else "cmpl"
+    job = Job(
+        f"{prefix}-{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
+        tokens_per_minute=tokens_per_minute, hide_output=hide_output, tools=tools,
+    )  # fmt: skip
+    created, model = int(time.time()), body.model
+    if body.stream:
+        events = _events(runtime, job, created, model, top, chat=chat, usage=body.include_usage)
+        return EventStream(events, on_close=lease.release)
+    return await _answer(request, runtime, job, lease, created, model, top, chat)
+
+
+async def _take_in(
+    runtime: Runtime,
+    resolved: Resolved,
+    body: Generation,
+    intake: Intake,
+    constraint: Constraint | None,
+    default_max: int | None,
+    top: int | None,
+) -> tuple[list[Choice], bool]:
+    """Tokenize, settle the rate limit on the counted tokens, fit max_tokens, compile the
+    grammar: a request's choices and whether its output is hidden (echo only)."""
+    tenant = resolved.tenant
+    prompts, echo = await runtime.tokenize(tenant, intake.tokenize)
+    runtime.limiter.settle(
+        tenant, tokens_per_minute=runtime.share(resolved.tokens_per_minute),
+        estimated=intake.estimated_tokens, counted=sum(len(p) for p in prompts),
+    )  # fmt: skip
     limit = runtime.max_model_len
     wanted = body.requested_max_tokens
     hide_output = wanted == 0  # echo only: the engine samples one token, never shown
@@ -158,36 +236,13 @@ async def _serve(
     prompt_logprobs = body.prompt_logprobs
     if echo is not None and top is not None:  # the echoed prompt carries log-probabilities
         prompt_logprobs = max(prompt_logprobs or 0, top)
-    forced = tools.constraint if tools is not None else None
-    grammar = await _grammar(runtime, forced or body.constraint())
+    grammar = await _grammar(runtime, tenant, constraint)
     params = body.sampling_params(max(limits), top, prompt_logprobs, grammar)
     choices = make_choices(prompts, params, body.n, limits)
     if echo is not None:
         for c in choices:
             c.echo = echo[c.index // body.n]
-    lease = await runtime.lease(resolved, body.model, len(choices))
-    tokens_per_minute = runtime.share(resolved.tokens_per_minute)  # this replica's share
-    try:
-        runtime.limiter.admit(
-            resolved.tenant,
-            requests_per_minute=runtime.share(resolved.requests_per_minute),
-            tokens_per_minute=tokens_per_minute,
-            prompt_tokens=sum(len(p) for p in prompts),
-        )
-    except APIError:
-        lease.release()
-        raise
-    prefix = "chatcmpl" if chat else "cmpl"
-    job = Job(
-        f"{prefix}-{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
-        tokens_per_minute=tokens_per_minute, hide_output=hide_output, tools=tools,
-    )  # fmt: skip
-    created, model = int(time.time()), body.model
-    text = _token_text(runtime)
-    if body.stream:
-        events = _events(runtime, job, created, model, top, chat=chat, usage=body.include_usage)
-        return EventStream(events, on_close=lease.release)
-    return await _answer(request, runtime, job, lease, created, model, top, chat, text)
+    return choices, hide_output
 
 
 async def _answer(
@@ -199,7 +254,6 @@ async def _answer(
     model: str,
     top: int | None,
     chat: bool,
-    text: fmt.TokenText,
 ) -> Response:
     try:
         await unless_disconnected(request, asyncio.create_task(collect(runtime, job)))
@@ -208,7 +262,20 @@ async def _answer(
     finally:
         lease.release()
     build = fmt.chat_body if chat else fmt.completion_body
-    return JSONResponse(build(job, job.request_id, created, model, top, text))
+    if not _per_token(job, top):
+        return JSONResponse(build(job, job.request_id, created, model, top, _token_text(runtime)))
+    # log-probabilities, an echo: per-token work, done (and serialised) on a worker
+    text = _token_text(runtime, await runtime.token_texts(job.tenant))
+    return await runtime.tokenize(
+        job.tenant, lambda: JSONResponse(build(job, job.request_id, created, model, top, text))
+    )
+
+
+def _per_token(job: Job, top: int | None) -> bool:
+    """Whether the answer has a part per token (log-probabilities, an echo's, the prompt's)."""
+    return top is not None or any(
+        c.echo is not None or c.prompt_logprobs is not None for c in job.choices
+    )
 
 
 def _tool_deltas(stream: ToolStream, choice: Choice, out: RequestOutput) -> list[dict[str, Any]]:
@@ -230,21 +297,31 @@ def _tool_deltas(stream: ToolStream, choice: Choice, out: RequestOutput) -> list
     return entries
 
 
-async def _grammar(runtime: Runtime, constraint: Constraint | None) -> CompiledGrammar | None:
-    """Compile a structured-output constraint on the tokenizer thread (never on the event loop
+async def _grammar(
+    runtime: Runtime, tenant: str, constraint: Constraint | None
+) -> CompiledGrammar | None:
+    """Compile a structured-output constraint on a compiling worker (never on the event loop
     or the engine thread); 400 with the reason when it cannot be compiled."""
     if constraint is None:
         return None
     engine = runtime.require_engine().engine
     try:
-        return await runtime.tokenize(lambda: engine.grammars().compile(constraint))
+        return await runtime.compile_grammar(tenant, lambda: engine.grammars().compile(constraint))
     except GrammarError as e:
         raise InvalidRequest(str(e), param="response_format") from None
 
 
-def _token_text(runtime: Runtime) -> fmt.TokenText:
+def _token_text(runtime: Runtime, texts: Sequence[str] = ()) -> fmt.TokenText:
+    """Each token's text from the table `texts` (Runtime.token_texts); ids past it (no table,
+    or the model's padding past the tokenizer's ids) are decoded."""
     tokenizer = runtime.require_engine().engine.tokenizer
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def text(token_id: int) -> str:
+        if 0 <= token_id < len(texts):
+            return texts[token_id]
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return text
 
 
 async def _events(
@@ -257,10 +334,15 @@ async def _events(
     chat: bool,
     usage: bool,
 ) -> AsyncGenerator[bytes, None]:
-    rid, text = job.request_id, _token_text(runtime)
+    rid = job.request_id
+    texts = await runtime.token_texts(job.tenant) if _per_token(job, top) else ()
+    text = _token_text(runtime, texts)
 
     def chunk(choices: list[dict[str, Any]]) -> bytes:
         return fmt.sse(fmt.chunk(rid, created, model, choices, chat=chat, include_usage=usage))
+
+    def prompt_chunk(choice: Choice) -> bytes:
+        return chunk([fmt.stream_prompt(choice, top, text, chat=chat)])
 
     try:
         if chat:
@@ -279,7 +361,10 @@ async def _events(
                         yield chunk([entry])
                     continue
                 if first and (choice.echo is not None or choice.prompt_logprobs is not None):
-                    yield chunk([fmt.stream_prompt(choice, top, text, chat=chat)])
+                    # a whole prompt's entries: built (and serialised) on a worker
+                    yield await runtime.tokenize(
+                        job.tenant, functools.partial(prompt_chunk, choice)
+                    )
                 if job.hide_output:  # echo only: the sampled token is not shown
                     if out.finished:
                         yield chunk([fmt.stream_choice(choice, [], "", None, None, "length",

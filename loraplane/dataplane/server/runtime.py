@@ -17,7 +17,6 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,6 +36,7 @@ from loraplane.dataplane.server.errors import (
     Unavailable,
     UpstreamError,
 )
+from loraplane.dataplane.server.intake import FairPool, auto_workers
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.dataplane.server.metrics import EngineSnapshot, ServerMetrics
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
@@ -85,8 +85,12 @@ class Runtime:
             settings.max_queued_requests_per_tenant,
             self.metrics.refused,
         )
-        # tokenization runs here, off the event loop (one thread: the tokenizer is shared)
-        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # intake work off the event loop, each kind on workers of its own shared fairly by
+        # tenants (intake.py); the tokenizer is shared by them: `tokenizers` (Rust) and the
+        # jinja2 chat template (compiled once, rendered with fresh state) are thread-safe
+        self.tokenizing = FairPool("tokenize", settings.tokenize_workers or auto_workers())
+        self.compiling = FairPool("grammar", settings.grammar_workers or auto_workers())
+        self._token_texts: list[str] | None = None
         self.base_model = settings.served_model_name or os.path.basename(
             os.path.normpath(settings.model)
         )
@@ -184,7 +188,8 @@ class Runtime:
             await self.catalog.aclose()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self.tokenizing.shutdown()
+        self.compiling.shutdown()
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -253,9 +258,28 @@ class Runtime:
         replicas = self._reporter.replicas if self._reporter is not None else 1
         return per_minute if per_minute <= 0 else -(-per_minute // replicas)
 
-    async def tokenize(self, fn: Callable[[], T]) -> T:
-        """Run `fn` (tokenization, a chat template) on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn)
+    async def tokenize(self, tenant: str, fn: Callable[[], T]) -> T:
+        """Run `fn` (tokenization, a chat template, formatting) on a tokenizing worker in
+        `tenant`'s turn."""
+        return await self.tokenizing.run(tenant, fn)
+
+    async def compile_grammar(self, tenant: str, fn: Callable[[], T]) -> T:
+        """Run `fn` (a grammar compilation) on a compiling worker in `tenant`'s turn."""
+        return await self.compiling.run(tenant, fn)
+
+    async def token_texts(self, tenant: str) -> list[str]:
+        """The text of each token id alone (what log-probabilities show), built once on a
+        tokenizing worker: a list lookup per token instead of a decode call."""
+        if self._token_texts is None:
+            tokenizer = self.require_engine().engine.tokenizer
+            self._token_texts = await self.tokenize(
+                tenant,
+                lambda: [
+                    tokenizer.decode([i], skip_special_tokens=False)
+                    for i in range(tokenizer.vocab_size)
+                ],
+            )
+        return self._token_texts
 
     async def lease(self, resolved: Resolved, model: str, requests: int = 1) -> Lease:
         """Take `requests` places in the queue (QueueFull past the caps) and hold the adapter

@@ -88,6 +88,9 @@ class ServerSettings(BaseSettings):
 
     @field_validator("lora_modules", mode="before")
     @classmethod
+    # intake workers per pool (tokenizing, compiling grammars); unset: from the cores (intake.py)
+    tokenize_workers: int | None = Field(default=None, ge=1)
+    grammar_workers: int | None = Field(default=None, ge=1)
     def _parse_modules(cls, value: Any) -> Any:
         """`NAME=DIR` strings (flags, or a comma-separated env var) into a dict."""
         if isinstance(value, str):
@@ -224,6 +227,10 @@ SETTINGS_HELP: dict[str, str] = {
 def settings_help() -> str:
     """The LORAPLANE_* variables `loraplane serve` reads, their defaults and meanings."""
     rows = []
+    "tokenize_workers": "threads that tokenize and format answers, shared fairly by tenants"
+    " (unset: a quarter of the cores, 2 to 4)",
+    "grammar_workers": "threads that compile structured-output grammars, shared fairly by"
+    " tenants (unset: a quarter of the cores, 2 to 4)",
     for name, field in ServerSettings.model_fields.items():
         default: object = "required" if field.is_required() else field.default
         if field.default_factory is not None:

@@ -53,7 +53,7 @@ async def tokenize(
     body: TokenizeRequest, runtime: RuntimeDep, catalog: CatalogDep, key: CallerKeyDep
 ) -> dict[str, Any]:
     """The token ids the engine would run for this prompt or chat."""
-    await catalog.resolve(key, body.model)
+    tenant = (await catalog.resolve(key, body.model)).tenant
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("send exactly one of prompt and messages", param="prompt")
     tokenizer = runtime.require_engine().engine.tokenizer
@@ -61,18 +61,22 @@ async def tokenize(
         messages = [m.to_template() for m in body.messages]
         try:
             tokens = await runtime.tokenize(
-                lambda: tokenizer.encode_chat(messages, body.add_generation_prompt)
+                tenant, lambda: tokenizer.encode_chat(messages, body.add_generation_prompt)
             )
         except (jinja2.TemplateError, ValueError) as e:
             raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from None
     else:
         text = body.prompt or ""
-        tokens = await runtime.tokenize(lambda: tokenizer.encode(text, body.add_special_tokens))
+        tokens = await runtime.tokenize(
+            tenant, lambda: tokenizer.encode(text, body.add_special_tokens)
+        )
     return {
         "count": len(tokens),
         "max_model_len": runtime.max_model_len,
         "tokens": tokens,
-        "token_strs": [tokenizer.id_to_token(t) for t in tokens]
+        "token_strs": await runtime.tokenize(
+            tenant, lambda: [tokenizer.id_to_token(t) for t in tokens]
+        )
         if body.return_token_strs
         else None,
     }
@@ -83,14 +87,16 @@ async def detokenize(
     body: DetokenizeRequest, runtime: RuntimeDep, catalog: CatalogDep, key: CallerKeyDep
 ) -> dict[str, Any]:
     """The text of these token ids (special tokens included, as vLLM answers)."""
-    await catalog.resolve(key, body.model)
+    tenant = (await catalog.resolve(key, body.model)).tenant
     engine = runtime.require_engine().engine
-    vocab = engine.runner.vocab_size
-    if any(not 0 <= t < vocab for t in body.tokens):
-        raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
-    tokenizer = engine.tokenizer
-    text = await runtime.tokenize(lambda: tokenizer.decode(body.tokens, skip_special_tokens=False))
-    return {"prompt": text}
+    vocab, tokenizer, tokens = engine.runner.vocab_size, engine.tokenizer, body.tokens
+
+    def decode() -> str:  # on a worker: a million ids are checked and decoded off the loop
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
+        return tokenizer.decode(tokens, skip_special_tokens=False)
+
+    return {"prompt": await runtime.tokenize(tenant, decode)}
 
 
 @router.get("/tokenizer_info")
