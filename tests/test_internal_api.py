@@ -1,13 +1,16 @@
 """The one client of the control plane's internal API (loraplane.internal_api): the rule that
 turns an answer or a transport failure into an InternalAPIError, the same for the sync client
-(the operator's) and the async one (the data plane's)."""
+(the operator's) and the async one (the data plane's). And one field the data plane's catalog
+reads from the resolve answer, the tenant's weight, from a real control plane."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +18,9 @@ import pytest
 from fastapi import FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse
 
+from loraplane.controlplane.main import create_app
+from loraplane.dataplane.server.catalog import StaticCatalog
+from loraplane.dataplane.server.catalog_http import HttpCatalog
 from loraplane.internal_api import (
     INVALID_RESPONSE,
     TENANT_KEY_HEADER,
@@ -24,6 +30,7 @@ from loraplane.internal_api import (
     InternalAPIError,
     json_of,
 )
+from tests.controlplane.conftest import ADMIN_H, BASE_NAME, SERVICE, make_settings
 
 Handler = Callable[[httpx.Request], httpx.Response]
 KINDS = ("sync", "async")
@@ -223,3 +230,82 @@ def test_the_async_client_against_a_control_plane_stand_in() -> None:
         await client.aclose()
 
     asyncio.run(run())
+
+
+# -- the tenant's weight, from the control plane to the data plane's catalog ------------------
+
+
+def test_the_data_planes_catalog_reads_each_tenants_weight_from_the_control_plane(
+    tmp_path: Path, base_model_dir: Path
+) -> None:
+    """A real control plane (over ASGI) and the data plane's HttpCatalog: the weight the admin
+    sets is the one a resolution carries, per tenant, and a change shows after the TTL."""
+    app = create_app(make_settings(tmp_path, f"sqlite:///{tmp_path / 'c.db'}"))
+    clock = {"now": 0.0}
+
+    async def run() -> None:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cp")
+        pool = {"name": "pool-a", "base_model": {"name": BASE_NAME, "uri": str(base_model_dir)}}
+        assert (await http.post("/v1/pools", json=pool, headers=ADMIN_H)).status_code == 201
+        keys = {}
+        for name, extra in (("acme", {"weight": 2.5}), ("plain", {})):
+            made = await http.post("/v1/tenants", json={"name": name, **extra}, headers=ADMIN_H)
+            assert made.status_code == 201, made.text
+            key = await http.post(f"/v1/tenants/{name}/keys", json={}, headers=ADMIN_H)
+            keys[name] = key.json()["key"]
+        catalog = HttpCatalog(
+            "http://cp", SERVICE, BASE_NAME, ttl=5.0, client=http, clock=lambda: clock["now"]
+        )
+        assert (await catalog.resolve(keys["acme"], BASE_NAME)).weight == 2.5
+        assert (await catalog.resolve(keys["plain"], BASE_NAME)).weight == 1.0
+        patched = await http.patch("/v1/tenants/acme", json={"weight": 0.5}, headers=ADMIN_H)
+        assert patched.status_code == 200
+        assert (await catalog.resolve(keys["acme"], BASE_NAME)).weight == 2.5  # cached
+        clock["now"] = 5.1
+        assert (await catalog.resolve(keys["acme"], BASE_NAME)).weight == 0.5
+        await catalog.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        app.state.ctx.close()
+
+
+@pytest.mark.parametrize(
+    ("weight", "expected", "warned"),
+    [
+        (..., 1.0, False),  # a control plane from before weights: no field at all
+        (None, 1.0, False),
+        (3, 3.0, False),
+        (0.25, 0.25, False),
+        (0, 1.0, True),
+        (-2.0, 1.0, True),
+        ("heavy", 1.0, True),
+        (True, 1.0, True),
+        ([2], 1.0, True),
+        (10**400, 1.0, True),  # past any float
+    ],
+)
+def test_a_missing_or_bad_weight_in_a_resolve_answer_is_1_never_an_error(
+    weight: Any, expected: float, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    body: dict[str, Any] = {"tenant": "acme", "adapter": None, "requests_per_minute": 60}
+    if weight is not ...:
+        body["weight"] = weight
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer(200, body)))
+    catalog = HttpCatalog("http://cp", "svc", "base", client=http)
+    caplog.set_level(logging.WARNING, logger="loraplane.dataplane.server.catalog")
+    found = asyncio.run(catalog.resolve("lp_good", "base"))
+    assert (found.tenant, found.requests_per_minute, found.weight) == ("acme", 60, expected)
+    assert type(found.weight) is float
+    warnings = [r.getMessage() for r in caplog.records]
+    assert bool(warnings) == warned, warnings
+    if warned:
+        assert "for tenant acme, not a positive number: using 1" in warnings[0]
+
+
+def test_standalone_mode_gives_its_one_tenant_weight_1() -> None:
+    catalog = StaticCatalog("base")
+    catalog.add("bot", "ab" * 32)
+    for model in ("base", "bot"):
+        assert asyncio.run(catalog.resolve(None, model)).weight == 1.0

@@ -14,12 +14,17 @@ Versions in standalone mode: an adapter has one version, its content; `name@1` a
 from __future__ import annotations
 
 import hmac
+import logging
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 from loraplane.dataplane.server.errors import ModelNotFound, Unauthorized
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TENANT = "default"
+DEFAULT_WEIGHT = 1.0  # every tenant alike: standalone mode, and a control plane without weights
 MIN_DIGEST_PIN = 8
 
 
@@ -28,7 +33,8 @@ class Resolved:
     """What a request's model name means for its caller.
 
     `adapter` is None for the base model. `path` is a catalog store path: it is used to load the
-    adapter and never shown to a client. Limits of 0 mean unlimited.
+    adapter and never shown to a client. Limits of 0 mean unlimited. `weight` is the tenant's
+    share of a contended replica's seats and served tokens, relative to other tenants' weights.
     """
 
     tenant: str
@@ -39,6 +45,31 @@ class Resolved:
     rank: int | None = None
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
+    weight: float = DEFAULT_WEIGHT
+
+
+def weight_of(value: object, tenant: str) -> float:
+    """The tenant's weight from a resolve answer's `weight` field.
+
+    Missing (a control plane from before weights) is DEFAULT_WEIGHT. So is anything but a
+    positive finite number, with a warning: a request is never refused over its tenant's share.
+    """
+    if value is None:
+        return DEFAULT_WEIGHT
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            weight = float(value)
+        except OverflowError:  # an integer past any float
+            weight = math.inf
+        if math.isfinite(weight) and weight > 0:
+            return weight
+    log.warning(
+        "the catalog answered weight %.40r for tenant %s, not a positive number: using %g",
+        value,
+        tenant,
+        DEFAULT_WEIGHT,
+    )
+    return DEFAULT_WEIGHT
 
 
 @dataclass(frozen=True, slots=True)

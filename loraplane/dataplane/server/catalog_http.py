@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from loraplane.dataplane.server.catalog import ModelEntry, Resolved
+from loraplane.dataplane.server.catalog import ModelEntry, Resolved, weight_of
 from loraplane.dataplane.server.errors import (
     APIError,
     ModelNotFound,
@@ -128,6 +128,7 @@ class HttpCatalog:
             rank=data.get("rank"),
             requests_per_minute=int(data.get("requests_per_minute") or 0),
             tokens_per_minute=int(data.get("tokens_per_minute") or 0),
+            weight=weight_of(data.get("weight"), data["tenant"]),
         )
 
     async def _get(
