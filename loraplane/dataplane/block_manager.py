@@ -3,8 +3,10 @@
 A sequence's `block_table` maps its token positions to physical blocks (`block_size` tokens
 each). Prefix caching: once a block is full and its K/V computed, it is registered under
 `hash(previous block's hash, salt, the block's token ids)`. The salt is the sequence's adapter
-identity (tenant and weights digest, or a fixed base model salt), so two adapters, two tenants,
-or two versions of one adapter never share K/V even for identical tokens. A new sequence takes
+identity (tenant and weights digest), or for the base model a fixed salt and the tenant, so two
+adapters, two tenants, or two versions of one adapter never share K/V even for identical tokens
+(nor can one tenant learn from its latency what another recently sent). Requests for prompt
+log-probabilities neither take nor register cached blocks. A new sequence takes
 the longest chain of registered blocks matching its tokens (hash, salt and token ids all
 compared, so a hash collision cannot hand out wrong K/V), always leaving at least its last token
 to compute so the step that follows has logits to sample from.
@@ -182,7 +184,7 @@ class BlockManager:
 
     def _prefix_hit(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence that has none allocated."""
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or not seq.uses_prefix_cache:
             return []
         bs = self.block_size
         usable = (len(seq.token_ids) - 1) // bs  # the last token must be computed: keep it out
@@ -277,7 +279,7 @@ class BlockManager:
 
         Call after each step, once seq.num_computed_tokens counts the step's tokens.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.uses_prefix_cache:
             return
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if full <= seq.num_registered_blocks:

@@ -105,6 +105,7 @@ class EngineConfig:
             "block_size",
             "max_lora_rank",
             "max_deferral_steps",
+            "max_prompt_logprob_tokens_per_step",
         ):
             _positive_int(name, getattr(self, name))
         if self.num_kv_blocks is not None:
@@ -177,6 +178,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_loras=self.lora_slots,
             max_deferral_steps=self.max_deferral_steps,
+            max_prompt_logprob_tokens_per_step=self.max_prompt_logprob_tokens_per_step,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=self.max_model_len,
         )
@@ -190,11 +192,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_loras: int = 8
     max_deferral_steps: int = 32
+    max_prompt_logprob_tokens_per_step: int = 512
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_deferral_steps"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_loras",
+            "max_deferral_steps",
+            "max_prompt_logprob_tokens_per_step",
+        ):
             _positive_int(name, getattr(self, name))
         _check_model_len(self.max_model_len)
         if not isinstance(self.enable_chunked_prefill, bool):

@@ -50,6 +50,7 @@ from typing import Protocol
 
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import SchedulerConfig
+from loraplane.dataplane.fairness import Shares
 from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
 
 
@@ -165,6 +166,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.step = 0
         self.num_deferred = self.deferred_total = self.preemptions_total = 0
+        self.shares = Shares()  # per tenant: weight, served tokens, seats (fairness.py)
+        self._logprob_budget = config.max_prompt_logprob_tokens_per_step  # left in this step
+        self._blocked = False  # in this step, a starving adapter did not fit: others wait
         self._live: dict[str, Sequence] = {}
         self._room: _Room | None = None  # while admitting
         # a sequence stops at max_model_len, or when its newest token's K/V could not fit even
@@ -186,6 +190,11 @@ class Scheduler:
         seq.arrival_step = self.step
         self.waiting.append(seq)
         self._live[seq.request_id] = seq
+        self.shares.arrive(seq.tenant)
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """Set a tenant's share weight (the catalog's quota; ValueError unless > 0)."""
+        self.shares.set_weight(tenant, weight)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a queued or running request as aborted (freeing its blocks); None if unknown."""
@@ -199,10 +208,12 @@ class Scheduler:
         if not seq.is_finished:
             if self._live.get(seq.request_id) is seq:
                 del self._live[seq.request_id]
-                if seq.status is SequenceStatus.RUNNING:
+                running = seq.status is SequenceStatus.RUNNING
+                if running:
                     self.running.remove(seq)
                 else:
                     self.waiting.remove(seq)
+                self.shares.leave(seq.tenant, running)
             self.block_manager.free(seq)
         seq.status = reason.status
         seq.finish_reason = reason
@@ -214,59 +225,105 @@ class Scheduler:
         adapters = adapters or _ALL_READY
         self.step += 1
         self._room = None
+        self._logprob_budget = self.config.max_prompt_logprob_tokens_per_step
         batch: list[ScheduledSeq] = []
         preempted: list[str] = []
         budget = self._schedule_running(batch, preempted)
-        barrier = self._barrier_key(adapters)
+        barrier = self._barrier_keys(adapters)
         room = self._room = _Room(self.running, adapters, self.config.max_loras)
-        if not preempted:
-            self._admit(batch, budget, barrier, room)
+        self._admit(batch, budget, barrier, room, preempted, kv_short=bool(preempted))
         self._room = None
         keys = frozenset(k for r in batch if (k := r.seq.lora_key) is not None)
         deferred = self._count_deferred(barrier, room)
         return SchedulerOutput(self.step, batch, keys, preempted, *deferred)
 
-    def _chunk(self, want: int, budget: int) -> int:
-        """Tokens to compute now out of `want`: a chunk, or all-or-nothing without chunking."""
-        if self.config.enable_chunked_prefill or want > self.config.max_num_batched_tokens:
+    def _chunk(self, seq: Sequence, want: int, budget: int) -> int:
+        """Tokens of `seq` to compute now out of `want`: a chunk, or all-or-nothing without
+        chunking. A prompt-logprobs request's chunk also fits the step's budget of such
+        tokens (scoring traffic must not stall other tenants' decodes)."""
+        cfg = self.config
+        if cfg.enable_chunked_prefill and seq.params.prompt_logprobs is not None:
+            budget = min(budget, self._logprob_budget)
+        if cfg.enable_chunked_prefill or want > cfg.max_num_batched_tokens:
             return min(want, budget)
         return want if want <= budget else 0
 
     def _schedule_running(self, batch: list[ScheduledSeq], preempted: list[str]) -> int:
         budget = self.config.max_num_batched_tokens
-        decodes_left = sum(1 for s in self.running if not s.is_prefill)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        seats = {t: s.seats for t, s in self.shares.tenants.items() if s.running}
+        # the tenants with the fewest seats per weight first: their prefill chunks get the
+        # budget first, and when KV blocks run out the rows further down give way
+        order = sorted(self.running, key=lambda s: seats[s.tenant])  # stable: by admission
+        decodes_left = sum(1 for s in order if not s.is_prefill)
+        gone: set[Sequence] = set()
+        for i, seq in enumerate(order):
+            if budget <= 0:
+                break
+            if seq in gone:
+                continue
             if seq.is_prefill:
-                n = self._chunk(seq.num_uncomputed_tokens, budget - decodes_left)
+                n = self._chunk(seq, seq.num_uncomputed_tokens, budget - decodes_left)
             else:
                 n, decodes_left = 1, decodes_left - 1
             if n <= 0:
-                i += 1
                 continue
             while not self.block_manager.can_allocate(seq, n):
-                victim = self.running.pop()  # the newest: recompute it later, from the front
-                self.block_manager.free(victim)
-                victim.status = SequenceStatus.WAITING
-                victim.num_preemptions += 1
-                self.preemptions_total += 1
-                self.waiting.appendleft(victim)
-                preempted.append(victim.request_id)
+                victim = self._kv_victim([s for s in order[i:] if s not in gone])
+                gone.add(victim)
+                if victim is not seq and not victim.is_prefill:
+                    decodes_left -= 1
+                self._preempt(victim, preempted)
                 if victim is seq:
-                    return budget
+                    break
+            if seq in gone:
+                continue
             self._run(seq, n, batch)
             budget -= n
-            i += 1
         return budget
+
+    def _kv_victim(self, candidates: list[Sequence]) -> Sequence:
+        """Who gives its KV blocks back: of the tenant with the most seats per weight among
+        `candidates` (rows not scheduled yet), the least advanced sequence (the newest on a
+        tie): the least work lost, never simply the newest request of the replica."""
+        tenant = self.shares.most_seated(dict.fromkeys(s.tenant for s in candidates))
+        mine = [
+            (s.num_computed_tokens, -i, s) for i, s in enumerate(candidates) if s.tenant == tenant
+        ]
+        return min(mine, key=lambda m: (m[0], m[1]))[2]
+
+    def _preempt(
+        self, victim: Sequence, preempted: list[str], batch: list[ScheduledSeq] | None = None
+    ) -> int:
+        """Send a running sequence back to the front of the queue (to recompute later); if
+        `batch` holds its row of this step, take the row back. Returns the row's tokens."""
+        tokens = 0
+        if batch is not None:
+            for j in range(len(batch) - 1, -1, -1):
+                if batch[j].seq is victim:
+                    tokens = batch.pop(j).num_new_tokens
+                    self.shares.serve(victim.tenant, -tokens)
+                    break
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.preemptions_total += 1
+        self.shares.preempt(victim.tenant)
+        self.waiting.appendleft(victim)
+        preempted.append(victim.request_id)
+        return tokens
 
     def _run(self, seq: Sequence, n: int, batch: list[ScheduledSeq]) -> None:
         self.block_manager.allocate(seq, n)
         start = seq.num_computed_tokens
         batch.append(ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens))
+        self.shares.serve(seq.tenant, n)
+        if seq.params.prompt_logprobs is not None:
+            self._logprob_budget = max(0, self._logprob_budget - n)
 
-    def _barrier_key(self, adapters: Adapters) -> str | None:
-        """The adapter of the oldest request deferred too long whose adapter is ready."""
+    def _barrier_keys(self, adapters: Adapters) -> dict[str, int]:
+        """Adapters of requests deferred too long whose adapter is ready, the oldest
+        request's first (key -> order)."""
         limit = self.config.max_deferral_steps
         starving = [
             s
@@ -274,60 +331,137 @@ class Scheduler:
             if s.deferred and s.deferred_steps > limit and s.lora is not None
             and adapters.ready(s.lora)
         ]  # fmt: skip
-        return min(starving, key=lambda s: s.arrival_step).lora_key if starving else None
+        starving.sort(key=lambda s: s.arrival_step)
+        keys: dict[str, int] = {}
+        for s in starving:
+            keys.setdefault(s.lora.key, len(keys))  # type: ignore[union-attr]
+        return keys
 
     def _admit(
-        self, batch: list[ScheduledSeq], budget: int, barrier: str | None, room: _Room
+        self,
+        batch: list[ScheduledSeq],
+        budget: int,
+        barrier: dict[str, int],
+        room: _Room,
+        preempted: list[str],
+        kv_short: bool,
     ) -> None:
-        cfg = self.config
-        load = Counter(s.tenant for s in self.running)
-        # (rank, tenant load when pushed, queue position): lower is admitted first
-        heap: list[tuple[int, int, int, Sequence]] = []
+        """Admit waiting requests: starving adapters' first (every one that fits, the oldest
+        first; while one does not, other adapters wait: the barrier), then the tenant furthest
+        below its share of served tokens. A tenant below its share of seats that finds no seat,
+        token budget or KV block takes one from the tenant with the most seats per weight
+        (fairness.py). After running sequences were preempted for KV blocks (`kv_short`),
+        only tenants below their share are admitted."""
+        cfg, shares = self.config, self.shares
+        self._blocked = False
+        skip = set(preempted)  # sent back in this step: not admitted again in it
+        # (rank, order, preempted first, queue position): lower is admitted first
+        heap: list[tuple[int, float, int, int, Sequence]] = []
         for pos, seq in enumerate(self.waiting):
             key = seq.lora_key
             if key is not None:
                 room.wanted.add(key)
-            if barrier is not None and key is not None and key != barrier:
+            if seq.request_id in skip:
                 continue
-            rank = 0 if key is not None and key == barrier else 1 if seq.num_preemptions else 2
-            heap.append((rank, load[seq.tenant], pos, seq))
+            if key is not None and key in barrier:
+                heap.append((0, barrier[key], 0, pos, seq))
+            else:
+                heap.append(
+                    (1, shares.counter(seq.tenant), 0 if seq.num_preemptions else 1, pos, seq)
+                )
         heapq.heapify(heap)
+        victims: set[str] = set()  # tenants that gave way in this step
+        taken = 0
+        limit = max(1, cfg.max_num_seqs // 16)  # seats taken back per step at most
         admitted: set[Sequence] = set()
-        while heap and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            rank, seen_load, pos, seq = heapq.heappop(heap)
-            if seen_load != load[seq.tenant]:  # its tenant got a seat since: re-rank
-                heapq.heappush(heap, (rank, load[seq.tenant], pos, seq))
+        while heap:
+            rank, order, sub, pos, seq = heapq.heappop(heap)
+            tenant = seq.tenant
+            if rank and order != shares.counter(tenant):  # served since it was ranked
+                heapq.heappush(heap, (rank, shares.counter(tenant), sub, pos, seq))
+                continue
+            if tenant in victims:
                 continue
             lora = seq.lora
+            key = seq.lora_key
+            if rank and self._blocked and key is not None and key not in barrier:
+                continue  # the barrier: a starving adapter does not fit yet
+            below = self._below_share(tenant)
+            if kv_short and not below:
+                continue
             if lora is not None and lora.key not in room.keys:
                 if not room.adapters.ready(lora):
                     continue  # still loading
-                if not room.fits(lora):
-                    continue  # deferred
-                if lora.key in room.unplaced or not room.adapters.place(
-                    lora, room.keys | room.placed, room.wanted
+                if (
+                    not room.fits(lora)
+                    or lora.key in room.unplaced
+                    or not room.adapters.place(lora, room.keys | room.placed, room.wanted)
                 ):
-                    room.unplaced.add(lora.key)
-                    continue  # deferred: its memory is still KV cache in use
+                    if lora.key in barrier:
+                        self._blocked = True
+                    if room.fits(lora):
+                        room.unplaced.add(lora.key)  # its memory is still KV cache in use
+                    continue  # deferred
                 room.placed.add(lora.key)  # kept while its request's KV blocks are found
-            n = self._chunk(
-                seq.num_tokens - self.block_manager.num_cached_prefix_tokens(seq), budget
-            )
+            cached = self.block_manager.num_cached_prefix_tokens(seq)
+            n = self._chunk(seq, seq.num_tokens - cached, budget)
+            while (
+                below
+                and taken < limit
+                and (
+                    len(self.running) >= cfg.max_num_seqs
+                    or n <= 0
+                    or not self.block_manager.can_allocate(seq, n)
+                )
+            ):
+                victim = self._seat_victim(tenant)
+                if victim is None:
+                    break
+                victims.add(victim.tenant)
+                if victim in admitted:  # admitted earlier in this step, still queued
+                    admitted.discard(victim)
+                    self.waiting.remove(victim)
+                budget += self._preempt(victim, preempted, batch)
+                taken += 1
+                cached = self.block_manager.num_cached_prefix_tokens(seq)
+                n = self._chunk(seq, seq.num_tokens - cached, budget)
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            if n <= 0 and seq.params.prompt_logprobs is not None and budget > 0:
+                continue  # the step's scoring budget is spent; others may still run
             if n <= 0 or not self.block_manager.can_allocate(seq, n):
                 break  # wait for tokens or blocks rather than let later requests pass
             seq.status = SequenceStatus.RUNNING
             seq.deferred = False
             self.running.append(seq)
+            shares.admit(tenant)
             self._run(seq, n, batch)
             budget -= n
-            load[seq.tenant] += 1
             if lora is not None and lora.key not in room.keys:
                 room.add(lora)
             admitted.add(seq)
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
 
-    def _count_deferred(self, barrier: str | None, room: _Room) -> tuple[int, int]:
+    def _below_share(self, tenant: str) -> bool:
+        """Would some running tenant give a seat to `tenant` (fairness.py's rule)?"""
+        other = self.shares.most_seated(
+            {s.tenant for s in self.running if s.tenant != tenant}, exclude=tenant
+        )
+        return other is not None and self.shares.gives_way(other, tenant)
+
+    def _seat_victim(self, taker: str) -> Sequence | None:
+        """The sequence that gives its seat to `taker`: the least advanced of the tenant with
+        the most seats per weight (the newest on a tie), if that tenant gives way."""
+        tenant = self.shares.most_seated({s.tenant for s in self.running}, exclude=taker)
+        if tenant is None or not self.shares.gives_way(tenant, taker):
+            return None
+        mine = [
+            (s.num_computed_tokens, -i, s) for i, s in enumerate(self.running) if s.tenant == tenant
+        ]
+        return min(mine, key=lambda m: (m[0], m[1]))[2]
+
+    def _count_deferred(self, barrier: dict[str, int], room: _Room) -> tuple[int, int]:
         count = newly = 0
         held: dict[str, bool] = {}  # adapter key -> held back by the adapter rules
         for seq in self.waiting:
@@ -337,7 +471,7 @@ class Scheduler:
                 continue
             key = lora.key
             if key not in held:
-                held[key] = (barrier is not None and key != barrier) or (
+                held[key] = (self._blocked and key not in barrier) or (
                     key not in room.keys
                     and room.adapters.ready(lora)
                     and (not room.fits(lora) or key in room.unplaced)

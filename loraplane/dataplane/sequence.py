@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
     from loraplane.dataplane.structured import Matcher
 
-# Prefix-cache salt of base model requests; adapter salts start with another tag, so they differ.
+# Prefix-cache salt of base model requests, followed by the tenant (so tenants never share base
+# model blocks either: one tenant's time to first token must not tell whether another tenant sent
+# a prompt); adapter salts start with another tag, so they differ.
 BASE_SALT = b"base\x00"
 
 
@@ -206,13 +208,17 @@ class Sequence:
 
     @property
     def cache_salt(self) -> bytes:
-        """Salt of this sequence's prefix-cache hashes (adapter identity, or the base salt).
-        A request for prompt log-probabilities gets a salt of its own: no cached prefix may
-        skip the positions it needs."""
-        salt = BASE_SALT if self.lora is None else self.lora.salt
-        if self.params.prompt_logprobs is not None:
-            salt += b"/prompt-logprobs/" + self.request_id.encode()
-        return salt
+        """Salt of this sequence's prefix-cache hashes: the adapter identity (tenant and
+        digest), or the base salt and the tenant. A request for prompt log-probabilities never
+        takes nor registers cached blocks (`uses_prefix_cache`)."""
+        return BASE_SALT + self.tenant.encode() if self.lora is None else self.lora.salt
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """False for a request for prompt log-probabilities: no cached prefix may skip the
+        positions it needs, and its blocks, never hit by anyone, must not push other requests'
+        cached prefixes out."""
+        return self.params.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

@@ -504,18 +504,21 @@ def test_tenants_take_turns_for_free_seats() -> None:
     assert [r.seq for r in out.scheduled] == [a[0], b[0], a[1], b[1]]
 
 
-def test_a_light_tenant_gets_the_next_free_seat_before_a_heavy_tenants_backlog() -> None:
+def test_a_light_tenant_takes_a_seat_back_from_a_heavy_tenant_at_once() -> None:
     sched = make(max_num_seqs=3)
-    heavy = [seq(tenant="heavy", max_tokens=2 + i) for i in range(10)]
+    heavy = [seq(tenant="heavy", max_tokens=8 + i) for i in range(10)]
     for s in heavy:
         sched.add(s)
-    step(sched)  # three heavy requests running
+    step(sched)  # three heavy requests running, every seat taken
+    step(sched)
     light = seq(tenant="light")
     sched.add(light)
     out, _ = step(sched)
-    assert light.status is SequenceStatus.WAITING  # no free seat yet
-    out, _ = step(sched)  # heavy[0] finished at the last step: one seat is free
+    # the heavy tenant gives way: its least advanced sequence (the newest on a tie) goes back
     assert light.request_id in rows(out)
+    assert out.preempted == [heavy[2].request_id]
+    assert heavy[2].status is SequenceStatus.WAITING and sched.waiting[0] is heavy[2]
+    assert sched.shares.get("heavy").preemptions == 1
 
 
 def test_age_breaks_ties_between_equally_loaded_tenants() -> None:
