@@ -245,6 +245,57 @@ def test_a_revoked_key_stops_working(
     assert again.code == 1 and again.err.startswith("error: NotFound: ")
 
 
+def test_the_admin_sets_a_tenants_weight_and_quotas_at_create_and_by_update(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], controlplane: str
+) -> None:
+    made = cli(capsys, "tenants", "create", "heavy", "--weight", "2.5", "--max-rank", "8")
+    assert made.code == 0, made.err
+    lines = made.out.splitlines()
+    assert lines[0] == "created: tenant heavy"
+    assert "  weight                2.5" in lines and "  max_rank              8" in lines
+    plain = cli(capsys, "tenants", "create", "light", "--json").json()
+    assert plain["weight"] == 1.0
+
+    updated = cli(capsys, "tenants", "update", "heavy", "--weight", "4", "--json")
+    assert updated.code == 0, updated.err
+    assert (updated.json()["weight"], updated.json()["max_rank"]) == (4.0, 8)  # rank kept
+    run = cli(capsys, "tenants", "update", "heavy", "--requests-per-minute", "30")
+    assert run.code == 0 and run.out.splitlines()[0] == "updated: tenant heavy"
+    assert "  weight                4" in run.out.splitlines()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    stored = httpx.get(controlplane + "/v1/tenants/heavy", headers=admin).json()
+    assert (stored["weight"], stored["requests_per_minute"], stored["max_rank"]) == (4.0, 30, 8)
+
+    table = cli(capsys, "tenants", "list").out.splitlines()
+    assert table[0].split()[:2] == ["NAME", "WEIGHT"]
+    rows = {line.split()[0]: line.split()[1] for line in table[1:]}
+    assert (rows["heavy"], rows["light"]) == ("4", "1")
+
+
+def test_a_bad_weight_or_update_is_refused_with_a_clear_error(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], controlplane: str
+) -> None:
+    assert cli(capsys, "tenants", "create", "bounded").code == 0
+    for bad in ("0", "-1", "heavy", "nan", "inf"):
+        run = cli(capsys, "tenants", "update", "bounded", "--weight", bad)
+        assert run.code == 2 and "argument --weight: " in run.err, (bad, run.err)
+    # past the control plane's bound: its refusal, naming the field
+    run = cli(capsys, "tenants", "update", "bounded", "--weight", "1001")
+    assert (run.code, run.out) == (1, "")
+    assert run.err.startswith("error: InvalidRequest: weight: Input should be less than or equal")
+    as_json = cli(capsys, "tenants", "create", "toobig", "--weight", "5000", "--json")
+    assert as_json.code == 1 and as_json.json()["error"]["code"] == "InvalidRequest"
+    nothing = cli(capsys, "tenants", "update", "bounded", "--json")
+    assert nothing.code == 2
+    assert nothing.json()["error"]["message"].startswith("nothing to change: pass at least one")
+    missing = cli(capsys, "tenants", "update", "nobody", "--weight", "2")
+    assert missing.code == 1 and missing.err == "error: NotFound: tenant 'nobody' not found\n"
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    names = {t["name"] for t in httpx.get(controlplane + "/v1/tenants", headers=admin).json()}
+    assert "toobig" not in names
+    assert httpx.get(controlplane + "/v1/tenants/bounded", headers=admin).json()["weight"] == 1.0
+
+
 def test_usage_errors_exit_2(
     env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -268,7 +319,7 @@ def test_usage_errors_exit_2(
     [
         ["adapters", "push"], ["adapters", "list"], ["adapters", "versions"],
         ["keys", "create"], ["keys", "list"], ["keys", "revoke"],
-        ["tenants", "create"], ["tenants", "list"],
+        ["tenants", "create"], ["tenants", "update"], ["tenants", "list"],
     ],
     ids=lambda c: "-".join(c),
 )  # fmt: skip

@@ -170,8 +170,15 @@ class RestClient:
 
     # -- admin ----------------------------------------------------------------------------------
 
-    def create_tenant(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = self.json("POST", "/v1/tenants", json={"name": name})
+    def create_tenant(self, name: str, quotas: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A new tenant; quotas not given take the control plane's defaults."""
+        body = {"name": name, **(quotas or {})}
+        result: dict[str, Any] = self.json("POST", "/v1/tenants", json=body)
+        return result
+
+    def update_tenant(self, name: str, quotas: dict[str, Any]) -> dict[str, Any]:
+        """Change the quotas given; the others keep their value."""
+        result: dict[str, Any] = self.json("PATCH", f"/v1/tenants/{_seg(name)}", json=quotas)
         return result
 
     def list_tenants(self) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """The tenant CLI's commands: `adapters push|list|versions`, `keys create|list|revoke`,
-`tenants create|list`.
+`tenants create|update|list`.
 
 Each command prints for people, or with `--json` one JSON document on stdout and nothing else
 there; errors are `{"error": {"code", "message"}}` in that mode. Exit codes follow
@@ -275,11 +275,41 @@ def revoke_key(args: argparse.Namespace) -> int:
     return _emit(args, document, [f"revoked: key {args.key_id} of {args.tenant}"])
 
 
+# The quota flags of `tenants create` and `tenants update`: the API's field names.
+QUOTA_FIELDS = (
+    "weight", "max_adapters", "max_rank", "max_bytes", "requests_per_minute", "tokens_per_minute",
+)  # fmt: skip
+
+
+def _quotas(args: argparse.Namespace) -> dict[str, Any]:
+    """The quota flags given on the command line, by API field name."""
+    return {f: getattr(args, f) for f in QUOTA_FIELDS if getattr(args, f, None) is not None}
+
+
+def _quota_lines(tenant: dict[str, Any]) -> list[str]:
+    return [
+        f"  {field:<20}  {value:g}" if isinstance(value, float) else f"  {field:<20}  {value}"
+        for field in QUOTA_FIELDS
+        if (value := tenant.get(field)) is not None
+    ]
+
+
 def create_tenant(args: argparse.Namespace) -> int:
-    """`tenants create NAME`: a tenant with the default quotas."""
+    """`tenants create NAME`: a tenant with the quotas given, defaults for the others."""
     with _connect(args, admin=True) as client:
-        tenant = client.create_tenant(args.name)
-    return _emit(args, tenant, [f"created: tenant {tenant['name']}"])
+        tenant = client.create_tenant(args.name, _quotas(args))
+    return _emit(args, tenant, [f"created: tenant {tenant['name']}", *_quota_lines(tenant)])
+
+
+def update_tenant(args: argparse.Namespace) -> int:
+    """`tenants update NAME`: change the quotas given; the others keep their value."""
+    quotas = _quotas(args)
+    if not quotas:
+        flags = ", ".join("--" + f.replace("_", "-") for f in QUOTA_FIELDS)
+        raise UsageError(f"nothing to change: pass at least one of {flags}")
+    with _connect(args, admin=True) as client:
+        tenant = client.update_tenant(args.name, quotas)
+    return _emit(args, tenant, [f"updated: tenant {tenant['name']}", *_quota_lines(tenant)])
 
 
 def list_tenants(args: argparse.Namespace) -> int:
@@ -287,8 +317,14 @@ def list_tenants(args: argparse.Namespace) -> int:
     with _connect(args, admin=True) as client:
         tenants = client.list_tenants()
     rows = [
-        [t["name"], str(t["max_adapters"]), str(t["max_rank"]), _mib(t["max_bytes"])]
+        [
+            t["name"],
+            f"{t['weight']:g}" if "weight" in t else "-",  # "-": a control plane without weights
+            str(t["max_adapters"]),
+            str(t["max_rank"]),
+            _mib(t["max_bytes"]),
+        ]
         for t in tenants
     ]
-    header = ["NAME", "MAX ADAPTERS", "MAX RANK", "MAX BYTES"]
+    header = ["NAME", "WEIGHT", "MAX ADAPTERS", "MAX RANK", "MAX BYTES"]
     return _emit(args, tenants, _table(header, rows, "no tenants"))

@@ -4,6 +4,7 @@ environment variables, an example, and the exit codes."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,41 @@ def _seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value:g} is not positive")
     return value
+
+
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (0, 1, 2, ...)")
+    return int(text)
+
+
+def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
+    """`--weight` and the integer quotas; the control plane checks their ranges."""
+    parser.add_argument(
+        "--weight",
+        type=_weight,
+        metavar="W",
+        help="share of a busy replica's seats and tokens, relative to other tenants' "
+        + ("(default 1; at most 1000)" if creating else "(at most 1000)"),
+    )
+    for flag, meaning in (
+        ("max-adapters", "adapters the tenant may have"),
+        ("max-rank", "the highest LoRA rank of its adapters"),
+        ("max-bytes", "bytes of one adapter's weights"),
+        ("requests-per-minute", "requests per minute, over all replicas"),
+        ("tokens-per-minute", "tokens per minute, over all replicas"),
+    ):
+        parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
 
 
 def _key_id(text: str) -> int:
@@ -147,17 +183,28 @@ def add_commands(sub: SubParsers) -> None:
     for parser in ksub.choices.values():
         parser.add_argument("--tenant", required=True, help="the tenant whose keys these are")
 
-    tenants = sub.add_parser("tenants", help="create and list tenants (admin)")
+    tenants = sub.add_parser("tenants", help="create, update and list tenants (admin)")
     tsub = tenants.add_subparsers(dest="tenants_command", metavar="ACTION", required=True)
     new = _add(
         tsub,
         "create",
         cmd.create_tenant,
         admin=True,
-        summary="create a tenant with the default quotas",
-        example="loraplane tenants create acme",
+        summary="create a tenant; quotas not given take their defaults",
+        example="loraplane tenants create acme --weight 2",
     )
     new.add_argument("name", metavar="NAME", help="a DNS label: a-z, 0-9 and '-'")
+    _quota_flags(new, creating=True)
+    update = _add(
+        tsub,
+        "update",
+        cmd.update_tenant,
+        admin=True,
+        summary="change a tenant's weight or quotas; the others keep their value",
+        example="loraplane tenants update acme --weight 2",
+    )
+    update.add_argument("name", metavar="NAME", help="the tenant")
+    _quota_flags(update, creating=False)
     _add(
         tsub,
         "list",
