@@ -15,6 +15,7 @@ adapters) only when `api_adapters` says nothing but a gateway reaches the API po
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.fairness import TenantShare
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                 20.0, 40.0, 80.0)  # fmt: skip
@@ -70,6 +72,8 @@ class EngineSnapshot:
     # waiting requests need and that are not resident (names as clients send them)
     lora_running: list[str] = field(default_factory=list)
     lora_waiting: list[str] = field(default_factory=list)
+    # per tenant: its share of the replica (fairness.py), as the scheduler keeps it
+    tenants: dict[str, TenantShare] = field(default_factory=dict)
 
     @classmethod
     def gateway(cls, engine: Engine) -> EngineSnapshot:
@@ -127,6 +131,7 @@ class EngineSnapshot:
             kv_blocks_total=engine.block_manager.num_blocks,
             kv_blocks_free=engine.block_manager.num_free_blocks,
             kv_blocks_adapters=engine.block_manager.num_reserved,
+            tenants={t: dataclasses.replace(share) for t, share in sched.shares.tenants.items()},
         )
 
 
@@ -238,6 +243,30 @@ class _EngineCollector(Collector):
         )
         deferred.add_metric([], s.deferred_total)
         yield deferred
+        yield from _tenant_families(s.tenants)
+
+
+def _tenant_families(tenants: dict[str, TenantShare]) -> Iterator[Metric]:
+    """Per tenant: requests running and waiting, preemptions, served tokens and its weight
+    (its share of contended seats and tokens is weight / the active tenants' weights)."""
+    families = (
+        (GaugeMetricFamily, "loraplane_tenant_running_requests", "Running requests per tenant",
+         lambda t: t.running),
+        (GaugeMetricFamily, "loraplane_tenant_waiting_requests", "Waiting requests per tenant",
+         lambda t: t.waiting),
+        (CounterMetricFamily, "loraplane_tenant_preemptions",
+         "Sequences of a tenant preempted (to give way to a tenant below its share, or for KV)",
+         lambda t: t.preemptions),
+        (CounterMetricFamily, "loraplane_tenant_served_tokens",
+         "Tokens computed for a tenant (prompt chunks and decodes)", lambda t: t.served_tokens),
+        (GaugeMetricFamily, "loraplane_tenant_weight", "A tenant's share weight",
+         lambda t: t.weight),
+    )  # fmt: skip
+    for kind, name, doc, value in families:
+        family = kind(name, doc, labels=["tenant"])
+        for tenant, share in sorted(tenants.items()):
+            family.add_metric([tenant], value(share))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -102,6 +102,7 @@ class Runtime:
         self.draining = False
         self.fatal: str | None = None  # why start failed
         self._inflight: Counter[str] = Counter()  # adapter key -> leases
+        self._weights: dict[str, float] = {}  # tenant -> share weight the scheduler has
         self._released = asyncio.Condition()
         self._loading: dict[str, asyncio.Future[LoRARef]] = {}
         self._reporter: PressureReporter | None = None
@@ -197,6 +198,8 @@ class Runtime:
         """The engine, or 503 while loading or shutting down."""
         if self.engine is None or not self.ready or self.draining:
             raise Unavailable("the server is not ready", retry_after=1)
+        if not self.engine.alive:  # its queue would never be read: fail now, not hang
+            raise Unavailable("the engine has stopped", retry_after=1)
         return self.engine
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
@@ -285,12 +288,21 @@ class Runtime:
         """Take `requests` places in the queue (QueueFull past the caps) and hold the adapter
         `resolved` names (loading it in catalog mode) for one request."""
         self.queue.enter(resolved.tenant, requests)
+        self._share_weight(resolved.tenant, resolved.weight)
         try:
             ref = await self._hold(resolved, model)
         except BaseException:
             self.queue.leave(resolved.tenant, requests)
             raise
         return Lease(ref, self, resolved.tenant, requests)
+
+    def _share_weight(self, tenant: str, weight: float) -> None:
+        """Tell the scheduler the tenant's share weight when it is new or changed (on the
+        engine thread, queued before this request's own add: the same queue, in order)."""
+        if self._weights.get(tenant) == weight or self.engine is None:
+            return
+        self._weights[tenant] = weight
+        self.engine.call(lambda e: e.scheduler.set_weight(tenant, weight))
 
     async def _hold(self, resolved: Resolved, model: str) -> LoRARef | None:
         if resolved.adapter is None:

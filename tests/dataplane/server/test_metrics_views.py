@@ -95,3 +95,28 @@ def test_the_protocol_gauge_read_as_the_endpoint_picker_reads_it(
     assert families["vllm:num_requests_running"].samples[0].value == 1
     assert families["vllm:num_requests_waiting"].samples[0].value == 2
     assert 0 < families["vllm:kv_cache_usage_perc"].samples[0].value <= 1
+
+
+def test_tenant_share_series_are_on_the_metrics_port_and_not_the_api_port(server) -> None:  # type: ignore[no-untyped-def]
+    """A served request shows as the tenant's served tokens and weight (metrics port only)."""
+    import httpx
+
+    from tests.dataplane.server.conftest import API_KEY
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny-llama", "prompt": "hello there", "max_tokens": 3}
+    assert httpx.post(server.v1 + "/completions", json=body, headers=headers).status_code == 200
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(httpx.get(server.metrics_url + "/metrics").text)
+    }
+    served = {
+        s.labels["tenant"]: s.value for s in families["loraplane_tenant_served_tokens"].samples
+    }
+    assert served["default"] >= 3  # at least the prompt chunk and the decodes
+    weights = {s.labels["tenant"]: s.value for s in families["loraplane_tenant_weight"].samples}
+    assert weights["default"] == 1.0
+    for name in ("loraplane_tenant_running_requests", "loraplane_tenant_waiting_requests",
+                 "loraplane_tenant_preemptions"):  # fmt: skip
+        assert name in families
+    assert b"loraplane_tenant" not in httpx.get(server.url + "/metrics").content
