@@ -249,24 +249,28 @@ class _EngineCollector(Collector):
 def _tenant_families(tenants: dict[str, TenantShare]) -> Iterator[Metric]:
     """Per tenant: requests running and waiting, preemptions, served tokens and its weight
     (its share of contended seats and tokens is weight / the active tenants' weights)."""
-    families = (
-        (GaugeMetricFamily, "loraplane_tenant_running_requests", "Running requests per tenant",
-         lambda t: t.running),
-        (GaugeMetricFamily, "loraplane_tenant_waiting_requests", "Waiting requests per tenant",
-         lambda t: t.waiting),
-        (CounterMetricFamily, "loraplane_tenant_preemptions",
+    gauges: list[tuple[str, str, Callable[[TenantShare], float]]] = [
+        ("loraplane_tenant_running_requests", "Running requests per tenant", lambda t: t.running),
+        ("loraplane_tenant_waiting_requests", "Waiting requests per tenant", lambda t: t.waiting),
+        ("loraplane_tenant_weight", "A tenant's share weight", lambda t: t.weight),
+    ]
+    counters: list[tuple[str, str, Callable[[TenantShare], float]]] = [
+        ("loraplane_tenant_preemptions",
          "Sequences of a tenant preempted (to give way to a tenant below its share, or for KV)",
          lambda t: t.preemptions),
-        (CounterMetricFamily, "loraplane_tenant_served_tokens",
+        ("loraplane_tenant_served_tokens",
          "Tokens computed for a tenant (prompt chunks and decodes)", lambda t: t.served_tokens),
-        (GaugeMetricFamily, "loraplane_tenant_weight", "A tenant's share weight",
-         lambda t: t.weight),
-    )  # fmt: skip
-    for kind, name, doc, value in families:
-        family = kind(name, doc, labels=["tenant"])
+    ]  # fmt: skip
+    for name, doc, value in gauges:
+        gauge = GaugeMetricFamily(name, doc, labels=["tenant"])
         for tenant, share in sorted(tenants.items()):
-            family.add_metric([tenant], value(share))
-        yield family
+            gauge.add_metric([tenant], value(share))
+        yield gauge
+    for name, doc, value in counters:
+        counter = CounterMetricFamily(name, doc, labels=["tenant"])
+        for tenant, share in sorted(tenants.items()):
+            counter.add_metric([tenant], value(share))
+        yield counter
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
