@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,10 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.lora.arena import KVArena
+from loraplane.dataplane.lora.manager import LoRAManager
+from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef, Sequence
 from tests.dataplane.conftest import Family
@@ -177,3 +181,52 @@ def test_the_shared_pool_is_off_on_cpu_and_on_for_cuda_by_default(device: str) -
     assert EngineConfig(model="m", device="cpu").kv_lora_shared is False
     assert EngineConfig(model="m", device="cuda").kv_lora_shared is True
     assert EngineConfig(model="m", device=device, kv_lora_shared=True).kv_lora_shared is True
+
+
+def arena_manager(model: Path, num_blocks: int) -> tuple[LoRAManager, BlockManager]:
+    """A manager whose adapters live in the KV blocks of a CPU cache of `num_blocks` blocks of
+    16 tokens (the tiny model's r4 takes 4 of them, r16 takes 16)."""
+    spec = BaseModelSpec.from_dir(model)
+    blocks = BlockManager(num_blocks, 16)
+    cache = torch.zeros(2, spec.num_layers, num_blocks, 16, spec.num_kv_heads, spec.head_dim)
+    pool = LoRAPool(8, spec, torch.float32, "cpu")
+    pool.attach_arena(KVArena(cache, blocks))
+    return LoRAManager(pool, spec, 64, max_cpu_loras=8), blocks
+
+
+def test_placement_evicts_nothing_when_no_run_can_be_freed(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    m, blocks = arena_manager(tiny_llama_dir, 24)
+    a = m.register("a", peft_adapters["r4"], "t")
+    b = m.register("b", peft_adapters["r4"], "u")
+    big = m.register("big", peft_adapters["r16"], "t")
+    assert m.place(a, in_use=[])  # blocks 20-23 (runs are taken from the top)
+    assert blocks.reserve(1) == 19  # blocks held by others (sequences), between the adapters
+    assert m.place(b, in_use=[])  # 15-18
+    assert blocks.reserve(15) == 0  # 0-14: KV fragmented, no 16 blocks free even without a, b
+    assert not m.place(big, in_use=[])
+    assert {r.name for r in m.resident} == {"a", "b"}  # both still resident: nothing gained
+    assert m.device_stats.evictions == 0
+    assert not m.place(big, in_use=[])  # the next step's try costs them nothing either
+    assert m.device_stats.evictions == 0
+
+
+def test_placement_evicts_only_the_adapters_its_run_overlaps(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    m, blocks = arena_manager(tiny_llama_dir, 24)
+    a = m.register("a", peft_adapters["r4"], "t")
+    b = m.register("b", peft_adapters["r4"], "u")
+    big = m.register("big", peft_adapters["r16"], "t")
+    assert m.place(a, in_use=[])  # 20-23, the least recently used
+    assert blocks.reserve(1) == 19
+    assert m.place(b, in_use=[])  # 15-18
+    free = blocks.reserve(12)  # 3-14 stay free: set aside while 0-2 are taken
+    assert blocks.reserve(3) == 0 and free == 3
+    blocks.release(free, 12)
+    # a is older, but freeing it makes no run of 16 (19 is held): only b's blocks, with 3-14,
+    # do. b goes; a stays
+    assert m.place(big, in_use=[])
+    assert {r.name for r in m.resident} == {"a", "big"}
+    assert m.device_stats.evictions == 1

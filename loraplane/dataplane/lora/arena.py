@@ -93,6 +93,28 @@ class KVArena:
         """Give the run back to the KV cache."""
         self.blocks.release(placement.first, placement.num_blocks)
 
+    def runs_to_free(self, n: int, runs: list[tuple[int, int]]) -> list[int] | None:
+        """Which of `runs` (idle adapters' runs as (first block, blocks), in the order they
+        may be given up) must be freed for `n` consecutive blocks that nothing holds: the
+        indices of those that overlap the run found after freeing the fewest of the first
+        ones, so an adapter the run does not touch stays; [] when a run is free now; None
+        when there is none even with all of `runs` freed (under fragmentation, sequences'
+        blocks split the cache): then freeing any of them would be for nothing."""
+        # the block manager's own map (1: reserved or used by a sequence), copied to plan on;
+        # `reserve` looks for the same thing in it (the highest run of n zeros)
+        held = bytearray(self.blocks._held)
+        empty = bytes(n)
+        if n < 1 or n > len(held):
+            return None
+        if held.rfind(empty) >= 0:
+            return []
+        for k, (first, size) in enumerate(runs):
+            held[first : first + size] = bytes(size)
+            at = held.rfind(empty)
+            if at >= 0:  # the run overlaps run k (there was none before): free what it overlaps
+                return [i for i, (f, m) in enumerate(runs[: k + 1]) if f < at + n and at < f + m]
+        return None
+
     @staticmethod
     def _items_by_layer(adapter: LoadedAdapter) -> dict[int, list[tuple[Key, str, torch.Tensor]]]:
         """Per layer, every tensor with its module and role ("a" or "b"), largest first."""

@@ -563,30 +563,55 @@ class LoRAManager:
 
     def _place(self, entry: _Entry, keep: set[str], wanted: set[str]) -> bool:
         """Load `entry` into a slot, evicting idle residents (not in `keep`; those in `wanted`
-        last) until it fits: within the budget, and with an arena, into a free run of blocks
-        (the running adapters' share of the budget is the scheduler's to keep)."""
+        last) until it fits: within the budget, and with an arena, into a run of blocks. With
+        an arena the run is found first, counting idle adapters' blocks as free: only the
+        adapters it overlaps are evicted, and none when no run can be made (the running
+        adapters' share of the budget is the scheduler's to keep)."""
         host = entry.host
         if host is None:
             raise RuntimeError(f"adapter {entry.ref.key} is not in host memory")
-        budget = None if self.pool.arena is not None else self.device_budget_bytes
         start = time.perf_counter()
-        victims: list[_Entry] | None = None
+        victims = self._victims(keep, wanted)  # the first to evict last
+        if self.pool.arena is not None and not self._free_a_run(host, victims):
+            return False
+        budget = None if self.pool.arena is not None else self.device_budget_bytes
         while True:
             slot = self.pool.free_slot()
             fits = budget is None or self.pool.bytes_used + entry.device_bytes <= budget
-            if slot is not None and fits and self._load_slot(slot, host):
+            if slot is not None and fits:
+                if not self._load_slot(slot, host):  # with an arena: no run after all
+                    return False
                 entry.slot = slot
                 self._slots[slot] = entry.ref.key
                 self.device_stats.loads += 1
                 if self.device_stats.load_seconds is not None:
                     self.device_stats.load_seconds(time.perf_counter() - start)
                 return True
-            if victims is None:
-                victims = self._victims(keep, wanted)
             if not victims:
                 return False
             self._drop_slot(victims.pop())
             self.device_stats.evictions += 1
+
+    def _free_a_run(self, host: LoadedAdapter, victims: list[_Entry]) -> bool:
+        """Evict from `victims` (the first to evict last) the idle adapters whose blocks a run
+        for `host` needs, removing them from the list; False, evicting none, when no run can
+        be freed."""
+        arena = self.pool.arena
+        if arena is None:  # pragma: no cover - _place checks
+            return True
+        order = victims[::-1]
+        runs = []
+        for victim in order:
+            placement = None if victim.slot is None else self.pool._placements[victim.slot]
+            runs.append((0, 0) if placement is None else (placement.first, placement.num_blocks))
+        needed = arena.runs_to_free(arena.blocks_for(host), runs)
+        if needed is None:
+            return False
+        for i in needed:
+            self._drop_slot(order[i])
+            victims.remove(order[i])
+            self.device_stats.evictions += 1
+        return True
 
     def _load_slot(self, slot: int, adapter: LoadedAdapter) -> bool:
         try:
