@@ -8,6 +8,11 @@ outputs are delivered to the waiting coroutines with `call_soon_threadsafe`.
         print(out.text, end="")
 
 Leaving the `async for` early (a client disconnected) aborts the request and frees its blocks.
+
+`health()` is what the server's probes answer from (`server/admin_routes.py`): whether the loop
+thread runs, and whether it makes progress (its last step ended recently while work waits, and
+not every one of its last steps raised). It reads a few fields the loop writes, never calls into
+the loop: a probe must answer while a step hangs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +36,18 @@ log = logging.getLogger(__name__)
 # engine steps that may fail in a row before their batch was formed (a scheduler fault)
 # before every request is failed: retrying forever would spin with no request ever answered
 MAX_FAILED_STEPS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """The engine loop's verdict: `alive` (its thread runs), `ready` (it makes progress) and,
+    when either is false, why. The figures it was drawn from come with it (for metrics)."""
+
+    alive: bool
+    ready: bool
+    reason: str = ""
+    seconds_since_step: float = 0.0  # since a step last ended, or the loop last had no work
+    failed_steps: int = 0  # steps that raised, in a row
 
 
 @dataclass(slots=True)
@@ -46,10 +64,16 @@ class AsyncEngine:
         self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
+        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # metrics hook
+        self._failed_steps = 0  # steps failed in a row before a give-up (see _step_failed)
+        # health, written by the loop thread only (plain attribute writes, read by probes)
+        self.last_step_at: float | None = None  # monotonic time of the last step that returned
+        self._progress_at = time.monotonic()  # a step ended (returned or raised), or no work
+        self._failed_in_a_row = 0  # steps that raised since the last that returned
+        self._failed_at = 0.0  # monotonic time of the last step that raised
+        self._died: str | None = None  # the type of what ended the loop thread, if anything
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
-        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # metrics hook
-        self._failed_steps = 0  # engine steps failed in a row (see _step_failed)
 
     async def generate(
         self,
@@ -107,6 +131,41 @@ class AsyncEngine:
         self._actions.put(lambda: None)
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread runs (False once it died, or after `shutdown`)."""
+        return self._thread.is_alive()
+
+    @property
+    def has_work(self) -> bool:
+        """Requests waiting or running, or actions queued for the loop (a racy read that
+        needs no lock: two container sizes)."""
+        return self.engine.has_unfinished or not self._actions.empty()
+
+    def health(
+        self, *, stall_s: float, max_failed_steps: int, now: float | None = None
+    ) -> EngineHealth:
+        """The loop's verdict. Not ready when it has work but no step has ended for `stall_s`
+        seconds, or when its last `max_failed_steps` steps all raised; ready again once a step
+        returns. With no work to try, a failed streak stands for `stall_s` after its last
+        failure only: a replica taken out of rotation gets no requests, so it would never
+        have a step to succeed with and would stay out for good."""
+        now = time.monotonic() if now is None else now
+        since = max(0.0, now - self._progress_at)
+        failed = self._failed_in_a_row
+        figures: dict[str, Any] = {"seconds_since_step": since, "failed_steps": failed}
+        if not self._thread.is_alive():
+            why = self._died or "stopped"
+            return EngineHealth(False, False, f"the engine thread is gone ({why})", **figures)
+        busy = self.has_work
+        if busy and since >= stall_s:
+            reason = f"the engine has work but no step has ended for {since:.1f} s"
+            return EngineHealth(True, False, f"{reason} (limit {stall_s:g} s)", **figures)
+        if failed >= max_failed_steps and (busy or now - self._failed_at < stall_s):
+            reason = f"the engine's last {failed} steps failed"
+            return EngineHealth(True, False, reason, **figures)
+        return EngineHealth(True, True, **figures)
+
     def _step_failed(self, error: Exception) -> None:
         """A step raised past the engine's own isolation (a fault in the engine, not in one
         adapter or request). The requests of that step fail with the error; the rest go on.
@@ -138,12 +197,25 @@ class AsyncEngine:
             log.exception("engine action failed")
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the thread ends: say why, and answer every waiting stream
+            # the type only: probes and clients see it, the message may name a request
+            self._died = type(e).__name__
+            log.critical("the engine loop died; no request can run", exc_info=e)
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"the engine stopped: {self._died}"))
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             if not self.engine.has_unfinished:  # idle: sleep until something is queued
+                self._progress_at = time.monotonic()
                 try:
-                    self._apply(self._actions.get(timeout=0.5))
+                    action = self._actions.get(timeout=0.5)
                 except queue.Empty:
                     continue
+                self._progress_at = time.monotonic()  # it had no work until now
+                self._apply(action)
             while True:  # apply everything queued before the next step
                 try:
                     self._apply(self._actions.get_nowait())
@@ -154,9 +226,12 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a failed step fails the requests in it, not the loop
+                self._failed_at = self._progress_at = time.monotonic()
+                self._failed_in_a_row += 1
                 self._step_failed(e)
                 continue
-            self._failed_steps = 0
+            self.last_step_at = self._progress_at = time.monotonic()
+            self._failed_steps = self._failed_in_a_row = 0
             for out in outputs:
                 self._deliver(out.request_id, out)
             if self.on_step is not None:

@@ -1,5 +1,13 @@
 """Operational routes: /health, /ready, /metrics, and vLLM's adapter load/unload (admin only).
 
+`/health` is the liveness probe: 503 only when the engine thread is gone while the server is not
+shutting down (a restart is the cure); it answers 200 while the model loads, so a pod is never
+killed for loading. `/ready` is the readiness probe: 503 while loading, draining, with the engine
+thread gone, with work but no step ended for LORAPLANE_READY_STALL_S, or with the last
+LORAPLANE_READY_FAILED_STEPS steps all failed (`AsyncEngine.health`). Both answer from fields the
+engine thread writes, never by calling into it, so they answer while a step hangs; a 503 carries
+a `reason` (no path, no request, no tenant: anyone who reaches the API port reads it).
+
 `/metrics` here is the API port's: anyone who can call the API reads it, so it shows only
 vLLM's protocol gauges, which an inference gateway scrapes and which carry no tenant label.
 Every other series (per tenant, per adapter) is on the metrics port (`metrics_port.py`).
@@ -16,24 +24,49 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from loraplane.dataplane.async_engine import EngineHealth
 from loraplane.dataplane.server.deps import AdminDep, RuntimeDep
 from loraplane.dataplane.server.errors import InvalidRequest
 from loraplane.dataplane.server.protocol import LoadLoRARequest, UnloadLoRARequest
+from loraplane.dataplane.server.runtime import Runtime
 
 router = APIRouter(tags=["operations"])
 
 
+def engine_health(runtime: Runtime) -> EngineHealth | None:
+    """The engine's verdict under the server's thresholds; None before the engine exists."""
+    if runtime.engine is None:
+        return None
+    s = runtime.settings
+    return runtime.engine.health(stall_s=s.ready_stall_s, max_failed_steps=s.ready_failed_steps)
+
+
+def readiness(runtime: Runtime) -> str:
+    """Why the replica must not take requests now; empty when it may."""
+    if runtime.draining:
+        return "draining"
+    if not runtime.ready:
+        return "loading" if runtime.fatal is None else "start failed (see the server's log)"
+    verdict = engine_health(runtime)
+    return "" if verdict is None or verdict.ready else verdict.reason
+
+
 @router.get("/health")
-async def health() -> Response:
-    """200 while the process lives."""
-    return Response(status_code=200)
+async def health(runtime: RuntimeDep) -> Response:
+    """Liveness: 503 once the engine thread is gone (not while shutting down); else 200."""
+    verdict = engine_health(runtime)
+    if verdict is None or verdict.alive or runtime.draining:
+        return JSONResponse({"alive": True})
+    return JSONResponse({"alive": False, "reason": verdict.reason}, status_code=503)
 
 
 @router.get("/ready")
 async def ready(runtime: RuntimeDep) -> Response:
-    """200 once the model is loaded and until shutdown begins; 503 otherwise."""
-    ok = runtime.ready and not runtime.draining
-    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+    """Readiness: 200 while the replica can serve; 503 with the reason otherwise."""
+    reason = readiness(runtime)
+    if not reason:
+        return JSONResponse({"ready": True})
+    return JSONResponse({"ready": False, "reason": reason}, status_code=503)
 
 
 @router.get("/metrics")

@@ -74,12 +74,23 @@ class ServerSettings(BaseSettings):
     requests_per_minute: int = Field(default=0, ge=0)  # standalone tenant; 0 = unlimited
     tokens_per_minute: int = Field(default=0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # /ready fails while the engine has work but no step has ended for this long. 30 s: a step
+    # takes milliseconds to about a second (a full prefill chunk of a large model); the slowest
+    # honest ones are the first steps after start, which compile Triton kernels (a few seconds
+    # each) and load adapters. 30 s clears those, and the readiness probe adds its own
+    # failures x period before the pod leaves rotation; it is never killed for this (/health).
+    ready_stall_s: float = Field(default=30.0, gt=0)
+    # /ready fails while the engine's last this many steps all raised (until one returns)
+    ready_failed_steps: int = Field(default=3, ge=1)
     # bounded work: engine requests in flight per replica and per tenant (429 past them),
     # prompts in one completions request and request body bytes (400 / 413 past them)
     max_queued_requests: int = Field(default=1024, ge=1)
     max_queued_requests_per_tenant: int = Field(default=256, ge=1)
     max_prompts_per_request: int = Field(default=64, ge=1)
     max_request_bytes: int = Field(default=8 << 20, ge=1024)
+    # intake workers per pool (tokenizing, compiling grammars); unset: from the cores (intake.py)
+    tokenize_workers: int | None = Field(default=None, ge=1)
+    grammar_workers: int | None = Field(default=None, ge=1)
     # engine sizing, env only (tests and small machines)
     max_model_len: int | None = Field(default=None, ge=2)
     num_kv_blocks: int | None = Field(default=None, ge=1)
@@ -88,9 +99,6 @@ class ServerSettings(BaseSettings):
 
     @field_validator("lora_modules", mode="before")
     @classmethod
-    # intake workers per pool (tokenizing, compiling grammars); unset: from the cores (intake.py)
-    tokenize_workers: int | None = Field(default=None, ge=1)
-    grammar_workers: int | None = Field(default=None, ge=1)
     def _parse_modules(cls, value: Any) -> Any:
         """`NAME=DIR` strings (flags, or a comma-separated env var) into a dict."""
         if isinstance(value, str):
@@ -213,10 +221,16 @@ SETTINGS_HELP: dict[str, str] = {
     "requests_per_minute": "standalone tenant's request limit (0: unlimited)",
     "tokens_per_minute": "standalone tenant's token limit (0: unlimited)",
     "shutdown_grace_s": "seconds running requests get to finish on SIGTERM",
+    "ready_stall_s": "/ready fails while the engine has work and no step has ended this long",
+    "ready_failed_steps": "/ready fails while the engine's last this many steps all failed",
     "max_queued_requests": "engine requests in flight per replica (429 past it)",
     "max_queued_requests_per_tenant": "engine requests in flight per tenant (429 past it)",
     "max_prompts_per_request": "prompts in one completions request (400 past it)",
     "max_request_bytes": "request body bytes (413 past it)",
+    "tokenize_workers": "threads that tokenize and format answers, shared fairly by tenants"
+    " (unset: a quarter of the cores, 2 to 4)",
+    "grammar_workers": "threads that compile structured-output grammars, shared fairly by"
+    " tenants (unset: a quarter of the cores, 2 to 4)",
     "max_model_len": "context length (unset: the model's)",
     "num_kv_blocks": "KV cache blocks (unset: sized from free memory)",
     "block_size": "tokens per KV block",
@@ -227,10 +241,6 @@ SETTINGS_HELP: dict[str, str] = {
 def settings_help() -> str:
     """The LORAPLANE_* variables `loraplane serve` reads, their defaults and meanings."""
     rows = []
-    "tokenize_workers": "threads that tokenize and format answers, shared fairly by tenants"
-    " (unset: a quarter of the cores, 2 to 4)",
-    "grammar_workers": "threads that compile structured-output grammars, shared fairly by"
-    " tenants (unset: a quarter of the cores, 2 to 4)",
     for name, field in ServerSettings.model_fields.items():
         default: object = "required" if field.is_required() else field.default
         if field.default_factory is not None:
