@@ -24,7 +24,7 @@ from loraplane.planner.memory import (
     plan_memory,
     shared_pool_blocks,
 )
-from loraplane.planner.replica import ReplicaSettings
+from loraplane.planner.replica import Replica, ReplicaSettings, Request, StepDone
 from loraplane.planner.routing import BoundedK, LoraAffinity, Snapshot, lora_affinity_score
 from loraplane.planner.search import max_rate, meets, replicas_needed
 from loraplane.planner.shapes import SHAPES, ModelShape, named_shape
@@ -219,6 +219,125 @@ def test_a_closed_loop_sends_every_request_once() -> None:
     result = simulate(TINY, TINY_COST, "round_robin", 1, load)
     assert result.completed == result.requests == 92  # all but the warm-up's 8 counted
     assert len(draw_requests(load, 100)) == 100 and result.tokens_per_s > 0
+
+
+# each step takes one simulated second: a request's finish time is the step it finished in
+STEP_COST = LinearCost(base=1.0, per_token=0.0, per_seq=0.0, per_context=0.0,
+                       per_adapter=0.0, load_seconds_per_byte=0.0)  # fmt: skip
+
+
+def _run_replica(replica: Replica, arrivals: list[Request]) -> int:
+    """Step `replica` from time 0 until it is idle, adding each request at its arrival time;
+    the steps it ran."""
+    pending = sorted(arrivals, key=lambda r: r.arrival)
+    now, steps = 0.0, 0
+    while True:
+        while pending and pending[0].arrival <= now:
+            replica.add(pending.pop(0))
+        outcome = replica.step(now)
+        if isinstance(outcome, StepDone):
+            now, steps = outcome.end, steps + 1
+        elif outcome is not None:
+            now = outcome
+        elif pending:
+            now = pending[0].arrival
+        else:
+            return steps
+
+
+def test_the_simulator_steps_exactly_as_the_engines_scheduler_does() -> None:
+    """A tiny workload, KV blocks tight enough to preempt, adapters warm in host memory: the
+    simulated replica runs the steps that the engine's `Scheduler` runs on the same requests,
+    and each request ends in the same step."""
+    from loraplane.dataplane.block_manager import BlockManager
+    from loraplane.dataplane.sampling import SamplingParams
+    from loraplane.dataplane.scheduler import Scheduler
+    from loraplane.dataplane.sequence import Sequence
+
+    config = EngineConfig(model="m", device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                          block_size=8, num_kv_blocks=12, enable_prefix_caching=False)  # fmt: skip
+    settings = dataclasses.replace(TINY, max_num_seqs=4, max_num_batched_tokens=64, kv_blocks=12,
+                                   block_size=8, lora_slots=config.lora_slots)  # fmt: skip
+    work = [(i % 3, 20 + 7 * i, 6 + 3 * (i % 4)) for i in range(10)]  # adapter, prompt, output
+    replica = Replica(settings, STEP_COST)
+    replica.tiers.hold(replica.ref(a).key for a in range(3))
+    requests = [Request(i, a, p, o, 0.0) for i, (a, p, o) in enumerate(work)]
+    sim_steps = _run_replica(replica, requests)
+
+    # as the engine builds its scheduler
+    direct = Scheduler(config.scheduler_config(), BlockManager(12, 8, enable_prefix_caching=False))
+    seqs = []
+    for i, (a, p, o) in enumerate(work):
+        params = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+        seqs.append(Sequence(f"r{i}", [0] * p, params, replica.ref(a)))
+        direct.add(seqs[-1])
+    ended: dict[str, int] = {}
+    steps = 0
+    while direct.has_unfinished:
+        out = direct.schedule()
+        steps += 1
+        for seq in direct.postprocess(out, [0] * len(out.sampled)):
+            ended[seq.request_id] = steps
+    assert direct.preemptions_total > 0  # the case the old copy of admission never had
+    assert replica.preemptions_total == direct.preemptions_total
+    assert sim_steps == steps
+    assert {f"r{r.rid}": round(r.finished) for r in requests} == ended
+    assert all(s.num_output_tokens == o for s, (_, _, o) in zip(seqs, work, strict=True))
+
+
+def test_the_schedulers_tenant_turns_show_in_the_simulation() -> None:
+    """One tenant's burst fills the seats and the queue; another tenant's request, sent just
+    after, takes the next free seat (the scheduler serves tenants in turn), where the same
+    request from the busy tenant waits for the whole queue ahead of it."""
+
+    def late_request_ttft(tenant: str) -> float:
+        replica = Replica(dataclasses.replace(TINY, max_num_seqs=4), STEP_COST)
+        replica.tiers.hold(replica.ref(a, t).key for a, t in ((0, "busy"), (1, tenant)))
+        burst = [Request(i, 0, 16, 8, 0.0, tenant="busy") for i in range(24)]
+        late = Request(99, 1, 16, 8, 0.5, tenant=tenant)
+        _run_replica(replica, [*burst, late])
+        assert late.finished > 0
+        return late.first_token - late.arrival
+
+    shared, alone = late_request_ttft("busy"), late_request_ttft("quiet")
+    assert alone <= 10 < 40 <= shared  # 20 requests ahead of it, 4 seats, 8 steps each
+
+
+def test_fewer_seats_and_adapter_slots_show_as_the_scheduler_makes_them() -> None:
+    """The simulator's admission is the scheduler's: with 2 adapter slots instead of 32 the
+    scheduler defers requests (counted, as on the engine) and the time to first token grows;
+    with KV blocks for a few requests only, it preempts and throughput falls."""
+    load = Workload(40, "uniform", 64, 32, concurrency=24, requests=240, warmup_requests=24)
+    roomy = simulate(TINY, TINY_COST, "round_robin", 1, load)
+    narrow_settings = dataclasses.replace(TINY, lora_slots=2)
+    narrow = simulate(narrow_settings, TINY_COST, "round_robin", 1, load)
+    assert narrow.ttft_p50_s > 2 * roomy.ttft_p50_s
+    assert narrow.tokens_per_s < roomy.tokens_per_s
+    tight = dataclasses.replace(TINY, kv_blocks=40)
+    squeezed = simulate(tight, TINY_COST, "round_robin", 1, load)
+    assert squeezed.tokens_per_s < 0.9 * roomy.tokens_per_s
+    for settings, deferred, preempted in ((TINY, False, False), (narrow_settings, True, False),
+                                          (tight, False, True)):  # fmt: skip
+        replica = Replica(settings, TINY_COST)
+        _run_replica(replica, [Request(i, i % 8, 64, 32, 0.0) for i in range(48)])
+        assert (replica.deferred_total > 0, replica.preemptions_total > 0) == (
+            deferred,
+            preempted,
+        )
+
+
+def test_the_planner_imports_no_torch_and_shares_the_engines_wait_constants() -> None:
+    from loraplane.dataplane import engine
+    from loraplane.planner import replica
+
+    assert (replica.LOAD_WAIT_S, replica.MAX_LOAD_WAIT_FRACTION) == (
+        engine.LOAD_WAIT_S,
+        engine.MAX_LOAD_WAIT_FRACTION,
+    )
+    code = "import sys, loraplane.planner.report; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)  # fmt: skip
+    assert done.stdout.strip() == "False"
 
 
 def test_replicas_needed_is_the_fewest_that_meet_the_target() -> None:

@@ -153,11 +153,11 @@ class _Sim:
 
     def _snapshot(self, r: Replica) -> Snapshot:  # what the replica's /metrics would say
         return Snapshot(
-            waiting=len(r.waiting),
+            waiting=r.num_waiting,
             running=r.num_running,
             kv_usage=r.kv_usage,
-            active=frozenset(r.running),
-            waiting_adapters=frozenset(a for a, n in r.wanted.items() if n),
+            active=r.active_adapters(),
+            waiting_adapters=r.waiting_adapters(),
             max_lora=_max_lora(r),
         )
 
@@ -275,7 +275,4 @@ def simulate(
 def _max_lora(r: Replica) -> int:
     """The protocol's max_lora as the engine reports it (`LoRAManager.capacity`): the slots, or
     what the adapter memory holds of adapters this size once one is resident."""
-    s = r.s
-    if not r.device:
-        return s.lora_slots
-    return max(1, min(s.lora_slots, s.lora_budget_bytes // s.adapter_device_bytes))
+    return r.tiers.capacity if r.tiers.device else r.s.lora_slots

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplane.planner.cost import StepShape
-from loraplane.planner.replica import ReplicaSettings
+from loraplane.planner.replica import ReplicaSettings, step_shape
 
 Clock = Callable[[], float]
 
@@ -127,20 +127,9 @@ def replica_settings(engine: Engine, adapter_bytes: int) -> ReplicaSettings:
         max_deferral_steps=config.max_deferral_steps,
         loads_in_flight=engine.loras.max_loads_in_flight,
         device_copies=engine.runner.device.type == "cuda",
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        max_model_len=config.max_model_len,
     )
-
-
-def step_shape(out: SchedulerOutput, adapter_bytes: int) -> StepShape:
-    """The cost model's view of a scheduled step."""
-    context = attention = tokens = 0
-    for row in out.scheduled:
-        length = row.start + row.num_new_tokens
-        tokens += row.num_new_tokens
-        context += length
-        attention += row.num_new_tokens * length
-    adapters = len(out.lora_keys)
-    return StepShape(tokens, len(out.scheduled), context, attention, adapters,
-                     adapters * adapter_bytes)  # fmt: skip
 
 
 @dataclass(slots=True)

@@ -1,0 +1,152 @@
+"""A simulated replica's adapter tiers: what the real `Scheduler` asks of `LoRAManager`.
+
+`SimTiers` implements the scheduler's `Adapters` protocol (`ready`, `device_bytes`,
+`budget_bytes`, `place`) over simulated time, and the engine-side housekeeping around it:
+- host tier: `max_cpu_loras` copies, least recently used first out, never one on the device,
+  in the step or running (`LoRAManager._evict_host`); a copy arrives `load_s` after its load
+  starts, on `loads_in_flight` loader threads that go on down the prefetch list (the waiting
+  requests' first `max_cpu_loras / 2` distinct adapters, `LoRAManager.prefetch`);
+- device pool: as many adapters as the slots and the adapter memory hold; placing one evicts
+  idle residents, those no waiting request wants first, least recently used first
+  (`LoRAManager._victims`). A step's adapters become the most recently used
+  (`LoRAManager.make_resident`).
+
+Simplification: with adapters inside the KV cache the engine may keep idle adapters in blocks
+no sequence holds; here the pool keeps them only within the adapter memory.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from loraplane.dataplane.sequence import LoRARef
+
+
+class SimTiers:
+    """Host and device adapter tiers of one simulated replica, keyed by `LoRARef.key`."""
+
+    def __init__(self, slots: int, budget_bytes: int, device_bytes: int, max_cpu_loras: int,
+                 load_s: float, loads_in_flight: int) -> None:  # fmt: skip
+        if device_bytes < 1 or budget_bytes < device_bytes:
+            raise ValueError(
+                f"the adapter memory ({budget_bytes} bytes) must hold one adapter"
+                f" ({device_bytes} bytes)"
+            )
+        self._device_bytes = device_bytes
+        self._budget = budget_bytes
+        self.capacity = max(1, min(slots, budget_bytes // device_bytes))  # adapters on device
+        self.max_cpu_loras = max_cpu_loras
+        self.prefetch_depth = max(1, max_cpu_loras // 2)
+        self.load_s = load_s
+        self.loads_in_flight = loads_in_flight
+        self.host: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self.device: OrderedDict[str, None] = OrderedDict()
+        self.loading: list[tuple[float, str]] = []  # (end, key), at most loads_in_flight
+        self.queue: list[str] = []  # the prefetch list
+        self.loads = 0  # loads into host memory started
+        self.placed = 0  # adapters made resident since the caller last reset it
+
+    # -- the scheduler's Adapters protocol ---------------------------------------------------
+
+    def ready(self, ref: LoRARef) -> bool:
+        """In host memory (it may run in the next step)."""
+        return ref.key in self.host
+
+    def device_bytes(self, ref: LoRARef) -> int:
+        """Every simulated adapter takes the profile's device bytes."""
+        return self._device_bytes
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The adapter memory."""
+        return self._budget
+
+    def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str]) -> bool:
+        """Make `ref` resident, evicting idle residents (never those in `in_use`; those in
+        `wanted` last); False when every resident is in use."""
+        key = ref.key
+        if key in self.device:
+            return True
+        if key not in self.host:
+            return False
+        if len(self.device) >= self.capacity:
+            keep = set(in_use)
+            keep.add(key)
+            wants = set(wanted)
+            idle = [k for k in self.device if k not in keep]  # least recently used first
+            idle.sort(key=lambda k: k in wants)  # stable: the unwanted first, in LRU order
+            while len(self.device) >= self.capacity:
+                if not idle:
+                    return False
+                del self.device[idle.pop(0)]
+        self.device[key] = None
+        self.placed += 1
+        return True
+
+    # -- the engine's side ---------------------------------------------------------------------
+
+    def hold(self, keys: Iterable[str]) -> None:
+        """Put copies of `keys` in host memory now (a replica that served them before)."""
+        for key in keys:
+            self.host[key] = None
+            self.host.move_to_end(key)
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """A step ran `keys`: they become the most recently used."""
+        for key in keys:
+            if key in self.host:
+                self.host.move_to_end(key)
+            if key in self.device:
+                self.device.move_to_end(key)
+
+    def trim_host(self, keep: set[str]) -> None:
+        """Evict host copies beyond `max_cpu_loras`, least recently used first, never one on
+        the device or in `keep`."""
+        excess = len(self.host) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        for key in [k for k in self.host if k not in self.device and k not in keep][:excess]:
+            del self.host[key]
+
+    def prefetch(self, refs: Iterable[LoRARef], now: float) -> None:
+        """The new prefetch list: the first `prefetch_depth` of `refs` (the waiting requests'
+        adapters, the oldest request's first); loads start on free loader threads."""
+        queue: list[str] = []
+        for ref in refs:
+            queue.append(ref.key)
+            if len(queue) >= self.prefetch_depth:
+                break
+        self.queue = queue
+        self._start_loads(now)
+
+    def pending(self) -> set[str]:
+        """Adapters loading or queued to load (`LoRAManager.pending`)."""
+        pending = {k for _, k in self.loading}
+        pending.update(k for k in self.queue if k not in self.host)
+        return pending
+
+    def _start_loads(self, now: float) -> None:
+        busy = {k for _, k in self.loading}
+        for key in self.queue:
+            if len(self.loading) >= self.loads_in_flight:
+                return
+            if key not in self.host and key not in busy:
+                self.loading.append((now + self.load_s, key))
+                busy.add(key)
+                self.loads += 1
+
+    def advance(self, now: float) -> None:
+        """Finish the loads that end by `now`; each loader thread goes on down the list."""
+        while self.loading:
+            end, key = min(self.loading)
+            if end > now:
+                return
+            self.loading.remove((end, key))
+            self.host[key] = None
+            self.host.move_to_end(key)
+            self._start_loads(end)
+
+    def next_load_end(self) -> float | None:
+        """When the next load in flight ends (None: none is)."""
+        return min(self.loading)[0] if self.loading else None
