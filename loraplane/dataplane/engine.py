@@ -21,15 +21,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import Capture
 from loraplane.dataplane.detokenizer import IncrementalDetokenizer
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
-from loraplane.dataplane.sampler import Sampler, SamplerOutput, make_generator, prompt_logprobs
+from loraplane.dataplane.prompt_logprobs import PromptScores
+from loraplane.dataplane.sampler import Sampler, SamplerOutput, make_generator
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from loraplane.dataplane.sequence import (
@@ -45,8 +44,8 @@ from loraplane.dataplane.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# a step's sampled tokens, and the prompt logits of requests that want prompt log-probabilities
-Computed = tuple[SamplerOutput, dict[str, tuple[int, torch.Tensor]]]
+# a step's sampled tokens, and the prompt scores of requests that want prompt log-probabilities
+Computed = tuple[SamplerOutput, dict[str, PromptScores]]
 
 # A step with nothing to run because every waiting request's adapter is loading waits this
 # long at most for a load to end (a new request arriving meanwhile waits as long).
@@ -271,7 +270,7 @@ class Engine:
         sampled, prompt = computed
         for row in out.scheduled if prompt else ():
             if row.seq.request_id in prompt:
-                self._record_prompt_logprobs(row.seq, *prompt[row.seq.request_id])
+                self._record_prompt_logprobs(row.seq, prompt[row.seq.request_id])
         live = [r.seq for r in out.sampled if r.seq.status is SequenceStatus.RUNNING]
         self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
         self.stats.prompt_tokens += sum(
@@ -306,17 +305,14 @@ class Engine:
             return self._grammars
 
     @staticmethod
-    def _record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
-        """Keep the log-probabilities of prompt tokens first.. (those not kept yet: a
+    def _record_prompt_logprobs(seq: Sequence, scores: PromptScores) -> None:
+        """Keep the step's scores of prompt tokens scores.first.. (those not kept yet: a
         recomputed prompt is not counted twice)."""
         have = len(seq.prompt_logprobs) + 1  # token 0 has none
-        skip = have - first
-        if skip < 0 or skip >= logits.shape[0] or seq.params.prompt_logprobs is None:
+        skip = have - scores.first
+        if skip < 0 or skip >= len(scores) or seq.params.prompt_logprobs is None:
             return
-        tokens = seq.prompt_token_ids[have : first + logits.shape[0]]
-        seq.prompt_logprobs.extend(
-            prompt_logprobs(logits[skip:], tokens, seq.params.prompt_logprobs)
-        )
+        seq.prompt_logprobs.extend(scores.entries(skip))
 
     def _compute_isolated(
         self, out: SchedulerOutput, error: Exception

@@ -4,7 +4,8 @@ The adapter pool gets `lora_memory` bytes (or that share of the device memory th
 free; on CUDA the KV cache is sized from what remains after it). Per step it puts the step's
 adapters into device slots, lays the rows end to end as one flat
 batch (input ids, positions, KV slot mapping, per-token adapter slot), runs the model once and
-returns the logits of the rows that sample, in `SchedulerOutput.sampled` order.
+returns the logits of the rows that sample, in `SchedulerOutput.sampled` order, and the
+prompt log-probabilities of scoring requests, reduced on the device (prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.loader import load_model
+from loraplane.dataplane.prompt_logprobs import PromptScores, PromptSpan, score_prompts
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow, build_step
 from loraplane.dataplane.tiers.disk import DiskTier
@@ -61,9 +63,9 @@ class StepLogits:
     """A step's logits, fp32 on the host."""
 
     sampled: torch.Tensor  # [len(out.sampled), vocab]: the rows that sample, in order
-    # request id -> (index of the first prompt token they predict, logits [n, vocab]) for
+    # request id -> the step's scores of its prompt tokens (reduced on the device), for
     # requests that want prompt log-probabilities
-    prompt: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    prompt: dict[str, PromptScores] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -143,8 +145,8 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, in_use: set[str], wanted: set[str] | None = None
     ) -> StepLogits:
-        """Run one step; return fp32 logits [len(out.sampled), vocab], and the prompt logits
-        of the rows whose request wants prompt log-probabilities.
+        """Run one step; return fp32 logits [len(out.sampled), vocab], and the prompt scores
+        (prompt_logprobs.py) of the rows whose request wants prompt log-probabilities.
 
         `in_use` holds the adapter keys of running sequences (never evicted from their slots),
         `wanted` those of waiting ones (evicted only after every other idle adapter).
@@ -175,18 +177,21 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, step.attn, step.lora)
             cu = step.attn.host_cu_seqlens_q
         dev = self.device
-        prompt = {}
+        spans = []
         for i, r in enumerate(rows):  # rows whose request wants its prompt's log-probabilities
-            if r.seq.params.prompt_logprobs is None:
+            top = r.seq.params.prompt_logprobs
+            if top is None:
                 continue
             # position p's logits predict token p + 1: those of the prompt's tokens 1..P-1
             stop = min(r.start + r.num_new_tokens, r.seq.num_prompt_tokens - 1)
             if stop > r.start:
-                span = hidden[cu[i] : cu[i] + stop - r.start]
-                prompt[r.seq.request_id] = (r.start + 1, self.model.compute_logits(span).float())
+                tokens = r.seq.prompt_token_ids[r.start + 1 : stop + 1]
+                spans.append(PromptSpan(r.seq.request_id, r.start + 1, cu[i], tokens, top))
+        # reduced on the device, in bounded slices of rows: no full prompt logits reach the host
+        prompt = score_prompts(spans, hidden, self.model.compute_logits)
         last = [cu[i + 1] - 1 for i, r in enumerate(rows) if r.sample]
         if not last:
             sampled = torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
         else:
             sampled = self.model.compute_logits(hidden[torch.tensor(last, device=dev)]).float()
-        return StepLogits(sampled.cpu(), {k: (f, v.cpu()) for k, (f, v) in prompt.items()})
+        return StepLogits(sampled.cpu(), prompt)

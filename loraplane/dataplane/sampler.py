@@ -23,7 +23,6 @@ from typing import Protocol
 import torch
 
 from loraplane.dataplane.sampling import SamplingParams
-from loraplane.dataplane.sequence import PromptLogprob
 from loraplane.dataplane.structured import Matcher, allocate_bitmask, apply_bitmask, fill_bitmasks
 
 TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), best first
@@ -161,29 +160,6 @@ class Sampler:
                 noise[r].exponential_(generator=g)
         # an exact 0 would turn p/0 into inf (or nan for p=0): keep the race well defined
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-def prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[PromptLogprob]:
-    """Per row of `logits` [n, V] (raw, fp32), the log-probability and rank of the token that
-    actually follows (`tokens`, n ids) and the `top` best alternatives."""
-    logp = torch.log_softmax(logits, dim=-1)  # [n, V]
-    actual = torch.tensor(tokens, dtype=torch.long, device=logits.device).unsqueeze(1)
-    chosen = logp.gather(1, actual)  # [n, 1]
-    ranks = (logp > chosen).sum(dim=-1) + 1  # [n]
-    values, ids = logp.topk(top, dim=-1) if top else (None, None)
-    return [
-        PromptLogprob(
-            token,
-            lp,
-            rank,
-            list(zip(ids[i].tolist(), values[i].tolist(), strict=True))
-            if ids is not None and values is not None
-            else [],
-        )
-        for i, (token, lp, rank) in enumerate(
-            zip(tokens, chosen.squeeze(1).tolist(), ranks.tolist(), strict=True)
-        )
-    ]
 
 
 def _num_outputs(histories: Sequence[History] | None, i: int) -> int:
