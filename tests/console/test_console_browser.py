@@ -541,6 +541,50 @@ def test_admin_views_show_tenants_a_new_key_once_and_pool_pressure(
     shots(browser, "12-pools")
 
 
+def test_the_admin_sees_each_tenants_weight_and_sets_it_at_create_and_with_the_quotas(
+    browser: WebDriver, stack: Stack, shots: Callable[[WebDriver, str], Path]
+) -> None:
+    def weights() -> dict[str, str]:
+        """Tenant name -> the Weight column of the tenants table."""
+        headers = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "thead th")]
+        column = headers.index("Weight")
+        rows = browser.find_elements(By.CSS_SELECTOR, "tbody tr")
+        cells = [[td.text for td in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+        return {c[0]: c[column] for c in cells}
+
+    def tenant_weight(name: str) -> float:
+        value: float = stack.admin("GET", f"/v1/tenants/{name}").json()["weight"]
+        return value
+
+    def set_value(element_id: str, value: str) -> None:
+        element = browser.find_element(By.ID, element_id)
+        element.clear()
+        element.send_keys(value)
+
+    assert sign_in(browser, stack.url, ADMIN) == "Tenants"
+    assert weights()["acme"] == "1"
+    browser.find_element(By.ID, "tenant-name").send_keys("weighted")
+    set_value("tenant-weight", "2.5")
+    assert unlabelled(browser) == []
+    browser.find_element(By.XPATH, "//button[text()='Create tenant']").click()
+    assert heading(browser) == "weighted"
+    assert tenant_weight("weighted") == 2.5
+    assert browser.find_element(By.ID, "quota-weight").get_attribute("value") == "2.5"
+    assert unlabelled(browser) == []
+
+    set_value("quota-weight", "0")  # refused by the control plane, which names the field
+    browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()
+    wait(browser, lambda d: "weight: Input should be greater than 0" in view_text(d))
+    assert tenant_weight("weighted") == 2.5
+    set_value("quota-weight", "0.5")
+    browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()
+    wait(browser, lambda d: tenant_weight("weighted") == 0.5)
+    assert stack.admin("GET", "/v1/tenants/weighted").json()["max_adapters"] == 100  # kept
+    shots(browser, "13-tenant-weight")
+    assert go(browser, "#/tenants") == "Tenants"
+    assert (weights()["weighted"], weights()["acme"]) == ("0.5", "1")
+
+
 def test_the_key_stays_in_session_storage_and_a_revoked_key_meets_the_401_wall(
     browser: WebDriver, stack: Stack
 ) -> None:

@@ -1,9 +1,9 @@
-// The admin views (admin token): tenants and their quotas, their keys (a new key is shown
-// once), and the pools with the slot and memory pressure their replicas report.
+// The admin views (admin token): tenants, their weights and quotas, their keys (a new key is
+// shown once), and the pools with the slot and memory pressure their replicas report.
 
 import { call } from "./api.js";
 import { copyable, field, h, table } from "./dom.js";
-import { bytes, count, time } from "./format.js";
+import { bytes, count, time, weight } from "./format.js";
 
 const enc = encodeURIComponent;
 const QUOTAS = [
@@ -13,14 +13,25 @@ const QUOTAS = [
   ["requests_per_minute", "Requests per minute"],
   ["tokens_per_minute", "Tokens per minute"],
 ];
+// A weight is a share of a contended replica's seats and tokens, relative to the other tenants'.
+const WEIGHT_HINT = "Share of a busy replica (1: equal; up to 1000).";
+
+/** A number input for a tenant's weight (a positive number, fractions allowed). */
+function weightInput(value) {
+  return h("input", { type: "number", min: "0.001", max: "1000", step: "any", inputmode: "decimal", value: String(value) });
+}
 
 /** #/tenants: every tenant and its quotas, and a form for a new one. */
 export async function tenants(app) {
   const list = await call("GET", "v1/tenants");
   const name = h("input", { type: "text", required: true, maxlength: "63", autocomplete: "off" });
+  const share = weightInput(1);
   const place = h("div", {});
   const create = app.guard(async () => {
-    const created = await call("POST", "v1/tenants", { name: name.value.trim() });
+    const body = { name: name.value.trim() };
+    // left blank: the control plane's default; anything else is its to check (it names the field)
+    if (share.value.trim() !== "") body.weight = Number(share.value);
+    const created = await call("POST", "v1/tenants", body);
     app.notify(`Tenant ${created.name} created.`);
     window.location.hash = `#/tenants/${enc(created.name)}`;
   }, place);
@@ -30,10 +41,11 @@ export async function tenants(app) {
     h("h1", {}, "Tenants"),
     table(
       `${list.length} tenant${list.length === 1 ? "" : "s"}`,
-      ["Name", "Namespace", ...QUOTAS.map(([, label]) => label), "Created"],
+      ["Name", "Namespace", "Weight", ...QUOTAS.map(([, label]) => label), "Created"],
       list.map((t) => [
         h("a", { href: `#/tenants/${enc(t.name)}` }, t.name),
         t.namespace,
+        weight(t.weight),
         count(t.max_adapters),
         count(t.max_rank),
         bytes(t.max_bytes),
@@ -50,6 +62,7 @@ export async function tenants(app) {
         "form",
         { class: "row", novalidate: true, on: { submit: create } },
         field("tenant-name", "Name", name, "A DNS label: its namespace in a cluster."),
+        field("tenant-weight", "Weight", share, WEIGHT_HINT),
         h("div", { class: "field" }, h("button", { type: "submit" }, "Create tenant")),
       ),
       place,
@@ -61,9 +74,10 @@ function quotaForm(app, tenant) {
   const inputs = QUOTAS.map(([key]) =>
     h("input", { type: "number", min: "1", step: "1", value: String(tenant[key]), dataset: { key } }),
   );
+  const share = weightInput(tenant.weight ?? 1);
   const place = h("div", {});
   const save = app.guard(async () => {
-    const body = {};
+    const body = { weight: Number(share.value) };
     for (const input of inputs) body[input.dataset.key] = Number(input.value);
     await call("PATCH", `v1/tenants/${enc(tenant.name)}`, body);
     app.notify(`Quotas of ${tenant.name} saved.`);
@@ -76,6 +90,7 @@ function quotaForm(app, tenant) {
     h(
       "form",
       { class: "row", novalidate: true, on: { submit: save } },
+      field("quota-weight", "Weight", share, WEIGHT_HINT),
       QUOTAS.map(([key, label], i) => field(`quota-${key}`, label, inputs[i])),
       h("div", { class: "field" }, h("button", { type: "submit" }, "Save quotas")),
     ),
@@ -148,7 +163,7 @@ function keys(app, tenant, list) {
   );
 }
 
-/** #/tenants/{name}: one tenant's quotas and keys. */
+/** #/tenants/{name}: one tenant's weight, quotas and keys. */
 export async function tenant(app, name) {
   let t;
   let list;

@@ -19,6 +19,11 @@ export function count(n) {
   return Number(n || 0).toLocaleString("en-US");
 }
 
+/** A tenant's weight: 2.5 -> "2.5", 1/3 -> "0.333" (a control plane without weights: 1). */
+export function weight(n) {
+  return Number(n ?? 1).toLocaleString("en-US", { maximumFractionDigits: 3 });
+}
+
 /** An ISO time -> "2025-05-01 14:03 UTC" ("" for none). */
 export function time(iso) {
   if (!iso) return "";
