@@ -39,6 +39,8 @@ def test_completion_returns_text_usage_and_finish_reason(client: OpenAI) -> None
     assert out.choices[0].finish_reason in ("length", "stop")
     assert out.usage is not None and out.usage.completion_tokens <= 7
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    details = out.usage.prompt_tokens_details  # prompt tokens from the prefix cache
+    assert details is not None and 0 <= (details.cached_tokens or 0) <= out.usage.prompt_tokens
 
 
 def test_adapters_change_the_output(client: OpenAI) -> None:
@@ -181,6 +183,8 @@ def test_chat_stream_has_role_then_content_then_finish_then_usage(client: OpenAI
     )
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert chunks[-1].usage.prompt_tokens_details is not None
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
 
 
 def test_completion_stream_ends_with_done(server: Running) -> None:
