@@ -138,8 +138,13 @@ def deployment(
             {"name": "http", "containerPort": PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        # Loading a model takes a while: the startup probe covers it, then liveness takes over.
-        "startupProbe": _probe("/health", 10, 60),
+        # The startup probe waits for the model (/ready: loaded), up to 30 minutes (a large
+        # model from a volume or the network), and kills a load hung past that; liveness and
+        # readiness begin only once it passed, so a loading pod is never killed. Liveness
+        # (/health: the engine thread runs) restarts a pod 30 s after its engine thread died;
+        # readiness (/ready: the engine steps) takes a stalled or failing pod out of rotation
+        # within 10 s of /ready saying so, and back as soon as it steps again.
+        "startupProbe": _probe("/ready", 10, 180),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),
         "resources": spec.resources,
