@@ -24,7 +24,6 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from loraplane.dataplane.async_engine import EngineHealth
 from loraplane.dataplane.server.deps import AdminDep, RuntimeDep
 from loraplane.dataplane.server.errors import InvalidRequest
 from loraplane.dataplane.server.protocol import LoadLoRARequest, UnloadLoRARequest
@@ -33,28 +32,20 @@ from loraplane.dataplane.server.runtime import Runtime
 router = APIRouter(tags=["operations"])
 
 
-def engine_health(runtime: Runtime) -> EngineHealth | None:
-    """The engine's verdict under the server's thresholds; None before the engine exists."""
-    if runtime.engine is None:
-        return None
-    s = runtime.settings
-    return runtime.engine.health(stall_s=s.ready_stall_s, max_failed_steps=s.ready_failed_steps)
-
-
 def readiness(runtime: Runtime) -> str:
     """Why the replica must not take requests now; empty when it may."""
     if runtime.draining:
         return "draining"
     if not runtime.ready:
         return "loading" if runtime.fatal is None else "start failed (see the server's log)"
-    verdict = engine_health(runtime)
+    verdict = runtime.engine_health()
     return "" if verdict is None or verdict.ready else verdict.reason
 
 
 @router.get("/health")
 async def health(runtime: RuntimeDep) -> Response:
     """Liveness: 503 once the engine thread is gone (not while shutting down); else 200."""
-    verdict = engine_health(runtime)
+    verdict = runtime.engine_health()
     if verdict is None or verdict.alive or runtime.draining:
         return JSONResponse({"alive": True})
     return JSONResponse({"alive": False, "reason": verdict.reason}, status_code=503)

@@ -26,6 +26,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loraplane.dataplane.async_engine import EngineHealth
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.fairness import TenantShare
 
@@ -273,6 +274,30 @@ def _tenant_families(tenants: dict[str, TenantShare]) -> Iterator[Metric]:
         yield counter
 
 
+class _HealthCollector(Collector):
+    """The engine loop's health figures, what /ready judges (the metrics port only); read
+    without the engine thread, so they show while a step hangs."""
+
+    def __init__(self, health: Callable[[], EngineHealth | None]) -> None:
+        self._health = health
+
+    def collect(self) -> Iterator[Metric]:
+        h = self._health()
+        if h is None:  # no engine yet
+            return
+        yield _gauge(
+            "loraplane_engine_seconds_since_last_step",
+            "Seconds since an engine step last ended or the engine last had no work (grows"
+            " only while work waits behind a stuck step)",
+            h.seconds_since_step,
+        )
+        yield _gauge(
+            "loraplane_engine_failed_steps",
+            "Engine steps that raised, in a row (0 once a step returns)",
+            h.failed_steps,
+        )
+
+
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
@@ -335,6 +360,10 @@ class ServerMetrics:
             self.load_seconds.labels(tier=tier)  # series exist before the first load
         self.registry.register(_GatewayCollector(lambda: self.snapshot, adapters=True))
         self.registry.register(_EngineCollector(self))
+
+    def watch_engine(self, health: Callable[[], EngineHealth | None]) -> None:
+        """Export the engine loop's health figures from `health` (at each scrape)."""
+        self.registry.register(_HealthCollector(health))
 
     def add_tenant(self, tenant: str) -> None:
         """Create the tenant's token series at 0 (standalone mode's one tenant, at start)."""

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from loraplane.adapters.base_model import BaseModelError, read_config
 from loraplane.adapters.errors import AdapterRejected
-from loraplane.dataplane.async_engine import AsyncEngine
+from loraplane.dataplane.async_engine import AsyncEngine, EngineHealth
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.heap import freeze_startup_heap
 from loraplane.dataplane.sequence import LoRARef
@@ -114,6 +114,7 @@ class Runtime:
         engine = await asyncio.to_thread(self._build_engine)
         self.max_model_len = engine.config.max_model_len or 0
         self.engine = AsyncEngine(engine)
+        self.metrics.watch_engine(self.engine_health)
         s = self.settings
         if s.controlplane_url:
             self.catalog = HttpCatalog(
@@ -193,6 +194,13 @@ class Runtime:
         self.compiling.shutdown()
 
     # -- the engine thread ------------------------------------------------------------------
+
+    def engine_health(self) -> EngineHealth | None:
+        """The engine loop's verdict under LORAPLANE_READY_*; None before it exists."""
+        if self.engine is None:
+            return None
+        s = self.settings
+        return self.engine.health(stall_s=s.ready_stall_s, max_failed_steps=s.ready_failed_steps)
 
     def require_engine(self) -> AsyncEngine:
         """The engine, or 503 while loading or shutting down."""

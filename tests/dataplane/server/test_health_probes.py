@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane.dataplane.async_engine import AsyncEngine
 from loraplane.dataplane.config import EngineConfig
@@ -59,6 +60,15 @@ def serve(tiny_llama_dir: Path) -> Iterator[Callable[..., tuple[str, Runtime]]]:
             return stack.enter_context(start_server(settings))
 
         yield start
+
+
+def gauge(runtime: Runtime, name: str) -> float:
+    """A gauge of the metrics port's exposition (every series)."""
+    text = runtime.metrics.render().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return float(family.samples[0].value)
+    raise AssertionError(f"no {name}")
 
 
 def engine_of(runtime: Runtime) -> Engine:
@@ -112,10 +122,12 @@ def test_every_step_failing_takes_the_replica_out_of_rotation_until_a_step_succe
     assert ready.status_code == 503
     assert ready.json() == {"ready": False, "reason": "the engine's last 3 steps failed"}
     assert status(url, "/health") == 200  # the thread runs: no restart for this
+    assert gauge(runtime, "loraplane_engine_failed_steps") == 3
     monkeypatch.undo()  # the fault clears: the next step that returns brings it back
     assert status(url, "/ready") == 503  # no step has succeeded yet
     assert complete(url).status_code == 200
     assert httpx.get(url + "/ready").json() == {"ready": True}
+    assert gauge(runtime, "loraplane_engine_failed_steps") == 0
 
 
 def test_a_stuck_step_with_work_queued_fails_ready_until_it_ends(
@@ -142,11 +154,13 @@ def test_a_stuck_step_with_work_queued_fails_ready_until_it_ends(
         reason = httpx.get(url + "/ready").json()["reason"]
         assert reason.startswith("the engine has work but no step has ended for"), reason
         assert status(url, "/health") == 200  # slow is not dead: never killed for it
+        assert gauge(runtime, "loraplane_engine_seconds_since_last_step") >= 2.0
     finally:
         release.set()
         client.join(30)
     assert answers and answers[0].status_code == 200
     wait_until(lambda: status(url, "/ready") == 200)
+    assert gauge(runtime, "loraplane_engine_seconds_since_last_step") < 2.0
 
 
 def test_an_idle_engine_is_ready_however_long_ago_its_last_step_and_a_failed_streak_expires(
