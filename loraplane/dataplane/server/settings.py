@@ -76,8 +76,8 @@ class ServerSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     # /ready fails while the engine has work but no step has ended for this long. 30 s: a step
     # takes milliseconds to about a second (a full prefill chunk of a large model); the slowest
-    # honest ones are the first steps after start, which compile Triton kernels (a few seconds
-    # each) and load adapters. 30 s clears those, and the readiness probe adds its own
+    # honest ones are the first steps after start, which compile Triton kernels for their
+    # shapes and load adapters. 30 s clears those, and the readiness probe adds its own
     # failures x period before the pod leaves rotation; it is never killed for this (/health).
     ready_stall_s: float = Field(default=30.0, gt=0)
     # /ready fails while the engine's last this many steps all raised (until one returns)
