@@ -23,6 +23,7 @@ from loraplane.dataplane.async_engine import AsyncEngine
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine, RequestOutput
 from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.server.app import create_app
 from loraplane.dataplane.server.runtime import Runtime
 from tests.dataplane.server.conftest import API_KEY, server_settings, start_server
 
@@ -201,3 +202,24 @@ def test_an_idle_engine_is_ready_however_long_ago_its_last_step_and_a_failed_str
         False,
         "the engine thread is gone (stopped)",
     )
+
+
+def test_a_loading_server_is_alive_but_not_ready_and_a_failed_start_says_so(
+    tiny_llama_dir: Path,
+) -> None:
+    """The app before its engine exists (its lifespan, which loads the model, not run)."""
+    app = create_app(server_settings(tiny_llama_dir, {}))
+    runtime: Runtime = app.state.runtime
+
+    async def probe(path: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://dp") as client:
+            return await client.get(path)
+
+    health, ready = asyncio.run(probe("/health")), asyncio.run(probe("/ready"))
+    assert (health.status_code, health.json()) == (200, {"alive": True})  # never killed loading
+    assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "loading"})
+    runtime.fatal = "cannot load model /secret/path: bad config"  # the process exits on its own
+    ready = asyncio.run(probe("/ready"))
+    assert ready.json() == {"ready": False, "reason": "start failed (see the server's log)"}
+    assert asyncio.run(probe("/health")).status_code == 200
