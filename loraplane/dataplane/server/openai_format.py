@@ -19,9 +19,51 @@ from loraplane.dataplane.server.generation import Choice, Job
 TokenText = Callable[[int], str]
 
 
-def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event carrying `payload` as JSON."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+def sse(payload: dict[str, Any], *, sliced: bool = False) -> bytes:
+    """One server-sent event carrying `payload` as JSON (`sliced`: see json_text)."""
+    text = json_text(payload, SSE_JSON) if sliced else json.dumps(payload, **SSE_JSON)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+SSE_JSON: dict[str, Any] = {"ensure_ascii": False}
+# what starlette's JSONResponse writes
+BODY_JSON: dict[str, Any] = {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}
+_SLICE = 256  # list items per json.dumps call
+_FEW = 16  # a list this short is written item by item (its items may be long)
+
+
+def json_text(value: Any, options: dict[str, Any]) -> str:
+    """`json.dumps(value, **options)`, with long lists written `_SLICE` items per call.
+
+    json.dumps holds the GIL for its whole call: a 4k-token answer with log-probabilities (a
+    couple of MB) would stop the event loop for as long as it is written, even from a worker
+    thread. Between slices the GIL is handed over. Dicts and short lists (the choices) are
+    written part by part down to the long lists. Same text as one call.
+    """
+    item_sep, key_sep = options.get("separators") or (", ", ": ")
+    parts: list[str] = []
+
+    def write(v: Any) -> None:
+        if isinstance(v, dict) and v and all(isinstance(k, str) for k in v):
+            parts.append("{")
+            for i, (k, item) in enumerate(v.items()):
+                parts.append((item_sep if i else "") + json.dumps(k, **options) + key_sep)
+                write(item)
+            parts.append("}")
+        elif isinstance(v, list) and 0 < len(v) <= _FEW:  # e.g. the choices: each one in turn
+            parts.append("[")
+            for i, item in enumerate(v):
+                parts.append(item_sep if i else "")
+                write(item)
+            parts.append("]")
+        elif isinstance(v, list) and len(v) > _SLICE:
+            slices = (json.dumps(v[i : i + _SLICE], **options) for i in range(0, len(v), _SLICE))
+            parts.append("[" + item_sep.join(piece[1:-1] for piece in slices) + "]")
+        else:
+            parts.append(json.dumps(v, **options))
+
+    write(value)
+    return "".join(parts)
 
 
 DONE = b"data: [DONE]\n\n"

@@ -266,9 +266,12 @@ async def _answer(
         return JSONResponse(build(job, job.request_id, created, model, top, _token_text(runtime)))
     # log-probabilities, an echo: per-token work, done (and serialised) on a worker
     text = _token_text(runtime, await runtime.token_texts(job.tenant))
-    return await runtime.tokenize(
-        job.tenant, lambda: JSONResponse(build(job, job.request_id, created, model, top, text))
-    )
+
+    def render() -> bytes:
+        body = build(job, job.request_id, created, model, top, text)
+        return fmt.json_text(body, fmt.BODY_JSON).encode()
+
+    return Response(await runtime.tokenize(job.tenant, render), media_type="application/json")
 
 
 def _per_token(job: Job, top: int | None) -> bool:
@@ -342,7 +345,9 @@ async def _events(
         return fmt.sse(fmt.chunk(rid, created, model, choices, chat=chat, include_usage=usage))
 
     def prompt_chunk(choice: Choice) -> bytes:
-        return chunk([fmt.stream_prompt(choice, top, text, chat=chat)])
+        entry = fmt.stream_prompt(choice, top, text, chat=chat)
+        return fmt.sse(fmt.chunk(rid, created, model, [entry], chat=chat, include_usage=usage),
+                       sliced=True)  # fmt: skip
 
     try:
         if chat:

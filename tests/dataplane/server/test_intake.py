@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from starlette.responses import JSONResponse
 
+from loraplane.dataplane.server import openai_format as fmt
 from loraplane.dataplane.server.intake import FairPool, auto_workers
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings
@@ -95,6 +97,15 @@ def test_a_job_whose_caller_gave_up_never_starts_and_errors_reach_the_caller() -
         pool.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_answers_written_in_slices_are_the_same_json_as_one_call() -> None:
+    top = [{"tok": -0.5, "é": -1.25} for _ in range(700)]
+    body = {"id": "x", "choices": [{"index": 0, "logprobs": {"top_logprobs": [None, *top],
+            "tokens": ["a"] * 300, "text_offset": list(range(1000))}}, {"index": 1}],
+            "usage": {"prompt_tokens": 3}, "empty": [], "none": {}}  # fmt: skip
+    assert fmt.json_text(body, fmt.BODY_JSON).encode() == JSONResponse(body).body
+    assert fmt.sse(body, sliced=True) == fmt.sse(body)
 
 
 # -- a real server --------------------------------------------------------------------------
