@@ -2,19 +2,22 @@
 
 `GET {url}/internal/v1/resolve?model=...` with the service token as bearer and the caller's key
 in `X-Tenant-Key` (DESIGN.md section 6); answers are cached for `ttl` seconds per (key, model),
-so a revoked key or a deleted adapter stops working within the TTL. Failures are cached too
-(401/404 for the same TTL), so a flood of bad keys does not become a flood of control plane
-calls. /v1/models lists the tenant's adapters with `GET {url}/v1/adapters` under its own key.
+so a revoked key or a deleted adapter stops working within the TTL. Refusals (401/404) are
+cached too, so a flood of bad keys does not become a flood of control plane calls, but in a
+cache of their own (NEGATIVE_ENTRIES, for at most NEGATIVE_TTL_S): random keys can evict only
+other refusals, never a tenant's good answer, which an outage may need. /v1/models lists the
+tenant's adapters with `GET {url}/v1/adapters` under its own key.
 Both go through `loraplane.internal_api.AsyncInternalAPIClient`; `_api_error` is the one place
 its errors become OpenAI errors (401, 404, 429 busy, 503 `CatalogDown`, 502 otherwise).
 
 Serving does not depend on the control plane being up for tenants it already knows: while the
 control plane is unreachable (no connection, a timeout, or a 5xx answer), a (key, model) that
-resolved within the last `stale` seconds keeps its last good resolution; anything else gets 503
-with Retry-After. After a failed call the control plane is left alone for a moment (`ttl`, at
-most RETRY_S), so an outage does not cost every request a connection timeout. Whenever the
-control plane answers, its answer wins at once: a key revoked during the outage stops working
-within the TTL of its return.
+resolved within the last `stale` seconds keeps its last good resolution, and a key that listed
+its models within that window gets that list again; anything else gets 503 with Retry-After.
+After a failed call the control plane is left alone for a moment (`ttl`, at most RETRY_S), so
+an outage does not cost every request a connection timeout. Whenever the control plane
+answers, its answer wins at once: a key revoked during the outage stops working within the TTL
+of its return.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import httpx
 
@@ -43,7 +46,9 @@ from loraplane.internal_api import (
     json_of,
 )
 
-CACHE_ENTRIES = 10_000
+CACHE_ENTRIES = 10_000  # good resolutions (and last good /v1/models lists), least recent out
+NEGATIVE_ENTRIES = 10_000  # refusals (unknown key, unknown model): a bound of their own
+NEGATIVE_TTL_S = 2.0  # a refusal is cached this long at most (a new key works soon)
 RETRY_S = 5.0  # after a failed call, the control plane is called again this much later at most
 TIMEOUT_S = 5.0  # per call: a resolution is on a request's path
 
@@ -52,6 +57,15 @@ class _Entry(NamedTuple):
     expires: float  # fresh until then
     result: Resolved | APIError
     good_until: float  # a Resolved result may stand in for an unreachable control plane until
+
+
+class _Models(NamedTuple):
+    rows: tuple[ModelEntry, ...]  # a key's last good /v1/models answer
+    good_until: float  # it may stand in for an unreachable control plane until then
+
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class CatalogDown(Unavailable):
@@ -70,17 +84,26 @@ class HttpCatalog:
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
         stale: float = 300.0,
+        *,
+        entries: int = CACHE_ENTRIES,
+        negative_entries: int = NEGATIVE_ENTRIES,
+        negative_ttl: float = NEGATIVE_TTL_S,
     ) -> None:
         self.url = url.rstrip("/")
         self.base_model = base_model
         self.ttl = ttl
+        self.negative_ttl = min(ttl, negative_ttl)
         self.stale = stale
-        self.stale_answers = 0  # resolutions served from a last good answer (an outage)
+        self.entries, self.negative_entries = entries, negative_entries
+        self.stale_answers = 0  # answers served from a last good one (an outage)
         self._down_until = 0.0  # no call before then: the last one failed
         self._api = AsyncInternalAPIClient(url, service_token, timeout=TIMEOUT_S, client=client)
         self._clock = clock
-        # sha256(key) + model -> the answer (Resolved, or the error to raise again)
+        # sha256(key) + model -> a good answer; refusals (the error to raise again) apart, so
+        # that no number of bad keys can push a good answer out
         self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._models: OrderedDict[str, _Models] = OrderedDict()  # sha256(key) -> last list
 
     async def resolve(self, api_key: str | None, model: str) -> Resolved:
         """See Catalog.resolve."""
@@ -93,24 +116,35 @@ class HttpCatalog:
         if hit is not None and hit.expires > now:
             self._cache.move_to_end(cache_key)
             return _unwrap(hit.result)
+        refused = self._refused.get(cache_key)
+        if refused is not None and refused.expires > now:
+            return _unwrap(refused.result)
         try:
-            if now < self._down_until:
-                raise CatalogDown("the catalog is unreachable", retry_after=RETRY_S)
-            result: Resolved | APIError = await self._fetch(api_key, model)
+            self._check_down(now)
+            result = await self._fetch(api_key, model)
         except (Unauthorized, ModelNotFound) as e:
-            result = e
+            # a revoked key or a deleted adapter: its old good answer must not stand in later
+            self._cache.pop(cache_key, None)
+            _put(self._refused, cache_key, _Entry(now + self.negative_ttl, e, 0.0),
+                 self.negative_entries)  # fmt: skip
+            return _unwrap(e)
         except CatalogDown:
-            self._down_until = max(self._down_until, now + min(self.ttl, RETRY_S))
-            if hit is not None and isinstance(hit.result, Resolved) and hit.good_until > now:
+            self._went_down(now)
+            if hit is not None and hit.good_until > now:
                 self.stale_answers += 1
-                return hit.result  # a tenant it knows: served through the outage
+                return _unwrap(hit.result)  # a tenant it knows: served through the outage
             raise
-        good_until = now + self.stale if isinstance(result, Resolved) else 0.0
-        self._cache[cache_key] = _Entry(now + self.ttl, result, good_until)
-        self._cache.move_to_end(cache_key)
-        while len(self._cache) > CACHE_ENTRIES:
-            self._cache.popitem(last=False)
-        return _unwrap(result)
+        self._refused.pop(cache_key, None)
+        _put(self._cache, cache_key, _Entry(now + self.ttl, result, now + self.stale), self.entries)
+        return result
+
+    def _check_down(self, now: float) -> None:
+        """CatalogDown while the control plane is left alone after a failed call."""
+        if now < self._down_until:
+            raise CatalogDown("the catalog is unreachable", retry_after=RETRY_S)
+
+    def _went_down(self, now: float) -> None:
+        self._down_until = max(self._down_until, now + min(self.ttl, RETRY_S))
 
     async def _fetch(self, api_key: str, model: str) -> Resolved:
         data = await self._get(
@@ -154,7 +188,21 @@ class HttpCatalog:
         """The base model and the tenant's adapters of this base model (current versions)."""
         if not api_key:
             raise Unauthorized("send Authorization: Bearer <your API key>")
-        data = await self._get("/v1/adapters", "", token=api_key)
+        cache_key = hashlib.sha256(api_key.encode()).hexdigest()
+        now = self._clock()
+        try:
+            self._check_down(now)
+            data = await self._get("/v1/adapters", "", token=api_key)
+        except CatalogDown:
+            self._went_down(now)
+            last = self._models.get(cache_key)
+            if last is not None and last.good_until > now:
+                self.stale_answers += 1
+                return list(last.rows)  # as resolve does: a key it knows lists its models
+            raise
+        except Unauthorized:
+            self._models.pop(cache_key, None)  # revoked: never listed from an old answer
+            raise
         rows = [ModelEntry(self.base_model, None)]
         for item in data if isinstance(data, list) else []:
             if (
@@ -164,6 +212,7 @@ class HttpCatalog:
                 and isinstance(item.get("name"), str)
             ):
                 rows.append(ModelEntry(item["name"], self.base_model))
+        _put(self._models, cache_key, _Models(tuple(rows), now + self.stale), self.entries)
         return rows
 
     async def aclose(self) -> None:
@@ -187,6 +236,14 @@ def _api_error(err: InternalAPIError, model: str) -> APIError:
     if err.code == INVALID_RESPONSE:
         return UpstreamError("the catalog answered invalid JSON")
     return UpstreamError(f"the catalog answered HTTP {err.status}")
+
+
+def _put(cache: OrderedDict[K, V], key: K, value: V, limit: int) -> None:
+    """Store `value` as the most recent entry; the least recent go past `limit`."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
 
 
 def _unwrap(result: Resolved | APIError) -> Resolved:
