@@ -55,6 +55,9 @@ LOAD_WAIT_S = 0.02
 # pays for a wait of up to n / r of a step's time. The engine waits at most that long (and at
 # most half a step), and only while such loads run.
 MAX_LOAD_WAIT_FRACTION = 0.5
+# RequestOutput.error_code of a request whose adapter was still not in host memory
+# adapter_load_timeout_s after it arrived (the server answers 504 AdapterLoadTimeout)
+ADAPTER_LOAD_TIMEOUT = "AdapterLoadTimeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set when the request failed (e.g. its adapter could not load)
+    error_code: str | None = None  # what kind of failure, where callers tell kinds apart
     # per token, its best alternatives (token id, log-probability), when the request asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # with the first token, per prompt token after the first, when the request asked
@@ -386,15 +390,24 @@ class Engine:
         self.loras.wait_for(refs, min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
 
     def _fail_unloadable(self) -> list[RequestOutput]:
-        """End waiting requests whose adapter's last load failed; other requests go on."""
+        """End waiting requests whose adapter's last load failed, and those whose adapter is
+        still not in host memory `adapter_load_timeout_s` after they arrived (a store that
+        never answers must not hold them forever); other requests go on."""
         outputs = []
+        timeout = self.config.adapter_load_timeout_s
+        horizon = time.monotonic() - timeout
         for seq in list(self.scheduler.waiting):
-            error = None if seq.lora is None else self.loras.failure(seq.lora)
+            if seq.lora is None:
+                continue
+            error = self.loras.failure(seq.lora)
             if error is not None:
                 outputs.append(self._fail(seq, error))
+            elif seq.arrival_time < horizon and not self.loras.in_host_memory(seq.lora):
+                late = f"adapter {seq.lora.name} was not loaded within {timeout:g} s"
+                outputs.append(self._fail(seq, late, ADAPTER_LOAD_TIMEOUT))
         return outputs
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, error: str, code: str | None = None) -> RequestOutput:
         """Finish a request as failed with `error`; its blocks are freed."""
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._detok.pop(seq.request_id, None)
@@ -409,6 +422,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             error=error,
+            error_code=code,
         )
 
     def _emit(self, seq: Sequence) -> RequestOutput:

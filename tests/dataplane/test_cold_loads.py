@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,12 +21,16 @@ from loraplane.adapters import s3read
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.ingest import AdapterVersion, ingest
 from loraplane.adapters.limits import AdapterLimits
-from loraplane.adapters.store import S3Store
+from loraplane.adapters.store import LocalStore, S3Store
 from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import ADAPTER_LOAD_TIMEOUT, RequestOutput
+from loraplane.dataplane.lora.manager import LoRAManager, State
+from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier
 from tests import s3server
 from tests.dataplane.test_lora_manager import manager
+from tests.dataplane.test_tiers import PROMPT, engine_for
 
 
 class SilentEndpoint:
@@ -120,3 +125,125 @@ def test_a_silent_store_endpoint_fails_a_load_within_the_clients_bound(
     attempts = (disk.retries + 1) * s3read.MAX_ATTEMPTS
     assert len(silent.connections) == attempts == 4
     assert elapsed < attempts * (0.5 + 1) + 1, elapsed  # not boto3's 60 s per read
+
+
+class HangingStore(S3Store):
+    """An S3Store whose downloads of one tenant's objects wait until `release` is set (a
+    tenant whose objects hang); every other key downloads at once."""
+
+    hung_tenant = ""
+    release: threading.Event
+
+    def download(self, key: str, dest: Path) -> None:
+        if f"/{self.hung_tenant}/" in f"/{key}":
+            self.release.wait(timeout=60)
+        super().download(key, dest)
+
+
+@pytest.fixture
+def hanging(s3_endpoint: str, tiny_llama_dir: Path, peft_adapters: dict[str, Path]) -> Iterator[
+    tuple[HangingStore, dict[str, AdapterVersion], dict[str, AdapterVersion]]
+]:  # fmt: skip
+    """Tenant "hung": three stored adapters whose objects hang; tenant "fine": one whose
+    objects download (other content, so no digest is shared with "hung")."""
+    bucket = f"hang-{time.monotonic_ns()}"
+    s3server.s3_client(s3_endpoint).create_bucket(Bucket=bucket)
+    store = HangingStore(bucket, "root", client=s3server.s3_client(s3_endpoint))
+    store.hung_tenant, store.release = "hung", threading.Event()
+    hung = ingested(store, tiny_llama_dir, peft_adapters, "hung", ["r4", "r16", "r8-qv"])
+    fine = ingested(store, tiny_llama_dir, peft_adapters, "fine", ["r8-layer1"])
+    yield store, hung, fine
+    store.release.set()
+
+
+def refs_of(m: LoRAManager, versions: dict[str, AdapterVersion]) -> list[LoRARef]:
+    return [m.register_stored(LoRARef(n, v.tenant, v.digest), v.path) for n, v in versions.items()]
+
+
+def test_a_tenant_whose_objects_hang_does_not_hold_another_tenants_load(
+    hanging: tuple[HangingStore, dict[str, AdapterVersion], dict[str, AdapterVersion]],
+    tiny_llama_dir: Path, tmp_path: Path,
+) -> None:  # fmt: skip
+    store, hung_versions, fine_versions = hanging
+    m = manager(tiny_llama_dir, None, disk=DiskTier(store, tmp_path / "disk"))
+    hung, (fine,) = refs_of(m, hung_versions), refs_of(m, fine_versions)
+    assert m.max_loads_in_flight == 2
+    m.prefetch(hung)  # alone, the tenant takes both loader threads: both of its loads hang
+    assert m._tenant_loads["hung"] == 2
+    start = time.monotonic()
+    m.prefetch([*hung, fine])  # its requests are older, but the other tenant's load starts
+    m.wait_for([fine], timeout=10)
+    assert m.in_host_memory(fine), time.monotonic() - start
+    assert time.monotonic() - start < 5
+    # and the hung tenant starts no third load while over its share
+    assert [m.in_host_memory(r) for r in hung] == [False] * 3
+    assert m._tenant_loads["hung"] == 2 and m._entries[hung[2].key].state is State.COLD
+    store.release.set()
+    m.wait_for(hung, timeout=30)
+    assert all(m.in_host_memory(r) for r in hung)
+    m.close()
+
+
+def test_the_loader_takes_tenants_in_turn_and_the_depth_is_shared(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    m = manager(tiny_llama_dir, None, disk=DiskTier(store), max_loads_in_flight=1,
+                prefetch_depth=4)  # fmt: skip
+    refs = []
+    for tenant, names in (("a", ["r4", "r16", "r8-qv", "r32-mlp"]), ("b", ["r8-layer1"])):
+        for n in names:
+            v = ingest(peft_adapters[n], tenant, n, spec, AdapterLimits(), store)
+            refs.append(m.register_stored(LoRARef(n, tenant, v.digest), v.path))
+    order: list[str] = []
+    real = m._read
+
+    def recording(entry: Any) -> Any:
+        order.append(f"{entry.ref.tenant}/{entry.ref.name}")
+        return real(entry)
+
+    m._read = recording  # type: ignore[method-assign]
+    m.prefetch(refs)  # a's four are older than b's one, and the depth is four
+    m.wait_for(refs, timeout=30)
+    # b's adapter second, not after a's (nor left out by the depth): a's fourth waits instead
+    assert order == ["a/r4", "b/r8-layer1", "a/r16", "a/r8-qv"]
+    m.close()
+
+
+def test_a_request_whose_adapter_never_arrives_fails_alone_after_the_deadline(
+    hanging: tuple[HangingStore, dict[str, AdapterVersion], dict[str, AdapterVersion]],
+    tiny_llama_dir: Path, tmp_path: Path,
+) -> None:  # fmt: skip
+    store, hung_versions, fine_versions = hanging
+    engine = engine_for(tiny_llama_dir, DiskTier(store, tmp_path / "disk"),
+                        adapter_load_timeout_s=2)  # fmt: skip
+    (hung, *_), (fine,) = refs_of(engine.loras, hung_versions), refs_of(engine.loras, fine_versions)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    start = time.monotonic()
+    engine.add_request("late", PROMPT, params, hung)
+    engine.add_request("fine", PROMPT, params, fine)
+    engine.add_request("base", PROMPT, params)
+    ended: dict[str, float] = {}
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished and time.monotonic() - start < 20:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                ended[out.request_id] = time.monotonic() - start
+    (late,) = outs["late"]
+    assert late.finished and late.error_code == ADAPTER_LOAD_TIMEOUT
+    assert late.error == "adapter r4 was not loaded within 2 s"
+    assert 2 <= ended["late"] < 5, ended
+    # the others were served meanwhile, untouched by the deadline
+    for rid in ("fine", "base"):
+        assert [o.error for o in outs[rid]] == [None] * 4 and outs[rid][-1].finished, rid
+        assert ended[rid] < ended["late"], ended
+    store.release.set()
+    engine.loras.close()
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True, "60"])
+def test_an_adapter_load_timeout_that_is_not_a_positive_number_is_refused(value: Any) -> None:
+    with pytest.raises(ValueError, match="adapter_load_timeout_s"):
+        EngineConfig(model="m", adapter_load_timeout_s=value)

@@ -12,9 +12,15 @@ Nothing used by a running request is evicted.
 
 Loads from disk into host memory run on background threads, off the engine's critical path:
 the engine hands `prefetch` the waiting requests' adapters each step, oldest request first
-(the waiting queue is the prefetch list); the first `prefetch_depth` of them are loaded in that
-order, `max_loads_in_flight` at a time, each loader thread taking the next one as it finishes,
-so the requests next in line get their adapters first while the current batch runs. The
+(the waiting queue is the prefetch list), `max_loads_in_flight` at a time, each loader thread
+taking the next one as it finishes, so the requests next in line get their adapters first while
+the current batch runs. Fair across tenants: the list keeps `prefetch_depth` adapters taken
+from the tenants in turn (each tenant's in its own order), the next load goes to the tenant
+with the fewest loads in flight (then the one served least recently), and while other tenants
+have loads queued a tenant starts no more than its share of the threads (`max_loads_in_flight`
+over the tenants loading). A tenant that took every thread while alone lends the ones beyond
+its share: another tenant's load starts on an extra thread at once (at most as many extra as
+were lent), so one tenant's slow or dead objects delay only its own loads. The
 scheduler admits a request once `ready` says its adapter is in host memory. A load that fails
 (any exception: digest mismatch, store unreachable after retries, a bad path) marks the
 version failed for `retry_after_s`: the engine fails only the requests that need it, and the
@@ -27,11 +33,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import itertools
 import logging
 import os
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -155,11 +163,14 @@ class LoRAManager:
         self._lock = threading.RLock()
         self._load_ended = threading.Condition(self._lock)  # notified as each load ends
         self._loads_in_flight = 0
+        self._tenant_loads: Counter[str] = Counter()  # tenant -> its loads in flight
+        self._served: dict[str, int] = {}  # tenant -> when its last load started (a counter)
+        self._starts = 0
         self._closed = False
         self._clock = 0
         nice = loader_nice()
-        self._pool = ThreadPoolExecutor(
-            max_workers=max_loads_in_flight,
+        self._pool = ThreadPoolExecutor(  # room for the threads lent beyond the limit
+            max_workers=2 * max_loads_in_flight,
             thread_name_prefix="lora-load",
             initializer=functools.partial(_lower_priority, nice) if nice else None,
         )
@@ -272,45 +283,84 @@ class LoRAManager:
             self._load_now(entry)
         return entry.host is not None  # loaded now (prefetch off), or by a racing load
 
+    def in_host_memory(self, ref: LoRARef) -> bool:
+        """Whether `ref` is in host memory now (never starts a load, unlike `ready`)."""
+        entry = self._entries.get(ref.key)
+        return entry is not None and entry.state is State.HOST
+
     def prefetch(self, refs: Iterable[LoRARef]) -> int:
         """Load the adapters that waiting requests need in the background, in the order given
-        (the engine passes the oldest request's first): the first `prefetch_depth` of them,
-        `max_loads_in_flight` at a time. Replaces the previous list; returns the loads started
-        now (each loader thread goes on with the next adapter of the list as it finishes)."""
+        (the engine passes the oldest request's first) within each tenant and taking tenants
+        in turn: `prefetch_depth` of them (or one of each tenant's, when more tenants wait),
+        `max_loads_in_flight` at a time, fairly across tenants (see the module's docstring).
+        Replaces the previous list; returns the loads started now (each loader thread goes on
+        with the next adapter as it finishes)."""
         if not self.prefetch_enabled:
             return 0
         started = 0
         with self._lock:
-            queue: list[_Entry] = []
+            by_tenant: dict[str, list[_Entry]] = {}
             for ref in refs:
                 entry = self._entries.get(ref.key)
                 if entry is not None:
-                    queue.append(entry)
-                    if len(queue) >= self.prefetch_depth:
-                        break
-            self._queue = queue
-            while self._loads_in_flight < self.max_loads_in_flight:
-                entry = self._next_queued()
-                if entry is None:
-                    break
+                    mine = by_tenant.setdefault(ref.tenant, [])
+                    if len(mine) < self.prefetch_depth:  # more of one could never be kept
+                        mine.append(entry)
+            queue: list[_Entry] = []
+            for turn in itertools.zip_longest(*by_tenant.values()):  # each tenant in turn
+                queue.extend(e for e in turn if e is not None)
+            # every waiting tenant has a place: another tenant's loads, however slow, never
+            # fill the list
+            self._queue = queue[: max(self.prefetch_depth, len(by_tenant))]
+            # the turns of tenants that neither wait nor load are forgotten: the map stays small
+            self._served = {
+                t: n for t, n in self._served.items() if t in by_tenant or self._tenant_loads[t]
+            }
+            while (entry := self._next_load()) is not None:
                 self._begin_load(entry)
                 started += 1
         return started
 
-    def _next_queued(self) -> _Entry | None:
-        """The first adapter of the prefetch list that needs a load now (under the lock)."""
+    def _next_load(self) -> _Entry | None:
+        """The adapter of the prefetch list to load now, or None (under the lock): the first
+        one needing a load of the tenant with the fewest loads in flight, then the one served
+        least recently, among those within their share of the loader threads."""
         now = time.monotonic()
+        first: dict[str, _Entry] = {}  # tenant -> its first adapter needing a load
         for entry in self._queue:
-            if entry.state is State.COLD or (
-                entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s
+            tenant = entry.ref.tenant
+            if tenant not in first and (
+                entry.state is State.COLD
+                or (entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s)
             ):
-                return entry
-        return None
+                first[tenant] = entry
+        if not first:
+            return None
+        limit = self.max_loads_in_flight
+        loading = self._tenant_loads
+        share = max(1, limit // len(first.keys() | {t for t, n in loading.items() if n}))
+        # threads that tenants hold beyond their share were taken while they were alone:
+        # as many loads of tenants below their share may start beyond the limit
+        lent = sum(max(0, n - share) for n in loading.values())
+        alone = len(first) == 1
+        eligible = [
+            t
+            for t in first
+            if (alone and self._loads_in_flight < limit)
+            or (loading[t] < share and self._loads_in_flight < limit + lent)
+        ]
+        if not eligible:
+            return None
+        tenant = min(eligible, key=lambda t: (loading[t], self._served.get(t, -1)))
+        return first[tenant]
 
     def _begin_load(self, entry: _Entry) -> None:
         entry.state = State.LOADING
         self._loading.add(entry.ref.key)
         self._loads_in_flight += 1
+        self._tenant_loads[entry.ref.tenant] += 1
+        self._starts += 1
+        self._served[entry.ref.tenant] = self._starts
         entry.future = self._pool.submit(self._load, entry)
 
     def pending(self) -> set[str]:
@@ -392,10 +442,13 @@ class LoRAManager:
         finally:
             with self._load_ended:
                 self._loads_in_flight -= 1
+                self._tenant_loads[entry.ref.tenant] -= 1
+                if self._tenant_loads[entry.ref.tenant] <= 0:
+                    del self._tenant_loads[entry.ref.tenant]
                 self._loading.discard(entry.ref.key)
                 self._load_ended.notify_all()
                 if self.prefetch_enabled and not self._closed:
-                    following = self._next_queued()  # go on down the prefetch list
+                    following = self._next_load()  # go on down the prefetch list
                     if following is not None:
                         self._begin_load(following)
 

@@ -116,6 +116,15 @@ class Unavailable(APIError):
     code = "unavailable"
 
 
+class AdapterLoadTimeout(APIError):
+    """The request's adapter was not loaded within the engine's deadline (504): the message
+    names the adapter, never where it is stored."""
+
+    status = 504
+    type = "server_error"
+    code = "AdapterLoadTimeout"
+
+
 class UpstreamError(APIError):
     """The control plane answered something unusable (502)."""
 

@@ -18,11 +18,16 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import cast
 
-from loraplane.dataplane.engine import RequestOutput
+from loraplane.dataplane.engine import ADAPTER_LOAD_TIMEOUT, RequestOutput
 from loraplane.dataplane.sampler import TopLogprobs
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef, PromptLogprob
-from loraplane.dataplane.server.errors import ContextTooLong, InvalidRequest, Unavailable
+from loraplane.dataplane.server.errors import (
+    AdapterLoadTimeout,
+    ContextTooLong,
+    InvalidRequest,
+    Unavailable,
+)
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.tools import ToolPlan
 
@@ -133,6 +138,8 @@ async def _run_choice(
     try:
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
+                if out.error_code == ADAPTER_LOAD_TIMEOUT:  # names the adapter, not a path
+                    raise AdapterLoadTimeout(f"{out.error}; try again later", retry_after=5)
                 if out.error is not None:  # e.g. its adapter could not be loaded from the store
                     raise Unavailable(f"request failed: {out.error}", retry_after=5)
                 now = time.perf_counter()

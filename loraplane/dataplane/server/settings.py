@@ -74,6 +74,8 @@ class ServerSettings(BaseSettings):
     requests_per_minute: int = Field(default=0, ge=0)  # standalone tenant; 0 = unlimited
     tokens_per_minute: int = Field(default=0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # a request whose adapter is not loaded this long after it arrived fails with 504
+    adapter_load_timeout_s: float = Field(default=60.0, gt=0)
     # /ready fails while the engine has work but no step has ended for this long. 30 s: a step
     # takes milliseconds to about a second (a full prefill chunk of a large model); the slowest
     # honest ones are the first steps after start, which compile Triton kernels for their
@@ -176,6 +178,7 @@ class ServerSettings(BaseSettings):
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
             cuda_graphs=self.cuda_graphs,
+            adapter_load_timeout_s=self.adapter_load_timeout_s,
         )
 
     def adapter_dirs(self) -> dict[str, Path]:
@@ -221,6 +224,8 @@ SETTINGS_HELP: dict[str, str] = {
     "requests_per_minute": "standalone tenant's request limit (0: unlimited)",
     "tokens_per_minute": "standalone tenant's token limit (0: unlimited)",
     "shutdown_grace_s": "seconds running requests get to finish on SIGTERM",
+    "adapter_load_timeout_s": "seconds a request waits for its adapter to load (then 504"
+    " AdapterLoadTimeout)",
     "ready_stall_s": "/ready fails while the engine has work and no step has ended this long",
     "ready_failed_steps": "/ready fails while the engine's last this many steps all failed",
     "max_queued_requests": "engine requests in flight per replica (429 past it)",
