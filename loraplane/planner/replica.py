@@ -264,13 +264,19 @@ class Replica:
         loading = tiers.pending()
         if not loading:
             return now
-        held = [k for q in sched.waiting if (k := q.lora_key) is not None and k in loading]
+        # waiting requests held by those loads, counted up to the free seats (all that
+        # matters); every adapter loading or queued is a waiting request's (the prefetch list)
+        held = 0
+        for q in sched.waiting:
+            if q.lora is not None and q.lora.key in loading:
+                held += 1
+                if held >= seats:
+                    break
         if not held:
             return now
-        share = min(len(held), seats) / max(1, len(sched.running))
+        share = held / max(1, len(sched.running))
         deadline = now + min(MAX_LOAD_WAIT_FRACTION, share) * self.step_ewma
-        keys = set(held)
-        while keys & tiers.pending():
+        while loading & tiers.pending():
             end = tiers.next_load_end()
             if end is None or end > deadline:
                 return deadline
