@@ -338,18 +338,18 @@ async def _events(
     usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     rid = job.request_id
-    texts = await runtime.token_texts(job.tenant) if _per_token(job, top) else ()
-    text = _token_text(runtime, texts)
 
     def chunk(choices: list[dict[str, Any]]) -> bytes:
         return fmt.sse(fmt.chunk(rid, created, model, choices, chat=chat, include_usage=usage))
 
-    def prompt_chunk(choice: Choice) -> bytes:
+    def prompt_chunk(choice: Choice, text: fmt.TokenText) -> bytes:
         entry = fmt.stream_prompt(choice, top, text, chat=chat)
         return fmt.sse(fmt.chunk(rid, created, model, [entry], chat=chat, include_usage=usage),
                        sliced=True)  # fmt: skip
 
     try:
+        texts = await runtime.token_texts(job.tenant) if _per_token(job, top) else ()
+        text = _token_text(runtime, texts)
         if chat:
             for c in job.choices:
                 role = {"role": "assistant", "content": ""}
@@ -368,7 +368,7 @@ async def _events(
                 if first and (choice.echo is not None or choice.prompt_logprobs is not None):
                     # a whole prompt's entries: built (and serialised) on a worker
                     yield await runtime.tokenize(
-                        job.tenant, functools.partial(prompt_chunk, choice)
+                        job.tenant, functools.partial(prompt_chunk, choice, text)
                     )
                 if job.hide_output:  # echo only: the sampled token is not shown
                     if out.finished:
