@@ -204,6 +204,26 @@ def test_the_simulation_is_deterministic() -> None:
     assert other.ttft_s != a.ttft_s
 
 
+def test_the_simulation_is_the_same_in_every_process() -> None:
+    """No figure depends on a process's string hashing (set order): the same simulation in
+    processes with different PYTHONHASHSEED gives the same result."""
+    code = (
+        "import dataclasses, sys; sys.path.insert(0, 'tests');"
+        "from test_planner import TINY, TINY_COST, TINY_LOAD;"
+        "from loraplane.planner.fleet import simulate;"
+        "r = simulate(TINY, TINY_COST, 'round_robin', 2,"
+        " dataclasses.replace(TINY_LOAD, duration_s=8, warmup_s=2));"
+        "print(r.cold_loads, r.ttft_s)"
+    )
+    outputs = set()
+    for seed in ("1", "3"):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              cwd=REPO, env=env, check=True)  # fmt: skip
+        outputs.add(done.stdout)
+    assert len(outputs) == 1
+
+
 def test_adapter_placement_beats_round_robin_on_loads_and_tail_latency() -> None:
     rr = simulate(TINY, TINY_COST, "round_robin", 4, TINY_LOAD)
     affinity = simulate(TINY, TINY_COST, "lora_affinity", 4, TINY_LOAD)

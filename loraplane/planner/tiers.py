@@ -93,12 +93,12 @@ class SimTiers:
             self.host.move_to_end(key)
 
     def touch(self, keys: Iterable[str]) -> None:
-        """A step ran `keys`: they become the most recently used."""
-        for key in keys:
-            if key in self.host:
-                self.host.move_to_end(key)
-            if key in self.device:
-                self.device.move_to_end(key)
+        """A step ran `keys`: they become the most recently used, in the order they had (a
+        set's order would change with each process's string hashing)."""
+        keys = set(keys)
+        for tier in (self.host, self.device):
+            for key in [k for k in tier if k in keys]:
+                tier.move_to_end(key)
 
     def trim_host(self, keep: set[str]) -> None:
         """Evict host copies beyond `max_cpu_loras`, least recently used first, never one on
