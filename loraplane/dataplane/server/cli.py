@@ -75,6 +75,11 @@ def add_commands(subparsers: Any) -> None:
         " gateway; only where nothing else can reach the API port)",
     )
     serve.add_argument("--controlplane-url", help="catalog mode: the control plane's URL")
+    serve.add_argument(
+        "--usage-spool-dir",
+        help="catalog mode: folder where usage not yet delivered to the control plane survives"
+        " a crash (default: memory only)",
+    )
     serve.add_argument("--api-key", help="standalone mode: the key every /v1 route needs")
     serve.add_argument("--admin-token", help="enables /v1/load_lora_adapter and unload")
     serve.add_argument(
@@ -106,7 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
                   "max_lora_rank", "cuda_graphs",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
                   "metrics_port", "api_metrics_adapters",
-                  "controlplane_url", "api_key", "admin_token", "tool_call_parser")
+                  "controlplane_url", "usage_spool_dir",
+                  "api_key", "admin_token", "tool_call_parser")
     }  # fmt: skip
     try:
         settings = ServerSettings.load(**flags)

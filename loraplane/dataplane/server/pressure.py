@@ -18,6 +18,11 @@ carry the config.json the replica loaded its base model from until an answer say
 one: a pool whose model is only on its replicas' volume learns it this way. A config the control
 plane refuses (422) is not sent again; the next report goes without it. Reports go through
 `loraplane.internal_api.AsyncInternalAPIClient`; whatever its error, no usage is lost.
+
+With a spool folder (LORAPLANE_USAGE_SPOOL_DIR, usage_spool.py) undelivered usage also survives
+a crash: the batch in flight and the log are written to disk before a batch is first sent,
+after each accepted report, and every `spool_debounce_s` while new usage comes in; at start
+they are read back and the batch goes again under its id, so the control plane counts it once.
 """
 
 from __future__ import annotations
@@ -27,43 +32,60 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loraplane.dataplane.server.metrics import EngineSnapshot
+from loraplane.dataplane.server.usage_spool import Key, UsageSpool
 from loraplane.internal_api import AsyncInternalAPIClient, InternalAPIError
 
 log = logging.getLogger(__name__)
-Key = tuple[str, str]  # (tenant, adapter name; "" for the base model)
 PRESSURE_PATH = "/internal/v1/pressure"
 TIMEOUT_S = 5.0
+SPOOL_DEBOUNCE_S = 1.0  # new usage reaches the spool file this much later at most
 
 
 class UsageLog:
-    """Requests and tokens per (tenant, adapter) since the last drain."""
+    """Requests and tokens per (tenant, adapter) since the last drain, least recently counted
+    first (the order in which a full spool leaves rows out)."""
 
     def __init__(self) -> None:
         self._rows: dict[Key, list[int]] = {}
+        self.changes = 0  # bumped by every change (the spool writes when it moved)
 
     def add(
         self, tenant: str, adapter: str | None, *, requests: int, prompt: int, completion: int
     ) -> None:
         """Count one finished (or aborted) request's usage."""
-        row = self._rows.setdefault((tenant, adapter or ""), [0, 0, 0])
+        key = (tenant, adapter or "")
+        row = self._rows.pop(key, None) or [0, 0, 0]
+        self._rows[key] = row  # now the most recent
         row[0] += requests
         row[1] += prompt
         row[2] += completion
+        self.changes += 1
 
     def drain(self) -> dict[Key, list[int]]:
         """Take everything counted so far."""
         rows, self._rows = self._rows, {}
+        self.changes += 1
         return rows
 
     def restore(self, rows: dict[Key, list[int]]) -> None:
-        """Put drained rows back (their report failed)."""
-        for (tenant, adapter), (req, prompt, completion) in rows.items():
-            self.add(tenant, adapter, requests=req, prompt=prompt, completion=completion)
+        """Put drained rows back (their report failed, or they were read from the spool), as
+        older than anything counted since."""
+        merged = {k: list(v) for k, v in rows.items() if k not in self._rows}
+        for key, row in self._rows.items():
+            back = rows.get(key)
+            merged[key] = [a + b for a, b in zip(row, back, strict=True)] if back else row
+        self._rows = merged
+        self.changes += 1
+
+    def snapshot(self) -> dict[Key, list[int]]:
+        """A copy of what is counted now."""
+        return {k: list(v) for k, v in self._rows.items()}
 
 
 def pressure_body(
@@ -130,6 +152,8 @@ class PressureReporter:
         *,
         namespace: str = "default",
         base_model_config: dict[str, Any] | None = None,
+        spool_dir: Path | str | None = None,
+        spool_debounce_s: float = SPOOL_DEBOUNCE_S,
     ) -> None:
         self.pool, self.replica, self.interval = pool, replica, interval
         self.namespace = namespace
@@ -139,7 +163,13 @@ class PressureReporter:
         self._usage = usage
         self._api = AsyncInternalAPIClient(url, token, timeout=TIMEOUT_S, client=client)
         self._task: asyncio.Task[None] | None = None
+        self._spool_task: asyncio.Task[None] | None = None
         self.reports_ok = self.reports_failed = 0
+        # undelivered usage on disk (None: memory only); one file per replica name
+        self.spool = UsageSpool(spool_dir, replica) if spool_dir is not None else None
+        self.spool_debounce_s = spool_debounce_s
+        self._spool_lock = asyncio.Lock()
+        self._spooled: tuple[int, str | None] | None = None  # the state the file holds
         # live replicas of the pool, from the last accepted report: tenants' rate limits are
         # split among them (each replica enforces its share)
         self.replicas = 1
@@ -152,6 +182,8 @@ class PressureReporter:
         snap = await self._snapshot()
         if self._pending is None:
             self._pending = (uuid.uuid4().hex, self._usage.drain())
+            if self._pending[1]:
+                await self.save_spool()  # the file names the batch before it can be counted
         batch, rows = self._pending
         body = pressure_body(
             self.pool, self.replica, snap, rows, namespace=self.namespace,
@@ -175,32 +207,94 @@ class PressureReporter:
                 # refused, so not counted: the rows go back into the log, in a new batch
                 self._pending = None
                 self._usage.restore(rows)
+                await self.save_spool()
             return False  # otherwise the same batch goes again (it may have been counted)
         self._pending = None
+        if rows:
+            # counted: off the disk before the next report replaces the control plane's
+            # record of this batch (a crash between the two would then count it again)
+            await self.save_spool()
         self.replicas, known = _accepted(response)
         if known:
             self.base_model_config = None
         self.reports_ok += 1
         return True
 
-    async def _run(self) -> None:
+    def _spool_state(self) -> tuple[int, str | None]:
+        return self._usage.changes, None if self._pending is None else self._pending[0]
+
+    async def save_spool(self) -> None:
+        """Write the undelivered usage (the batch in flight, the log) to the spool file now.
+        A failed write is logged and the file removed: a crash then loses that usage, but
+        an old file can never make the control plane count a batch twice."""
+        if self.spool is None:
+            return
+        spool = self.spool
+        async with self._spool_lock:  # writes in order: the file never goes back in time
+            state = self._spool_state()
+            pending = self._pending
+            rows = self._usage.snapshot()
+            try:
+                await asyncio.to_thread(spool.save, pending, rows)
+            except OSError as e:
+                spool.write_failures += 1
+                log.error("usage spool %s cannot be written (%s): removed", spool.path, e)
+                with contextlib.suppress(OSError):
+                    spool.path.unlink(missing_ok=True)
+            self._spooled = state
+
+    def _restore_spool(self) -> bool:
+        """Take back what the spool file holds; True when there was usage in it."""
+        if self.spool is None:
+            return False
+        spooled = self.spool.load()
+        if spooled.pending is not None and self._pending is None:
+            self._pending = spooled.pending
+        self._usage.restore(spooled.rows)
+        self._spooled = self._spool_state()
+        found = spooled.pending is not None or bool(spooled.rows)
+        if found:
+            batch = spooled.pending[0] if spooled.pending is not None else None
+            rows = len(spooled.rows) + (len(spooled.pending[1]) if spooled.pending else 0)
+            log.info("usage spool %s: %d rows of undelivered usage read back (batch in flight:"
+                     " %s)", self.spool.path, rows, batch)  # fmt: skip
+        return found
+
+    async def _run(self, now: bool) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            if not now:
+                await asyncio.sleep(self.interval)
+            now = False
             try:
                 await self.report_once()
             except Exception:  # a bad snapshot must not end the reporter
                 log.exception("pressure report failed")
 
+    async def _run_spool(self) -> None:
+        while True:
+            await asyncio.sleep(self.spool_debounce_s)
+            if self._spool_state() != self._spooled:
+                await self.save_spool()
+
     def start(self) -> None:
-        """Start the background task (in the running loop)."""
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="pressure")
+        """Read back the spool, if any, and start the background tasks (in the running loop);
+        spooled usage is sent at once."""
+        loop = asyncio.get_running_loop()
+        restored = self._restore_spool()
+        self._task = loop.create_task(self._run(restored), name="pressure")
+        if self.spool is not None:
+            self._spool_task = loop.create_task(self._run_spool(), name="usage-spool")
 
     async def stop(self) -> None:
-        """Stop the task, send a last report, close the client."""
-        if self._task is not None:
-            self._task.cancel()
+        """Stop the tasks, send a last report, spool what it could not deliver, close."""
+        tasks = [t for t in (self._task, self._spool_task) if t is not None]
+        async with self._spool_lock:  # cancelled between writes, never in the middle of one
+            for task in tasks:
+                task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         with contextlib.suppress(Exception):
             await self.report_once()
+        await self.save_spool()
         await self._api.aclose()

@@ -126,6 +126,7 @@ class Runtime:
                 s.controlplane_url, s.service_token, s.pool, replica, self.snapshot, self.usage,
                 interval=s.pressure_interval_s, namespace=s.pool_namespace,
                 base_model_config=await asyncio.to_thread(self._base_model_config),
+                spool_dir=s.usage_spool_dir,
             )  # fmt: skip
             self._reporter.start()
         else:

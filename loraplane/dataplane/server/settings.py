@@ -70,6 +70,9 @@ class ServerSettings(BaseSettings):
     # a known (key, model) keeps its last good resolution this long while the control plane is
     # unreachable: serving goes on through a control plane outage
     resolve_stale_s: float = Field(default=300.0, ge=0)
+    # catalog mode: usage not yet delivered to the control plane is kept in a file here, so a
+    # crash does not lose it (None: memory only; the operator's pods use an emptyDir)
+    usage_spool_dir: Path | None = None
     pressure_interval_s: float = Field(default=5.0, gt=0)
     requests_per_minute: int = Field(default=0, ge=0)  # standalone tenant; 0 = unlimited
     tokens_per_minute: int = Field(default=0, ge=0)
@@ -219,6 +222,8 @@ SETTINGS_HELP: dict[str, str] = {
     "resolve_ttl_s": "seconds a key's resolution is cached (a revoked key stops within it)",
     "resolve_stale_s": "seconds a known key's last good resolution serves while the control"
     " plane is unreachable",
+    "usage_spool_dir": "catalog mode: folder where usage not yet delivered to the control plane"
+    " survives a crash (unset: memory only)",
     "tool_call_parser": 'reads tool calls out of the text for tool_choice "auto" (hermes)',
     "pressure_interval_s": "seconds between pressure and usage reports",
     "requests_per_minute": "standalone tenant's request limit (0: unlimited)",
