@@ -181,6 +181,8 @@ async def _serve(
     request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
     forced = tools.constraint if tools is not None else None
     constraint = forced or body.constraint()  # parsed (a malformed one is a 400), not compiled
+    # the sampling parameters checked now (a bad one is a 400 before any work), set after intake
+    body.sampling_params(max(runtime.max_model_len, 1), top, body.prompt_logprobs)
     lease = await runtime.lease(resolved, body.model, intake.prompts * body.n)
     try:
         tokens_per_minute = runtime.share(resolved.tokens_per_minute)  # this replica's share

@@ -143,6 +143,9 @@ def test_over_its_rate_limit_a_tenant_is_refused_before_tokenizing_or_compiling(
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
         client.completions.create(model="tiny-llama", prompt="hello", max_tokens=1)
         assert calls == {"encode": 1, "compile": 0}
+        bad = {"model": "tiny-llama", "prompt": huge, "stop": [str(i) for i in range(17)]}
+        r = httpx.post(url + "/v1/completions", json=bad, headers=AUTH)
+        assert r.status_code == 400 and "stop" in r.text  # a bad parameter: before any work
         with pytest.raises(openai.RateLimitError, match="50 tokens per minute"):
             client.completions.create(model="tiny-llama", prompt=huge, max_tokens=1)
         assert calls == {"encode": 1, "compile": 0}  # refused on its estimate, not tokenized
