@@ -78,6 +78,8 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # with the first token, per prompt token after the first, when the request asked
     prompt_logprobs: list[PromptLogprob] | None = None
+    # prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details)
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -459,6 +461,7 @@ class Engine:
             num_output_tokens=seq.num_output_tokens,
             top_logprobs=top,
             prompt_logprobs=prompt,
+            num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens),
         )
 
     def generate(
