@@ -5,7 +5,7 @@ SQLite, local store) and a data plane in catalog mode (`python -m loraplane.data
 serve --controlplane-url ...`), each its own process, with the server's default settings
 (max_num_seqs 256, queue caps, scheduling, intake pools) except the KV cache's size: on CPU
 the default is a quarter of RAM (4 GiB here, a million tokens of this model), which no flood a
-2-core machine can run would exhaust, so `--kv-blocks` (default 6144 blocks of 16 tokens)
+2-core machine can run would exhaust, so `--kv-blocks` (default 4352 blocks of 16 tokens)
 stands in for a GPU's KV cache. Tenants upload their adapters through the REST API; the client
 (this process) speaks raw HTTP/1.1, streaming.
 
@@ -559,7 +559,7 @@ async def intake_phase(s: System, a: list[str], b: list[str], z: Sizes) -> dict[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=float, default=30.0, help="seconds measured per phase")
-    parser.add_argument("--kv-blocks", type=int, default=6144, help="KV cache blocks (16 tokens)")
+    parser.add_argument("--kv-blocks", type=int, default=4352, help="KV cache blocks (16 tokens)")
     parser.add_argument("--baseline", type=Path, help="source tree of the code before (alone A/B)")
     parser.add_argument("--rounds", type=int, default=2, help="alone-phase rounds per tree")
     parser.add_argument("--phases", default="flood,alone,weighted,side,intake")
