@@ -27,7 +27,7 @@ from loraplane.dataplane.engine import ADAPTER_LOAD_TIMEOUT, RequestOutput
 from loraplane.dataplane.lora.manager import LoRAManager, State
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
-from loraplane.dataplane.tiers.disk import DiskTier
+from loraplane.dataplane.tiers.disk import FILES, DiskTier
 from tests import s3server
 from tests.dataplane.test_lora_manager import manager
 from tests.dataplane.test_tiers import PROMPT, engine_for
@@ -247,3 +247,31 @@ def test_a_request_whose_adapter_never_arrives_fails_alone_after_the_deadline(
 def test_an_adapter_load_timeout_that_is_not_a_positive_number_is_refused(value: Any) -> None:
     with pytest.raises(ValueError, match="adapter_load_timeout_s"):
         EngineConfig(model="m", adapter_load_timeout_s=value)
+
+
+def test_a_hung_download_never_holds_another_tenants_read_of_the_same_bytes(
+    hanging: tuple[HangingStore, dict[str, AdapterVersion], dict[str, AdapterVersion]],
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path,
+) -> None:  # fmt: skip
+    store, hung_versions, _ = hanging
+    (same,) = ingested(store, tiny_llama_dir, peft_adapters, "fine", ["r4"]).values()
+    hung = hung_versions["r4"]
+    assert same.digest == hung.digest and same.path != hung.path  # one digest, two tenants
+    disk = DiskTier(store, tmp_path / "disk")
+    seen: list[bytes] = []
+
+    def read_hung() -> None:
+        with disk.reading(hung.path, hung.digest) as folder:
+            seen.append((folder / FILES[1]).read_bytes())
+
+    reader = threading.Thread(target=read_hung)
+    reader.start()
+    time.sleep(0.2)  # the hung tenant's download has begun and waits
+    start = time.monotonic()
+    with disk.reading(same.path, same.digest) as folder:  # not behind it
+        assert time.monotonic() - start < 5
+        data = (folder / FILES[1]).read_bytes()
+        store.release.set()  # the hung download ends while this copy is held
+        reader.join(30)
+        assert (folder / FILES[1]).read_bytes() == data  # the held folder was not replaced
+    assert seen == [data] and disk.loads_total == 1  # the late copy was dropped

@@ -11,8 +11,11 @@ about a minute at most, not the many minutes boto3's defaults and more retries w
 
 Readers hold a folder with `reading(store_path, digest)`: while it is held the folder is never
 evicted, replaced or deleted (two tenants with identical content share a digest, and two loader
-threads may read it at once); two readers that miss the same digest share one download. Store
-paths from the catalog and digests are checked (`check_key`) before they touch a path.
+threads may read it at once); two readers that miss the same digest at the same store path
+share one download. Readers of one digest at different store paths (two tenants' copies of
+the same bytes) download each their own, the first to finish installs the folder and the
+other's copy is dropped: one tenant's objects that hang never hold another tenant's read.
+Store paths from the catalog and digests are checked (`check_key`) before they touch a path.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class DiskTier:
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, oldest first
         self._pins: Counter[str] = Counter()  # digest -> readers holding its folder
         self._doomed: set[str] = set()  # failed their digest check, deleted at the last release
-        self._downloads: dict[str, threading.Event] = {}  # digest -> set when its download ends
+        # (digest, store path) -> set when that download ends
+        self._downloads: dict[tuple[str, str], threading.Event] = {}
         self._lock = threading.Lock()
         self.hits_total = self.loads_total = self.evictions_total = self.failures_total = 0
         if not self.local:
@@ -98,24 +102,17 @@ class DiskTier:
                     self._pins[digest] += 1
                     self.hits_total += 1
                     return target
-                running = self._downloads.get(digest)
-                if running is None:  # this reader downloads; others wait for it
-                    running = self._downloads[digest] = threading.Event()
+                running = self._downloads.get((digest, store_path))
+                if running is None:  # this reader downloads; others of this path wait for it
+                    running = self._downloads[(digest, store_path)] = threading.Event()
                     break
             running.wait()
         try:
-            self._download(store_path, target)
-            size = sum((target / f).stat().st_size for f in FILES)
-            with self._lock:
-                self._lru[digest] = size
-                self._lru.move_to_end(digest)
-                self._pins[digest] += 1
-                self.loads_total += 1
-                self._evict()
+            self._download(store_path, digest, target)
             return target
         finally:
             with self._lock:
-                self._downloads.pop(digest).set()
+                self._downloads.pop((digest, store_path)).set()
 
     def _release(self, digest: str) -> None:
         if self.local:
@@ -142,26 +139,48 @@ class DiskTier:
                 return
         shutil.rmtree(self.root / digest, ignore_errors=True)
 
-    def _download(self, store_path: str, target: Path) -> None:
+    def _download(self, store_path: str, digest: str, target: Path) -> None:
+        """Fetch the version into a temp folder and install it as `target`, held by this
+        reader (when another reader's copy of the same digest got there first, that one)."""
         last: StoreError | None = None
         for attempt in range(self.retries + 1):
             tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=self.root))
             try:
-                for name in FILES:
-                    self.store.download(store_path + name, tmp / name)
-                with self._lock:  # nobody holds this digest's folder: it is not in the LRU
-                    shutil.rmtree(target, ignore_errors=True)
-                    tmp.rename(target)
+                try:
+                    for name in FILES:
+                        self.store.download(store_path + name, tmp / name)
+                except StoreError as e:
+                    last = e
+                    self.failures_total += 1
+                    log.warning("fetching %s failed (attempt %d): %s", store_path, attempt + 1, e)
+                    if attempt < self.retries:  # no wait after the last try: tell the caller now
+                        time.sleep(self.backoff_s * 2**attempt)
+                    continue
+                if not self._install(digest, tmp, target):
+                    raise StoreError(f"the local copy of {digest[:12]} failed its digest check"
+                                     " and is still being read; try again")  # fmt: skip
                 return
-            except StoreError as e:
-                last = e
-                self.failures_total += 1
-                log.warning("fetching %s failed (attempt %d): %s", store_path, attempt + 1, e)
-                if attempt < self.retries:  # no wait after the last try: the caller is told now
-                    time.sleep(self.backoff_s * 2**attempt)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         raise StoreError(f"cannot fetch {store_path} after {self.retries + 1} attempts: {last}")
+
+    def _install(self, digest: str, tmp: Path, target: Path) -> bool:
+        """Make the complete copy in `tmp` the digest's folder and hold it, or hold the folder
+        another reader's copy installed first; False while a discarded copy is still read."""
+        size = sum((tmp / f).stat().st_size for f in FILES)
+        with self._lock:
+            if digest in self._doomed:
+                return False
+            if digest not in self._lru or not all((target / f).is_file() for f in FILES):
+                # not in the LRU: nobody holds this digest's folder
+                shutil.rmtree(target, ignore_errors=True)
+                tmp.rename(target)
+                self._lru[digest] = size
+                self.loads_total += 1
+            self._lru.move_to_end(digest)
+            self._pins[digest] += 1
+            self._evict()
+        return True
 
     def _evict(self) -> None:
         """Drop least recently used copies over the budget, never one a reader holds
