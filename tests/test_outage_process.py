@@ -1,11 +1,14 @@
 """Serving through a control-plane outage, with real processes: the control plane runs as
 `loraplane controlplane` and is killed (SIGKILL, no goodbye) while two tenants stream from a
 catalog-mode data plane, then started again on the same port and database. No request of a
-known tenant fails; a key never seen gets 503 with Retry-After meanwhile; the usage of the
-outage reaches the catalog once the control plane is back, counted once."""
+known tenant fails, and it can list its models; a key never seen gets 503 with Retry-After
+meanwhile; the usage of the outage reaches the catalog once the control plane is back, counted
+once. And with a usage spool, the data plane killed too during the outage (SIGKILL) loses
+none of the outage's usage: restarted, it sends it, counted once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,14 +16,17 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.dataplane.server.usage_spool import UsageSpool
 from tests.controlplane.conftest import ADMIN, SERVICE
-from tests.dataplane.server.conftest import start_server
+from tests.dataplane.server.conftest import spawn, start_server, wait_ready
 from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +50,12 @@ def start_controlplane(port: int, data: Path) -> subprocess.Popen[str]:
             pass
         assert time.monotonic() < deadline, "the control plane did not start"
         time.sleep(0.1)
+
+
+def models(url: str, key: str) -> list[str]:
+    """The ids /v1/models lists for `key`, as an SDK reads them."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    return [m.id for m in client.models.list()]
 
 
 def test_a_killed_control_plane_fails_no_request_of_a_known_tenant(
@@ -99,11 +111,13 @@ def test_a_killed_control_plane_fails_no_request_of_a_known_tenant(
             while min(done["acme"], done["globex"]) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert min(done["acme"], done["globex"]) >= 2, (done, failures)
+            assert models(url, keys["acme"]) == [BASE, "support"]  # an SDK starting up
             proc.send_signal(signal.SIGKILL)  # no graceful shutdown
             proc.wait(30)
             before = dict(done)
             time.sleep(2.0)  # four resolve TTLs without a control plane
             during = {t: done[t] - before[t] for t in before}
+            listed = models(url, keys["acme"])
             stranger = httpx.post(url + "/v1/completions", json={"model": BASE, "prompt": "x",
                                   "max_tokens": 1}, headers={"Authorization":
                                   f"Bearer {keys['initech']}"})  # fmt: skip
@@ -130,5 +144,87 @@ def test_a_killed_control_plane_fails_no_request_of_a_known_tenant(
         proc.wait(30)
     assert failures == []
     assert during["acme"] > 0 and during["globex"] > 0, during
+    assert listed == [BASE, "support"]  # listed from its last good answer
     assert stranger.status_code == 503 and stranger.headers.get("retry-after"), stranger.text
     assert counted == served  # every request of the outage counted, once
+
+
+def spooled_requests(path: Path) -> int:
+    """Requests the spool file holds (the batch in flight and the rest), 0 without one."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (FileNotFoundError, ValueError):
+        return 0  # none yet (an atomic write never shows half a file)
+    return sum(row[2] for row in doc["pending_usage"] + doc["usage"])
+
+
+def counted_requests(cp: str, key: str) -> int:
+    usage = httpx.get(cp + "/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()
+    return sum(row["requests"] for row in usage)
+
+
+@pytest.mark.slow
+def test_usage_of_a_data_plane_killed_during_an_outage_arrives_once_after_restarts(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Control plane down, the data plane serves known tenants and spools their usage; the
+    data plane is killed too (SIGKILL). Both restarted: the spooled usage is counted, once."""
+    port, dp_port = free_port(), free_port()
+    cp, dp = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{dp_port}"
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    spool = tmp_path / "spool"
+    args = ["--model", str(tiny_llama_dir), "--served-model-name", BASE, "--port", str(dp_port),
+            "--controlplane-url", cp, "--usage-spool-dir", str(spool)]  # fmt: skip
+    env = {"LORAPLANE_SERVICE_TOKEN": SERVICE, "LORAPLANE_STORE": str(tmp_path / "store"),
+           "LORAPLANE_POOL": "pool-a", "LORAPLANE_REPLICA": "dp-0",
+           "LORAPLANE_PRESSURE_INTERVAL_S": "0.3", "LORAPLANE_RESOLVE_TTL_S": "0.3",
+           "LORAPLANE_NUM_KV_BLOCKS": "64"}  # fmt: skip
+    spool_file = UsageSpool(spool, "dp-0").path
+    control = start_controlplane(port, tmp_path)
+    data = spawn(args, env)
+    try:
+        pool = {"name": "pool-a", "base_model": {"name": BASE, "uri": str(tiny_llama_dir)}}
+        assert httpx.post(cp + "/v1/pools", json=pool, headers=admin).status_code == 201
+        r = httpx.post(cp + "/v1/tenants", json={"name": "acme"}, headers=admin)
+        assert r.status_code == 201, r.text
+        r = httpx.post(cp + "/v1/tenants/acme/keys", json={"name": "k"}, headers=admin)
+        key = r.json()["key"]
+        wait_ready(dp, proc=data)
+        body = {"model": BASE, "prompt": "spool", "max_tokens": 2}
+        auth = {"Authorization": f"Bearer {key}"}
+
+        def complete(n: int) -> None:
+            for _ in range(n):
+                r = httpx.post(dp + "/v1/completions", json=body, headers=auth, timeout=60)
+                assert r.status_code == 200, r.text
+
+        complete(3)
+        assert wait_for(lambda: counted_requests(cp, key) == 3)  # delivered the usual way
+        control.send_signal(signal.SIGKILL)
+        control.wait(30)
+        complete(4)  # known: served from its last good resolution; usage spooled
+        assert wait_for(lambda: spooled_requests(spool_file) == 4), spooled_requests(spool_file)
+        data.send_signal(signal.SIGKILL)  # no last report, no last write
+        data.communicate(timeout=30)
+        control = start_controlplane(port, tmp_path)
+        data = spawn(args, env)
+        wait_ready(dp, proc=data)
+        assert wait_for(lambda: counted_requests(cp, key) == 7), counted_requests(cp, key)
+        assert wait_for(lambda: not spool_file.exists())  # delivered: nothing left on disk
+        time.sleep(1.0)  # three more reports: the batch is not counted again
+        assert counted_requests(cp, key) == 7
+    finally:
+        for proc in (data, control):
+            if proc.poll() is None:
+                proc.terminate()
+        data.communicate(timeout=30)  # (its pipes drained)
+        control.wait(30)
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
