@@ -18,6 +18,9 @@ PORT = 8000
 METRICS_PORT = 8002
 CONTAINER = "dataplane"
 STORE_MOUNT = "/var/lib/loraplane/store"
+# usage not yet delivered to the control plane (LORAPLANE_USAGE_SPOOL_DIR): an emptyDir, which
+# outlives a crashed container (its restart in the same pod reads it back)
+SPOOL_MOUNT = "/var/lib/loraplane/usage-spool"
 MANAGED_BY = "loraplane-operator"
 # The llm-d router's EPP reads a pod's metrics by its engine type (vLLM-compatible here).
 ENGINE_LABEL = "llm-d.ai/engine-type"
@@ -84,6 +87,7 @@ def _env(pool: str, namespace: str, spec: PoolSpec) -> list[dict[str, Any]]:
         {"name": "LORAPLANE_POOL", "value": pool},
         {"name": "LORAPLANE_POOL_NAMESPACE", "value": namespace},
         {"name": "LORAPLANE_REPLICA", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "LORAPLANE_USAGE_SPOOL_DIR", "value": SPOOL_MOUNT},
     ]
     if spec.service_token:
         env.append(_secret_env("LORAPLANE_SERVICE_TOKEN", spec.service_token))
@@ -106,6 +110,9 @@ def _volumes(spec: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         claim = {"claimName": spec.store_volume_claim}
         volumes.append({"name": "store", "persistentVolumeClaim": claim})
         mounts.append({"name": "store", "mountPath": spec.store or STORE_MOUNT})
+    # the spool file is at most 4 MiB, and its replacement is written beside it
+    volumes.append({"name": "usage-spool", "emptyDir": {"sizeLimit": "16Mi"}})
+    mounts.append({"name": "usage-spool", "mountPath": SPOOL_MOUNT})
     return volumes, mounts
 
 
