@@ -121,6 +121,8 @@ def test_a_silent_store_endpoint_fails_a_load_within_the_clients_bound(
     message = m.failure(ref)
     m.close()
     assert message is not None and "timeout" in message.lower(), message
+    # told to the tenant's clients: neither the bucket, nor the endpoint, nor a URL
+    assert "://" not in message and "127.0.0.1" not in message and "silent/" not in message
     # every try of every attempt reached the endpoint once, and no more tries were made
     attempts = (disk.retries + 1) * s3read.MAX_ATTEMPTS
     assert len(silent.connections) == attempts == 4
