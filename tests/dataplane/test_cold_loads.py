@@ -11,11 +11,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraplane.adapters import s3read
 from loraplane.adapters.base_model import BaseModelSpec
@@ -24,6 +27,7 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.store import LocalStore, S3Store
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import ADAPTER_LOAD_TIMEOUT, RequestOutput
+from loraplane.dataplane.lora.fairness import in_turn, next_tenant
 from loraplane.dataplane.lora.manager import LoRAManager, State
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
@@ -277,3 +281,51 @@ def test_a_hung_download_never_holds_another_tenants_read_of_the_same_bytes(
         reader.join(30)
         assert (folder / FILES[1]).read_bytes() == data  # the held folder was not replaced
     assert seen == [data] and disk.loads_total == 1  # the late copy was dropped
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(1, 4),
+    events=st.lists(st.tuples(st.sampled_from("abcde"), st.integers(0, 3)), max_size=50),
+)
+def test_the_loader_threads_are_shared_fairly_and_stay_bounded(
+    limit: int, events: list[tuple[str, int]]
+) -> None:
+    """Tenants ask for loads (k > 0) or one of their loads ends (k == 0), in any order; after
+    each event the loader starts what `next_tenant` allows."""
+    wants: Counter[str] = Counter()  # loads each tenant still has to start
+    loading: Counter[str] = Counter()
+    last: dict[str, int] = {}
+    for clock, (tenant, k) in enumerate(events):
+        if k == 0 and loading[tenant]:
+            loading[tenant] -= 1
+        wants[tenant] += k
+        while (t := next_tenant([u for u in wants if wants[u]], loading, last, limit)) is not None:
+            assert wants[t] > 0
+            wants[t] -= 1
+            loading[t] += 1
+            last[t] = clock
+        waiting = [u for u in wants if wants[u]]
+        active = set(waiting) | {u for u, n in loading.items() if n}
+        assert sum(loading.values()) <= 2 * limit  # the pool's threads
+        if len(active) == 1 and waiting:  # alone: every thread (work-conserving)
+            assert loading[waiting[0]] == limit
+        elif active and len(active) <= limit:  # nobody waits below its share
+            share = limit // len(active)
+            assert all(loading[u] >= share for u in waiting), (loading, waiting)
+        elif waiting:  # more tenants than threads: one each, what was lent counted out
+            within = sum(min(n, 1) for n in loading.values())
+            assert all(loading[u] >= 1 for u in waiting) or within >= limit
+
+
+def test_tenants_are_taken_in_turn_each_in_its_own_order() -> None:
+    assert in_turn([[1, 2, 3], [10], [20, 21]]) == [1, 10, 20, 2, 21, 3]
+    assert in_turn([]) == []
+
+
+def test_the_next_load_goes_to_the_fewest_in_flight_then_the_longest_unserved() -> None:
+    assert next_tenant(["a", "b"], {"a": 1}, {}, limit=4) == "b"
+    assert next_tenant(["a", "b"], {}, {"a": 5, "b": 2}, limit=1) == "b"
+    assert next_tenant(["a", "b"], {}, {"a": 5}, limit=1) == "b"  # b never served
+    assert next_tenant(["a"], {"b": 1}, {}, limit=1) is None  # the one thread is taken
+    assert next_tenant([], {}, {}, limit=2) is None

@@ -15,12 +15,9 @@ the engine hands `prefetch` the waiting requests' adapters each step, oldest req
 (the waiting queue is the prefetch list), `max_loads_in_flight` at a time, each loader thread
 taking the next one as it finishes, so the requests next in line get their adapters first while
 the current batch runs. Fair across tenants: the list keeps `prefetch_depth` adapters taken
-from the tenants in turn (each tenant's in its own order), the next load goes to the tenant
-with the fewest loads in flight (then the one served least recently), and while other tenants
-have loads queued a tenant starts no more than its share of the threads (`max_loads_in_flight`
-over the tenants loading). A tenant that took every thread while alone lends the ones beyond
-its share: another tenant's load starts on an extra thread at once (at most as many extra as
-were lent), so one tenant's slow or dead objects delay only its own loads. The
+from the tenants in turn (each tenant's in its own order; one of each, when more tenants wait)
+and the loader threads are shared as `lora/fairness.py` says, so one tenant's slow or dead
+objects delay only its own loads. The
 scheduler admits a request once `ready` says its adapter is in host memory. A load that fails
 (any exception: digest mismatch, store unreachable after retries, a bad path) marks the
 version failed for `retry_after_s`: the engine fails only the requests that need it, and the
@@ -33,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import itertools
 import logging
 import os
 import re
@@ -48,6 +44,7 @@ from pathlib import Path
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, IntegrityError, StoreError
 from loraplane.adapters.limits import AdapterLimits
+from loraplane.dataplane.lora.fairness import in_turn, next_tenant
 from loraplane.dataplane.lora.loader import LoadedAdapter, load_lora
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.sequence import LoRARef
@@ -314,9 +311,7 @@ class LoRAManager:
                     mine = by_tenant.setdefault(ref.tenant, [])
                     if len(mine) < self.prefetch_depth:  # more of one could never be kept
                         mine.append(entry)
-            queue: list[_Entry] = []
-            for turn in itertools.zip_longest(*by_tenant.values()):  # each tenant in turn
-                queue.extend(e for e in turn if e is not None)
+            queue = in_turn(by_tenant.values())
             # every waiting tenant has a place: another tenant's loads, however slow, never
             # fill the list
             self._queue = queue[: max(self.prefetch_depth, len(by_tenant))]
@@ -331,8 +326,7 @@ class LoRAManager:
 
     def _next_load(self) -> _Entry | None:
         """The adapter of the prefetch list to load now, or None (under the lock): the first
-        one needing a load of the tenant with the fewest loads in flight, then the one served
-        least recently, among those within their share of the loader threads."""
+        one needing a load of the tenant `fairness.next_tenant` picks."""
         now = time.monotonic()
         first: dict[str, _Entry] = {}  # tenant -> its first adapter needing a load
         for entry in self._queue:
@@ -342,25 +336,8 @@ class LoRAManager:
                 or (entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s)
             ):
                 first[tenant] = entry
-        if not first:
-            return None
-        limit = self.max_loads_in_flight
-        loading = self._tenant_loads
-        share = max(1, limit // len(first.keys() | {t for t, n in loading.items() if n}))
-        # threads that tenants hold beyond their share were taken while they were alone:
-        # as many loads of tenants below their share may start beyond the limit
-        lent = sum(max(0, n - share) for n in loading.values())
-        alone = len(first) == 1
-        eligible = [
-            t
-            for t in first
-            if (alone and self._loads_in_flight < limit)
-            or (loading[t] < share and self._loads_in_flight < limit + lent)
-        ]
-        if not eligible:
-            return None
-        tenant = min(eligible, key=lambda t: (loading[t], self._served.get(t, -1)))
-        return first[tenant]
+        chosen = next_tenant(first, self._tenant_loads, self._served, self.max_loads_in_flight)
+        return None if chosen is None else first[chosen]
 
     def _begin_load(self, entry: _Entry) -> None:
         entry.state = State.LOADING
