@@ -15,7 +15,8 @@ tenant gets from the replica, both divided by its weight:
   seats per weight as the taker. That condition is the hysteresis: a swap can never be
   undone by the reverse swap, so two tenants never thrash (test_fairness.py).
 
-With equal weights and B tenants contending, each ends within one seat of max_num_seqs / B.
+With equal weights and B tenants contending, each ends within one seat of max_num_seqs / B;
+and a tenant with work has at least one seat whenever there are seats for every such tenant.
 """
 
 from __future__ import annotations
@@ -126,11 +127,16 @@ class Shares:
     def gives_way(self, victim: str, taker: str, taken: int = 0) -> bool:
         """Should `victim` give a seat to `taker` (who has `taken` seats more than it has
         running, given to it earlier in this step)? Only if the victim keeps at least as many
-        seats per weight as the taker then has: the hysteresis."""
+        seats per weight as the taker then has: the hysteresis. And a taker with no seat at all
+        gets one from a victim with two or more, whatever the weights: a tenant with work is
+        never shut out by a heavier one (the reverse swap then never holds either)."""
         if victim == taker:
             return False
         v, t = self.get(victim), self.get(taker)
-        return v.running >= 1 and (v.running - 1) / v.weight >= (t.running + taken + 1) / t.weight
+        seats = t.running + taken
+        if seats == 0 and v.running >= 2:
+            return True
+        return v.running >= 1 and (v.running - 1) / v.weight >= (seats + 1) / t.weight
 
     def most_seated(self, tenants: Iterable[str], exclude: str | None = None) -> str | None:
         """Of `tenants`, the one with the most seats per weight (ties: the higher counter)."""
@@ -144,3 +150,13 @@ class Shares:
             if best is None or rank > best:
                 best, found = rank, tenant
         return found
+
+    def giver(self, tenants: Iterable[str], taker: str, taken: int = 0) -> str | None:
+        """Of `tenants` (those with running sequences), the one that gives a seat to `taker`:
+        the most seated per weight (ties: the higher counter) among those that give way."""
+        ranked = sorted(
+            (t for t in tenants if t != taker),
+            key=lambda t: (self.get(t).seats, self.get(t).counter),
+            reverse=True,
+        )
+        return next((t for t in ranked if self.gives_way(t, taker, taken)), None)

@@ -120,6 +120,11 @@ class _Room:
         self.keys.add(ref.key)
         self.used += self.adapters.device_bytes(ref)
 
+    def remove(self, ref: LoRARef) -> None:
+        """`ref` stopped running in this step (its sequences gave way): idle, evictable."""
+        self.keys.discard(ref.key)
+        self.used -= self.adapters.device_bytes(ref)
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
@@ -374,6 +379,15 @@ class Scheduler:
         taken = 0
         limit = max(1, cfg.max_num_seqs // 16)  # seats taken back per step at most
         admitted: set[Sequence] = set()
+        swapped = False  # an adapter gave its memory up in this step
+        settled: set[str] = set()  # tenants below no one's share, until seats change hands
+
+        def gave_way(victim: Sequence) -> None:  # preempted for a tenant below its share
+            victims.add(victim.tenant)
+            if victim in admitted:  # admitted earlier in this step: still in self.waiting,
+                admitted.discard(victim)  # where _preempt put it at the front a second time
+                del self.waiting[self.waiting.index(victim, 1)]
+
         while heap:
             rank, order, sub, pos, seq = heapq.heappop(heap)
             tenant = seq.tenant
@@ -386,12 +400,21 @@ class Scheduler:
             key = seq.lora_key
             if rank and self._blocked and key is not None and key not in barrier:
                 continue  # the barrier: a starving adapter does not fit yet
-            below = self._below_share(tenant)
-            if kv_short and not below:
+            contended = kv_short or len(self.running) >= cfg.max_num_seqs
+            if contended and (tenant in settled or not self._below_share(tenant)):
+                settled.add(tenant)  # no seat to take: skip its other requests cheaply
                 continue
             if lora is not None and lora.key not in room.keys:
                 if not room.adapters.ready(lora):
                     continue  # still loading
+                if not room.fits(lora) and not swapped:  # one adapter changes hands a step
+                    gave, tokens = self._adapter_room(
+                        tenant, lora, room, preempted, batch, max(1, cfg.max_num_seqs // 4)
+                    )
+                    budget += tokens
+                    for gone in gave:
+                        gave_way(gone)
+                    swapped = bool(gave)
                 if (
                     not room.fits(lora)
                     or lora.key in room.unplaced
@@ -405,23 +428,17 @@ class Scheduler:
                 room.placed.add(lora.key)  # kept while its request's KV blocks are found
             cached = self.block_manager.num_cached_prefix_tokens(seq)
             n = self._chunk(seq, seq.num_tokens - cached, budget)
-            while (
-                below
-                and taken < limit
-                and (
-                    len(self.running) >= cfg.max_num_seqs
-                    or n <= 0
-                    or not self.block_manager.can_allocate(seq, n)
-                )
+            while taken < limit and (
+                len(self.running) >= cfg.max_num_seqs
+                or n <= 0
+                or not self.block_manager.can_allocate(seq, n)
             ):
                 victim = self._seat_victim(tenant)
                 if victim is None:
                     break
-                victims.add(victim.tenant)
-                if victim in admitted:  # admitted earlier in this step, still queued
-                    admitted.discard(victim)
-                    self.waiting.remove(victim)
+                settled.clear()  # seats changed hands: every tenant's standing may have
                 budget += self._preempt(victim, preempted, batch)
+                gave_way(victim)
                 taken += 1
                 cached = self.block_manager.num_cached_prefix_tokens(seq)
                 n = self._chunk(seq, seq.num_tokens - cached, budget)
@@ -435,6 +452,7 @@ class Scheduler:
             seq.deferred = False
             self.running.append(seq)
             shares.admit(tenant)
+            settled.clear()
             self._run(seq, n, batch)
             budget -= n
             if lora is not None and lora.key not in room.keys:
@@ -443,18 +461,75 @@ class Scheduler:
         if admitted:
             self.waiting = deque(s for s in self.waiting if s not in admitted)
 
+    def _adapter_room(
+        self,
+        taker: str,
+        lora: LoRARef,
+        room: _Room,
+        preempted: list[str],
+        batch: list[ScheduledSeq],
+        most: int,
+    ) -> tuple[list[Sequence], int]:
+        """Adapter memory for `taker`'s adapter `lora`, which does not fit: the tenant with the
+        most adapter memory (slots, without a byte budget) per weight gives one of its running
+        adapters up, if it keeps at least as much per weight as the taker then has (the seats'
+        hysteresis, in bytes). That adapter's running sequences (the one with the fewest, and
+        at most `most` of them) are preempted, so it turns idle and evictable. Returns them and
+        the tokens their rows of this step had."""
+        budget = room.adapters.budget_bytes
+        size = room.adapters.device_bytes
+
+        def cost(ref: LoRARef) -> float:
+            return float(size(ref)) if budget is not None else 1.0
+
+        users: dict[str, list[Sequence]] = {}
+        refs: dict[str, LoRARef] = {}
+        held: dict[str, float] = {}
+        for seq in self.running:
+            ref = seq.lora
+            if ref is None or ref.key not in room.keys:
+                continue
+            users.setdefault(ref.key, []).append(seq)
+            if ref.key not in refs:
+                refs[ref.key] = ref
+                held[seq.tenant] = held.get(seq.tenant, 0.0) + cost(ref)
+        gave: list[Sequence] = []
+        tokens = 0
+        while not room.fits(lora):
+            shares = self.shares
+            mine = held.get(taker, 0.0) + cost(lora)
+            best = None
+            for key, ref in refs.items():
+                owner = users[key][0].tenant
+                if owner == taker or key in room.placed or len(users[key]) > most - len(gave):
+                    continue
+                left = (held[owner] - cost(ref)) / shares.get(owner).weight
+                if left < mine / shares.get(taker).weight:
+                    continue  # the owner would end below the taker: no swap (hysteresis)
+                rank = (held[owner] / shares.get(owner).weight, -len(users[key]))
+                if best is None or rank > best[0]:
+                    best = (rank, key)
+            if best is None:
+                break
+            key = best[1]
+            ref = refs.pop(key)
+            owner = users[key][0].tenant
+            for victim in users.pop(key):
+                tokens += self._preempt(victim, preempted, batch)
+                gave.append(victim)
+            held[owner] -= cost(ref)
+            room.remove(ref)
+        return gave, tokens
+
     def _below_share(self, tenant: str) -> bool:
         """Would some running tenant give a seat to `tenant` (fairness.py's rule)?"""
-        other = self.shares.most_seated(
-            {s.tenant for s in self.running if s.tenant != tenant}, exclude=tenant
-        )
-        return other is not None and self.shares.gives_way(other, tenant)
+        return self.shares.giver({s.tenant for s in self.running}, tenant) is not None
 
     def _seat_victim(self, taker: str) -> Sequence | None:
-        """The sequence that gives its seat to `taker`: the least advanced of the tenant with
-        the most seats per weight (the newest on a tie), if that tenant gives way."""
-        tenant = self.shares.most_seated({s.tenant for s in self.running}, exclude=taker)
-        if tenant is None or not self.shares.gives_way(tenant, taker):
+        """The sequence that gives its seat to `taker`: the least advanced (the newest on a
+        tie) of the most seated tenant per weight that gives way (fairness.py)."""
+        tenant = self.shares.giver({s.tenant for s in self.running}, taker)
+        if tenant is None:
             return None
         mine = [
             (s.num_computed_tokens, -i, s) for i, s in enumerate(self.running) if s.tenant == tenant
