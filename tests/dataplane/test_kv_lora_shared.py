@@ -230,3 +230,50 @@ def test_placement_evicts_only_the_adapters_its_run_overlaps(
     assert m.place(big, in_use=[])
     assert {r.name for r in m.resident} == {"a", "big"}
     assert m.device_stats.evictions == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 5)), min_size=1, max_size=12),
+    st.integers(1, 12),
+    st.randoms(use_true_random=False),
+)
+def test_a_run_is_planned_from_the_fewest_idle_adapters_it_overlaps(
+    layout: list[tuple[bool, int]], n: int, rng: random.Random
+) -> None:
+    """Blocks laid out as spans, each held by an idle adapter (True) or by a sequence; the
+    plan frees only adapters, a run of n appears exactly when one can, none is freed for
+    nothing, and only adapters the run overlaps go."""
+    total = sum(k for _, k in layout)
+    blocks = BlockManager(total, 1)
+    arena = KVArena(torch.zeros(2, 1, total, 1, 1, 1), blocks)
+    spans, end = [], total
+    for is_adapter, k in layout:  # reserve takes the highest free run: spans fill top down
+        assert blocks.reserve(k) == end - k
+        spans.append((is_adapter, end - k, k))
+        end -= k
+    for is_adapter, f, k in spans:
+        if not is_adapter and rng.random() < 0.3:  # some of the sequences' spans are free
+            blocks.release(f, k)
+    runs = [(f, k) for is_adapter, f, k in spans if is_adapter]
+    rng.shuffle(runs)  # any eviction order
+    held = bytearray(blocks._held)
+    plan = arena.runs_to_free(n, runs)
+    every = bytearray(held)
+    for f, k in runs:
+        every[f : f + k] = bytes(k)
+    if plan is None:
+        assert every.find(bytes(n)) < 0  # no run even with every idle adapter gone
+        return
+    after = bytearray(held)
+    for i in plan:
+        f, k = runs[i]
+        after[f : f + k] = bytes(k)
+    at = after.rfind(bytes(n))
+    assert at >= 0  # the plan makes a run
+    if held.find(bytes(n)) >= 0:
+        assert plan == []
+    # each adapter freed is needed: without any one of them the run it made is gone
+    for i in plan:
+        f, k = runs[i]
+        assert f < at + n and at < f + k

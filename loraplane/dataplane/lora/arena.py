@@ -103,11 +103,18 @@ class KVArena:
         # the block manager's own map (1: reserved or used by a sequence), copied to plan on;
         # `reserve` looks for the same thing in it (the highest run of n zeros)
         held = bytearray(self.blocks._held)
-        empty = bytes(n)
         if n < 1 or n > len(held):
             return None
+        empty = bytes(n)
         if held.rfind(empty) >= 0:
             return []
+        # the common failure first, in one search: no run even with every one freed (the
+        # scheduler asks again each step while a request waits for room)
+        every = bytearray(held)
+        for first, size in runs:
+            every[first : first + size] = bytes(size)
+        if every.rfind(empty) < 0:
+            return None
         for k, (first, size) in enumerate(runs):
             held[first : first + size] = bytes(size)
             at = held.rfind(empty)
