@@ -27,11 +27,11 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.store import LocalStore, S3Store
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import ADAPTER_LOAD_TIMEOUT, RequestOutput
-from loraplane.dataplane.lora.fairness import in_turn, next_tenant
 from loraplane.dataplane.lora.manager import LoRAManager, State
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import FILES, DiskTier
+from loraplane.dataplane.tiers.load_order import in_turn, next_tenant
 from tests import s3server
 from tests.dataplane.test_lora_manager import manager
 from tests.dataplane.test_tiers import PROMPT, engine_for

@@ -16,7 +16,7 @@ the engine hands `prefetch` the waiting requests' adapters each step, oldest req
 taking the next one as it finishes, so the requests next in line get their adapters first while
 the current batch runs. Fair across tenants: the list keeps `prefetch_depth` adapters taken
 from the tenants in turn (each tenant's in its own order; one of each, when more tenants wait)
-and the loader threads are shared as `lora/fairness.py` says, so one tenant's slow or dead
+and the loader threads are shared as `tiers/load_order.py` says, so one tenant's slow or dead
 objects delay only its own loads. The
 scheduler admits a request once `ready` says its adapter is in host memory. A load that fails
 (any exception: digest mismatch, store unreachable after retries, a bad path) marks the
@@ -44,11 +44,11 @@ from pathlib import Path
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, IntegrityError, StoreError
 from loraplane.adapters.limits import AdapterLimits
-from loraplane.dataplane.lora.fairness import in_turn, next_tenant
 from loraplane.dataplane.lora.loader import LoadedAdapter, load_lora
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier
+from loraplane.dataplane.tiers.load_order import in_turn, next_tenant
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class LoRAManager:
 
     def _next_load(self) -> _Entry | None:
         """The adapter of the prefetch list to load now, or None (under the lock): the first
-        one needing a load of the tenant `fairness.next_tenant` picks."""
+        one needing a load of the tenant `load_order.next_tenant` picks."""
         now = time.monotonic()
         first: dict[str, _Entry] = {}  # tenant -> its first adapter needing a load
         for entry in self._queue:

@@ -12,7 +12,8 @@ other tenant's loads would queue behind. The rule instead, per start:
 - Among the tenants that may start one, the one with the fewest loads in flight goes first,
   then the one whose last load started longest ago (tenants take turns).
 
-Pure functions over counts, tested on their own (`tests/dataplane/test_cold_loads.py`).
+Pure functions over counts, tested on their own (`tests/dataplane/test_cold_loads.py`), and
+free of torch: a simulated replica's tiers can follow the same rule.
 """
 
 from __future__ import annotations
