@@ -8,8 +8,8 @@ other tenant's loads would queue behind. The rule instead, per start:
   over the tenants loading or waiting to (at least 1).
 - Threads a tenant holds beyond its share (taken while it was alone) are lent: tenants below
   their share start that many loads beyond `limit`: while the tenants loading are no more than
-  the threads, none waits below its share for another tenant's loads to end (with more, each
-  holds one and they take turns). The loads in flight stay within 2 * `limit`.
+  the threads, none waits below its share for another tenant's loads to end (with more, they
+  take turns, one load each at a time). The loads in flight stay within 2 * `limit`.
 - Among the tenants that may start one, the one with the fewest loads in flight goes first,
   then the one whose last load started longest ago (tenants take turns).
 
