@@ -231,7 +231,12 @@ class AsyncEngine:
                 self._step_failed(e)
                 continue
             self.last_step_at = self._progress_at = time.monotonic()
-            self._failed_steps = self._failed_in_a_row = 0
+            self._failed_steps = 0
+            if self.engine.broken:  # its rows failed alone, but the step counts as failed
+                self._failed_at = self.last_step_at
+                self._failed_in_a_row += 1
+            else:
+                self._failed_in_a_row = 0
             for out in outputs:
                 self._deliver(out.request_id, out)
             if self.on_step is not None:

@@ -133,6 +133,9 @@ class Engine:
         self._step_seconds = 0.0  # moving average of a step's time
         self._swept = time.monotonic()  # the last sweep of idle stored versions
         self.last_batch: list[str] = []  # request ids of the step being run (see step)
+        # the last step's forward failed for the base model's rows, or for every adapter
+        # alone: a fault of the engine or device (a poisoned CUDA context), not of one tenant
+        self.broken = False
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
@@ -224,6 +227,7 @@ class Engine:
         fails alone, and housekeeping (prefetch, forgetting idle adapters) never fails a step.
         Anything else raises, with `last_batch` naming the requests of the failed step."""
         self.last_batch = []
+        self.broken = False
         failed = self._fail_unloadable()
         self._housekeeping()
         start = time.perf_counter()
@@ -335,6 +339,7 @@ class Engine:
             log.warning("a step of adapter %s failed: %r", key or "(base model)", error)
             failed = self._fail_rows(out.scheduled, error)
             self._reset_adapter(key)
+            self.broken = key is None  # the base model alone failed: no adapter to blame
             return [], failed
         parts: list[tuple[SchedulerOutput, Computed]] = []
         failed = []
@@ -347,6 +352,8 @@ class Engine:
                 log.warning("a step of adapter %s failed: %r", key or "(base model)", group_error)
                 failed += self._fail_rows(rows, group_error)
                 self._reset_adapter(key)
+                self.broken |= key is None
+        self.broken |= not parts  # every adapter failed alone: the engine, not one tenant
         return parts, failed
 
     def _reset_adapter(self, key: str | None) -> None:

@@ -348,3 +348,35 @@ def test_an_engine_fault_after_the_batch_fails_only_that_batchs_requests(
     assert len(failed) == 2  # the first step's two seats
     for i in set(range(4)) - set(failed):
         assert results[i] == (expected[i], "length")
+
+
+def test_a_step_is_broken_only_when_no_adapter_is_to_blame(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One adapter's forward failing is that tenant's fault (the step is not broken); the base
+    model's failing, or every adapter's, is the engine's (the health probes count it)."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+                                 num_kv_blocks=64))  # fmt: skip
+    good, bad = (engine.register_lora(n, peft_adapters[n]) for n in ("r4", "r16"))
+    execute = engine.runner.execute
+    failing: set[str | None] = set()
+
+    def flaky(out, *args, **kwargs):  # type: ignore[no-untyped-def]
+        keys = {r.seq.lora_key for r in out.scheduled}
+        if keys & failing:
+            raise RuntimeError("injected")
+        return execute(out, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    cases = [({bad.key}, [good, bad, None], False), ({None}, [good, None], True),
+             ({good.key, bad.key}, [good, bad], True)]  # fmt: skip
+    for n, (fail, loras, broken) in enumerate(cases):
+        failing.clear()
+        failing.update(fail)
+        for i, lora in enumerate(loras):
+            engine.add_request(f"c{n}-{i}", [5, 6, 7], params, lora)
+        engine.step()
+        assert engine.broken is broken, (fail, loras)
+        while engine.has_unfinished:
+            engine.step()

@@ -131,6 +131,30 @@ def test_every_step_failing_takes_the_replica_out_of_rotation_until_a_step_succe
     assert gauge(runtime, "loraplane_engine_failed_steps") == 0
 
 
+def test_a_forward_that_fails_for_the_base_model_takes_the_replica_out_of_rotation(
+    serve: Callable[..., tuple[str, Runtime]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poisoned device (every forward raises): the engine fails each step's rows alone, so
+    no step raises, but a step whose base-model rows failed counts as failed for /ready."""
+    url, runtime = serve(ready_failed_steps=3)
+    assert complete(url).status_code == 200
+    runner = engine_of(runtime).runner
+
+    def poisoned(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    monkeypatch.setattr(runner, "execute", poisoned)
+    for _ in range(3):  # each request fails alone, in its own step
+        assert complete(url).status_code >= 500
+    ready = httpx.get(url + "/ready")
+    assert ready.status_code == 503
+    assert ready.json() == {"ready": False, "reason": "the engine's last 3 steps failed"}
+    assert status(url, "/health") == 200
+    monkeypatch.undo()
+    assert complete(url).status_code == 200
+    assert httpx.get(url + "/ready").json() == {"ready": True}
+
+
 def test_a_stuck_step_with_work_queued_fails_ready_until_it_ends(
     serve: Callable[..., tuple[str, Runtime]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
