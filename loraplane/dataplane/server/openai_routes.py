@@ -119,6 +119,16 @@ async def chat_completions(
     body.check_supported()
     tools = body.tool_plan(runtime.settings.tool_call_parser)
     resolved = await catalog.resolve(key, body.model)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return await _serve(
+        request, runtime, resolved, body, chat_intake(runtime, body, tools), None, top, chat=True,
+        tools=tools,
+    )  # fmt: skip
+
+
+def chat_intake(runtime: Runtime, body: ChatCompletionRequest, tools: ToolPlan | None) -> Intake:
+    """A chat's Intake: its messages (and tools) rendered with the chat template and tokenized
+    (on a tokenizing worker), "messages" named in a template's error."""
     engine = runtime.require_engine().engine
     tokenizer, vocab = engine.tokenizer, engine.runner.model.config.vocab_size
     messages = [m.to_template() for m in body.messages]
@@ -131,12 +141,7 @@ async def chat_completions(
             raise InvalidRequest(f"cannot apply the chat template: {e}", param="messages") from None
         return _checked([prompt], body.truncate_prompt_tokens, vocab), None
 
-    estimate = estimate_tokens(sum(len(m["content"]) for m in messages))
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(
-        request, runtime, resolved, body, Intake(1, estimate, tokenize), None, top, chat=True,
-        tools=tools,
-    )  # fmt: skip
+    return Intake(1, estimate_tokens(sum(len(m["content"]) for m in messages)), tokenize)
 
 
 Tokenized = tuple[list[list[int]], list[str] | None]  # the prompts' ids, the echoed texts
@@ -175,9 +180,37 @@ async def _serve(
     chat: bool,
     tools: ToolPlan | None = None,
 ) -> Response:
-    """Admit, then take in, then run. The cheap refusals come first (queue caps, rate limit):
-    a refused request costs no tokenizer or compiler time; from the lease on, every failure
-    gives the lease back."""
+    """Admit, then take in, then run (see `admit`)."""
+    admitted = await admit(
+        request, runtime, resolved, body, intake, default_max, top, tools=tools,
+        prefix="chatcmpl-" if chat else "cmpl-",
+    )  # fmt: skip
+    if admitted is None:
+        return Response(status_code=499)
+    job, lease = admitted
+    created, model = int(time.time()), body.model
+    if body.stream:
+        events = _events(runtime, job, created, model, top, chat=chat, usage=body.include_usage)
+        return EventStream(events, on_close=lease.release)
+    return await _answer(request, runtime, job, lease, created, model, top, chat)
+
+
+async def admit(
+    request: Request,
+    runtime: Runtime,
+    resolved: Resolved,
+    body: Generation,
+    intake: Intake,
+    default_max: int | None,
+    top: int | None,
+    *,
+    tools: ToolPlan | None,
+    prefix: str,
+) -> tuple[Job, Lease] | None:
+    """Admit, then take in: the request's Job (id `prefix` + hex) and its adapter lease, which
+    the caller releases once the answer is over; None when the client went away meanwhile.
+    The cheap refusals come first (queue caps, rate limit): a refused request costs no
+    tokenizer or compiler time; from the lease on, every failure gives the lease back."""
     request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
     forced = tools.constraint if tools is not None else None
     constraint = forced or body.constraint()  # parsed (a malformed one is a 400), not compiled
@@ -196,20 +229,15 @@ async def _serve(
         choices, hide_output = await unless_disconnected(request, asyncio.create_task(work))
     except ClientGone:
         lease.release()
-        return Response(status_code=499)
+        return None
     except BaseException:
         lease.release()
         raise
-    prefix = "chatcmpl" if chat else "cmpl"
     job = Job(
-        f"{prefix}-{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
+        f"{prefix}{uuid.uuid4().hex}", resolved.tenant, resolved.adapter, lease.ref, choices,
         tokens_per_minute=tokens_per_minute, hide_output=hide_output, tools=tools,
     )  # fmt: skip
-    created, model = int(time.time()), body.model
-    if body.stream:
-        events = _events(runtime, job, created, model, top, chat=chat, usage=body.include_usage)
-        return EventStream(events, on_close=lease.release)
-    return await _answer(request, runtime, job, lease, created, model, top, chat)
+    return job, lease
 
 
 async def _take_in(
