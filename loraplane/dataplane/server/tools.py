@@ -9,32 +9,37 @@ How each `tool_choice` is served (the tools are always given to the chat templat
   the tools each (one element at most with `parallel_tool_calls: false`); finish_reason
   "tool_calls".
 - `auto` (the default when tools are given): the model writes freely and a tool-call parser,
-  chosen with `--tool-call-parser`, finds its calls in the text. `hermes`: calls are
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text around them is the
-  message's content. Without a parser, `auto` is a 400 (it could only be ignored).
+  chosen with `--tool-call-parser` (`hermes`, `llama3_json`, `mistral`, `pythonic`: see
+  tool_parsers.py), finds its calls in the text; the text around them is the message's content
+  (stripped). Without a parser, `auto` is a 400 (it could only be ignored).
 
-Streaming: content is sent as it comes, except text that may begin a tool call block; each tool
-call is sent whole (id, name and all its arguments in one delta) once its text is complete.
+Streaming: content is sent as it comes, except text that may begin a tool call (and blanks at
+its ends, so the streamed content is the answer's content); each tool call is sent whole (id,
+name and all its arguments in one delta) once its text is complete.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplane.dataplane.server.errors import InvalidRequest
+from loraplane.dataplane.server.tool_parsers import (
+    PARSERS,
+    CallStream,
+    ToolCall,
+    call_id,
+    compact,
+    parse,
+)
 from loraplane.dataplane.structured import Constraint
 
-PARSERS = ("hermes",)
+__all__ = ["PARSERS", "HermesStream", "Tool", "ToolCall", "ToolPlan", "ToolStream", "plan"]
 ToolChoiceMode = Literal["none", "auto", "required"]
 _NAME = r"^[A-Za-z0-9_-]{1,64}$"
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_BLOCK = re.compile(re.escape(_HERMES_OPEN) + r"(.*?)" + re.escape(_HERMES_CLOSE), re.S)
 
 
 class FunctionSpec(BaseModel):
@@ -56,29 +61,6 @@ class Tool(BaseModel):
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCall:
-    """A call the model made: the function's name and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-    id: str = ""
-
-    def body(self, index: int | None = None) -> dict[str, Any]:
-        """The call in OpenAI's shape (with `index` inside a stream delta)."""
-        out: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return out if index is None else {"index": index, **out}
-
-
-def call_id() -> str:
-    """A fresh tool call id."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True, slots=True)
 class ToolPlan:
     """How one chat request uses its tools: the mode, the forced function if any, the
     constraint that forces the output, and the parser that reads calls out of free text."""
@@ -97,14 +79,14 @@ class ToolPlan:
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The message's content and tool calls, read from the generated text."""
         if self.mode == "named":
-            return None, [ToolCall(self.named or "", _compact(text), call_id())]
+            return None, [ToolCall(self.named or "", compact(text), call_id())]
         if self.mode == "required":
             return None, [
-                ToolCall(str(c.get("name")), _compact(c.get("parameters", {})), call_id())
+                ToolCall(str(c.get("name")), compact(c.get("parameters", {})), call_id())
                 for c in _json_list(text)
             ]
-        if self.mode == "auto" and self.parser == "hermes":
-            return hermes_calls(text)
+        if self.mode == "auto" and self.parser is not None:
+            return parse(self.parser, text)
         return text, []
 
     @property
@@ -182,17 +164,6 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def _compact(value: Any) -> str:
-    """Arguments as compact JSON text (text that is not JSON is passed on as it is)."""
-    if isinstance(value, str):
-        text: str = value
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return text
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
 def _json_list(text: str) -> list[dict[str, Any]]:
     try:
         value = json.loads(text)
@@ -204,22 +175,15 @@ def _json_list(text: str) -> list[dict[str, Any]]:
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """Hermes format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; a
     block that is not such JSON stays in the content."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    last = 0
-    for match in _HERMES_BLOCK.finditer(text):
-        try:
-            data = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            continue
-        kept.append(text[last : match.start()])
-        last = match.end()
-        calls.append(ToolCall(data["name"], _compact(data.get("arguments", {})), call_id()))
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return (content or None), calls
+    return parse("hermes", text)
+
+
+class HermesStream(CallStream):
+    """Hermes calls in a stream: content is released as it comes, except a tail that may begin
+    `<tool_call>`."""
+
+    def __init__(self) -> None:
+        super().__init__("hermes")
 
 
 class ToolStream:
@@ -230,62 +194,36 @@ class ToolStream:
         self.plan = plan
         self.calls_sent = 0
         self._text = ""
-        self._hermes = HermesStream() if plan.mode == "auto" and plan.parser == "hermes" else None
+        auto = plan.mode == "auto" and plan.parser is not None
+        self._calls = CallStream(plan.parser or "") if auto else None
+        self._started, self._blanks = False, ""
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """Content to send now, and the calls completed by `text`."""
         if self.plan.mode == "none":
             return text, []
-        if self._hermes is not None:
-            content, calls = self._hermes.feed(text, final=finished)
+        if self._calls is not None:
+            content, calls = self._calls.feed(text, final=finished)
+            content = self._trimmed(content, finished)
         else:  # a forced call: its JSON is read once whole
             self._text += text
             content, calls = "", (self.plan.calls(self._text)[1] if finished else [])
         self.calls_sent += len(calls)
         return content, calls
 
+    def _trimmed(self, content: str, finished: bool) -> str:
+        """The content without the blanks at the ends of the whole, as the answer's content
+        is stripped: leading ones dropped, trailing ones held until more content follows."""
+        content = self._blanks + content
+        if not self._started:
+            content = content.lstrip()
+            self._started = bool(content)
+        body = content.rstrip()
+        self._blanks = "" if finished else content[len(body) :]
+        return body
+
     def finish_reason(self, reason: str | None) -> str | None:
         """The choice's finish_reason once it ended with `reason`."""
         if self.calls_sent and reason != "length":
             return self.plan.finish_reason or "tool_calls"
         return reason
-
-
-class HermesStream:
-    """Splits streamed text into content deltas and complete tool calls (hermes format):
-    content is released as it comes, except a tail that may begin `<tool_call>`."""
-
-    def __init__(self) -> None:
-        self._buffer = ""
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """Content to send now and the calls completed by `text`."""
-        self._buffer += text
-        content, calls = "", list[ToolCall]()
-        while True:
-            start = self._buffer.find(_HERMES_OPEN)
-            if start == -1:
-                keep = 0 if final else _partial_tail(self._buffer, _HERMES_OPEN)
-                content += self._buffer[: len(self._buffer) - keep]
-                self._buffer = self._buffer[len(self._buffer) - keep :]
-                return content, calls
-            end = self._buffer.find(_HERMES_CLOSE, start)
-            if end == -1:
-                content += self._buffer[:start]
-                self._buffer = self._buffer[start:]
-                if final:  # never closed: what the model wrote is content
-                    content, self._buffer = content + self._buffer, ""
-                return content, calls
-            block = self._buffer[start : end + len(_HERMES_CLOSE)]
-            body, found = hermes_calls(block)
-            content += self._buffer[:start] + (body or "" if not found else "")
-            calls += found
-            self._buffer = self._buffer[end + len(_HERMES_CLOSE) :]
-
-
-def _partial_tail(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
