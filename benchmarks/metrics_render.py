@@ -1,10 +1,12 @@
-"""What an inference gateway's scrape costs: the API port's `/metrics` with many adapters.
+"""What an inference gateway's scrape costs: the gateway-metrics port's `/metrics` with many
+adapters.
 
-The llm-d endpoint picker scrapes every replica's `/metrics` every 50 ms, and each reading of
-the engine's state runs on the engine thread, between steps. With 2,000 registered adapters and
-256 requests in flight (base model and eight adapters, some running, the rest waiting), this
-times the gateway's reading (`EngineSnapshot.gateway`) plus its rendering (`render_gateway`),
-and, for comparison, the metrics port's full reading and rendering (Prometheus, every 15-30 s).
+The llm-d endpoint picker scrapes every replica's gateway-metrics port every 50 ms, and each
+reading of the engine's state runs on the engine thread, between steps. With 2,000 registered
+adapters and 256 requests in flight (base model and eight adapters, some running, the rest
+waiting), this times the gateway's reading (`EngineSnapshot.gateway`) plus its rendering
+(`render_gateway`), and, for comparison, the metrics port's full reading and rendering
+(Prometheus, every 15-30 s).
 Goal (issue 14): the gateway's scrape <= 5 ms.
 Run: .venv/bin/python benchmarks/metrics_render.py [--adapters 2000] [--requests 256]
 """
@@ -68,7 +70,7 @@ def main() -> int:
             engine.add_request(f"r{i}", [5 + i % 50, 9, 13], params, lora)
         for _ in range(3):  # half the requests run (their adapters resident), half wait
             engine.step()
-        metrics = ServerMetrics(api_adapters=True)
+        metrics = ServerMetrics()
 
         def gateway() -> bytes:
             metrics.gateway_snapshot = EngineSnapshot.gateway(engine)

@@ -233,12 +233,12 @@ def pool_schema() -> Schema:
                         "enum": list(s.FAILURE_MODES),
                         "default": s.DEFAULT_FAILURE_MODE,
                     },
+                    # kept so that manifests written for 0.1 still apply unchanged
                     "adapterAffinity": {
                         "type": "boolean",
-                        "default": False,
-                        "description": "name resident adapters in the API port's "
-                        "vllm:lora_requests_info (--api-metrics-adapters) for the picker's "
-                        "lora-affinity-scorer; only where nothing but the router reaches it",
+                        "description": "deprecated, no effect: the picker's "
+                        "lora-affinity-scorer reads adapter names on the pods' gateway-metrics "
+                        "port (8003), always on; the API port never names adapters",
                     },
                 }
             ),

@@ -3,9 +3,10 @@ Extension).
 
 With `spec.routing.inferencePool.enabled` the operator creates and owns an InferencePool named
 like the pool: it selects the pool's pods (`loraplane.io/pool`), targets their API port and
-names the endpoint picker (EPP) that routes each request to a replica. The EPP scrapes the
-replicas' vLLM-compatible metrics and scores them (the llm-d router's `lora-affinity-scorer`
-prefers a replica whose GPU already holds the request's adapter).
+names the endpoint picker (EPP) that routes each request to a replica. Traffic goes to the API
+port; the EPP scrapes the replicas' vLLM-compatible metrics on their gateway-metrics port (the
+chart's EndpointPickerConfig says which port) and scores them (the llm-d router's
+`lora-affinity-scorer` prefers a replica whose GPU already holds the request's adapter).
 
 The InferencePool CRD belongs to the cluster, not to loraplane. Where it is not installed the
 pool says so in its `InferencePoolReady` condition (`CRDNotInstalled`) and serves on through its

@@ -16,6 +16,11 @@ PORT = 8000
 # every metric, per-tenant ones included (`--metrics-port`): on the pods only, never on the
 # pool's Service; the chart's PodMonitor scrapes it and its NetworkPolicy admits monitoring only
 METRICS_PORT = 8002
+# the endpoint picker's view (`--gateway-metrics-port`): vLLM's protocol gauges with the adapter
+# names its LoRA affinity reads, no tenant label; on the pods only, scraped by the picker (the
+# chart's EndpointPickerConfig), whose pods alone its NetworkPolicy admits. The API port's
+# /metrics never names adapters.
+GATEWAY_METRICS_PORT = 8003
 CONTAINER = "dataplane"
 STORE_MOUNT = "/var/lib/loraplane/store"
 # usage not yet delivered to the control plane (LORAPLANE_USAGE_SPOOL_DIR): an emptyDir, which
@@ -72,9 +77,10 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
         str(PORT),
         "--metrics-port",
         str(METRICS_PORT),
+        "--gateway-metrics-port",
+        str(GATEWAY_METRICS_PORT),
         "--controlplane-url",
         controlplane_url,
-        *(["--api-metrics-adapters"] if spec.routing.adapter_affinity else []),
     ]
 
 
@@ -144,6 +150,7 @@ def deployment(
         "ports": [
             {"name": "http", "containerPort": PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+            {"name": "gateway-metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
         ],
         # The startup probe waits for the model (/ready: loaded), up to 30 minutes (a large
         # model from a volume or the network), and kills a load hung past that; liveness and

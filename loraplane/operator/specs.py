@@ -162,9 +162,6 @@ class Routing:
     picker_service: str | None = None  # None: the llm-d router's name for a release = the pool
     picker_port: int = DEFAULT_EPP_PORT
     failure_mode: str = DEFAULT_FAILURE_MODE
-    # name resident adapters in the API port's vllm:lora_requests_info, which the picker's
-    # lora-affinity-scorer reads; only where nothing but the router reaches that port
-    adapter_affinity: bool = False
 
     def picker_name(self, pool: str) -> str:
         """The endpoint picker's Service: as given, else `<pool, 40 characters>-epp`."""
@@ -299,5 +296,6 @@ def _routing(routing: Mapping[str, Any]) -> Routing:
         ),
         picker_port=_int(picker, "port", DEFAULT_EPP_PORT, 1, 65535),
         failure_mode=_enum(picker, "failureMode", FAILURE_MODES, DEFAULT_FAILURE_MODE),
-        adapter_affinity=bool(picker.get("adapterAffinity", False)),
+        # endpointPicker.adapterAffinity is deprecated and read by nobody: the picker always
+        # finds adapter names on the gateway-metrics port (manifests.GATEWAY_METRICS_PORT)
     )

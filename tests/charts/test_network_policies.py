@@ -104,6 +104,8 @@ def dataplane_pod(namespace: str, pool: str = "llama") -> Pod:
 
 TENANT = Pod("team-a", {"app": "chatbot"})
 PROMETHEUS = Pod("monitoring", {"app.kubernetes.io/name": "prometheus"})
+# the endpoint picker of the llm-d router's chart for a pool `llama`, beside the pool's pods
+PICKER = Pod(NAMESPACE, {"inferencepool": "llama-epp", "app.kubernetes.io/name": "llama-epp"})
 
 
 def matrix(values: dict[str, Any]) -> tuple[list[Manifest], dict[str, Pod]]:
@@ -151,14 +153,35 @@ def test_by_default_a_tenant_reaches_the_apis_and_nothing_else() -> None:
         ("dataplane", "controlplane", "internal"): True,
         ("dataplane", "dataplane", "metrics"): False,  # another replica scrapes nothing
         ("controlplane", "operator", "metrics"): False,
+        # the gateway-metrics port names adapters: the endpoint picker alone reads it
+        ("picker", "dataplane", "gateway-metrics"): True,
+        ("picker", "dataplane", "http"): True,
+        ("picker", "dataplane", "metrics"): False,
+        ("tenant", "dataplane", "gateway-metrics"): False,
+        ("prometheus", "dataplane", "gateway-metrics"): False,
+        ("dataplane", "dataplane", "gateway-metrics"): False,
     }
     sources = {"tenant": TENANT, "prometheus": PROMETHEUS, "operator": op, "dataplane": dp,
-               "controlplane": cp}  # fmt: skip
+               "controlplane": cp, "picker": PICKER}  # fmt: skip
     got = {key: admitted(policies, sources[key[0]], pods[key[1]], key[2]) for key in expected}
     assert got == expected
     # a tenant's own pod that copies the data plane's labels, in its namespace, is no replica
     impostor = Pod("team-a", dp.labels)
     assert not admitted(policies, impostor, cp, "internal")
+    # nor is a pod labelled like a picker in another namespace a picker of these pools
+    assert not admitted(policies, Pod("team-a", PICKER.labels), dp, "gateway-metrics")
+
+
+def test_gateway_metrics_from_names_the_picker_or_closes_the_port() -> None:
+    router = Pod("gateway", {"app": "router-epp"})
+    peers = [{"namespaceSelector": {"matchLabels": {NAME_LABEL: "gateway"}},
+              "podSelector": {"matchLabels": {"app": "router-epp"}}}]  # fmt: skip
+    policies, pods = matrix({"networkPolicy": {"dataplane": {"gatewayMetricsFrom": peers}}})
+    assert admitted(policies, router, pods["dataplane"], "gateway-metrics")
+    assert not admitted(policies, PICKER, pods["dataplane"], "gateway-metrics")
+    closed, pods = matrix({"networkPolicy": {"dataplane": {"gatewayMetricsFrom": []}}})
+    assert not admitted(closed, PICKER, pods["dataplane"], "gateway-metrics")
+    assert admitted(closed, PICKER, pods["dataplane"], "http")
 
 
 def test_configured_peers_limit_each_api_port_to_its_callers() -> None:

@@ -122,7 +122,15 @@ def test_epp_config_adds_lora_affinity_to_the_queue_kv_cache_and_prefix_scorers(
     types = [p["type"] for p in config["plugins"]]
     assert types == [SOURCE, EXTRACTOR, *SCORERS]
     source = config["plugins"][0]["parameters"]
-    assert source == {"scheme": "http", "path": "/metrics"}  # the target port's /metrics
+    # by default the replicas' gateway-metrics port, the one that names their adapters (the
+    # gateway test, test_gateway_affinity.py, scrapes it on a real server)
+    assert source == {"scheme": "http", "path": "/metrics", "port": 8003}
+    routed = pool_body("p", Path("/models/m"), routing={"inferencePool": {"enabled": True}})
+    pool = PoolSpec.parse(routed["spec"])
+    dep = manifests.deployment("p", NAMESPACE, pool, controlplane_url="http://cp", replicas=1)
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["gateway-metrics"] == source["port"] != ports["http"]
     # a plugin without a name is named by its type; every reference resolves
     names = {p.get("name", p["type"]) for p in config["plugins"]}
     (profile,) = config["schedulingProfiles"]
@@ -151,6 +159,10 @@ def test_epp_config_follows_the_weights_and_metrics_port_and_goes_to_each_pool_n
     assert config["plugins"][0]["parameters"]["port"] == 8010
     weights = [ref["weight"] for ref in config["schedulingProfiles"][0]["plugins"]]
     assert weights == [1, 1, 2, 5]
+    # 0: the InferencePool's target port (no port parameter)
+    zero = {"enabled": True, "endpointPicker": {"metricsPort": 0}}
+    source = _epp_config(one(render({"routing": zero}), "ConfigMap", EPP_CONFIG))["plugins"][0]
+    assert "port" not in source["parameters"]
 
 
 def test_httproutes_send_only_the_openai_api_to_each_pools_inference_pool() -> None:

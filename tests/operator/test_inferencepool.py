@@ -50,6 +50,7 @@ def test_routing_and_autoscaling_mode_default_to_off_and_operator_as_the_crd_say
     assert props["autoscaling"]["properties"]["mode"]["default"] == pool.autoscaling.mode
     assert manifests.ENGINE_LABEL not in manifests.pod_labels(POOL, pool)
     assert "--api-metrics-adapters" not in manifests.serve_args(pool, "http://cp:8080")
+    assert "default" not in picker["adapterAffinity"]  # deprecated: nothing reads it
 
 
 @pytest.mark.parametrize(
@@ -95,13 +96,25 @@ def test_inference_pool_selects_the_pods_on_the_api_port_and_names_the_picker() 
     assert pool.routing.picker_name("p" * 63) == "p" * 40 + "-epp"
 
 
-def test_adapter_affinity_passes_a_serve_flag_the_cli_parses() -> None:
-    routing = {**ROUTED, "endpointPicker": {"adapterAffinity": True}}
-    pool = PoolSpec.parse({**SPEC, "routing": routing})
-    args = manifests.serve_args(pool, "http://cp:8080")
-    assert "--api-metrics-adapters" in args
+def test_every_pod_serves_the_gateway_metrics_port_whatever_adapter_affinity_says() -> None:
+    """The picker's port is on every pool's pods, a port of its own that the CLI parses;
+    the deprecated adapterAffinity is accepted and changes nothing."""
+    plain = PoolSpec.parse({**SPEC, "routing": ROUTED})
+    args = manifests.serve_args(plain, "http://cp:8080")
     parsed = build_parser().parse_args(args)
-    assert parsed.api_metrics_adapters is True
+    assert parsed.gateway_metrics_port == manifests.GATEWAY_METRICS_PORT
+    assert len({manifests.PORT, manifests.METRICS_PORT, manifests.GATEWAY_METRICS_PORT}) == 3
+    assert parsed.api_metrics_adapters is None
+    dep = manifests.deployment(POOL, PLATFORM, plain, controlplane_url="http://cp", replicas=1)
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": manifests.PORT, "metrics": manifests.METRICS_PORT,
+                     "gateway-metrics": manifests.GATEWAY_METRICS_PORT}  # fmt: skip
+    for affinity in (True, False):
+        routing = {**ROUTED, "endpointPicker": {"adapterAffinity": affinity}}
+        pool = PoolSpec.parse({**SPEC, "routing": routing})
+        assert manifests.serve_args(pool, "http://cp:8080") == args
+        assert pool == plain
 
 
 # -- on the emulated cluster ----------------------------------------------------------------
@@ -182,7 +195,7 @@ def test_routed_pool_owns_an_inference_pool_that_follows_its_spec_and_goes_when_
     assert labels["llm-d.ai/engine-type"] == "vllm"
     assert template["spec"]["containers"][0]["ports"][0]["containerPort"] == 8000
 
-    # another picker: the InferencePool follows; adapter names go into the API port's metrics
+    # another picker: the InferencePool follows; the deprecated adapterAffinity changes nothing
     picker = {"service": "router-epp", "port": 9100, "failureMode": "FailClose",
               "adapterAffinity": True}  # fmt: skip
     _patch(cluster, {"routing": {"endpointPicker": picker}})
@@ -203,10 +216,9 @@ def test_routed_pool_owns_an_inference_pool_that_follows_its_spec_and_goes_when_
     }
     assert updated["metadata"]["uid"] == created["metadata"]["uid"]  # patched, not replaced
     assert _wait_condition(cluster, "Updated")["observedGeneration"] == 2
-    wait_for(
-        lambda: "--api-metrics-adapters" in _args(cluster),
-        what="the rollout with adapter names in the API port's metrics",
-    )
+    args = _args(cluster)
+    assert "--api-metrics-adapters" not in args
+    assert args[args.index("--gateway-metrics-port") + 1] == str(manifests.GATEWAY_METRICS_PORT)
 
     # routing off: the owned InferencePool goes, the pool serves on through its Service
     _patch(cluster, {"routing": {"inferencePool": {"enabled": False}}})

@@ -9,8 +9,9 @@ engine thread writes, never by calling into it, so they answer while a step hang
 a `reason` (no path, no request, no tenant: anyone who reaches the API port reads it).
 
 `/metrics` here is the API port's: anyone who can call the API reads it, so it shows only
-vLLM's protocol gauges, which an inference gateway scrapes and which carry no tenant label.
-Every other series (per tenant, per adapter) is on the metrics port (`metrics_port.py`).
+vLLM's protocol gauges, with no tenant label and no adapter name (no `vllm:lora_requests_info`).
+The endpoint picker's view, with adapter names, is on the gateway-metrics port, and every other
+series (per tenant, per adapter) on the metrics port (`metrics_port.py`).
 
 `/v1/load_lora_adapter` takes a name from the static `--lora-modules` list (a `lora_path` sent
 by the client is refused: the server never loads a client-given path); `/v1/unload_lora_adapter`
@@ -62,10 +63,11 @@ async def ready(runtime: RuntimeDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(runtime: RuntimeDep) -> Response:
-    """vLLM's protocol gauges (no tenant label), engine state read on the engine thread."""
+    """vLLM's protocol gauges (no tenant label, no adapter name), engine state read on the
+    engine thread."""
     if runtime.engine is not None:
         await runtime.gateway_snapshot()
-    return Response(runtime.metrics.render_gateway(), media_type=CONTENT_TYPE_LATEST)
+    return Response(runtime.metrics.render_api(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/v1/load_lora_adapter")

@@ -68,11 +68,18 @@ def add_commands(subparsers: Any) -> None:
         " protocol gauges",
     )
     serve.add_argument(
+        "--gateway-metrics-port",
+        type=int,
+        help="the inference gateway's endpoint picker scrapes this port: vLLM's protocol gauges"
+        " with adapter names (vllm:lora_requests_info, for LoRA affinity), no tenant label"
+        " (default 8003; 0: off)",
+    )
+    serve.add_argument(
         "--api-metrics-adapters",
         action="store_true",
         default=None,
-        help="also name adapters in the API port's vllm:lora_requests_info (for an inference"
-        " gateway; only where nothing else can reach the API port)",
+        help="deprecated, no effect (the gateway-metrics port names adapters; the API port"
+        " never does)",
     )
     serve.add_argument("--controlplane-url", help="catalog mode: the control plane's URL")
     serve.add_argument(
@@ -110,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
                   "max_lora_rank", "cuda_graphs",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
-                  "metrics_port", "api_metrics_adapters",
+                  "metrics_port", "gateway_metrics_port", "api_metrics_adapters",
                   "controlplane_url", "usage_spool_dir",
                   "api_key", "admin_token", "tool_call_parser")
     }  # fmt: skip

@@ -6,11 +6,14 @@ reads a queue while a step mutates it. Request-side figures (tokens, time to fir
 inter-token latency, host-tier loads) are fed by the routes as requests run; device-tier load
 times by a wrapper the runtime puts around the adapter manager's `make_resident`.
 
-Two views (docs/security.md): `render` is every series, tenant-labelled and per-adapter ones
+Three views (docs/security.md): `render` is every series, tenant-labelled and per-adapter ones
 included, for the metrics port (`--metrics-port`) that only Prometheus may reach;
-`render_gateway` is what the API port's /metrics shows anyone who can call the API: vLLM's
-protocol gauges, which carry no tenant label, and `vllm:lora_requests_info` (it names
-adapters) only when `api_adapters` says nothing but a gateway reaches the API port.
+`render_gateway` is the inference gateway's, for the gateway-metrics port
+(`--gateway-metrics-port`) that only the endpoint picker may reach: vLLM's protocol gauges and
+`vllm:lora_requests_info`, which names the adapters resident and waiting (the picker's LoRA
+affinity reads it), and no tenant label; `render_api` is what the API port's /metrics shows
+anyone who can call the API: the same protocol gauges without `vllm:lora_requests_info`, so no
+adapter name.
 """
 
 from __future__ import annotations
@@ -139,7 +142,8 @@ class EngineSnapshot:
 class _GatewayCollector(Collector):
     """vLLM's protocol gauges, the ones an inference gateway scrapes: no tenant label.
     `vllm:lora_requests_info` names the adapters running and waiting, so it is emitted only
-    where `adapters` is true (the metrics port; the API port when `--api-metrics-adapters`)."""
+    where `adapters` is true (the metrics port and the gateway-metrics port, never the API
+    port)."""
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot], *, adapters: bool) -> None:
         self._snapshot = snapshot
@@ -303,17 +307,20 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class ServerMetrics:
-    """The registries of one server (everything; the API port's view) and the request-side
-    instruments. `api_adapters`: name adapters in the API port's view too."""
+    """The registries of one server (everything; the gateway's view; the API port's view) and
+    the request-side instruments."""
 
-    def __init__(self, *, api_adapters: bool = False) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.gateway_registry = CollectorRegistry(auto_describe=False)
         self.gateway_registry.register(
-            _GatewayCollector(lambda: self.gateway_snapshot, adapters=api_adapters)
+            _GatewayCollector(lambda: self.gateway_snapshot, adapters=True)
         )
+        self.api_registry = CollectorRegistry(auto_describe=False)
+        self.api_registry.register(_GatewayCollector(lambda: self.gateway_snapshot, adapters=False))
         self.snapshot = EngineSnapshot()
-        self.gateway_snapshot = EngineSnapshot()  # the API port's reading (EngineSnapshot.gateway)
+        # the gateway's and the API port's reading (EngineSnapshot.gateway)
+        self.gateway_snapshot = EngineSnapshot()
         self.cpu_loads: Counter[str] = Counter()  # result -> host-tier loads (registrations)
         self.cpu_hits = 0  # catalog-mode resolutions found already registered
         self.cpu_evictions = 0  # adapters unregistered (unload)
@@ -382,5 +389,10 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def render_gateway(self) -> bytes:
-        """The API port's exposition: vLLM's protocol gauges, no tenant label."""
+        """The gateway-metrics port's exposition: vLLM's protocol gauges with the adapter names
+        of `vllm:lora_requests_info`, no tenant label."""
         return generate_latest(self.gateway_registry)
+
+    def render_api(self) -> bytes:
+        """The API port's exposition: vLLM's protocol gauges, no adapter name, no tenant."""
+        return generate_latest(self.api_registry)

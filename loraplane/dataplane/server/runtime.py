@@ -77,7 +77,7 @@ class Runtime:
     def __init__(self, settings: ServerSettings, freeze_heap: bool = False) -> None:
         self.settings = settings
         self.freeze_heap = freeze_heap
-        self.metrics = ServerMetrics(api_adapters=settings.api_metrics_adapters)
+        self.metrics = ServerMetrics()
         self.usage = UsageLog()
         self.limiter = RateLimiter()
         self.queue = QueueLimits(

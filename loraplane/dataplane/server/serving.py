@@ -1,7 +1,8 @@
 """Run the app under uvicorn: drain on SIGTERM/SIGINT and exit 0; exit 1 when start fails.
 
-The metrics port (`--metrics-port`) is a second uvicorn server in the same event loop, on the
-same runtime; it keeps answering while the API port drains, and stops after it."""
+The metrics port (`--metrics-port`) and the gateway-metrics port (`--gateway-metrics-port`) are
+uvicorn servers of their own in the same event loop, on the same runtime; they keep answering
+while the API port drains, and stop after it."""
 
 from __future__ import annotations
 
@@ -12,22 +13,27 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from loraplane.dataplane.server.app import create_app
-from loraplane.dataplane.server.metrics_port import create_metrics_app
+from loraplane.dataplane.server.metrics_port import (
+    create_gateway_metrics_app,
+    create_metrics_app,
+)
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings
 from loraplane.sockets import listen
 
 EXIT_OK, EXIT_FAILED = 0, 1
+log = logging.getLogger(__name__)
 
 
 class MetricsServer(uvicorn.Server):
-    """uvicorn's server for the metrics port: it leaves signals to the API's server."""
+    """uvicorn's server for a metrics port: it leaves signals to the API's server."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -38,30 +44,31 @@ class MetricsServer(uvicorn.Server):
 class DrainingServer(uvicorn.Server):
     """uvicorn's server that marks the runtime draining on a signal, and does not re-raise the
     signal after its graceful shutdown (uvicorn does, so the process would end by SIGTERM).
-    With `metrics` (a server and its bound socket) it runs that one beside itself."""
+    It runs the `sides` (metrics servers, each with its bound socket) beside itself."""
 
     def __init__(
         self,
         config: uvicorn.Config,
         runtime: Runtime,
-        metrics: tuple[MetricsServer, socket.socket] | None = None,
+        sides: list[tuple[MetricsServer, socket.socket]] | None = None,
     ) -> None:
         super().__init__(config)
         self.runtime = runtime
-        self.metrics = metrics
+        self.sides = sides or []
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve the API (and the metrics port until the API has drained)."""
-        if self.metrics is None:
-            await super().serve(sockets)
-            return
-        metrics, sock = self.metrics
-        side = asyncio.create_task(metrics.serve([sock]), name="metrics-port")
+        """Serve the API (and the metrics ports until the API has drained)."""
+        tasks = [
+            asyncio.create_task(side.serve([sock]), name=f"metrics-{sock.getsockname()[1]}")
+            for side, sock in self.sides
+        ]
         try:
             await super().serve(sockets)
         finally:
-            metrics.should_exit = True
-            await side
+            for side, _ in self.sides:
+                side.should_exit = True
+            for task in tasks:
+                await task
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -98,25 +105,33 @@ def serve(settings: ServerSettings) -> int:
         for server in holder:
             server.should_exit = True
 
-    metrics: tuple[MetricsServer, socket.socket] | None = None
-    sock: socket.socket | None = None
-    if settings.metrics_port:
+    if settings.api_metrics_adapters:
+        log.warning(
+            "--api-metrics-adapters / LORAPLANE_API_METRICS_ADAPTERS is deprecated and has no"
+            " effect: the endpoint picker reads adapter names on the gateway-metrics port"
+            " (--gateway-metrics-port %d); the API port's /metrics never names adapters",
+            settings.gateway_metrics_port,
+        )
+    listeners = (  # (port, the flag and variable that set it, the app factory)
+        (settings.metrics_port, "--metrics-port / LORAPLANE_METRICS_PORT", create_metrics_app),
+        (settings.gateway_metrics_port, "--gateway-metrics-port / LORAPLANE_GATEWAY_METRICS_PORT",
+         create_gateway_metrics_app),
+    )  # fmt: skip
+    bound: list[tuple[socket.socket, Callable[[Runtime], FastAPI]]] = []
+    for port, where, factory in listeners:
+        if not port:
+            continue
         try:
-            sock = listen(settings.host, settings.metrics_port)
+            bound.append((listen(settings.host, port), factory))
         except OSError as e:
-            print(f"error: cannot serve metrics on {settings.host}:{settings.metrics_port}"
-                  f" (--metrics-port / LORAPLANE_METRICS_PORT; 0 turns it off): {e}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            for sock, _ in bound:
+                sock.close()
+            print(f"error: cannot serve metrics on {settings.host}:{port}"
+                  f" ({where}; 0 turns it off): {e}", file=sys.stderr, flush=True)  # fmt: skip
             return EXIT_FAILED
     app = create_app(settings, on_fatal=on_fatal, freeze_heap=True)
-    if sock is not None:
-        # log_config None: this Config leaves the logging the API's Config set up alone
-        metrics_config = uvicorn.Config(
-            create_metrics_app(app.state.runtime), host=settings.host,
-            port=settings.metrics_port, lifespan="off", access_log=False, log_config=None,
-            log_level=None,
-        )  # fmt: skip
-        metrics = (MetricsServer(metrics_config), sock)
+    sides = [(_side_server(factory(app.state.runtime), settings.host, sock), sock)
+             for sock, factory in bound]  # fmt: skip
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -125,7 +140,17 @@ def serve(settings: ServerSettings) -> int:
         access_log=False,
         log_level="info",
     )
-    server = DrainingServer(config, app.state.runtime, metrics)
+    server = DrainingServer(config, app.state.runtime, sides)
     holder.append(server)
     server.run()
     return EXIT_FAILED if failures else EXIT_OK
+
+
+def _side_server(app: FastAPI, host: str, sock: socket.socket) -> MetricsServer:
+    """A metrics port's server for `app` on the bound `sock`."""
+    # log_config None: this Config leaves the logging the API's Config set up alone
+    config = uvicorn.Config(
+        app, host=host, port=sock.getsockname()[1], lifespan="off", access_log=False,
+        log_config=None, log_level=None,
+    )  # fmt: skip
+    return MetricsServer(config)

@@ -50,8 +50,11 @@ class ServerSettings(BaseSettings):
     # every series, tenant-labelled and per-adapter ones included, on a port of its own that
     # only Prometheus may reach (0: off); the API port's /metrics keeps vLLM's protocol gauges
     metrics_port: int = Field(default=8002, ge=0, le=65535)
-    # name adapters in the API port's vllm:lora_requests_info (an inference gateway's LoRA
-    # affinity): only where nothing but the gateway reaches the API port (docs/security.md)
+    # the endpoint picker's port: vLLM's protocol gauges with the adapter names of
+    # vllm:lora_requests_info (its LoRA affinity), no tenant label (0: off)
+    gateway_metrics_port: int = Field(default=8003, ge=0, le=65535)
+    # deprecated, no effect (the gateway-metrics port names adapters; the API port never does):
+    # still accepted so that old manifests start, with a warning (serving.py)
     api_metrics_adapters: bool = False
     controlplane_url: str | None = None
     api_key: str | None = None
@@ -118,6 +121,18 @@ class ServerSettings(BaseSettings):
         """Tenant-labelled metrics never share the API port."""
         if value and value == info.data.get("port"):
             raise ValueError(f"{value} is the API port (--port): give another, or 0 for none")
+        return value
+
+    @field_validator("gateway_metrics_port")
+    @classmethod
+    def _check_gateway_metrics_port(cls, value: int, info: ValidationInfo) -> int:
+        """Adapter names never share the API port; the picker's view is not the metrics port's."""
+        if value and value == info.data.get("port"):
+            raise ValueError(f"{value} is the API port (--port): give another, or 0 for none")
+        if value and value == info.data.get("metrics_port"):
+            raise ValueError(
+                f"{value} is the metrics port (--metrics-port): give another, or 0 for none"
+            )
         return value
 
     @field_validator("max_loras", mode="before")
@@ -206,11 +221,14 @@ SETTINGS_HELP: dict[str, str] = {
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",
     "device": "cpu or cuda",
     "host": "address to listen on",
-    "port": "port to listen on (the OpenAI API; its /metrics: vLLM's protocol gauges only)",
+    "port": "port to listen on (the OpenAI API; its /metrics: vLLM's protocol gauges, no"
+    " adapter names)",
     "metrics_port": "port of every metric, per-tenant and per-adapter ones included, for"
     " Prometheus only (0: off; never the API port)",
-    "api_metrics_adapters": "name adapters in the API port's vllm:lora_requests_info (for an"
-    " inference gateway; only where nothing else reaches the API port)",
+    "gateway_metrics_port": "port of the endpoint picker's metrics: vLLM's protocol gauges with"
+    " adapter names (vllm:lora_requests_info), no tenant label (0: off)",
+    "api_metrics_adapters": "deprecated, no effect: the gateway-metrics port names adapters, the"
+    " API port never does",
     "controlplane_url": "catalog mode: the control plane's URL (tenants, keys, adapters)",
     "api_key": "standalone mode: the key every /v1 route needs (unset: none)",
     "admin_token": "enables /v1/load_lora_adapter and /v1/unload_lora_adapter",

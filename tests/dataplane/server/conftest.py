@@ -102,9 +102,10 @@ def server(tiny_llama_dir: Path, adapter_names: dict[str, Path]) -> Iterator[Run
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """`python -m loraplane.dataplane.server serve ARGS` in a subprocess (no metrics port
-    unless ARGS or `env` ask for one: the default port may be taken on a shared machine)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_METRICS_PORT": "0", **(env or {})}
+    """`python -m loraplane.dataplane.server serve ARGS` in a subprocess (no metrics ports
+    unless ARGS or `env` ask for them: the default ports may be taken on a shared machine)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_METRICS_PORT": "0",
+                "LORAPLANE_GATEWAY_METRICS_PORT": "0", **(env or {})}  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "loraplane.dataplane.server", "serve", *args],
         cwd=REPO,

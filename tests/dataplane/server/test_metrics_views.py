@@ -1,6 +1,7 @@
-"""The two views of a server's metrics: everything (the metrics port) and the API port's, which
-anyone who can call the API reads: vLLM's protocol gauges, no tenant label, and adapter names
-only when the server is told nothing but a gateway reaches its API port."""
+"""The three views of a server's metrics: everything (the metrics port); the endpoint picker's
+(the gateway-metrics port): vLLM's protocol gauges with the adapter names of
+vllm:lora_requests_info, no tenant label; and the API port's, which anyone who can call the API
+reads: the same protocol gauges, without any adapter name."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ GATEWAY = {
 }
 
 
-def _metrics(**kw: bool) -> ServerMetrics:
-    metrics = ServerMetrics(**kw)
+def _metrics() -> ServerMetrics:
+    metrics = ServerMetrics()
     metrics.snapshot = EngineSnapshot(
         running=1, running_adapters=["b-secret"], max_loras=4, lora_running=["b-secret"],
         resident=Counter({("tenant-b", "b-secret"): 1}),
@@ -36,17 +37,17 @@ def _names(text: bytes) -> set[str]:
     return {f.name for f in text_string_to_metric_families(text.decode())}
 
 
-def test_the_api_port_view_has_protocol_gauges_only() -> None:
-    text = _metrics().render_gateway()
+def test_the_api_port_view_has_protocol_gauges_only_and_no_adapter_name() -> None:
+    text = _metrics().render_api()
     assert _names(text) == GATEWAY
-    assert b"tenant" not in text and b"b-secret" not in text
+    assert b"tenant" not in text and b"b-secret" not in text and b"lora" not in text
 
 
-def test_adapter_names_reach_the_api_port_only_when_asked() -> None:
-    text = _metrics(api_adapters=True).render_gateway()
+def test_the_gateway_view_adds_adapter_names_and_nothing_tenant_labelled() -> None:
+    text = _metrics().render_gateway()
     assert _names(text) == GATEWAY | {"vllm:lora_requests_info"}
     assert b'running_lora_adapters="b-secret"' in text
-    assert b"tenant" not in text
+    assert b"tenant" not in text and b"loraplane_" not in text
 
 
 def test_the_metrics_port_view_has_everything() -> None:
@@ -77,7 +78,7 @@ def test_the_protocol_gauge_read_as_the_endpoint_picker_reads_it(
     for i, name in enumerate(("r4", "r16", "r64")):
         engine.add_request(f"q{i}", [5, 6, 7], params, refs[name])
     engine.step()  # q0 runs with r4; the others wait
-    metrics = ServerMetrics(api_adapters=True)
+    metrics = ServerMetrics()
     metrics.gateway_snapshot = EngineSnapshot.gateway(engine)
     before = time.time()
     families = {f.name: f for f in text_string_to_metric_families(

@@ -18,9 +18,11 @@ Helpers for running behind the llm-d router (Gateway API Inference Extension) an
 {{- end }}
 
 {{/*
-The llm-d router's EndpointPickerConfig: the vLLM metrics source and extractor, then the
-queue-depth, KV-cache and prefix-cache scorers of llm-d's default profile plus the LoRA affinity
-scorer (prefer a replica whose GPU holds the request's adapter, then one with a free slot).
+The llm-d router's EndpointPickerConfig: the vLLM metrics source (by default the replicas'
+gateway-metrics port, 8003, whose vllm:lora_requests_info names their adapters; the API port
+never does) and extractor, then the queue-depth, KV-cache and prefix-cache scorers of llm-d's
+default profile plus the LoRA affinity scorer (prefer a replica whose GPU holds the request's
+adapter, then one with a free slot).
 */}}
 {{- define "loraplane.eppConfig" -}}
 {{- $picker := .Values.routing.endpointPicker -}}
