@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 
-from loraplane.dataplane.server import admin_routes, openai_routes, tokenize_routes
+from loraplane.dataplane.server import admin_routes, openai_routes, responses, tokenize_routes
 from loraplane.dataplane.server.admission import BodyLimit
 from loraplane.dataplane.server.errors import install_error_handlers
 from loraplane.dataplane.server.request_metrics import RequestCounter
@@ -70,6 +70,7 @@ def create_app(
     app.state.runtime = runtime
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(responses.router)
     app.include_router(tokenize_routes.router)
     app.include_router(admin_routes.router)
     app.add_middleware(RequestCounter, counter=runtime.metrics.requests)
