@@ -81,6 +81,19 @@ def usage(job: Job) -> dict[str, Any]:
     }
 
 
+def running_usage(choice: Choice, hide_output: bool = False, unshown: int = 0) -> dict[str, Any]:
+    """vLLM's `continuous_usage_stats` on a stream chunk: the choice's prompt tokens and the
+    tokens it generated so far (0 when none are shown), less `unshown` (its newest, not in the
+    chunk yet)."""
+    prompt = len(choice.tokens)
+    completion = 0 if hide_output else max(len(choice.token_ids) - unshown, 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
 def completion_logprobs(
     token_ids: Sequence[int],
     logprobs: Sequence[float],

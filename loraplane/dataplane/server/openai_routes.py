@@ -190,7 +190,9 @@ async def _serve(
     job, lease = admitted
     created, model = int(time.time()), body.model
     if body.stream:
-        events = _events(runtime, job, created, model, top, chat=chat, usage=body.include_usage)
+        usage, continuous = body.include_usage, body.continuous_usage
+        events = _events(runtime, job, created, model, top, chat=chat, usage=usage,
+                         continuous=continuous)  # fmt: skip
         return EventStream(events, on_close=lease.release)
     return await _answer(request, runtime, job, lease, created, model, top, chat)
 
@@ -366,16 +368,24 @@ async def _events(
     *,
     chat: bool,
     usage: bool,
+    continuous: bool = False,
 ) -> AsyncGenerator[bytes, None]:
+    """The SSE stream of a job. With `usage`, every chunk has `usage` (null, or with
+    `continuous` the usage of its choice so far, as vLLM's continuous_usage_stats) and a last
+    chunk without choices carries the request's usage."""
     rid = job.request_id
 
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return fmt.sse(fmt.chunk(rid, created, model, choices, chat=chat, include_usage=usage))
+    def so_far(choice: Choice, unshown: int = 0) -> dict[str, Any] | None:
+        return fmt.running_usage(choice, job.hide_output, unshown) if continuous else None
 
-    def prompt_chunk(choice: Choice, text: fmt.TokenText) -> bytes:
+    def chunk(entries: list[dict[str, Any]], choice: Choice) -> bytes:
+        return fmt.sse(fmt.chunk(rid, created, model, entries, chat=chat, include_usage=usage,
+                                 usage_body=so_far(choice)))  # fmt: skip
+
+    def prompt_chunk(choice: Choice, text: fmt.TokenText, unshown: int) -> bytes:
         entry = fmt.stream_prompt(choice, top, text, chat=chat)
-        return fmt.sse(fmt.chunk(rid, created, model, [entry], chat=chat, include_usage=usage),
-                       sliced=True)  # fmt: skip
+        return fmt.sse(fmt.chunk(rid, created, model, [entry], chat=chat, include_usage=usage,
+                                 usage_body=so_far(choice, unshown)), sliced=True)  # fmt: skip
 
     try:
         texts = await runtime.token_texts(job.tenant) if _per_token(job, top) else ()
@@ -384,7 +394,7 @@ async def _events(
             for c in job.choices:
                 role = {"role": "assistant", "content": ""}
                 yield chunk([{"index": c.index, "delta": role, "logprobs": None,
-                              "finish_reason": None}])  # fmt: skip
+                              "finish_reason": None}], c)  # fmt: skip
         started: set[int] = set()
         streams = {c.index: ToolStream(job.tools) for c in job.choices} if job.tools else {}
         async with contextlib.aclosing(run_job(runtime, job)) as outputs:
@@ -393,17 +403,19 @@ async def _events(
                 started.add(choice.index)
                 if choice.index in streams and streams[choice.index].plan.mode != "none":
                     for entry in _tool_deltas(streams[choice.index], choice, out):
-                        yield chunk([entry])
+                        yield chunk([entry], choice)
                     continue
                 if first and (choice.echo is not None or choice.prompt_logprobs is not None):
                     # a whole prompt's entries: built (and serialised) on a worker
                     yield await runtime.tokenize(
-                        job.tenant, functools.partial(prompt_chunk, choice, text)
+                        job.tenant,
+                        functools.partial(prompt_chunk, choice, text, len(out.token_ids)),
                     )
                 if job.hide_output:  # echo only: the sampled token is not shown
                     if out.finished:
                         yield chunk([fmt.stream_choice(choice, [], "", None, None, "length",
-                                                       chat=chat, top=top, text=text)])  # fmt: skip
+                                                       chat=chat, top=top, text=text)],
+                                    choice)  # fmt: skip
                     continue
                 if not (out.text or out.finished or (top is not None and out.logprobs)):
                     continue  # nothing to show yet (a partial character or a possible stop)
@@ -412,7 +424,7 @@ async def _events(
                     choice, out.token_ids, out.text, out.logprobs, out.top_logprobs, reason,
                     chat=chat, top=top, text=text,
                 )  # fmt: skip
-                yield chunk([entry])
+                yield chunk([entry], choice)
         if usage:
             yield fmt.sse(
                 fmt.chunk(rid, created, model, [], chat=chat, include_usage=True,

@@ -72,10 +72,12 @@ def _asks_for_nothing(name: str, value: Any) -> bool:
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: only include_usage has an effect."""
+    """`stream_options`: include_usage (a final usage chunk) and vLLM's continuous_usage_stats
+    (with include_usage: usage on every chunk too)."""
 
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class Generation(BaseModel):
@@ -137,6 +139,13 @@ class Generation(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far (vLLM: only together with
+        include_usage)."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
     def constraint(self) -> Constraint | None:
         """The structured output asked for: OpenAI's `response_format` or vLLM's
