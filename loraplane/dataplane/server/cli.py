@@ -91,9 +91,10 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--admin-token", help="enables /v1/load_lora_adapter and unload")
     serve.add_argument(
         "--tool-call-parser",
-        choices=["hermes"],
-        help='reads tool calls out of the text for tool_choice "auto" (hermes: <tool_call>'
-        " JSON blocks); without it, auto is refused",
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        help='reads tool calls out of the text for tool_choice "auto", in a model family\'s'
+        " format (hermes: <tool_call> JSON blocks; llama3_json; mistral: [TOOL_CALLS]; pythonic:"
+        " [f(a=1)]); without it, auto is refused",
     )
     serve.set_defaults(func=run_serve)
 

@@ -69,7 +69,7 @@ class ServerSettings(BaseSettings):
     replica: str | None = None  # catalog mode: this replica's name (default: hostname:port)
     resolve_ttl_s: float = Field(default=5.0, ge=0)
     # tool_choice "auto": how tool calls are read out of the model's text (None: auto is a 400)
-    tool_call_parser: Literal["hermes"] | None = None
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
     # a known (key, model) keeps its last good resolution this long while the control plane is
     # unreachable: serving goes on through a control plane outage
     resolve_stale_s: float = Field(default=300.0, ge=0)
@@ -242,7 +242,8 @@ SETTINGS_HELP: dict[str, str] = {
     " plane is unreachable",
     "usage_spool_dir": "catalog mode: folder where usage not yet delivered to the control plane"
     " survives a crash (unset: memory only)",
-    "tool_call_parser": 'reads tool calls out of the text for tool_choice "auto" (hermes)',
+    "tool_call_parser": 'reads tool calls out of the text for tool_choice "auto" (hermes,'
+    " llama3_json, mistral, pythonic)",
     "pressure_interval_s": "seconds between pressure and usage reports",
     "requests_per_minute": "standalone tenant's request limit (0: unlimited)",
     "tokens_per_minute": "standalone tenant's token limit (0: unlimited)",
