@@ -439,9 +439,12 @@ async def _events(
         else:
             log.exception("response stream %s failed", rid)
             error = {"code": "server_error", "message": "internal server error"}
-        failed = rfmt.response(rid, created, echo, "failed", output.items, rfmt.usage(job),
+        failed = rfmt.response(rid, created, echo, "failed", output.so_far(), rfmt.usage(job),
                                error=error)  # fmt: skip
         yield emit({"type": "response.failed", "response": failed})
+
+
+NOT_STORED_404: dict[int | str, dict[str, Any]] = {404: {"description": "responses are not stored"}}
 
 
 def _not_stored(response_id: str) -> NotFound:
@@ -449,25 +452,25 @@ def _not_stored(response_id: str) -> NotFound:
     return error
 
 
-@router.get("/responses/{response_id}")
+@router.get("/responses/{response_id}", responses=NOT_STORED_404)
 async def get_response(response_id: str, _: CallerKeyDep) -> Response:
     """404: responses are not stored."""
     raise _not_stored(response_id)
 
 
-@router.delete("/responses/{response_id}")
+@router.delete("/responses/{response_id}", responses=NOT_STORED_404)
 async def delete_response(response_id: str, _: CallerKeyDep) -> Response:
     """404: responses are not stored."""
     raise _not_stored(response_id)
 
 
-@router.get("/responses/{response_id}/input_items")
+@router.get("/responses/{response_id}/input_items", responses=NOT_STORED_404)
 async def list_input_items(response_id: str, _: CallerKeyDep) -> Response:
     """404: responses are not stored."""
     raise _not_stored(response_id)
 
 
-@router.post("/responses/{response_id}/cancel")
+@router.post("/responses/{response_id}/cancel", responses=NOT_STORED_404)
 async def cancel_response(response_id: str, _: CallerKeyDep) -> Response:
     """404: responses are not stored (and none runs in the background)."""
     raise _not_stored(response_id)

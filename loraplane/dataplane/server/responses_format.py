@@ -120,6 +120,14 @@ class StreamedOutput:
         # it opens at once, as OpenAI's stream does
         self.plain = not _reads_calls(plan)
 
+    def so_far(self) -> list[dict[str, Any]]:
+        """The items as they stand (a failed response's output): an open message with the
+        text sent so far, marked incomplete."""
+        items = list(self.items)
+        if self._message is not None:
+            items[-1] = message_item(self._message["id"], self._text, "incomplete")
+        return items
+
     def start(self) -> list[Event]:
         """The events that open the answer (a plain answer's message)."""
         return self._open() if self.plain else []

@@ -6,9 +6,10 @@ served, nothing stored, tenant-scoped adapters, and a disconnect aborting the re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,9 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplane.dataplane.server import responses
+from loraplane.dataplane.server.errors import Unavailable
+from loraplane.dataplane.server.generation import run_job
 from loraplane.dataplane.server.responses import messages
 from loraplane.dataplane.server.settings import ServerSettings
 from tests.controlplane.conftest import SERVICE
@@ -382,6 +386,48 @@ def test_a_client_disconnecting_mid_stream_aborts_the_response(server: Running) 
     assert total(now, "vllm:num_requests_running") == 0
     generated = total(now, "loraplane_tokens_total", kind="completion") - tokens
     assert 0 < generated < 230  # aborted, not finished
+
+
+async def enumerate_async(items: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    n = 0
+    async for item in items:
+        yield n, item
+        n += 1
+
+
+def test_a_failure_mid_stream_is_a_response_failed_event_with_the_output_so_far(
+    client: OpenAI, server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's stream fails after its first output (as when a dependency goes away): the
+    client gets `response.failed` with the error and the text sent so far, and the request
+    leaves nothing running."""
+    real = run_job
+
+    async def failing(runtime: Any, job: Any) -> AsyncGenerator[Any, None]:
+        async with contextlib.aclosing(real(runtime, job)) as outputs:
+            async for n, item in enumerate_async(outputs):
+                yield item
+                if n == 3:
+                    raise Unavailable("request failed: the store went away", retry_after=5)
+
+    monkeypatch.setattr(responses, "run_job", failing)
+    events = list(client.responses.create(model="ad04", input="Fail", max_output_tokens=20,
+                                          stream=True, **GREEDY))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.failed" and "response.completed" not in kinds
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error is not None
+    assert failed.error.code == "unavailable" and "went away" in failed.error.message
+    sent = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    (message,) = failed.output
+    assert message.type == "message" and message.status == "incomplete"
+    assert message.content[0].text == sent
+    assert failed.usage is not None and failed.usage.output_tokens >= 1
+    assert sent and failed.id == events[0].response.id
+    deadline = time.monotonic() + 10
+    while total(scrape(server), "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert total(scrape(server), "vllm:num_requests_running") == 0
 
 
 def test_adapters_are_tenant_scoped_as_in_chat(
