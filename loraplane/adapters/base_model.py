@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplane import fileaccess
+
 # The linear layers a LoRA adapter may target, in a decoder layer of the Llama family.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -61,7 +63,8 @@ def _read_local_config(path: Path, max_bytes: int) -> bytes:
         with path.open("rb") as fh:
             return fh.read(max_bytes + 1)
     except OSError as exc:
-        raise BaseModelUnavailable(f"cannot read the base model config at {path}: {exc}") from exc
+        reason = f"cannot read the base model config at {path}: {fileaccess.message(exc)}"
+        raise BaseModelUnavailable(reason) from exc
 
 
 def _read_s3_config(uri: str, endpoint_url: str | None, max_bytes: int) -> bytes:

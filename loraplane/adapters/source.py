@@ -19,6 +19,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import IO
 
+from loraplane import fileaccess
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.limits import AdapterLimits
 
@@ -165,9 +166,13 @@ def _from_zip(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
 
 
 def _from_dir(path: Path) -> AdapterFiles:
+    fileaccess.check_readable(path)
     names = {p.name: p.name for p in path.iterdir() if p.is_file()}
     config, weights = _pick(names, str(path))
-    return AdapterFiles(path / config, path / weights, str(path))
+    files = AdapterFiles(path / config, path / weights, str(path))
+    fileaccess.check_readable(files.config_path)  # "permission denied", not InvalidSafetensors
+    fileaccess.check_readable(files.weights_path)
+    return files
 
 
 def archive_kind(path: Path) -> str | None:
@@ -187,16 +192,22 @@ def archive_kind(path: Path) -> str | None:
 def open_adapter_source(path: Path | str, limits: AdapterLimits) -> Iterator[AdapterFiles]:
     """Yield the adapter's files from a directory or archive; extracted files are removed after.
 
-    Raises AdapterRejected (UnsafeArchive, UnsupportedFormat, InvalidConfig, TooLarge).
+    Raises AdapterRejected (UnsafeArchive, UnsupportedFormat, InvalidConfig, TooLarge), and
+    `fileaccess.AccessDenied` (an OSError) when this process may not read them.
     """
     path = Path(path)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:  # a folder on the way that this process cannot enter
+        raise fileaccess.explain(e, path=path) from e
+    if is_dir:
         yield _from_dir(path)
         return
     if not path.is_file():
         raise AdapterRejected(ReasonCode.UNSUPPORTED_FORMAT, f"{path} is not a file or folder")
     if path.name.lower().endswith(PICKLE_SUFFIXES):
         _pick({path.name: path.name}, path.name)
+    fileaccess.check_readable(path)
     kind = archive_kind(path)
     if kind is None:
         raise AdapterRejected(

@@ -76,7 +76,11 @@ def _migrate(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = db.make_engine(settings.effective_database_url)
+    try:
+        engine = db.make_engine(settings.effective_database_url)
+    except OSError as exc:  # e.g. the SQLite file's folder: fileaccess.AccessDenied
+        print(f"error: LORAPLANE_DATABASE_URL: {exc}", file=sys.stderr)
+        return 1
     try:
         before = db.current_revision(engine)
         db.upgrade(engine, args.revision)

@@ -21,6 +21,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplane import fileaccess
 from loraplane.controlplane.settings import StartupError
 
 # Shipped inside the package, so an installed wheel (the container image) can migrate.
@@ -46,7 +47,11 @@ def make_engine(
     if url.startswith("sqlite"):
         db_path = make_url(url).database
         if db_path and db_path != ":memory:":
-            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+            # sqlite3 says only "unable to open database file": name the file and the user
+            # (SQLite writes its WAL and lock files beside the database, so the folder too)
+            fileaccess.check_writable_dir(Path(db_path).parent)
+            if Path(db_path).exists():
+                fileaccess.check_writable_file(db_path)
         engine = create_engine(
             url,
             echo=echo,

@@ -16,7 +16,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 
+from loraplane import fileaccess
 from loraplane.adapters.store import open_store
+from loraplane.adapters.store.local import LocalStore
 from loraplane.controlplane import db
 from loraplane.controlplane.api.routes import (
     adapters,
@@ -64,7 +66,7 @@ def open_cluster(
         except Exception as exc:
             raise StartupError(
                 "LORAPLANE_KUBERNETES=1: no Kubernetes credentials (neither in-cluster nor "
-                f"KUBECONFIG): {exc}"
+                f"KUBECONFIG): {fileaccess.message(exc)}"
             ) from exc
     return cluster.AdapterResources(configuration, retry_after=settings.retry_after_seconds)
 
@@ -79,6 +81,11 @@ def build_context(
         store = open_store(settings.effective_store)
     except ValueError as exc:
         raise StartupError(f"LORAPLANE_STORE: {exc}") from exc
+    if settings.embedded and isinstance(store, LocalStore):  # uploads are ingested here
+        try:
+            fileaccess.check_writable_dir(store.url())
+        except OSError as exc:
+            raise StartupError(f"LORAPLANE_STORE: {exc}") from exc
     try:
         engine = db.make_engine(
             settings.effective_database_url,

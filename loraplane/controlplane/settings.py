@@ -16,6 +16,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from loraplane import fileaccess
 from loraplane.envhelp import PREFIX, format_env_help
 
 MIN_TOKEN_CHARS = 32
@@ -160,12 +161,18 @@ def token_weakness(token: str) -> str | None:
 
 
 def _token_file(path: Path) -> str:
-    """Read the token in `path`, or create it with a new random token (mode 0600)."""
-    if path.exists():
-        return path.read_text(encoding="utf-8").strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    """Read the token in `path`, or create it with a new random token (mode 0600).
+    AccessDenied (an OSError) names the file or folder this process may not use."""
+    action: fileaccess.Action = "read"
+    try:
+        if path.exists():
+            return path.read_text(encoding="utf-8").strip()
+        action = "write"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise fileaccess.explain(exc, action, path) from exc
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(token + "\n")
     return token
@@ -187,7 +194,10 @@ def resolve_tokens(settings: Settings) -> Settings:
             if not settings.embedded:
                 raise StartupError(f"{var} is not set: a deployment needs a strong token")
             path = (settings.data_dir / filename).absolute()
-            updates[field] = SecretStr(_token_file(path))
+            try:
+                updates[field] = SecretStr(_token_file(path))
+            except OSError as exc:
+                raise StartupError(f"{var} is not set and its token file fails: {exc}") from exc
             print(f"loraplane: {var} not set; the token is in {path} (mode 0600)", file=sys.stderr)
             continue
         weakness = token_weakness(secret.get_secret_value())

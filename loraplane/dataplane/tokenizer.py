@@ -22,6 +22,8 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from loraplane import fileaccess
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -122,6 +124,7 @@ class Tokenizer:
         root = Path(path)
         if not (root / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in {root}")
+        fileaccess.check_readable(root / "tokenizer.json")  # tokenizers names no path
         tok = _HFTokenizer.from_file(str(root / "tokenizer.json"))
         config = _read_json(root / "tokenizer_config.json")
         special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}

@@ -71,7 +71,10 @@ def print_crds(args: argparse.Namespace) -> int:
 def run_operator(args: argparse.Namespace) -> int:
     """Run Kopf with the operator's registry until it is stopped."""
     import kopf
+    from kubernetes.config.config_exception import ConfigException
 
+    from loraplane import fileaccess
+    from loraplane.adapters.store.local import LocalStore
     from loraplane.operator.context import OperatorContext
     from loraplane.operator.registry import build_registry
     from loraplane.operator.settings import OperatorSettings, SettingsError
@@ -88,7 +91,18 @@ def run_operator(args: argparse.Namespace) -> int:
         print(f"error: --metrics-port {args.metrics_port} is not a port", file=sys.stderr)
         return EXIT_USAGE
     kopf.configure(verbose=args.verbose)
-    ctx = OperatorContext.create(settings)
+    try:
+        ctx = OperatorContext.create(settings)
+    except (OSError, ConfigException) as exc:  # an unreadable kubeconfig, no credentials
+        print(f"error: no Kubernetes credentials (in-cluster or KUBECONFIG): "
+              f"{fileaccess.message(exc)}", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    if isinstance(ctx.store, LocalStore):  # versions are written there
+        try:
+            fileaccess.check_writable_dir(ctx.store.url())
+        except OSError as exc:
+            print(f"error: LORAPLANE_STORE: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if args.metrics_port:
         try:
             ctx.metrics.serve(args.metrics_host, args.metrics_port)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from loraplane import fileaccess
 from loraplane.adapters.errors import ObjectExists, ObjectNotFound, StoreError
 from loraplane.adapters.store.base import ObjectStore, check_key
 
@@ -222,7 +223,8 @@ class LocalStore(ObjectStore):
             raise self._error("sync the folder of", key, exc) from exc
 
     def _error(self, action: str, key: str, exc: OSError) -> StoreError:
-        return StoreError(f"cannot {action} object {key!r} in {self._root}: {exc}")
+        reason = fileaccess.message(exc, "read" if action == "read" else "write")
+        return StoreError(f"cannot {action} object {key!r} in {self._root}: {reason}")
 
 
 def write_atomically(dest: Path, fill: Callable[[BinaryIO], object]) -> None:

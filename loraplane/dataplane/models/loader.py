@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from loraplane import fileaccess
 from loraplane.adapters import base_model
 from loraplane.dataplane.models.config import ModelConfig
 from loraplane.dataplane.models.llama import LlamaForCausalLM
@@ -85,6 +86,7 @@ def load_model(
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
     where = str(device) if device.type == "cuda" else "cpu"
     for shard in checkpoint_files(root):
+        fileaccess.check_readable(shard)  # safetensors calls an unreadable file missing
         with safe_open(str(shard), framework="pt", device=where) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.endswith(_IGNORED_SUFFIXES):

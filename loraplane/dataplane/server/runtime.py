@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from loraplane import fileaccess
 from loraplane.adapters.base_model import BaseModelError, read_config
 from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import AsyncEngine, EngineHealth
@@ -158,12 +159,21 @@ class Runtime:
 
             try:
                 disk = DiskTier(open_store(self.settings.store))
-            except ValueError as e:
-                raise StartupError(f"LORAPLANE_STORE: {e}") from e
+                if disk.local:  # read in place: a folder this user cannot read fails at start
+                    with contextlib.suppress(FileNotFoundError):  # the control plane makes it
+                        fileaccess.check_readable(disk.store.url())
+            except (ValueError, OSError) as e:
+                raise StartupError(f"LORAPLANE_STORE: {fileaccess.message(e, 'write')}") from e
+            if self.settings.usage_spool_dir is not None:
+                try:
+                    fileaccess.check_writable_dir(self.settings.usage_spool_dir)
+                except OSError as e:
+                    raise StartupError(f"LORAPLANE_USAGE_SPOOL_DIR: {e}") from e
         try:
             engine = Engine(self.settings.engine_config(), disk=disk)
         except (ValueError, OSError) as e:
-            raise StartupError(f"cannot load model {self.settings.model}: {e}") from e
+            reason = fileaccess.message(e)
+            raise StartupError(f"cannot load model {self.settings.model}: {reason}") from e
         self._observe_load_times(engine)
         for name, path in self.settings.adapter_dirs().items():
             start = time.perf_counter()
@@ -171,6 +181,8 @@ class Runtime:
                 engine.register_lora(name, path, DEFAULT_TENANT)
             except AdapterRejected as e:
                 raise StartupError(f"adapter {name} rejected: {e.code.value}: {e.message}") from e
+            except OSError as e:
+                raise StartupError(f"adapter {name}: {fileaccess.message(e)}") from e
             self.metrics.cpu_loads["ok"] += 1
             self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
         return engine
@@ -378,6 +390,11 @@ class Runtime:
         except AdapterRejected as e:
             self.metrics.cpu_loads["rejected"] += 1
             raise InvalidRequest(f"adapter {name} rejected: {e.message}", code=e.code.value) from e
+        except OSError as e:  # e.g. its files are not readable by this process
+            self.metrics.cpu_loads["error"] += 1
+            raise Unavailable(
+                f"adapter {name}: {fileaccess.message(e)}", code="AdapterUnreadable"
+            ) from e
         self.metrics.cpu_loads["ok"] += 1
         self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
         self.static.add(name, ref.digest)
