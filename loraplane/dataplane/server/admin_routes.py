@@ -63,8 +63,7 @@ async def ready(runtime: RuntimeDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(runtime: RuntimeDep) -> Response:
-    """vLLM's protocol gauges (no tenant label, no adapter name), engine state read on the
-    engine thread."""
+    """vLLM's protocol gauges (no tenant label, no adapter name), read on the engine thread."""
     if runtime.engine is not None:
         await runtime.gateway_snapshot()
     return Response(runtime.metrics.render_api(), media_type=CONTENT_TYPE_LATEST)
