@@ -17,7 +17,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 class RequestCounter:

@@ -331,6 +331,25 @@ def test_responses_are_not_stored(client: OpenAI, server: Running) -> None:
     assert r.status_code == 401
 
 
+def test_responses_are_metered_as_chat_is(client: OpenAI, server: Running) -> None:
+    before = scrape(server)
+    out = client.responses.create(model="ad09", input="Metered", max_output_tokens=7, **GREEDY)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="ad09", input="Metered", store=True)
+    after = scrape(server)
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert out.usage is not None
+    assert grew("loraplane_requests_total", tenant="default", code="200") == 1
+    assert grew("loraplane_requests_total", code="400") == 1
+    assert grew("loraplane_tokens_total", tenant="default", kind="completion") == 7
+    assert grew("loraplane_tokens_total", tenant="default", kind="prompt") == (
+        out.usage.input_tokens
+    )
+
+
 def test_an_unknown_model_is_chats_404(client: OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model="nope", input="hi")
