@@ -72,11 +72,14 @@ def _asks_for_nothing(name: str, value: Any) -> bool:
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: include_usage (a final usage chunk) and vLLM's continuous_usage_stats
-    (with include_usage: usage on every chunk too)."""
+    """`stream_options`: include_usage and vLLM's continuous_usage_stats.
+
+    As vLLM's: include_usage (a final usage chunk) is true unless set false or null once
+    stream_options is given; continuous_usage_stats adds the usage so far to every chunk, and
+    only together with include_usage."""
 
     model_config = ConfigDict(extra="allow")
-    include_usage: bool | None = False
+    include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 

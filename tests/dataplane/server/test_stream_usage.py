@@ -82,12 +82,20 @@ def test_chat_chunks_with_the_openai_client_role_first_then_growing(server: Runn
 
 def test_continuous_usage_needs_include_usage_as_in_vllm(server: Running) -> None:
     base = {"model": "ad03", "prompt": "fox", "max_tokens": 4, "temperature": 0}
+    for off in (False, None):  # include_usage false or null: no usage anywhere
+        chunks = _events(server, "/completions", {**base, "stream_options": {
+                         "include_usage": off, "continuous_usage_stats": True}})  # fmt: skip
+        assert chunks and all(c["choices"] and "usage" not in c for c in chunks)
+    # include_usage left out: true once stream_options is given, as vLLM's default
     alone = _events(server, "/completions",
                     {**base, "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
-    assert alone and all(c["choices"] and "usage" not in c for c in alone)
-    off = _events(server, "/completions", {**base, "stream_options": {**BOTH,
-                  "continuous_usage_stats": False}})  # fmt: skip
-    assert all(c["usage"] is None for c in off[:-1]) and off[-1]["usage"]["completion_tokens"] > 0
+    assert all(c["usage"]["completion_tokens"] > 0 for c in alone)
+    assert alone[-1]["choices"] == []
+    plain = _events(server, "/completions", {**base, "stream_options": {**BOTH,
+                    "continuous_usage_stats": False}})  # fmt: skip
+    assert all(c["usage"] is None for c in plain[:-1])
+    assert plain[-1]["usage"]["completion_tokens"] > 0
+    assert "usage" not in _events(server, "/completions", base)[0]  # no stream_options
     r = httpx.post(server.v1 + "/chat/completions", headers=HEADERS, timeout=30, json={
         "model": "ad03", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "stream_options": BOTH})  # fmt: skip
