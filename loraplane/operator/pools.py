@@ -28,6 +28,10 @@ from loraplane.operator.context import OperatorContext, backoff, context_of, nam
 from loraplane.operator.specs import GROUP, POOLS, VERSION, PoolSpec, SpecError
 
 REGISTERED = "Registered"
+DEPRECATED_AFFINITY = (
+    "spec.routing.endpointPicker.adapterAffinity is deprecated and has no effect: the endpoint"
+    " picker reads adapter names on the pods' gateway-metrics port, always on; remove it"
+)
 
 
 def _parse(spec: kopf.Spec) -> PoolSpec:
@@ -103,6 +107,8 @@ async def reconcile_pool(
     ctx = context_of(memo)
     namespace = namespace_of(namespace)
     pool = _parse(spec)
+    if "adapterAffinity" in (spec.get("routing") or {}).get("endpointPicker", {}):
+        kopf.warn(body, reason="Deprecated", message=DEPRECATED_AFFINITY)
     await asyncio.to_thread(_children, ctx, body, name, namespace, pool)
     generation = meta.get("generation")
     patch.status["observedGeneration"] = generation

@@ -188,6 +188,7 @@ def test_routed_pool_owns_an_inference_pool_that_follows_its_spec_and_goes_when_
     assert created["spec"]["endpointPickerRef"]["name"] == f"{POOL}-epp"
     ready = _wait_condition(cluster, "Created")
     assert ready["status"] == "True" and ready["observedGeneration"] == 1
+    assert not any(e["reason"] == "Deprecated" for e in cluster.events(PLATFORM))
     # the selector picks the Deployment's pods, labelled for the EPP's metrics extractor
     template = _deployment(cluster)["spec"]["template"]  # type: ignore[index]
     labels = template["metadata"]["labels"]
@@ -218,6 +219,11 @@ def test_routed_pool_owns_an_inference_pool_that_follows_its_spec_and_goes_when_
     assert _wait_condition(cluster, "Updated")["observedGeneration"] == 2
     args = _args(cluster)
     assert "--api-metrics-adapters" not in args
+    wait_for(
+        lambda: any(e["reason"] == "Deprecated" and "adapterAffinity" in e["message"]
+                    for e in cluster.events(PLATFORM)),
+        what="the deprecation warning Event",
+    )  # fmt: skip
     assert args[args.index("--gateway-metrics-port") + 1] == str(manifests.GATEWAY_METRICS_PORT)
 
     # routing off: the owned InferencePool goes, the pool serves on through its Service
