@@ -80,32 +80,11 @@ class Calls:
 Read = Calls | int | None
 Item = str | ToolCall
 _WS = " \t\r\n"
-# tokens that matter to find a closing bracket: whole strings (their brackets do not count), a
-# quote that opens a string not closed yet, brackets
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|"|[{}\[\]]', re.S)
-_PY_TOKENS = re.compile(
-    r'"""(?:[^\\]|\\.)*?"""|'
-    r"'''(?:[^\\]|\\.)*?'''|"
-    r'"(?:[^"\\\n]|\\.)*"|'
-    r"'(?:[^'\\\n]|\\.)*'|"
-    r"[\"']|[\[\](){}]",
-    re.S,
-)
-
-
-def _closing(text: str, start: int, tokens: re.Pattern[str]) -> int | None:
-    """Index just past the bracket that closes the one at `start` (None: not in `text` yet)."""
-    depth = 0
-    for match in tokens.finditer(text, start):
-        token = match.group()
-        if token in ('"', "'"):
-            return None  # a string not closed yet
-        if token[0] in "\"'":
-            continue
-        depth += 1 if token in ("[", "(", "{") else -1
-        if depth == 0:
-            return match.end()
-    return None
+# what matters to find a closing bracket: outside strings the brackets and quotes, inside a
+# string its quote and backslashes
+_JSON_SIGNS = re.compile(r'["{}\[\]]')
+_PY_SIGNS = re.compile(r"[\"'\[\](){}]")
+_IN_STRING = {'"': re.compile(r'[\\"]'), "'": re.compile(r"[\\']")}
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -132,6 +111,15 @@ class Format(ABC):
 
     def __init__(self) -> None:
         self.line_start = True  # the output's start is a line's start
+        # a stream's text is scanned again as it grows: where the search for a closing
+        # bracket stopped, by the bracket's offset in the stream ({offset: (resume, depth)})
+        self._base = 0  # the stream offset of the text scanned now
+        self._closing: dict[int, tuple[int, int, str]] = {}
+
+    def advance(self, used: int) -> None:
+        """The stream's first `used` characters are done with: the next text starts after."""
+        self._base += used
+        self._closing = {k: v for k, v in self._closing.items() if k >= self._base}
 
     def new_id(self) -> str:
         """A fresh id for a call of this format."""
@@ -187,6 +175,56 @@ class Format(ABC):
         hold = max((_partial_tail(text, m) for m in self.markers), default=0)
         return None, min(hold, len(text) - i)
 
+    def closing(self, text: str, start: int, python: bool = False) -> int | None:
+        """Index just past the bracket that closes the one at `start` (None: not in `text`
+        yet); brackets in strings do not count (JSON's, or with `python` Python's, triple
+        quotes included). Resumes where the last search in this stream stopped: each
+        character of a growing text is looked at once."""
+        key = self._base + start
+        at, depth, quote = self._closing.get(key, (key, 0, ""))
+        i, n = at - self._base, len(text)
+        signs = _PY_SIGNS if python else _JSON_SIGNS
+        while True:
+            found = (_IN_STRING[quote[0]] if quote else signs).search(text, i)
+            if found is None:
+                i = n
+                break
+            j, sign = found.start(), found.group()
+            if quote and sign == "\\":
+                if j + 1 == n:
+                    i = j  # what it escapes is not here yet
+                    break
+                i = j + 2
+            elif quote or sign in "\"'":
+                if python and n - j < 3 and text[j:] == sign * (n - j):
+                    i = j  # one or two quotes at the end may still be three
+                    break
+                triple = python and text.startswith(sign * 3, j)
+                if not quote:
+                    quote, i = (sign * 3 if triple else sign), j + (3 if triple else 1)
+                elif len(quote) == 1 or triple:
+                    quote, i = "", j + len(quote)
+                else:
+                    i = j + 1  # a lone quote inside a triple-quoted string
+            else:
+                depth += 1 if sign in "[({" else -1
+                if depth == 0:
+                    return j + 1
+                i = j + 1
+        self._closing[key] = (self._base + i, depth, quote)
+        return None
+
+    def json_at(self, text: str, i: int, final: bool) -> tuple[Any, int] | int | None:
+        """The JSON object or array at `text[i]` and its end; -1: it is not valid JSON; None:
+        not complete yet."""
+        close = self.closing(text, i)
+        if close is None:
+            return -1 if final else None
+        try:
+            return json.loads(text[i:close]), close
+        except ValueError:
+            return -1
+
     def _at_line_start(self, text: str, i: int, p: int) -> bool:
         k = p
         while k > i and text[k - 1] in " \t\r":
@@ -198,18 +236,6 @@ class Format(ABC):
         body = text.rstrip(" \t\r")
         if body:
             self.line_start = body.endswith("\n")
-
-
-def _json_at(text: str, i: int, final: bool) -> tuple[Any, int] | int | None:
-    """The JSON object or array at `text[i]` and its end; -1: it is not valid JSON; None: not
-    complete yet."""
-    close = _closing(text, i, _JSON_TOKENS)
-    if close is None:
-        return -1 if final else None
-    try:
-        return json.loads(text[i:close]), close
-    except ValueError:
-        return -1
 
 
 class Hermes(Format):
@@ -251,7 +277,7 @@ class Llama3Json(Format):
                 return None
             if j == len(text) or text[j] != "{":
                 break
-            found = _json_at(text, j, final)
+            found = self.json_at(text, j, final)
             if found is None:
                 return None
             call = None if isinstance(found, int) else self._call(found[0])
@@ -305,7 +331,7 @@ class Mistral(Format):
         return self._named(text, i, final, skip)
 
     def _array(self, text: str, i: int, final: bool, skip: int) -> Read:
-        found = _json_at(text, i, final)
+        found = self.json_at(text, i, final)
         if found is None:
             return None
         if not isinstance(found, tuple) or not isinstance(found[0], list) or not found[0]:
@@ -355,7 +381,7 @@ class Mistral(Format):
             return skip if final else None
         if text[pos] != "{":
             return skip
-        found = _json_at(text, pos, final)
+        found = self.json_at(text, pos, final)
         if found is None:
             return None
         if not isinstance(found, tuple) or not isinstance(found[0], dict):
@@ -434,7 +460,7 @@ class Pythonic(Format):
             return skip if final else None
         if text[i] != "[":
             return skip
-        close = _closing(text, i, _PY_TOKENS)
+        close = self.closing(text, i, python=True)
         if close is None:
             return skip if final else None
         calls = pythonic_calls(text[i:close])
@@ -478,6 +504,7 @@ class CallStream:
         """Content to send now and the calls completed by `text`."""
         self._buffer += text
         items, used = self._format.scan(self._buffer, final)
+        self._format.advance(used)
         self._buffer = self._buffer[used:]
         content = "".join(i for i in items if isinstance(i, str))
         return content, [i for i in items if isinstance(i, ToolCall)]

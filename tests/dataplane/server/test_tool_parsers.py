@@ -59,6 +59,10 @@ CALLS: list[tuple[str, str, str | None, Expected]] = [
      ' scores=(0.5, -1), query="x ] y ) z \\" w")]', None,
      [("search", {"filters": {"tags": ["a", "b"], "limit": 5, "exact": False, "after": None},
                   "scores": [0.5, -1], "query": 'x ] y ) z " w'})]),
+    ("pythonic", '[write(text="""a "quoted" ] word\n""", path=\'\'\'x\'\'\')]', None,
+     [("write", {"text": 'a "quoted" ] word\n', "path": "x"})]),
+    ("llama3_json", '{"name": "write", "parameters": {"text": "a \\\\\\" } \\\\"}}', None,
+     [("write", {"text": 'a \\" } \\'})]),
     ("pythonic", "I will check.\n[get_time()]\nOne moment.", "I will check.\n\nOne moment.",
      [("get_time", {})]),
 ]  # fmt: skip
