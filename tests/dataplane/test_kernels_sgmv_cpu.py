@@ -4,15 +4,19 @@ it hands back to the torch path; how it is built, cached, and done without."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
+import platform
 import random
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
+from loraplane.dataplane.kernels import sgmv_cpu_prebuilt as prebuilt
 from loraplane.dataplane.kernels.sgmv_torch import lora_apply as oracle
 from loraplane.dataplane.lora import LoRABatch
 from loraplane.dataplane.lora.pool import ModuleSlots
@@ -30,6 +34,7 @@ def native() -> None:
 def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """library() built anew into an empty cache folder; the process's own one afterwards."""
     monkeypatch.setenv("LORAPLANE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(sgmv_cpu.PREBUILT_ENV, raising=False)
     sgmv_cpu.library.cache_clear()
     yield tmp_path
     sgmv_cpu.library.cache_clear()
@@ -297,3 +302,165 @@ def test_a_conversion_into_another_dtype_never_builds_the_library(
         for dtype in (torch.float16, torch.bfloat16):
             assert not sgmv_cpu.convert_f32([(a, False)], torch.zeros(6, dtype=dtype))
     assert sgmv_cpu.library.cache_info().currsize == 0 and not caplog.text
+
+
+# -- prebuilt libraries (the image's; sgmv_cpu_prebuilt) -------------------------------------
+
+V3_FLAGS = sorted(prebuilt.variants("x86_64")[1].cpu_flags)
+V2_FLAGS = sorted(set(V3_FLAGS) - {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"})
+
+
+@pytest.fixture(scope="module")
+def prebuilt_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every variant built once by the image's build step (this machine's compiler)."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here: nothing to prebuild")
+    out = tmp_path_factory.mktemp("prebuilt")
+    assert prebuilt.main([str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def prebuilt_dir(
+    prebuilt_template: Path, fresh_library: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """A copy of the prebuilt folder named by LORAPLANE_KERNEL_PREBUILT; an empty cache."""
+    folder = fresh_library / "prebuilt"
+    shutil.copytree(prebuilt_template, folder)
+    monkeypatch.setenv(sgmv_cpu.PREBUILT_ENV, str(folder))
+    monkeypatch.setenv("LORAPLANE_KERNEL_CACHE", str(fresh_library / "cache"))
+    return folder
+
+
+def _compiled_nothing(prebuilt_dir: Path) -> bool:
+    return not list((prebuilt_dir.parent / "cache").glob("*.so"))
+
+
+def _serves_like_the_oracle() -> None:
+    slots = _slots([8, 16, 4])
+    batch = LoRABatch.from_token_slots(_token_slots({0: 3, 1: 5, 2: 2}, base=2, seed=0))
+    x, y = torch.randn(batch.num_tokens, IN), torch.zeros(batch.num_tokens, OUT)
+    expected = _expected(slots, x, y, batch)
+    assert sgmv_cpu.lora_apply(y, x, batch, slots)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_build_step_writes_every_variant_and_a_manifest_of_this_source(
+    prebuilt_template: Path,
+) -> None:
+    manifest = json.loads((prebuilt_template / prebuilt.MANIFEST).read_text())
+    assert manifest["source_sha256"] == prebuilt.source_digest()
+    assert manifest["machine"] == platform.machine()
+    built = [(e["variant"], e["threading"]) for e in manifest["libraries"]]
+    names = [v.name for v in prebuilt.variants(platform.machine())]
+    # best level first, OpenMP before serial within one (the loader relies on this order)
+    assert built == [(n, t) for n in names for t in ("openmp", "serial")]
+    for entry in manifest["libraries"]:
+        assert (prebuilt_template / entry["file"]).stat().st_size > 0
+    # the baseline build needs nothing of the CPU; no build is -march=native
+    assert manifest["libraries"][-1]["cpu_flags"] == []
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 levels only")
+@pytest.mark.parametrize(
+    ("cpu", "variant"),
+    [
+        ([*sorted(prebuilt.variants("x86_64")[0].cpu_flags), "sse2"], "x86-64-v4"),
+        ([*V3_FLAGS, "avx512f"], "x86-64-v3"),  # one AVX-512 flag is not the v4 level
+        (V2_FLAGS, "baseline"),  # no AVX2: the baseline build
+        ([], "baseline"),  # flags unreadable
+    ],
+)
+def test_the_prebuilt_library_of_the_best_level_this_cpu_has_is_loaded_without_compiling(
+    prebuilt_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cpu: list[str],
+    variant: str,
+) -> None:
+    monkeypatch.setattr(sgmv_cpu, "_cpu_flags", lambda: frozenset(cpu))
+    monkeypatch.setenv("CC", "/nonexistent/cc")  # a compile would fail: none is tried
+    with caplog.at_level(logging.INFO, logger=sgmv_cpu.__name__):
+        loaded = sgmv_cpu.loaded()
+    assert loaded is not None and loaded.origin == "prebuilt" and loaded.variant == variant
+    threads = "openmp" if sgmv_cpu._threading() == sgmv_cpu.OPENMP else "serial"
+    assert loaded.threading == threads
+    assert loaded.path == prebuilt_dir / f"sgmv-{variant}-{threads}.so"
+    assert f"prebuilt {variant} ({threads}), {loaded.path}" in caplog.text
+    assert _compiled_nothing(prebuilt_dir)
+    if set(cpu) <= sgmv_cpu._cpu_flags():  # runnable here: it computes what the oracle does
+        _serves_like_the_oracle()
+
+
+def test_without_torchs_openmp_runtime_the_serial_prebuilt_is_loaded(
+    prebuilt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sgmv_cpu, "_threading", lambda: sgmv_cpu.SERIAL)
+    loaded = sgmv_cpu.loaded()
+    assert loaded is not None and loaded.origin == "prebuilt" and loaded.threading == "serial"
+    _serves_like_the_oracle()
+
+
+def _corrupt(folder: Path) -> None:
+    for so in folder.glob("*.so"):
+        so.write_bytes(b"not an ELF file")
+
+
+def _stale(folder: Path) -> None:
+    manifest = json.loads((folder / prebuilt.MANIFEST).read_text())
+    manifest["source_sha256"] = "0" * 64
+    (folder / prebuilt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _other_machine(folder: Path) -> None:
+    manifest = json.loads((folder / prebuilt.MANIFEST).read_text())
+    manifest["machine"] = "riscv64"
+    (folder / prebuilt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _too_demanding(folder: Path) -> None:
+    manifest = json.loads((folder / prebuilt.MANIFEST).read_text())
+    for entry in manifest["libraries"]:
+        entry["cpu_flags"] = ["a-flag-no-cpu-has"]
+    (folder / prebuilt.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        (_corrupt, "does not load"),
+        (_stale, "built from another sgmv_cpu.c"),
+        (_other_machine, "built from another machine (riscv64)"),
+        (_too_demanding, "runs on this CPU"),
+        (lambda folder: (folder / prebuilt.MANIFEST).unlink(), "no prebuilt"),
+        (lambda folder: shutil.rmtree(folder), "no prebuilt"),
+        (lambda folder: (folder / prebuilt.MANIFEST).write_text("{"), "no prebuilt"),
+    ],
+)
+def test_a_prebuilt_folder_that_cannot_serve_falls_back_to_compiling_with_a_warning(
+    prebuilt_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    spoil: Callable[[Path], None],
+    why: str,
+) -> None:
+    spoil(prebuilt_dir)
+    with caplog.at_level(logging.INFO, logger=sgmv_cpu.__name__):
+        loaded = sgmv_cpu.loaded()
+    assert why in caplog.text and "falling back to compiling it" in caplog.text
+    assert loaded is not None and loaded.origin == "compiled" and loaded.variant == "native"
+    assert not _compiled_nothing(prebuilt_dir)
+    assert "compiled here (-march=native" in caplog.text
+    _serves_like_the_oracle()
+
+
+def test_a_corrupt_prebuilt_without_a_compiler_leaves_the_torch_path(
+    prebuilt_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _corrupt(prebuilt_dir)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger=sgmv_cpu.__name__):
+        assert sgmv_cpu.library() is None
+    assert sgmv_cpu.loaded() is None
+    assert "does not load" in caplog.text and "no C compiler" in caplog.text
+    assert dispatch.backend(torch.zeros(1)) == "torch"

@@ -5,10 +5,14 @@ Python; with tens of adapters in a step that per-segment cost, not arithmetic, i
 LoRA layers' time. The kernel loops over the segments in C, reads each adapter's A and B^T
 once per four tokens, and adds straight into the layer's output (`benchmarks/lora_cpu.py`).
 
-It is compiled on first use with the system C compiler (`$CC`, else `cc`; -O3 -march=native)
-into a cache folder (`$LORAPLANE_KERNEL_CACHE`, else `~/.cache/loraplane/kernels`, else the
-temp folder), keyed by the source, the flags and this CPU, and loaded with ctypes. Where there
-is no compiler or the build fails, one warning says why and the torch path serves.
+Where `$LORAPLANE_KERNEL_PREBUILT` names a folder of portable builds (`sgmv_cpu_prebuilt`: the
+image ships one, built in its build stage), the best one this CPU runs is loaded from there.
+Else (no folder, none fits, a stale or corrupt one: a warning says which) it is compiled on
+first use with the system C compiler (`$CC`, else `cc`; -O3 -march=native) into a cache folder
+(`$LORAPLANE_KERNEL_CACHE`, else `~/.cache/loraplane/kernels`, else the temp folder), keyed by
+the source, the flags and this CPU, and loaded with ctypes. Where there is no compiler or the
+build fails, one warning says why and the torch path serves. `loaded()` says which library the
+process runs (an info line logs it too).
 
 `lora_apply` takes fp32 CPU tensors whose slots hold B transposed (`LoRAPool.b_transposed`)
 and answers False for anything else, so the caller falls back. It checks every slot it reads
@@ -21,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -28,12 +33,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from loraplane.dataplane.kernels import sgmv_cpu_prebuilt as prebuilt
 from loraplane.dataplane.kernels.sgmv_torch import checked_pair
 
 if TYPE_CHECKING:
@@ -51,7 +58,32 @@ MAX_RANK = 256  # the kernel's (sgmv_cpu.c)
 # segments longer than this go to a GEMM: a long prompt of one adapter is a matrix product
 # that BLAS does better than four tokens at a time
 MAX_SEGMENT = 64
+PREBUILT_ENV = "LORAPLANE_KERNEL_PREBUILT"
 _build_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """The library this process runs: `prebuilt` (with its variant) or `compiled` here."""
+
+    origin: str  # prebuilt | compiled
+    path: Path
+    variant: str  # x86-64-v3, baseline, ... (prebuilt) or native (compiled)
+    threading: str  # openmp | serial
+
+
+_loaded: Loaded | None = None
+
+
+def loaded() -> Loaded | None:
+    """Which library `library()` loaded; None before it ran, or where the torch path serves."""
+    return _loaded if library() is not None else None
+
+
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo's first `flags` line); empty where unreadable."""
+    _, _, flags = _cpu_key().partition(":")
+    return frozenset(flags.split())
 
 
 def _cpu_key() -> str:
@@ -108,8 +140,18 @@ def _build(compiler: str, extra: tuple[str, ...]) -> Path:
 def library() -> ctypes.CDLL | None:
     """The kernel, built and loaded once per process; None (with a warning) where it cannot
     be, or where `LORAPLANE_SGMV_NATIVE=0` turns it off."""
+    global _loaded
+    _loaded = None
     if os.environ.get("LORAPLANE_SGMV_NATIVE", "1").strip() == "0":
         return None
+    folder = os.environ.get(PREBUILT_ENV, "").strip()
+    if folder:
+        found = _prebuilt(Path(folder), _threading())
+        if found is not None:
+            lib, _loaded = found
+            log.info("the native CPU LoRA kernel: prebuilt %s (%s), %s", _loaded.variant,
+                     _loaded.threading, _loaded.path)  # fmt: skip
+            return lib
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         log.warning("no C compiler (%s) for the native CPU LoRA kernel: the torch path serves",
@@ -125,6 +167,7 @@ def library() -> ctypes.CDLL | None:
                     raise
                 log.info("the native CPU LoRA kernel did not build with OpenMP: it runs on one "
                          "thread")  # fmt: skip
+                threading_flags = SERIAL
                 path = _build(compiler, SERIAL)
             lib = ctypes.CDLL(str(path))
         except subprocess.CalledProcessError as e:
@@ -134,7 +177,51 @@ def library() -> ctypes.CDLL | None:
         except (OSError, subprocess.TimeoutExpired) as e:
             log.warning("the native CPU LoRA kernel is unavailable (the torch path serves): %s", e)
             return None
+    threads = "openmp" if threading_flags == OPENMP else "serial"
+    _loaded = Loaded("compiled", path, "native", threads)
+    log.info("the native CPU LoRA kernel: compiled here (-march=native, %s), %s", threads, path)
     return _declare(lib)
+
+
+def _prebuilt(folder: Path, threading_flags: tuple[str, ...]) -> tuple[ctypes.CDLL, Loaded] | None:
+    """The best library of a prebuilt folder that this CPU runs, loaded; None, with a warning
+    saying why, where the folder is absent, stale (another source or machine), has none that
+    fits, or the one that fits does not load (then the caller compiles)."""
+    why = "falling back to compiling it"
+    try:
+        manifest = json.loads((folder / prebuilt.MANIFEST).read_text())
+        libraries = list(manifest["libraries"])
+        stale = manifest["source_sha256"] != prebuilt.source_digest()
+        machine = manifest["machine"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("no prebuilt native CPU LoRA kernel in %s=%s (%s): %s", PREBUILT_ENV, folder,
+                    e, why)  # fmt: skip
+        return None
+    if stale or machine != platform.machine():
+        what = "another sgmv_cpu.c" if stale else f"another machine ({machine})"
+        log.warning("the prebuilt native CPU LoRA kernels in %s were built from %s: %s", folder,
+                    what, why)  # fmt: skip
+        return None
+    # with torch's OpenMP runtime loaded an OpenMP build joins its team; without it only a
+    # serial one loads (an OpenMP one would pull in a second runtime)
+    wanted = ("openmp", "serial") if threading_flags == OPENMP else ("serial",)
+    cpu = _cpu_flags()
+    # the manifest lists the best level first, OpenMP before serial within a level
+    fits = [entry for entry in libraries
+            if isinstance(entry, dict) and entry.get("threading") in wanted
+            and set(entry.get("cpu_flags", ())) <= cpu]  # fmt: skip
+    if not fits:
+        log.warning("none of the prebuilt native CPU LoRA kernels in %s runs on this CPU: %s",
+                    folder, why)  # fmt: skip
+        return None
+    entry = fits[0]
+    path = folder / str(entry.get("file", ""))
+    try:
+        lib = _declare(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError) as e:
+        log.warning("the prebuilt native CPU LoRA kernel %s does not load (%s): %s", path, e, why)
+        return None
+    return lib, Loaded("prebuilt", path, str(entry["variant"]), str(entry["threading"]))
 
 
 def _threading() -> tuple[str, ...]:
