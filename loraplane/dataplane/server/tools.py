@@ -27,14 +27,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplane.dataplane.server.errors import InvalidRequest
-from loraplane.dataplane.server.tool_parsers import (
-    PARSERS,
-    CallStream,
-    ToolCall,
-    call_id,
-    compact,
-    parse,
-)
+from loraplane.dataplane.server.tool_parsers import PARSERS, CallStream, parse
+from loraplane.dataplane.server.tool_scan import ToolCall, call_id, compact
 from loraplane.dataplane.structured import Constraint
 
 __all__ = ["PARSERS", "HermesStream", "Tool", "ToolCall", "ToolPlan", "ToolStream", "plan"]
