@@ -23,6 +23,7 @@ def _mib(n: int) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from loraplane import fileaccess
     from loraplane.adapters.base_model import BaseModelError, BaseModelSpec
     from loraplane.adapters.canonical import canonical_digest
     from loraplane.adapters.errors import AdapterRejected
@@ -31,7 +32,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from loraplane.adapters.validate import validate_adapter
 
     path = Path(args.path)
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:  # a folder on the way that this user cannot enter
+        print(f"error: {fileaccess.message(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    if not exists:
         print(f"error: {path} does not exist", file=sys.stderr)
         return EXIT_USAGE
     base = None
@@ -60,6 +66,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         else:
             print(f"rejected: {e.code.value}: {e.message}")
         return EXIT_REJECTED
+    except OSError as e:  # not a verdict on the adapter: this user may not read it
+        print(f"error: {fileaccess.message(e)}", file=sys.stderr)
+        return EXIT_USAGE
     if args.json:
         out = {"valid": True, "code": None, "message": "valid", "path": str(path)}
         print(json.dumps({**out, **summary, "digest": digest}))

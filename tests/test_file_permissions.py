@@ -290,6 +290,24 @@ def test_serve_in_catalog_mode_names_a_folder_it_may_not_use(
         assert "LORAPLANE_STORE" in line, line
 
 
+@pytest.mark.parametrize("block", ["weights", "folder"])
+def test_adapters_validate_says_permission_denied(
+    loraplane_cmd: list[str], world: Path, adapters: dict[str, Path], restore: None, block: str
+) -> None:
+    folder = adapters["b"]
+    if block == "weights":
+        (folder / "adapter_model.safetensors").chmod(0o600)
+        expect, text = folder / "adapter_model.safetensors", "cannot read this file"
+    else:
+        folder.chmod(0o700)
+        expect, text = folder, "a folder this process cannot enter"
+    target = folder / "adapter_config.json" if block == "folder" else folder
+    done = run_cli(loraplane_cmd, world, "adapters", "validate", str(target))
+    assert done.returncode == 2, done.stderr
+    assert_denied(done, expect, text)
+    assert "rejected" not in done.stdout
+
+
 # -- the control plane -------------------------------------------------------------------------
 
 

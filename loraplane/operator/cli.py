@@ -70,6 +70,8 @@ def print_crds(args: argparse.Namespace) -> int:
 
 def run_operator(args: argparse.Namespace) -> int:
     """Run Kopf with the operator's registry until it is stopped."""
+    import tempfile
+
     import kopf
     from kubernetes.config.config_exception import ConfigException
 
@@ -103,6 +105,11 @@ def run_operator(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"error: LORAPLANE_STORE: {exc}", file=sys.stderr)
             return EXIT_USAGE
+    try:  # each source is fetched into a temp folder there (a pod mounts /tmp writable)
+        fileaccess.check_writable_dir(tempfile.gettempdir())
+    except OSError as exc:
+        print(f"error: the temp folder (TMPDIR): {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.metrics_port:
         try:
             ctx.metrics.serve(args.metrics_host, args.metrics_port)

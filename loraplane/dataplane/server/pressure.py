@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from loraplane import fileaccess
 from loraplane.dataplane.server.metrics import EngineSnapshot
 from loraplane.dataplane.server.usage_spool import Key, UsageSpool
 from loraplane.internal_api import AsyncInternalAPIClient, InternalAPIError
@@ -238,7 +239,8 @@ class PressureReporter:
                 await asyncio.to_thread(spool.save, pending, rows)
             except OSError as e:
                 spool.write_failures += 1
-                log.error("usage spool %s cannot be written (%s): removed", spool.path, e)
+                log.error("usage spool %s cannot be written (%s): removed", spool.path,
+                          fileaccess.message(e, "write"))  # fmt: skip
                 with contextlib.suppress(OSError):
                     spool.path.unlink(missing_ok=True)
             self._spooled = state

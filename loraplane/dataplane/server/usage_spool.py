@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraplane import fileaccess
+
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (tenant, adapter name; "" for the base model)
 Rows = dict[Key, list[int]]  # key -> [requests, prompt tokens, completion tokens]
@@ -70,7 +72,8 @@ class UsageSpool:
         except FileNotFoundError:
             return Spooled()
         except OSError as e:
-            log.error("usage spool %s cannot be read (%s): ignored", self.path, e)
+            log.error("usage spool %s cannot be read (%s): ignored", self.path,
+                      fileaccess.message(e))  # fmt: skip
             return Spooled()
         try:
             return _parse(json.loads(data), self.replica)
