@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test demo lint bench bench-smoke format clean
+.PHONY: test demo lint bench bench-smoke format clean image
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,16 @@ bench: $(VENV)/.dev
 
 bench-smoke: $(VENV)/.dev
 	$(PY) benchmarks/_run.py --smoke $(BENCH_ARGS)
+
+# image: the Dockerfile's targets from their public base (python:3.11-slim, PyPI and PyTorch's
+# CPU index; a Docker engine that reaches them): $(IMAGE) (full: every component) and
+# $(IMAGE)-slim (control plane and operator, no torch). CI builds and runs them without a
+# registry (.ci/image.sh). IMAGE_ARGS: more flags, e.g. IMAGE_ARGS="--build-arg
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128" for the CUDA variant.
+IMAGE ?= loraplane:dev
+image:
+	docker build $(IMAGE_ARGS) -t $(IMAGE) .
+	docker build $(IMAGE_ARGS) --target slim -t $(IMAGE)-slim .
 
 clean:
 	rm -rf $(VENV) .loraplane .pytest_cache .mypy_cache .ruff_cache .hypothesis benchmarks/results/*.json

@@ -74,24 +74,27 @@ def test_the_wheel_carries_its_migrations_and_runs_installed(tmp_path: Path) -> 
     assert "migrated to" in done.stdout and "console pages:" in done.stdout
 
 
-def _dockerfile() -> tuple[list[str], list[str]]:
-    """The Dockerfile's build stage and final stage, as instruction lines (continuations
-    joined, comments dropped)."""
+def _dockerfile() -> dict[str, list[str]]:
+    """The Dockerfile's stages by name, as instruction lines (continuations joined, comments
+    dropped)."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     starts = [i for i, ln in enumerate(lines) if ln.startswith("FROM ")]
-    assert len(starts) == 2, "a build stage and a final stage"
-    return lines[starts[0] : starts[1]], lines[starts[1] :]
+    ends = [*starts[1:], len(lines)]
+    return {lines[i].split()[-1]: lines[i:j] for i, j in zip(starts, ends, strict=True)}
 
 
 def test_the_image_runs_what_the_chart_expects() -> None:
-    """No Docker engine runs here: the Dockerfile is checked against the chart, the Makefile
-    and the package (the wheel test above builds exactly what its build stage copies)."""
+    """The Dockerfile checked against the chart, the Makefile and the package (the wheel test
+    above builds exactly what its build stage copies; tests/image runs the built images)."""
     import tomllib
 
     import yaml
 
-    build, final = _dockerfile()
+    stages = _dockerfile()
+    assert list(stages) == ["kernels", "build", "runtime", "slim", "full"]  # full: the default
+    assert all(ln.startswith("FROM ${BASE} ") for ln in (stages["build"][0], stages["runtime"][0]))
+    build, final = stages["build"], stages["full"]
     copied = [src for ln in build if ln.startswith("COPY ") for src in ln.split()[1:-1]]
     assert sorted(copied) == ["README.md", "loraplane", "pyproject.toml"]
     args = dict(ln.removeprefix("ARG ").split("=", 1) for ln in final if ln.startswith("ARG "))
@@ -106,7 +109,7 @@ def test_the_image_runs_what_the_chart_expects() -> None:
     values = yaml.safe_load((ROOT / "charts/loraplane/values.yaml").read_text())
     uid = f"USER {values['controlplane']['podSecurityContext']['runAsUser']}"
     assert uid == f"USER {values['operator']['podSecurityContext']['runAsUser']}"
-    assert uid in final
-    assert 'ENTRYPOINT ["loraplane"]' in final
+    assert uid in final and uid in stages["slim"]
+    assert 'ENTRYPOINT ["loraplane"]' in stages["slim"]  # full is built on slim
     dockerignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert {"*", "!pyproject.toml", "!README.md", "!loraplane/"} <= set(dockerignore)
