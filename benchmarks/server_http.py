@@ -17,12 +17,17 @@ make every OpenMP barrier wait, ~0.56 of the engine instead of ~0.8).
 Rounds alternate engine and HTTP runs; the best of each is kept (the machine may be shared).
 Run: .venv/bin/python benchmarks/server_http.py [--gen-tokens N] [--rounds R]
 (--smoke: engine_cpu.py's smoke model, 4 generated tokens, one round)
+Another server (a container, say): `--workdir DIR --print-serve` builds the model and adapters
+in DIR and prints the command and environment this script serves them with; start that server
+(on 127.0.0.1), then `--workdir DIR --url http://127.0.0.1:PORT` measures it: HTTP rounds only,
+no engine (results: server_http_external).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -51,23 +56,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def serve_command(
+    model: Path, adapters: list[Path], port: int, threads: int | None
+) -> tuple[list[str], dict[str, str]]:
+    """The `serve` arguments and the environment this benchmark serves with."""
+    modules = [f"a{i}={path}" for i, path in enumerate(adapters)]
+    env = {"LORAPLANE_NUM_KV_BLOCKS": str(NUM_SEQS * 16)}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    args = ["serve", "--model", str(model), "--port", str(port), "--max-loras", str(NUM_ADAPTERS),
+            "--max-num-seqs", str(NUM_SEQS), "--lora-modules", *modules]  # fmt: skip
+    return args, env
+
+
 def start_server(
     model: Path, adapters: list[Path], port: int, threads: int | None
 ) -> subprocess.Popen[bytes]:
-    modules = [f"a{i}={path}" for i, path in enumerate(adapters)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_NUM_KV_BLOCKS": str(NUM_SEQS * 16)}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "loraplane.dataplane.server", "serve", "--model", str(model),
-           "--port", str(port), "--max-loras", str(NUM_ADAPTERS), "--max-num-seqs",
-           str(NUM_SEQS), "--lora-modules", *modules]  # fmt: skip
+    args, extra = serve_command(model, adapters, port, threads)
+    env = {**os.environ, "PYTHONPATH": str(REPO), **extra}
+    cmd = [sys.executable, "-m", "loraplane.dataplane.server", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             if httpx.get(url + "/ready", timeout=1).status_code == 200:
@@ -126,6 +140,46 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
+def build_models(root: Path, smoke: bool) -> tuple[Path, list[Path]]:
+    """The benchmark model and its adapters in `root` (built unless there already)."""
+    model, adapters = root / "model", [root / f"a{i}" for i in range(NUM_ADAPTERS)]
+    marker = root / "built"
+    if marker.is_file() and marker.read_text() == f"smoke={smoke}\n":
+        return model, adapters
+    print("building the benchmark model and 8 rank-16 adapters ...", flush=True)
+    build_llama(model, **shape(smoke))
+    for i, path in enumerate(adapters):
+        build_adapter(model, path, r=RANK, lora_alpha=32, seed=i)
+    marker.write_text(f"smoke={smoke}\n")
+    return model, adapters
+
+
+def measure_external(url: str, gen_tokens: int, rounds: int, smoke: bool) -> int:
+    """HTTP rounds against a server already running at `url`; its figures (no goal)."""
+    port = int(url.rstrip("/").rsplit(":", 1)[1])
+    wait_ready(url, None)
+    asyncio.run(http_run(port, 4))  # warm up
+    best: tuple[float, list[float], list[float]] | None = None
+    for _ in range(rounds):
+        result = asyncio.run(http_run(port, gen_tokens))
+        print(f"  round: http {result[0]:.1f} tok/s", flush=True)
+        if best is None or result[0] > best[0]:
+            best = result
+    if best is None:
+        raise SystemExit("--rounds must be at least 1")
+    tps, ttft, itl = best
+    figures = {
+        "tokens_per_s_http_streaming": tps,
+        "ttft_ms_p50": pct(ttft, 50) * 1e3,
+        "ttft_ms_p99": pct(ttft, 99) * 1e3,
+        "itl_ms_p50": pct(itl, 50) * 1e3,
+        "itl_ms_p99": pct(itl, 99) * 1e3,
+        "gen_tokens": float(gen_tokens),
+        "rounds": float(rounds),
+    }
+    return report("server_http_external", figures, [], smoke=smoke)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gen-tokens", type=int, default=32)
@@ -136,16 +190,31 @@ def main() -> int:
         default=max(1, (os.cpu_count() or 2) - 1),
         help="torch threads of the server (default: cores - 1, a core left to the client)",
     )
+    parser.add_argument("--workdir", type=Path,
+                        help="build the model and adapters here (kept, reused) instead of a "
+                        "temporary folder")  # fmt: skip
+    parser.add_argument("--print-serve", action="store_true",
+                        help="print how this script serves --workdir's model; exit")  # fmt: skip
+    parser.add_argument("--url", help="measure the server already running at this "
+                        "http://127.0.0.1:PORT (serving --workdir's model as --print-serve "
+                        "says) instead of starting one: HTTP rounds only")  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
     gen_tokens, rounds = (4, 1) if args.smoke else (args.gen_tokens, args.rounds)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
-        root = Path(tmp)
-        print("building the benchmark model and 8 rank-16 adapters ...", flush=True)
-        model = build_llama(root / "model", **shape(args.smoke))
-        adapters = [build_adapter(model, root / f"a{i}", r=RANK, lora_alpha=32, seed=i)
-                    for i in range(NUM_ADAPTERS)]  # fmt: skip
+    if (args.url or args.print_serve) and args.workdir is None:
+        parser.error("--url and --print-serve need --workdir (the model the server serves)")
+    with contextlib.ExitStack() as stack:
+        root = args.workdir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(dir=Path.cwd()))
+        )
+        model, adapters = build_models(root, args.smoke)
+        if args.print_serve:
+            serve, env = serve_command(model, adapters, 8000, args.server_threads)
+            print(" ".join(f"{k}={v}" for k, v in env.items()), "loraplane", *serve)
+            return 0
+        if args.url:
+            return measure_external(args.url, gen_tokens, rounds, args.smoke)
         engine, refs = make_engine(model, adapters, max_loras=NUM_ADAPTERS)
         mixed = [[refs[i % NUM_ADAPTERS] for i in range(NUM_SEQS)]]
         port = free_port()
