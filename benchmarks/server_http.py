@@ -20,7 +20,7 @@ Run: .venv/bin/python benchmarks/server_http.py [--gen-tokens N] [--rounds R]
 Another server (a container, say): `--workdir DIR --print-serve` builds the model and adapters
 in DIR and prints the command and environment this script serves them with; start that server
 (on 127.0.0.1), then `--workdir DIR --url http://127.0.0.1:PORT` measures it: HTTP rounds only,
-no engine (results: server_http_external).
+no engine (its figures replace results/server_http.json; no goal).
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def build_models(root: Path, smoke: bool) -> tuple[Path, list[Path]]:
     return model, adapters
 
 
-def measure_external(url: str, gen_tokens: int, rounds: int, smoke: bool) -> int:
-    """HTTP rounds against a server already running at `url`; its figures (no goal)."""
+def measure_external(url: str, gen_tokens: int, rounds: int) -> dict[str, float]:
+    """HTTP rounds against a server already running at `url`; their figures."""
     port = int(url.rstrip("/").rsplit(":", 1)[1])
     wait_ready(url, None)
     asyncio.run(http_run(port, 4))  # warm up
@@ -177,7 +177,7 @@ def measure_external(url: str, gen_tokens: int, rounds: int, smoke: bool) -> int
         "gen_tokens": float(gen_tokens),
         "rounds": float(rounds),
     }
-    return report("server_http_external", figures, [], smoke=smoke)
+    return figures
 
 
 def main() -> int:
@@ -214,43 +214,53 @@ def main() -> int:
             print(" ".join(f"{k}={v}" for k, v in env.items()), "loraplane", *serve)
             return 0
         if args.url:
-            return measure_external(args.url, gen_tokens, rounds, args.smoke)
-        engine, refs = make_engine(model, adapters, max_loras=NUM_ADAPTERS)
-        mixed = [[refs[i % NUM_ADAPTERS] for i in range(NUM_SEQS)]]
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = start_server(model, adapters, port, args.server_threads)
-        direct: list[float] = []
-        http: list[float] = []
-        try:
-            wait_ready(url, proc)
-            engine_tokens_per_s(engine, mixed, 4)  # warm up both
-            asyncio.run(http_run(port, 4))
-            # interleaved rounds, best of each: other load on a shared machine hits both alike
-            for _ in range(rounds):
-                direct.append(engine_tokens_per_s(engine, mixed, gen_tokens))
-                tps, ttft, itl = asyncio.run(http_run(port, gen_tokens))
-                if not http or tps > max(http):
-                    best_ttft, best_itl = ttft, itl
-                http.append(tps)
-                print(f"  round: engine {direct[-1]:.1f} tok/s, http {tps:.1f} tok/s", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(60)
-        ttft, itl = best_ttft, best_itl
-        figures = {
-            "tokens_per_s_engine": max(direct),
-            "tokens_per_s_http_streaming": max(http),
-            "http_over_engine": max(http) / max(direct),
-            "ttft_ms_p50": pct(ttft, 50) * 1e3,
-            "ttft_ms_p99": pct(ttft, 99) * 1e3,
-            "itl_ms_p50": pct(itl, 50) * 1e3,
-            "itl_ms_p99": pct(itl, 99) * 1e3,
-            "gen_tokens": float(gen_tokens),
-            "rounds": float(rounds),
-        }
-    goals = [goal(figures, "http_over_engine", ">=", 0.8)]
+            figures = measure_external(args.url, gen_tokens, rounds)
+        else:
+            figures = engine_and_http(model, adapters, gen_tokens, rounds, args.server_threads)
+    # another server's run has no engine to compare with: figures only
+    goals = [] if args.url else [goal(figures, "http_over_engine", ">=", 0.8)]
     return report("server_http", figures, goals, smoke=args.smoke)
+
+
+def engine_and_http(
+    model: Path, adapters: list[Path], gen_tokens: int, rounds: int, threads: int
+) -> dict[str, float]:
+    """Interleaved rounds on the engine directly and through the server it starts."""
+    engine, refs = make_engine(model, adapters, max_loras=NUM_ADAPTERS)
+    mixed = [[refs[i % NUM_ADAPTERS] for i in range(NUM_SEQS)]]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(model, adapters, port, threads)
+    direct: list[float] = []
+    http: list[float] = []
+    try:
+        wait_ready(url, proc)
+        engine_tokens_per_s(engine, mixed, 4)  # warm up both
+        asyncio.run(http_run(port, 4))
+        # interleaved rounds, best of each: other load on a shared machine hits both alike
+        for _ in range(rounds):
+            direct.append(engine_tokens_per_s(engine, mixed, gen_tokens))
+            tps, ttft, itl = asyncio.run(http_run(port, gen_tokens))
+            if not http or tps > max(http):
+                best_ttft, best_itl = ttft, itl
+            http.append(tps)
+            print(f"  round: engine {direct[-1]:.1f} tok/s, http {tps:.1f} tok/s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    ttft, itl = best_ttft, best_itl
+    figures = {
+        "tokens_per_s_engine": max(direct),
+        "tokens_per_s_http_streaming": max(http),
+        "http_over_engine": max(http) / max(direct),
+        "ttft_ms_p50": pct(ttft, 50) * 1e3,
+        "ttft_ms_p99": pct(ttft, 99) * 1e3,
+        "itl_ms_p50": pct(itl, 50) * 1e3,
+        "itl_ms_p99": pct(itl, 99) * 1e3,
+        "gen_tokens": float(gen_tokens),
+        "rounds": float(rounds),
+    }
+    return figures
 
 
 if __name__ == "__main__":
