@@ -24,7 +24,7 @@ from pathlib import Path
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import Capture
-from loraplane.dataplane.detokenizer import IncrementalDetokenizer
+from loraplane.dataplane.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
 from loraplane.dataplane.prompt_logprobs import PromptScores
@@ -436,9 +436,19 @@ class Engine:
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         detok = self._detok[seq.request_id]
-        delta = detok.add_token(
-            seq.token_ids[-1], check_stop=seq.num_output_tokens >= seq.params.min_tokens
-        )
+        params = seq.params
+        if (
+            seq.finish_reason is FinishReason.STOP
+            and seq.token_ids[-1] in params.stop_token_ids  # EOS among them, unless ignore_eos
+            and not params.include_stop_str_in_output
+        ):
+            # stopped by a stop token: as vLLM, its text is not output, special or not (its
+            # id and logprob still are)
+            delta = DetokenizerDelta("")
+        else:
+            delta = detok.add_token(
+                seq.token_ids[-1], check_stop=seq.num_output_tokens >= seq.params.min_tokens
+            )
         text = delta.text
         if delta.stopped and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP)

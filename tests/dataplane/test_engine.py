@@ -159,6 +159,16 @@ def test_stop_strings_eos_and_max_tokens_end_requests(families: dict[str, Family
     )
     assert ended.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
     assert ended.finish_reason == "stop"
+    # as vLLM: the stop token's text is not output (special or not), unless asked for
+    before = engine.tokenizer.decode(ended.token_ids[:-1], skip_special_tokens=True)
+    assert ended.text == before and ended.text != engine.tokenizer.decode(ended.token_ids)
+    (kept,) = engine.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[eos],
+                       include_stop_str_in_output=True),
+        [refs["r16"]],
+    )  # fmt: skip
+    assert kept.text == engine.tokenizer.decode(kept.token_ids) != before
 
 
 def test_seeded_sampling_and_logprobs(families: dict[str, Family]) -> None:

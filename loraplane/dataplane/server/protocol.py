@@ -324,6 +324,14 @@ class ChatCompletionRequest(Generation):
                 "a forced tool call and response_format / structured_outputs exclude each other",
                 param="tool_choice",
             )
+        if (
+            found is not None
+            and found.parser == "mistral"
+            and "skip_special_tokens" not in self.model_fields_set
+        ):
+            # [TOOL_CALLS] is a special token: kept in the text for the parser, as vLLM's
+            # mistral parser does (EOS's text is not output: the engine drops a stop token's)
+            self.skip_special_tokens = False
         return found
 
     def check_supported(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from loraplane.dataplane.server.protocol import ChatCompletionRequest
 from tests.dataplane.server.conftest import API_KEY, server_settings, start_server
 from tests.dataplane.server.test_tools import CHAT, TIME, WEATHER
 
@@ -103,3 +104,25 @@ def test_text_that_is_not_a_call_stays_the_content(parser_server: tuple[str, Ope
     assert "".join(e.delta.content or "" for e in entries) == text
     assert not any(e.delta.tool_calls for e in entries)
     assert entries[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("parser", "choice", "asked", "kept"),
+    [
+        ("mistral", None, None, False),  # [TOOL_CALLS] is a special token: kept for the parser
+        ("mistral", None, True, True),  # what the client says wins
+        ("mistral", "required", None, True),  # forced calls are not parsed out of text
+        ("hermes", None, None, True),
+    ],
+)
+def test_the_mistral_parser_keeps_special_tokens_unless_told(
+    parser: str, choice: str | None, asked: bool | None, kept: bool
+) -> None:
+    fields: dict[str, Any] = {"model": "ad02", "messages": CHAT, "tools": [WEATHER, TIME]}
+    if choice is not None:
+        fields["tool_choice"] = choice
+    if asked is not None:
+        fields["skip_special_tokens"] = asked
+    body = ChatCompletionRequest(**fields)
+    body.tool_plan(parser)
+    assert body.skip_special_tokens is kept
