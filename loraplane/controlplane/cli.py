@@ -14,6 +14,13 @@ import argparse
 import sys
 
 
+def _error(message: str) -> None:
+    """An error on stderr, with every key, token and URL password masked."""
+    from loraplane.redact import env_secrets, redact
+
+    print("error: " + redact(message, env_secrets()), file=sys.stderr)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -24,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             app = create_app(Settings())
         except StartupError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            _error(str(exc))
             return 2
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
         return 0
@@ -42,19 +49,19 @@ def _serve_two_ports(args: argparse.Namespace) -> int:
     from loraplane.sockets import listen, port_of
 
     if args.internal_port == args.port:
-        print("error: --internal-port must differ from --port", file=sys.stderr)
+        _error("--internal-port must differ from --port")
         return 2
     sockets = []
     for flag, port in (("--port", args.port), ("--internal-port", args.internal_port)):
         try:
             sockets.append(listen(args.host, port))
         except OSError as exc:
-            print(f"error: cannot listen on {args.host}:{port} ({flag}): {exc}", file=sys.stderr)
+            _error(f"cannot listen on {args.host}:{port} ({flag}): {exc}")
             return 1
     try:
         app = create_app(Settings(), internal_port=port_of(sockets[1]))
     except StartupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 2
     config = uvicorn.Config(app, host=args.host, port=port_of(sockets[0]),
                             log_level=args.log_level)  # fmt: skip
@@ -74,19 +81,19 @@ def _migrate(args: argparse.Namespace) -> int:
     try:
         settings = Settings()
     except ValidationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 2
     try:
         engine = db.make_engine(settings.effective_database_url)
     except OSError as exc:  # e.g. the SQLite file's folder: fileaccess.AccessDenied
-        print(f"error: LORAPLANE_DATABASE_URL: {exc}", file=sys.stderr)
+        _error(f"LORAPLANE_DATABASE_URL: {exc}")
         return 1
     try:
         before = db.current_revision(engine)
         db.upgrade(engine, args.revision)
         after = db.current_revision(engine)
     except Exception as exc:
-        print(f"error: migration failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _error(f"migration failed: {type(exc).__name__}: {exc}")
         return 1
     finally:
         engine.dispose()

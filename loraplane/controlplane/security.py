@@ -11,9 +11,11 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-KEY_MARKER = "lp_"
+from loraplane.redact import KEY_LEN as KEY_LEN
+from loraplane.redact import KEY_MARKER as KEY_MARKER
+from loraplane.redact import key_problem
+
 PREFIX_LEN = 12  # "lp_" + 9 characters: 54 bits, enough to find one row by index
-KEY_LEN = len(KEY_MARKER) + 43
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +40,20 @@ def generate_key() -> NewKey:
 
 def key_prefix(secret: str) -> str | None:
     """The lookup prefix of something that looks like a tenant key, else None."""
-    if not secret.startswith(KEY_MARKER) or len(secret) != KEY_LEN:
+    if key_problem(secret) is not None:
         return None
     return secret[:PREFIX_LEN]
+
+
+def not_a_key(token: str, admin_token: str) -> str:
+    """Why a credential that is not a tenant key's form is refused on a tenant route, naming
+    what is wrong and never echoing it: the admin token, a mistyped key, something else."""
+    if token_matches(token, admin_token):
+        return "this route needs a tenant API key, not the admin token"
+    problem = key_problem(token)
+    if token[:3].lower() in ("lp_", "lp-") and problem is not None:
+        return f"malformed API key: {problem}"
+    return f"this route needs a tenant API key ({KEY_MARKER}... as `keys create` prints it)"
 
 
 def key_matches(secret: str, key_hash: str) -> bool:

@@ -109,6 +109,13 @@ class Settings(BaseSettings):
             return [b.strip() for b in value.split(",") if b.strip()]
         return value
 
+    @field_validator("admin_token", "service_token", mode="before")
+    @classmethod
+    def _trim_token(cls, value: object) -> object:
+        """Whitespace around a token (an env file, a paste) is not part of it: the CLI and the
+        data plane trim theirs too."""
+        return value.strip() if isinstance(value, str) else value
+
     @field_validator("database_url")
     @classmethod
     def _psycopg_driver(cls, value: str | None) -> str | None:

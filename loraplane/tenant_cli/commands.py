@@ -29,9 +29,12 @@ WAIT_S = 3600.0
 EXIT_HELP = """\
 Exit 0: done.
 Exit 1: refused: the control plane refused the request, or (push) the adapter is invalid
-        (checked here, nothing sent); prints '<Code>: <message>' (e.g. 'Unauthorized:
-        invalid or revoked API key', 'rejected: RankTooLarge: ...').
+        (checked here, nothing sent), or the key or token has whitespace inside
+        (InvalidCredential); prints '<Code>: <message>' (e.g. 'Unauthorized: invalid or
+        revoked API key', 'rejected: RankTooLarge: ...'). Do not retry: fix the input.
 Exit 2: usage error, or the control plane could not be reached or could not answer (retry).
+Keys and tokens are never printed (at most 'lp_abc…'); spaces and line breaks around them
+(an env file, a paste) are ignored.
 With --json, stdout holds one JSON document: the answer, or {"error": {"code", "message"}}."""
 
 TENANT_ENV_HELP = f"""\
@@ -54,19 +57,40 @@ class UsageError(Exception):
 # -- plumbing -------------------------------------------------------------------------------------
 
 
+def _credential(flag: str | None, flag_name: str, var: str) -> str | None:
+    """The credential from the flag, else the variable: trimmed; CredentialError (naming
+    where it came from) if whitespace or control characters are inside it."""
+    from loraplane.redact import clean_credential
+
+    if flag is not None:
+        return clean_credential(flag, flag_name)
+    value = os.environ.get(var)
+    return clean_credential(value, var) if value else None
+
+
 def _connect(args: argparse.Namespace, *, admin: bool) -> RestClient:
     from loraplane.tenant_cli.client import RestClient
 
     url = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
     if admin:
-        token = args.admin_token or os.environ.get(ADMIN_ENV)
+        token = _credential(args.admin_token, "--admin-token", ADMIN_ENV)
         if not token:
             raise UsageError(f"no admin token: set {ADMIN_ENV} or pass --admin-token")
     else:
-        token = args.api_key or os.environ.get(KEY_ENV)
+        token = _credential(args.api_key, "--api-key", KEY_ENV)
         if not token:
             raise UsageError(f"no API key: set {KEY_ENV} or pass --api-key")
     return RestClient(url, token)
+
+
+def _secrets(args: argparse.Namespace) -> list[str | None]:
+    """Every credential this command may have sent: never printed."""
+    return [
+        getattr(args, "api_key", None),
+        getattr(args, "admin_token", None),
+        os.environ.get(KEY_ENV),
+        os.environ.get(ADMIN_ENV),
+    ]
 
 
 def _emit(args: argparse.Namespace, document: Any, lines: Sequence[str]) -> int:
@@ -80,6 +104,9 @@ def _emit(args: argparse.Namespace, document: Any, lines: Sequence[str]) -> int:
 
 
 def _fail(args: argparse.Namespace, code: str, message: str, exit_code: int, word: str) -> int:
+    from loraplane.redact import redact
+
+    message = redact(message, _secrets(args))  # a key or token never reaches the output
     if args.json:
         print(json.dumps({"error": {"code": code, "message": message}}))
     else:
@@ -92,6 +119,7 @@ def command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 
     def run(args: argparse.Namespace) -> int:
         from loraplane.adapters.errors import AdapterRejected, ReasonCode
+        from loraplane.redact import CredentialError
 
         try:
             from loraplane.tenant_cli.client import ApiError
@@ -102,12 +130,17 @@ def command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
             return handler(args)
         except UsageError as exc:
             return _fail(args, "InvalidUsage", str(exc), EXIT_USAGE, "error")
+        except CredentialError as exc:  # not a retry: the key or token must be fixed
+            return _fail(args, "InvalidCredential", str(exc), EXIT_REJECTED, "error")
         except AdapterRejected as exc:
             return _fail(args, exc.code.value, exc.message, EXIT_REJECTED, "rejected")
         except ApiError as exc:
             code = EXIT_REJECTED if exc.refused else EXIT_USAGE
             verdict = exc.code in {c.value for c in ReasonCode}  # the server's check of the adapter
             return _fail(args, exc.code, exc.message, code, "rejected" if verdict else "error")
+        except Exception as exc:  # a bug here or in a library: its words, never a secret
+            message = f"{type(exc).__name__}: {exc}"
+            return _fail(args, "InternalError", message, EXIT_USAGE, "error")
 
     return run
 

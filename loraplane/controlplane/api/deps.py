@@ -84,7 +84,7 @@ def current_tenant(ctx: ContextDep, session: SessionDep, credentials: Credential
     """The tenant whose live key this is, within its rate limit."""
     token = _token(credentials)
     if security.key_prefix(token) is None:
-        raise Unauthorized("this route needs a tenant API key")
+        raise Unauthorized(security.not_a_key(token, ctx.admin_token))
     key = authenticate(session, secret=token)
     wait = ctx.limiter.acquire(key.id, key.tenant.requests_per_minute)
     if wait is not None:

@@ -9,6 +9,7 @@ from fastapi import Depends, Header, Request
 from loraplane.dataplane.server.catalog import Catalog, check_api_key
 from loraplane.dataplane.server.errors import Forbidden, NotFound, Unauthorized
 from loraplane.dataplane.server.runtime import Runtime
+from loraplane.redact import key_problem
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -43,6 +44,9 @@ def caller_key(runtime: RuntimeDep, token: TokenDep) -> str | None:
     if settings.controlplane_url:
         if token is None:
             raise Unauthorized("send Authorization: Bearer <your API key>")
+        problem = key_problem(token)  # no tenant key has this form: say how, not "unknown"
+        if problem is not None:
+            raise Unauthorized(f"malformed API key: {problem}")
     elif settings.api_key is not None and not check_api_key(settings.api_key, token):
         raise Unauthorized("Incorrect API key provided: send Authorization: Bearer <key>.")
     return token
