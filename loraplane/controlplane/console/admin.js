@@ -2,7 +2,7 @@
 // shown once), and the pools with the slot and memory pressure their replicas report.
 
 import { call } from "./api.js";
-import { copyable, field, h, table } from "./dom.js";
+import { copyable, field, h, scrolling, table } from "./dom.js";
 import { bytes, count, time, weight } from "./format.js";
 
 const enc = encodeURIComponent;
@@ -147,11 +147,13 @@ function keys(app, tenant, list) {
     "section",
     { "aria-labelledby": "keys-title" },
     h("h2", { id: "keys-title" }, "API keys"),
-    h(
-      "table",
-      { id: "keys" },
-      h("thead", {}, h("tr", {}, headers.map((x) => h("th", { scope: "col" }, x)))),
-      tbody,
+    scrolling(
+      h(
+        "table",
+        { id: "keys" },
+        h("thead", {}, h("tr", {}, headers.map((x) => h("th", { scope: "col" }, x)))),
+        tbody,
+      ),
     ),
     h(
       "form",

@@ -57,14 +57,23 @@ export function field(id, text, control, hint) {
   return h("div", { class: "field" }, parts);
 }
 
-/** A table: headers, then rows of cells (each a string, a Node or an array of them). */
+/** A table in a box that scrolls sideways on its own when the table is wider than the page
+ * (a phone), so the page itself never does. */
+export function scrolling(tableElement) {
+  return h("div", { class: "table-scroll" }, tableElement);
+}
+
+/** A table: headers, then rows of cells (each a string, a Node or an array of them), in its
+ * own scrolling box. */
 export function table(caption, headers, rows) {
-  return h(
-    "table",
-    {},
-    caption ? h("caption", {}, caption) : null,
-    h("thead", {}, h("tr", {}, headers.map((x) => h("th", { scope: "col" }, x)))),
-    h("tbody", {}, rows.map((cells) => h("tr", {}, cells.map((c) => h("td", {}, c))))),
+  return scrolling(
+    h(
+      "table",
+      {},
+      caption ? h("caption", {}, caption) : null,
+      h("thead", {}, h("tr", {}, headers.map((x) => h("th", { scope: "col" }, x)))),
+      h("tbody", {}, rows.map((cells) => h("tr", {}, cells.map((c) => h("td", {}, c))))),
+    ),
   );
 }
 

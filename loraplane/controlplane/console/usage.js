@@ -13,14 +13,33 @@ const MEASURES = {
 };
 const BASE = "(base model)";
 
-function days(start, end) {
-  const out = [];
-  for (let d = new Date(`${start}T00:00:00Z`); d <= new Date(`${end}T00:00:00Z`); ) {
-    out.push(d.toISOString().slice(0, 10));
-    d.setUTCDate(d.getUTCDate() + 1);
-    if (out.length > 366) break;
+const DAY_MS = 86400000;
+const MAX_DAYS = 366; // longer ranges are drawn one bar per month
+
+/** The bars of a range: one per UTC day, or per month where it is longer than MAX_DAYS, from
+ * the first to the last day asked for; `of(day)` is the bar a usage row's day falls in. */
+export function buckets(start, end) {
+  const first = new Date(`${start}T00:00:00Z`);
+  const last = new Date(`${end}T00:00:00Z`);
+  const keys = [];
+  const monthly = (last - first) / DAY_MS + 1 > MAX_DAYS;
+  if (monthly) {
+    for (let d = new Date(Date.UTC(first.getUTCFullYear(), first.getUTCMonth(), 1)); d <= last; d.setUTCMonth(d.getUTCMonth() + 1)) {
+      keys.push(d.toISOString().slice(0, 7));
+    }
+  } else {
+    for (let d = new Date(first); d <= last; d.setUTCDate(d.getUTCDate() + 1)) keys.push(d.toISOString().slice(0, 10));
   }
-  return out;
+  const years = new Set(keys.map((k) => k.slice(0, 4))).size > 1;
+  return {
+    unit: monthly ? "month" : "day",
+    keys,
+    start,
+    end,
+    of: (day) => (monthly ? day.slice(0, 7) : day),
+    // a tick's text: the year where the range spans more than one, never a bare month number
+    tick: (key) => (monthly || years ? key : key.slice(5)),
+  };
 }
 
 /** The axis top: 5, 10, 20, 50, 100, ... at least `value` (so fifths are whole numbers). */
@@ -33,9 +52,47 @@ function niceMax(value) {
 
 function describe(row) {
   return (
-    `${row.adapter || BASE} on ${row.day}: ${count(row.requests)} requests, ` +
+    `${row.adapter || BASE} ${row.span}: ${count(row.requests)} requests, ` +
     `${count(row.prompt_tokens)} prompt + ${count(row.completion_tokens)} completion tokens`
   );
+}
+
+/** The usage rows summed per bar and adapter, each with the days it covers in words. */
+function perBar(rows, range) {
+  const byBar = new Map(range.keys.map((k) => [k, new Map()]));
+  for (const r of rows) {
+    const key = range.of(r.day);
+    if (!byBar.has(key)) continue;
+    const sums = byBar.get(key);
+    const t = sums.get(r.adapter) || { adapter: r.adapter, day: key, requests: 0, prompt_tokens: 0, completion_tokens: 0 };
+    t.requests += r.requests;
+    t.prompt_tokens += r.prompt_tokens;
+    t.completion_tokens += r.completion_tokens;
+    sums.set(r.adapter, t);
+  }
+  const out = new Map();
+  for (const [key, sums] of byBar) {
+    let span = `on ${key}`;
+    if (range.unit === "month") {
+      const [y, m] = key.split("-").map(Number);
+      const last = new Date(Date.UTC(y, m, 0)).toISOString().slice(0, 10);
+      const from = `${key}-01` < range.start ? range.start : `${key}-01`;
+      span = `from ${from} to ${last > range.end ? range.end : last}`;
+    }
+    const bar = [...sums.values()].sort((p, q) => p.adapter.localeCompare(q.adapter));
+    for (const t of bar) t.span = span;
+    out.set(key, bar);
+  }
+  return out;
+}
+
+/** The chart's width in pixels: what the page has for it (drawn 1:1, so 12 px text stays
+ * 12 px on a phone), at most SIZE.width. */
+function available() {
+  const main = document.getElementById("main");
+  const style = getComputedStyle(main);
+  const inner = main.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+  return Math.round(Math.min(SIZE.width, Math.max(280, inner - 18)));
 }
 
 function showTip(target, text) {
@@ -55,17 +112,17 @@ function hideTip() {
   document.getElementById("tooltip").hidden = true;
 }
 
-/** The chart: one stacked bar per day, one segment per adapter. */
-export function chart(rows, range, measure) {
-  const { width, height, left, right, top, bottom } = SIZE;
+/** The chart: one stacked bar per day (or month), one segment per adapter, `width` px wide. */
+export function chart(rows, range, measure, width = SIZE.width) {
+  const { height, left, right, top, bottom } = SIZE;
   const of = MEASURES[measure].of;
   const adapters = [...new Set(rows.map((r) => r.adapter))].sort();
   const color = (a) => COLORS[adapters.indexOf(a) % COLORS.length];
-  const byDay = new Map(range.map((d) => [d, []]));
-  for (const r of rows) if (byDay.has(r.day)) byDay.get(r.day).push(r);
-  const max = niceMax(Math.max(0, ...[...byDay.values()].map((rs) => rs.reduce((n, r) => n + of(r), 0))));
+  const byBar = perBar(rows, range);
+  const max = niceMax(Math.max(0, ...[...byBar.values()].map((rs) => rs.reduce((n, r) => n + of(r), 0))));
   const plotH = height - top - bottom;
-  const slot = (width - left - right) / range.length;
+  const plotW = width - left - right;
+  const slot = plotW / range.keys.length;
   const barW = Math.max(2, slot * 0.7);
   const y = (v) => top + plotH - (plotH * v) / max;
 
@@ -77,11 +134,13 @@ export function chart(rows, range, measure) {
       svg("text", { x: left - 6, y: y(max * f) + 4, "text-anchor": "end" }, count(Math.round(max * f))),
     ),
   );
-  const every = Math.ceil(range.length / 10);
-  const bars = range.map((day, i) => {
+  // as many tick labels as fit side by side (12 px text: about 7 px a character, 16 px apart)
+  const chars = range.tick(range.keys[0]).length;
+  const every = Math.ceil(range.keys.length / Math.max(1, Math.floor(plotW / (chars * 7 + 16))));
+  const bars = range.keys.map((key, i) => {
     let base = 0;
     const x = left + i * slot + (slot - barW) / 2;
-    const segments = byDay.get(day).map((r) => {
+    const segments = byBar.get(key).map((r) => {
       const value = of(r);
       const rect = svg(
         "rect",
@@ -108,7 +167,13 @@ export function chart(rows, range, measure) {
       base += value;
       return rect;
     });
-    const label = i % every === 0 ? svg("text", { x: x + barW / 2, y: height - bottom + 16, "text-anchor": "middle" }, day.slice(5)) : null;
+    let label = null;
+    if (i % every === 0) {
+      const half = (chars * 7) / 2;
+      const mid = x + barW / 2;
+      const [at, anchor] = mid + half > width ? [width - 2, "end"] : mid - half < 0 ? [2, "start"] : [mid, "middle"];
+      label = svg("text", { class: "tick", x: at.toFixed(1), y: height - bottom + 16, "text-anchor": anchor }, range.tick(key));
+    }
     return svg("g", {}, segments, label);
   });
   const legend = h(
@@ -120,13 +185,14 @@ export function chart(rows, range, measure) {
     "svg",
     {
       class: "chart",
+      width: String(width),
       viewBox: `0 0 ${width} ${height}`,
       role: "group",
-      "aria-label": `${MEASURES[measure].label} per day and adapter, ${range[0]} to ${range[range.length - 1]}`,
+      "aria-label": `${MEASURES[measure].label} per ${range.unit} and adapter, ${range.start} to ${range.end}`,
     },
     grid,
     bars,
-    svg("text", { x: left, y: height - 8, class: "axis" }, "UTC day"),
+    svg("text", { x: left, y: height - 8, class: "axis" }, `UTC ${range.unit}`),
   );
   return h("figure", { class: "usage" }, figure, h("figcaption", {}, legend));
 }
@@ -155,16 +221,19 @@ export async function view(app) {
     Object.entries(MEASURES).map(([key, m]) => h("option", { value: key }, m.label)),
   );
   const out = h("div", { id: "usage-out", "aria-live": "polite" });
+  let shown = null; // what the chart shows, redrawn at the new width when the page's changes
   const draw = async () => {
     const from = start.value || utcDay(-13);
     const to = end.value || utcDay(0);
     const rows = await call("GET", `v1/usage?start=${encodeURIComponent(from)}&end=${encodeURIComponent(to)}`);
     if (!rows.length) {
+      shown = null;
       out.replaceChildren(h("p", {}, `No requests from ${from} to ${to}.`));
       return;
     }
+    shown = { rows, range: buckets(from, to), width: available() };
     out.replaceChildren(
-      chart(rows, days(from, to), measure.value),
+      chart(rows, shown.range, measure.value, shown.width),
       table(`Totals, ${from} to ${to}`, ["Adapter", "Requests", "Prompt tokens", "Completion tokens"], totals(rows)),
     );
   };
@@ -177,5 +246,10 @@ export async function view(app) {
     h("div", { class: "field" }, h("button", { type: "submit" }, "Show")),
   );
   await draw();
+  new ResizeObserver(() => {
+    if (!shown || !out.isConnected || Math.abs(available() - shown.width) < 24) return;
+    shown.width = available();
+    out.firstChild.replaceWith(chart(shown.rows, shown.range, measure.value, shown.width));
+  }).observe(out);
   return h("div", {}, h("h1", {}, "Usage"), form, out);
 }
