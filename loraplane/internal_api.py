@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from loraplane.redact import redact
+
 TENANT_KEY_HEADER = "X-Tenant-Key"
 UNAVAILABLE = "ControlPlaneUnavailable"  # our code: no answer, or the control plane failed
 INVALID_RESPONSE = "InvalidResponse"  # our code: a 2xx answer whose body is not JSON
@@ -87,7 +89,8 @@ def error_of(response: httpx.Response) -> InternalAPIError:
 
 def unreachable(exc: httpx.HTTPError) -> InternalAPIError:
     """The error a transport failure (no connection, a timeout, a broken answer) is."""
-    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    # an illegal header's text repeats the token: masked (loraplane.redact)
+    detail = redact(f"{type(exc).__name__}: {exc}") if str(exc) else type(exc).__name__
     return InternalAPIError(
         UNAVAILABLE, f"cannot reach the control plane: {detail}", status=None, transient=True
     )

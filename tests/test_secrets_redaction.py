@@ -307,3 +307,28 @@ def test_the_data_plane_says_malformed_or_unknown(tiny_llama_dir: Path, tmp_path
             with pytest.raises(openai.AuthenticationError) as err:
                 client.completions.create(model="tiny-base", prompt="hi", max_tokens=1)
             assert "malformed" not in str(err.value.body["message"])  # type: ignore[index]
+
+
+def test_the_internal_api_client_never_repeats_its_token_in_an_error(echo: EchoServer) -> None:
+    """A service token with a line break (an env file) fails in httpx before any request:
+    the error the operator and the data plane log has the token masked."""
+    from loraplane.internal_api import InternalAPIClient, InternalAPIError
+
+    secret = "service-" + "Wq7Lm2Xz" * 5
+    client = InternalAPIClient(f"http://127.0.0.1:{echo.server_address[1]}", secret + "\n")
+    try:
+        with pytest.raises(InternalAPIError) as err:
+            client.request("GET", "/internal/v1/pools")
+    finally:
+        client.close()
+    text = f"{err.value} {err.value.message}"
+    assert f"Bearer {mask(secret)}" in text and secret[6:20] not in text
+
+
+def test_the_control_plane_trims_its_tokens(tmp_path: Path) -> None:
+    from loraplane.controlplane.settings import Settings
+
+    settings = Settings(admin_token=f" {TOKEN}\n", service_token=f"{SERVICE}\r\n")
+    assert settings.admin_token is not None and settings.service_token is not None
+    assert settings.admin_token.get_secret_value() == TOKEN
+    assert settings.service_token.get_secret_value() == SERVICE
