@@ -280,6 +280,32 @@ def test_the_usage_chart_at_a_phones_width_has_readable_ticks_that_do_not_overla
     assert all(t["left"] >= 0 and t["right"] <= WIDTH for t in found), found
 
 
+def resize(driver: WebDriver, width: int) -> None:
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+    )
+
+
+def test_the_chart_is_redrawn_for_the_new_width_when_the_window_changes(
+    browser: WebDriver, stack: Stack
+) -> None:
+    def drawn(d: WebDriver) -> int:
+        return int(d.find_element(By.CSS_SELECTOR, "svg.chart").get_attribute("width") or 0)
+
+    sign_in(browser, stack.url, stack.key, "#/usage")
+    narrow = drawn(browser)
+    assert narrow < WIDTH
+    try:
+        resize(browser, 1200)  # a phone turned, a window widened: the full-size chart
+        wait(browser, lambda d: drawn(d) == 960)
+        assert browser.find_elements(By.CSS_SELECTOR, "svg.chart rect.bar")
+    finally:
+        resize(browser, WIDTH)
+    wait(browser, lambda d: drawn(d) == narrow)
+    assert all(t["height"] >= 12 and t["right"] <= WIDTH for t in ticks(browser))
+
+
 def show(driver: WebDriver, start: str, end: str) -> WebElement:
     """Ask the usage view for a range; the chart it draws."""
     driver.execute_script(
