@@ -1,10 +1,10 @@
 """The console at a phone's width (390 px) in a real headless Chromium, and the usage chart over
 ranges longer than a year, against a control plane served over real HTTP (SQLite, local store).
 
-At 390 px no view may scroll the page sideways (tables scroll inside their own boxes), the
-header wraps with Sign out on the screen, the row buttons (Serve, Revoke) can be reached and
-the chart's tick labels stay readable (12 px, none over another). Screenshots are written to
-`<pytest's base temp>/console-screenshots/phone-*.png`.
+At 390 px (and at 1280 px) no view may scroll the page sideways (tables scroll inside their own
+boxes), the header wraps with Sign out on the screen, the row buttons (Serve, Revoke) can be
+reached and the chart's tick labels stay readable (12 px, none over another). Screenshots are
+written to `<pytest's base temp>/console-screenshots/phone-*.png`.
 """
 
 from __future__ import annotations
@@ -216,10 +216,19 @@ def reach(driver: WebDriver, element: WebElement) -> bool:
     return in_viewport(driver, element)
 
 
-def assert_fits(driver: WebDriver, tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
-    shot(driver, tmp_path_factory, name)
+def resize(driver: WebDriver, width: int) -> None:
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+    )
+
+
+def assert_fits(
+    driver: WebDriver, tmp_path_factory: pytest.TempPathFactory, name: str, width: int
+) -> None:
+    shot(driver, tmp_path_factory, f"{width}-{name}")
     found = overflow(driver)
-    assert found["inner"] == WIDTH, found
+    assert found["inner"] == width, found
     assert found["scroll"] <= found["inner"], f"{name}: the page scrolls sideways: {found}"
     assert found["sticking"] == [], name
     sign_out = driver.find_element(By.ID, "sign-out")
@@ -227,31 +236,36 @@ def assert_fits(driver: WebDriver, tmp_path_factory: pytest.TempPathFactory, nam
     assert in_viewport(driver, sign_out), f"{name}: Sign out is off the screen"
 
 
-def test_every_view_fits_a_phones_width_with_sign_out_and_the_row_buttons_on_screen(
-    browser: WebDriver, stack: Stack, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("width", [WIDTH, 1280])
+def test_every_view_fits_the_width_with_sign_out_and_the_row_buttons_on_screen(
+    browser: WebDriver, stack: Stack, tmp_path_factory: pytest.TempPathFactory, width: int
 ) -> None:
-    assert sign_in(browser, stack.url, stack.key) == "Adapters"
-    assert_fits(browser, tmp_path_factory, "adapters")
-    for route, name in (
-        ("#/upload", "upload"),
-        ("#/usage", "usage"),
-        ("#/adapters/faq", "adapter"),
-    ):
-        go(browser, route)
-        assert_fits(browser, tmp_path_factory, name)
-    serve = browser.find_element(By.XPATH, "//button[contains(., 'Serve')]")
-    assert reach(browser, serve), "Serve is out of reach"
+    resize(browser, width)
+    try:
+        assert sign_in(browser, stack.url, stack.key) == "Adapters"
+        assert_fits(browser, tmp_path_factory, "adapters", width)
+        for route, name in (
+            ("#/upload", "upload"),
+            ("#/usage", "usage"),
+            ("#/adapters/faq", "adapter"),
+        ):
+            go(browser, route)
+            assert_fits(browser, tmp_path_factory, name, width)
+        serve = browser.find_element(By.XPATH, "//button[contains(., 'Serve')]")
+        assert reach(browser, serve), "Serve is out of reach"
 
-    assert sign_in(browser, stack.url, ADMIN) == "Tenants"
-    assert_fits(browser, tmp_path_factory, "tenants")
-    for route, name in (("#/tenants/acme", "tenant"), ("#/pools", "pools")):
-        go(browser, route)
-        assert_fits(browser, tmp_path_factory, name)
-    go(browser, "#/tenants/acme")
-    revoke = browser.find_element(By.XPATH, "//table[@id='keys']//button[text()='Revoke']")
-    assert reach(browser, revoke), "Revoke is out of reach"
-    # the keys table scrolls in its own box: the page still does not
-    assert overflow(browser)["scroll"] <= WIDTH
+        assert sign_in(browser, stack.url, ADMIN) == "Tenants"
+        assert_fits(browser, tmp_path_factory, "tenants", width)
+        for route, name in (("#/tenants/acme", "tenant"), ("#/pools", "pools")):
+            go(browser, route)
+            assert_fits(browser, tmp_path_factory, name, width)
+        go(browser, "#/tenants/acme")
+        revoke = browser.find_element(By.XPATH, "//table[@id='keys']//button[text()='Revoke']")
+        assert reach(browser, revoke), "Revoke is out of reach"
+        # the keys table scrolls in its own box: the page still does not
+        assert overflow(browser)["scroll"] <= width
+    finally:
+        resize(browser, WIDTH)
 
 
 def ticks(driver: WebDriver) -> list[dict[str, Any]]:
@@ -278,13 +292,6 @@ def test_the_usage_chart_at_a_phones_width_has_readable_ticks_that_do_not_overla
     for a, b in itertools.pairwise(found):
         assert a["right"] <= b["left"], f"tick labels overlap: {a} {b}"
     assert all(t["left"] >= 0 and t["right"] <= WIDTH for t in found), found
-
-
-def resize(driver: WebDriver, width: int) -> None:
-    driver.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
-    )
 
 
 def test_the_chart_is_redrawn_for_the_new_width_when_the_window_changes(
