@@ -11,14 +11,19 @@ services' logs can too (`env_secrets()`: the tokens the process was given).
 key or token and refuses one with whitespace or control characters inside, naming `source`
 (the flag or variable), never the value. `key_problem(value)` says how a would-be tenant key
 differs from the form `lp_` + 43 URL-safe characters.
+
+`install_log_redaction()` puts a `RedactFilter` on the handlers a service logs through (root,
+uvicorn's, loraplane's): each record's message, arguments and traceback text masked.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import string
 from collections.abc import Iterable
+from typing import Any
 
 KEY_MARKER = "lp_"
 KEY_BODY_LEN = 43  # secrets.token_urlsafe(32)
@@ -107,3 +112,49 @@ def key_problem(value: str) -> str | None:
             f"({KEY_MARKER!r} and {KEY_BODY_LEN} more)"
         )
     return None
+
+
+class RedactFilter(logging.Filter):
+    """Masks secrets in each record a handler emits: the message, its arguments (each on its
+    own, so formatters that read them, as uvicorn's access log does, still work) and the
+    traceback's text."""
+
+    def __init__(self, secrets: Iterable[str | None] = ()) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def _clean(self, value: Any) -> Any:
+        if isinstance(value, (int, float, bool)) or value is None:
+            return value
+        text = value if isinstance(value, str) else str(value)
+        clean = redact(text, self.secrets)
+        return value if clean == text else clean
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg, self.secrets)
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._clean(a) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: self._clean(v) for k, v in record.args.items()}
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text, self.secrets)
+        return True
+
+
+LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "loraplane")
+
+
+def install_log_redaction(
+    secrets: Iterable[str | None] | None = None, loggers: Iterable[str] = LOGGERS
+) -> RedactFilter:
+    """A RedactFilter (the environment's keys and tokens, unless `secrets`) on every handler
+    of `loggers` that has none yet; call it once logging is configured."""
+    found = RedactFilter(env_secrets() if secrets is None else secrets)
+    for name in loggers:
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactFilter) for f in handler.filters):
+                handler.addFilter(found)
+    return found

@@ -11,8 +11,14 @@ answers from the control plane and from the data plane (catalog mode) over real 
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,7 +32,9 @@ from loraplane.dataplane.server.settings import ServerSettings
 from loraplane.redact import (
     KEY_LEN,
     CredentialError,
+    RedactFilter,
     clean_credential,
+    install_log_redaction,
     key_problem,
     mask,
     redact,
@@ -332,3 +340,63 @@ def test_the_control_plane_trims_its_tokens(tmp_path: Path) -> None:
     assert settings.admin_token is not None and settings.service_token is not None
     assert settings.admin_token.get_secret_value() == TOKEN
     assert settings.service_token.get_secret_value() == SERVICE
+
+
+# -- logs -----------------------------------------------------------------------------------------
+
+
+def test_the_log_filter_masks_messages_arguments_and_tracebacks() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("tests.redaction")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        found = install_log_redaction([TOKEN], loggers=["tests.redaction"])
+        assert install_log_redaction([TOKEN], loggers=["tests.redaction"]) is not found
+        assert [type(f) for f in handler.filters] == [RedactFilter]  # once per handler
+        log.warning("header %s from %s", f"Bearer {TOKEN}", "10.0.0.1")
+        log.warning("GET /v1/adapters?key=%s %d", KEY, 401)
+        try:
+            raise RuntimeError(f"token {TOKEN} refused")
+        except RuntimeError:
+            log.exception("failed")
+    finally:
+        log.removeHandler(handler)
+    text = stream.getvalue()
+    assert "header Bearer admin-… from 10.0.0.1\n" in text
+    assert "GET /v1/adapters?key=lp_Zq9… 401\n" in text
+    assert "RuntimeError: token admin-… refused" in text
+    assert TOKEN[6:14] not in text and KEY[3:11] not in text
+
+
+def test_the_control_plane_process_logs_no_key_or_token(tmp_path: Path) -> None:
+    """`loraplane controlplane`'s access log (uvicorn's) with a key in a query string."""
+    port = free_port()
+    env = {**os.environ, "LORAPLANE_DATA_DIR": str(tmp_path), "LORAPLANE_ADMIN_TOKEN": ADMIN,
+           "LORAPLANE_SERVICE_TOKEN": SERVICE}  # fmt: skip
+    env.pop("LORAPLANE_API_KEY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplane", "controlplane", "--port", str(port)], cwd=tmp_path,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the control plane exited"
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the control plane did not start"
+            time.sleep(0.1)
+        r = httpx.get(url + f"/v1/adapters?api_key={KEY}&token={ADMIN}")
+        assert r.status_code == 401
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert '"GET /v1/adapters?api_key=lp_Zq9…&token=admin-… HTTP/1.1" 401' in out, out
+    assert KEY[3:11] not in out and ADMIN[6:14] not in out

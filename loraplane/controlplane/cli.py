@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
+
+from loraplane.redact import env_secrets, install_log_redaction, redact
 
 
 def _error(message: str) -> None:
     """An error on stderr, with every key, token and URL password masked."""
-    from loraplane.redact import env_secrets, redact
-
     print("error: " + redact(message, env_secrets()), file=sys.stderr)
+
+
+def _tokens(app: Any) -> list[str | None]:
+    """The tokens a control plane checks (generated ones too) and those of the environment:
+    never in its logs."""
+    ctx = getattr(app.state, "ctx", None)
+    mine = [getattr(ctx, "admin_token", None), getattr(ctx, "service_token", None)]
+    return [t for t in mine if isinstance(t, str)] + env_secrets()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -33,7 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
         except StartupError as exc:
             _error(str(exc))
             return 2
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        install_log_redaction(_tokens(app))  # after Config: it sets the log handlers up
+        uvicorn.Server(config).run()
         return 0
     return _serve_two_ports(args)
 
@@ -65,6 +76,7 @@ def _serve_two_ports(args: argparse.Namespace) -> int:
         return 2
     config = uvicorn.Config(app, host=args.host, port=port_of(sockets[0]),
                             log_level=args.log_level)  # fmt: skip
+    install_log_redaction(_tokens(app))
     logging.getLogger("uvicorn.error").info(
         "internal routes and /metrics on %s:%d only", args.host, port_of(sockets[1])
     )
