@@ -26,6 +26,7 @@ from loraplane.dataplane.server.metrics_port import (
 )
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.redact import env_secrets, install_log_redaction
 from loraplane.sockets import listen
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -140,6 +141,9 @@ def serve(settings: ServerSettings) -> int:
         access_log=False,
         log_level="info",
     )
+    # after Config (it sets the handlers up): no key or token in a log line
+    install_log_redaction([settings.api_key, settings.admin_token, settings.service_token,
+                           *env_secrets()])  # fmt: skip
     server = DrainingServer(config, app.state.runtime, sides)
     holder.append(server)
     server.run()
