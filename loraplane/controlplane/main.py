@@ -22,6 +22,7 @@ from loraplane.adapters.store.local import LocalStore
 from loraplane.controlplane import db
 from loraplane.controlplane.api.routes import (
     adapters,
+    basemodels,
     health,
     internal,
     pools,
@@ -39,6 +40,7 @@ from loraplane.controlplane.listeners import PublicPortGuard
 from loraplane.controlplane.metrics import Metrics, MetricsMiddleware
 from loraplane.controlplane.ratelimit import RateLimiter
 from loraplane.controlplane.settings import Settings, StartupError, resolve_tokens
+from loraplane.docs_ui import install_docs
 
 if TYPE_CHECKING:
     from kubernetes.client import Configuration
@@ -150,13 +152,16 @@ def create_app(
         title="loraplane control plane",
         version="1",
         summary="Tenants, API keys, pools and LoRA adapter versions",
+        docs_url=None,
+        redoc_url=None,
     )
+    install_docs(app)  # Swagger UI's assets from this process, no CDN
     app.state.ctx = ctx
     install_error_handlers(app, retry_after=ctx.settings.retry_after_seconds)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     if internal_port is not None:
         app.add_middleware(PublicPortGuard, internal_port=internal_port)
-    for module in (health, tenants, pools, adapters, uploads, usage, internal):
+    for module in (health, tenants, pools, basemodels, adapters, uploads, usage, internal):
         app.include_router(module.router)
     # the tenant console: static pages that call the routes above with the signed-in key
     app.add_route(CONSOLE_PATH, to_index, include_in_schema=False)

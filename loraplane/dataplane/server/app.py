@@ -22,6 +22,7 @@ from loraplane.dataplane.server.errors import install_error_handlers
 from loraplane.dataplane.server.request_metrics import RequestCounter
 from loraplane.dataplane.server.runtime import Runtime, StartupError
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.docs_ui import install_docs
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,10 @@ def create_app(
         title="loraplane data plane",
         summary="OpenAI-compatible serving of many tenants' LoRA adapters on one base model",
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
+    install_docs(app)  # Swagger UI's assets from this process, no CDN
     app.state.runtime = runtime
     install_error_handlers(app)
     app.include_router(openai_routes.router)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models(/{id}).
 
 Each completion request, cheapest refusal first: check the key, resolve `model` through the
 catalog, take its places in the queue and lease the adapter (queue caps), pass the tenant's
@@ -28,9 +28,9 @@ from fastapi.responses import JSONResponse
 
 from loraplane.dataplane.engine import RequestOutput
 from loraplane.dataplane.server import openai_format as fmt
-from loraplane.dataplane.server.catalog import Resolved
+from loraplane.dataplane.server.catalog import ModelEntry, Resolved
 from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RuntimeDep
-from loraplane.dataplane.server.errors import APIError, InvalidRequest
+from loraplane.dataplane.server.errors import APIError, InvalidRequest, ModelNotFound
 from loraplane.dataplane.server.generation import (
     Choice,
     Job,
@@ -56,20 +56,29 @@ async def list_models(runtime: RuntimeDep, catalog: CatalogDep, key: CallerKeyDe
     """The base model and the caller's adapters (each with `parent` = the base model)."""
     created = int(time.time())
     rows = await catalog.list_models(key)
+    return {"object": "list", "data": [_model_entry(runtime, row, created) for row in rows]}
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(
+    model: str, runtime: RuntimeDep, catalog: CatalogDep, key: CallerKeyDep
+) -> Any:
+    """One entry of the caller's list; another tenant's adapter is as unknown (404)."""
+    for row in await catalog.list_models(key):
+        if row.id == model:
+            return _model_entry(runtime, row, int(time.time()))
+    raise ModelNotFound(model)
+
+
+def _model_entry(runtime: Runtime, row: ModelEntry, created: int) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": row.id,
-                "object": "model",
-                "created": created,
-                "owned_by": "loraplane",
-                "root": row.id,
-                "parent": row.parent,
-                "max_model_len": runtime.max_model_len,
-            }
-            for row in rows
-        ],
+        "id": row.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "loraplane",
+        "root": row.id,
+        "parent": row.parent,
+        "max_model_len": runtime.max_model_len,
     }
 
 
