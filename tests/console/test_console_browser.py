@@ -609,7 +609,17 @@ def test_the_key_stays_in_session_storage_and_a_revoked_key_meets_the_401_wall(
     open_console(browser, stack.url)
     browser.find_element(By.ID, "token").send_keys("lp_" + "x" * 43, Keys.ENTER)
     wait(browser, lambda d: "Not accepted" in d.find_element(By.ID, "sign-in-error").text)
+    assert "invalid or revoked API key" in browser.find_element(By.ID, "sign-in-error").text
     assert browser.execute_script("return sessionStorage.length") == 0
+    # a mistyped key is told apart from an unknown one, whichever way it is mistyped
+    for mistyped, said in (
+        ("lp_" + "x" * 40, "malformed API key: it is 43 characters long"),
+        ("lp-" + "x" * 43, "malformed API key: a tenant API key starts"),
+    ):
+        field = browser.find_element(By.ID, "token")
+        field.clear()
+        field.send_keys(mistyped, Keys.ENTER)
+        wait(browser, lambda d, s=said: s in d.find_element(By.ID, "sign-in-error").text)
     sign_in(browser, stack.url, stack.keys["acme"])
     browser.find_element(By.ID, "sign-out").click()
     wait(browser, lambda d: d.find_element(By.ID, "token").is_displayed())

@@ -160,8 +160,9 @@ async function signIn(event) {
     input.focus();
     return;
   }
-  // a tenant key starts with lp_; the other kind is tried when the first is refused
-  const roles = token.startsWith("lp_") ? ["tenant", "admin"] : ["admin", "tenant"];
+  // a tenant key starts with lp_ (lp- or LP_: mistyped, its refusal says how); the other kind is
+  // tried when the first is refused
+  const roles = /^lp[_-]/i.test(token) ? ["tenant", "admin"] : ["admin", "tenant"];
   let first;
   for (const role of roles) {
     try {
