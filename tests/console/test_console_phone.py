@@ -298,7 +298,9 @@ def test_the_chart_is_redrawn_for_the_new_width_when_the_window_changes(
     browser: WebDriver, stack: Stack
 ) -> None:
     def drawn(d: WebDriver) -> int:
-        return int(d.find_element(By.CSS_SELECTOR, "svg.chart").get_attribute("width") or 0)
+        # in one script: the chart may be replaced between two WebDriver calls
+        found = d.execute_script('return document.querySelector("svg.chart").getAttribute("width")')
+        return int(found or 0)
 
     sign_in(browser, stack.url, stack.key, "#/usage")
     narrow = drawn(browser)
