@@ -31,7 +31,15 @@ from loraplane.controlplane.main import create_app
 from loraplane.controlplane.schemas.internal import AdapterUsage
 from tests.adapters.crafting import TINY_BASE, TINY_BASE_NAME, lora_config, lora_tensors
 from tests.adapters.crafting import write_adapter as craft
-from tests.console.test_console_browser import CHROMEDRIVER, CHROMIUM, go, logged, sign_in, wait
+from tests.console.test_console_browser import (
+    CHROMEDRIVER,
+    CHROMIUM,
+    go,
+    logged,
+    open_console,
+    sign_in,
+    wait,
+)
 from tests.controlplane.conftest import ADMIN, SERVICE, make_settings
 from tests.servers import serve_in_thread
 
@@ -242,6 +250,10 @@ def test_every_view_fits_the_width_with_sign_out_and_the_row_buttons_on_screen(
 ) -> None:
     resize(browser, width)
     try:
+        open_console(browser, stack.url)
+        found = overflow(browser)
+        assert found["scroll"] <= found["inner"] == width, f"sign in: {found}"
+        assert in_viewport(browser, browser.find_element(By.ID, "sign-in-submit"))
         assert sign_in(browser, stack.url, stack.key) == "Adapters"
         assert_fits(browser, tmp_path_factory, "adapters", width)
         for route, name in (
