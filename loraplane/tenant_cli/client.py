@@ -113,6 +113,10 @@ class RestClient:
         result: list[dict[str, Any]] = self.json("GET", "/v1/adapters")
         return result
 
+    def list_base_models(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.json("GET", "/v1/base-models")
+        return result
+
     def list_versions(self, name: str) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self.json("GET", f"/v1/adapters/{_seg(name)}/versions")
         return result

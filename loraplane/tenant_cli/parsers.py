@@ -103,7 +103,7 @@ def _add(
 
 
 def add_adapter_commands(adapters: SubParsers) -> None:
-    """Register `push`, `list` and `versions` under `loraplane adapters`."""
+    """Register `push`, `list`, `base-models` and `versions` under `loraplane adapters`."""
     push = _add(
         adapters,
         "push",
@@ -138,6 +138,14 @@ def add_adapter_commands(adapters: SubParsers) -> None:
         admin=False,
         summary="list your adapters and the version each serves",
         example="loraplane adapters list --json",
+    )
+    _add(
+        adapters,
+        "base-models",
+        cmd.list_base_models,
+        admin=False,
+        summary="list the base models you can push adapters for, with your limits",
+        example="loraplane adapters base-models",
     )
     versions = _add(
         adapters,
