@@ -58,6 +58,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             try:
                 summary = adapter.summary()
                 digest = canonical_digest(adapter)
+                ignored = list(files.ignored)
             finally:
                 adapter.close()
     except AdapterRejected as e:
@@ -71,7 +72,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.json:
         out = {"valid": True, "code": None, "message": "valid", "path": str(path)}
-        print(json.dumps({**out, **summary, "digest": digest}))
+        print(json.dumps({**out, **summary, "digest": digest, "ignored": ignored}))
         return EXIT_OK
     ranks = ", ".join(map(str, summary["ranks"]))
     scales = ", ".join(f"{s:g}" for s in summary["scales"])
@@ -89,6 +90,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         ("size", _mib(summary["size_bytes"])),
         ("digest", f"sha256:{digest}"),
         ("base model", base_line),
+        *([("ignored", f"{', '.join(ignored)} (never opened)")] if ignored else []),
     ):
         print(f"  {label:<11} {value}")
     return EXIT_OK
@@ -124,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Check a PEFT LoRA adapter (a folder with adapter_config.json and\n"
             "adapter_model.safetensors, or a .tar.gz/.zip of them) the way uploads are\n"
-            "checked, without storing anything. Pickle files are refused, never opened.\n\n"
+            "checked, without storing anything. Pickled weights are refused, never opened;\n"
+            "a Trainer checkpoint's other files (training_args.bin, optimizer.pt, ...) are\n"
+            "ignored and listed.\n\n"
             "Exit 0: valid; a summary (rank, alpha, modules, size, digest) is printed.\n"
             "Exit 1: rejected; prints 'rejected: <ReasonCode>: <message>'.\n"
             "Exit 2: usage error."

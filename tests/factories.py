@@ -83,3 +83,52 @@ def build_peft_adapter(model_dir: Path, out: Path, seed: int = 0, **lora: Any) -
     model = peft.get_peft_model(base, config)
     model.save_pretrained(out)
     return out
+
+
+# What transformers.Trainer (5.x) leaves in a checkpoint-* folder of a PEFT model besides the
+# adapter's two files: the model card, the tokenizer (the processing_class), the trainer's
+# pickles and its state.
+TRAINER_EXTRAS = (
+    "README.md",
+    "chat_template.jinja",
+    "optimizer.pt",
+    "rng_state.pth",
+    "scheduler.pt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "trainer_state.json",
+    "training_args.bin",
+)
+
+
+def build_trainer_checkpoint(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """Train a LoRA of the model for one CPU step with transformers.Trainer; its checkpoint-1
+    folder (adapter, tokenizer, training_args.bin, optimizer.pt, rng_state.pth, ...)."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    rows = torch.randint(3, 50, (4, 8))
+    data = [{"input_ids": r, "labels": r} for r in rows]
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        max_steps=1,
+        save_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        seed=seed,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, processing_class=tokenizer
+    )
+    trainer.train()
+    return out / "checkpoint-1"

@@ -19,7 +19,7 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,8 @@ class AdapterVersion:
     size_bytes: int
     base_model: str
     created: bool
+    # files of the upload beside the adapter (a Trainer's checkpoint artefacts), not stored
+    ignored: tuple[str, ...] = ()
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], path: str, created: bool) -> AdapterVersion:
@@ -225,7 +227,9 @@ def ingest(
                 canon = write_canonical(adapter, work, scan_weights=True)
             finally:
                 adapter.close()
-        return publish(store, tenant, name, canon, summary, created_by=created_by)
+            ignored = files.ignored
+        stored = publish(store, tenant, name, canon, summary, created_by=created_by)
+        return replace(stored, ignored=ignored)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -3,12 +3,15 @@
 Archives come from tenants: members are checked before anything is written (no absolute or
 `..` paths, no links, devices or FIFOs, bounded entry count and sizes) and only the two files
 loraplane reads are extracted, with the bytes counted as they stream, not trusted from headers.
-Pickle weights are refused by name, never opened; other extra files are ignored, never run.
+Pickled weights are refused by name, never opened. A Trainer's checkpoint folder is accepted:
+its known artefacts (training_args.bin, optimizer.pt, scheduler.pt, rng_state*.pth, ...; see
+TRAINER_PICKLES) and every other extra file are ignored, never opened, and listed as ignored.
 """
 
 from __future__ import annotations
 
 import posixpath
+import re
 import stat
 import tarfile
 import zipfile
@@ -26,6 +29,13 @@ from loraplane.adapters.limits import AdapterLimits
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# What transformers.Trainer saves beside the adapter in a checkpoint-* folder that is pickled
+# but holds no weights (the training arguments, optimizer, LR scheduler, AMP scaler and RNG
+# states, one rng_state_<rank>.pth per process): ignored, never unpickled. Any other pickle may
+# be weights (adapter_model.bin, pytorch_model.bin) and is refused by name.
+TRAINER_PICKLES = re.compile(
+    r"^(training_args\.bin|optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth)$"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +45,8 @@ class AdapterFiles:
     config_path: Path
     weights_path: Path
     origin: str
+    # the other files beside them (paths inside the folder or archive), never opened
+    ignored: tuple[str, ...] = ()
 
 
 def _unsafe(message: str) -> AdapterRejected:
@@ -52,14 +64,28 @@ def _check_member_name(name: str) -> str:
     return norm
 
 
-def _pick(names: dict[str, str], origin: str) -> tuple[str, str]:
-    """From normalised member paths, choose the config and weights (root or one folder)."""
-    pickles = [n for n in names if n.lower().endswith(PICKLE_SUFFIXES)]
+def _is_weights_pickle(name: str) -> bool:
+    """A pickle that may hold weights: any pickle but the Trainer's known artefacts."""
+    base = posixpath.basename(name)
+    return base.lower().endswith(PICKLE_SUFFIXES) and not TRAINER_PICKLES.match(base)
+
+
+def _pick(names: dict[str, str], origin: str) -> tuple[str, str, tuple[str, ...]]:
+    """From normalised member paths, choose the config and weights (root or one folder).
+
+    Returns them and the sorted names of every other file, which are ignored.
+    """
+    pickles = [n for n in sorted(names) if _is_weights_pickle(n)]
     if pickles:
+        beside = any(posixpath.basename(n) == WEIGHTS_NAME for n in names)
+        advice = (
+            f"remove it (the {WEIGHTS_NAME} beside it is what is served)"
+            if beside
+            else f"save the adapter as {WEIGHTS_NAME} (safetensors)"
+        )
         raise AdapterRejected(
             ReasonCode.UNSUPPORTED_FORMAT,
-            f"{pickles[0]!r} is a pickle file: pickled weights are never loaded; "
-            f"save the adapter as {WEIGHTS_NAME} (safetensors)",
+            f"{pickles[0]!r} is a pickle file: pickled weights are never loaded; {advice}",
         )
     dirs = {posixpath.dirname(n) for n in names if posixpath.basename(n) == CONFIG_NAME}
     if len(dirs) > 1:
@@ -74,12 +100,14 @@ def _pick(names: dict[str, str], origin: str) -> tuple[str, str]:
             ReasonCode.UNSUPPORTED_FORMAT,
             f"{CONFIG_NAME} must be at the top of {origin} or in one folder, not in {folder!r}",
         )
+    config = posixpath.join(folder, CONFIG_NAME)
     weights = posixpath.join(folder, WEIGHTS_NAME)
     if weights not in names:
         raise AdapterRejected(
             ReasonCode.UNSUPPORTED_FORMAT, f"{origin} has no {WEIGHTS_NAME} beside {CONFIG_NAME}"
         )
-    return names[posixpath.join(folder, CONFIG_NAME)], names[weights]
+    ignored = tuple(sorted(n for n in names if n not in (config, weights)))
+    return names[config], names[weights], ignored
 
 
 def _copy_capped(src: IO[bytes], dest: Path, cap: int, what: str) -> None:
@@ -118,7 +146,7 @@ def _from_tar(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
                     if name in members:
                         raise _unsafe(f"archive has two entries named {name!r}")
                     members[name] = m
-            config, weights = _pick({n: n for n in members}, path.name)
+            config, weights, ignored = _pick({n: n for n in members}, path.name)
             caps = _caps(limits)
             for member, target in ((config, CONFIG_NAME), (weights, WEIGHTS_NAME)):
                 src = tar.extractfile(members[member])
@@ -127,7 +155,7 @@ def _from_tar(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
                 _copy_capped(src, workdir / target, caps[target], member)
     except (tarfile.TarError, EOFError, OSError) as e:
         raise _unsafe(f"{path.name} is not a readable tar archive: {e}") from e
-    return AdapterFiles(workdir / CONFIG_NAME, workdir / WEIGHTS_NAME, str(path))
+    return AdapterFiles(workdir / CONFIG_NAME, workdir / WEIGHTS_NAME, str(path), ignored)
 
 
 def _from_zip(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
@@ -155,21 +183,21 @@ def _from_zip(path: Path, workdir: Path, limits: AdapterLimits) -> AdapterFiles:
                     if name in members:
                         raise _unsafe(f"archive has two entries named {name!r}")
                     members[name] = info
-            config, weights = _pick({n: n for n in members}, path.name)
+            config, weights, ignored = _pick({n: n for n in members}, path.name)
             caps = _caps(limits)
             for member, target in ((config, CONFIG_NAME), (weights, WEIGHTS_NAME)):
                 with zf.open(members[member]) as src:
                     _copy_capped(src, workdir / target, caps[target], member)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as e:
         raise _unsafe(f"{path.name} is not a readable zip archive: {e}") from e
-    return AdapterFiles(workdir / CONFIG_NAME, workdir / WEIGHTS_NAME, str(path))
+    return AdapterFiles(workdir / CONFIG_NAME, workdir / WEIGHTS_NAME, str(path), ignored)
 
 
 def _from_dir(path: Path) -> AdapterFiles:
     fileaccess.check_readable(path)
     names = {p.name: p.name for p in path.iterdir() if p.is_file()}
-    config, weights = _pick(names, str(path))
-    files = AdapterFiles(path / config, path / weights, str(path))
+    config, weights, ignored = _pick(names, str(path))
+    files = AdapterFiles(path / config, path / weights, str(path), ignored)
     fileaccess.check_readable(files.config_path)  # "permission denied", not InvalidSafetensors
     fileaccess.check_readable(files.weights_path)
     return files
@@ -186,6 +214,21 @@ def archive_kind(path: Path) -> str | None:
     if len(head) >= 262 and head[257:262] == b"ustar":
         return "tar"
     return None
+
+
+def _lone_file(name: str) -> tuple[ReasonCode, str]:
+    """Why one file that is not an archive is no adapter (the config or weights alone)."""
+    both = (
+        f"send {CONFIG_NAME} and {WEIGHTS_NAME} together (a folder, both files, or a .tar.gz/.zip)"
+    )
+    if name == CONFIG_NAME:
+        return ReasonCode.UNSUPPORTED_FORMAT, f"{CONFIG_NAME} alone holds no weights: {both}"
+    if name == WEIGHTS_NAME:
+        return ReasonCode.INVALID_CONFIG, f"{WEIGHTS_NAME} alone has no {CONFIG_NAME}: {both}"
+    return (
+        ReasonCode.UNSUPPORTED_FORMAT,
+        f"{name} is neither an adapter folder nor a .tar.gz/.zip archive",
+    )
 
 
 @contextmanager
@@ -210,10 +253,7 @@ def open_adapter_source(path: Path | str, limits: AdapterLimits) -> Iterator[Ada
     fileaccess.check_readable(path)
     kind = archive_kind(path)
     if kind is None:
-        raise AdapterRejected(
-            ReasonCode.UNSUPPORTED_FORMAT,
-            f"{path.name} is neither an adapter folder nor a .tar.gz/.zip archive",
-        )
+        raise AdapterRejected(*_lone_file(path.name))
     with TemporaryDirectory(prefix="loraplane-adapter-") as tmp:
         work = Path(tmp)
         yield (_from_zip if kind == "zip" else _from_tar)(path, work, limits)

@@ -46,6 +46,7 @@ class Ingested:
     adapter: Adapter
     version: AdapterVersion
     created: bool
+    ignored: tuple[str, ...] = ()  # the upload's other files (Trainer artefacts), not stored
 
 
 def check_adapter_name(name: str) -> str:
@@ -138,7 +139,7 @@ def ingest_adapter(
     adapter, row, created = crud_adapters.record_version(
         session, tenant=tenant, name=name, stored=record, actor=actor
     )
-    return Ingested(adapter, row, created)
+    return Ingested(adapter, row, created, stored.ignored)
 
 
 def import_location(settings: Settings, source_uri: str) -> tuple[str, str]:

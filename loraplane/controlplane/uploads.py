@@ -20,7 +20,7 @@ from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge
 
 TEXT_FIELDS = ("name", "base_model")
 FILE_FIELD = "files"
-MAX_FILES = 4
+MAX_FILES = 64  # a Trainer's checkpoint-* folder holds a dozen; the extra ones are ignored
 MAX_TEXT_BYTES = 1024
 _FILENAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 

@@ -180,7 +180,8 @@ def push(args: argparse.Namespace) -> int:
         # The same checks as the control plane's, short of the pool's base model and the
         # tenant's quotas: a bad adapter is refused here, before a byte is sent.
         validate_adapter(files, None, limits).close()
-        parts = [files.config_path, files.weights_path]
+        parts = [files.config_path, files.weights_path]  # the rest (files.ignored) stays here
+        ignored = list(files.ignored)
         progress = Progress(f"{args.name}:", sum(p.stat().st_size for p in parts))
         try:
             status, body = client.upload(args.name, args.base_model, parts, progress.advance)
@@ -197,11 +198,13 @@ def push(args: argparse.Namespace) -> int:
             progress.close()
     version = body["version"]
     outcome = "new version" if body["created"] else "identical content: the stored version"
+    body = {**body, "ignored": ignored}
     return _emit(
         args,
         body,
         [
             f"pushed: {body['name']} v{version['version']} ({outcome})",
+            *([f"  ignored     {', '.join(ignored)} (not sent)"] if ignored else []),
             f"  digest      sha256:{version['digest']}",
             f"  rank        {version['rank']} (alpha {version['alpha']:g})",
             f"  modules     {', '.join(version['target_modules'])}",

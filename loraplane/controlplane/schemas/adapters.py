@@ -64,6 +64,11 @@ class UploadResult(BaseModel):
     created: bool
     current_version: int | None
     version: VersionPublic
+    ignored: list[str] = Field(
+        default_factory=list,
+        description="files of the upload beside the adapter (a Trainer checkpoint's "
+        "training_args.bin, optimizer.pt, tokenizer, ...): never opened, not stored",
+    )
 
 
 class StagedAdapter(BaseModel):

@@ -202,6 +202,7 @@ async def upload_adapter(
         created=result.created,
         current_version=result.adapter.current_version,
         version=VersionPublic.model_validate(result.version),
+        ignored=list(result.ignored),
     )
 
 
