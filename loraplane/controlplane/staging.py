@@ -13,7 +13,7 @@ allowlist and re-points the LoRAAdapter at the bucket directly.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -49,6 +49,7 @@ class Staged:
     source_uri: str
     resource: str
     created: bool
+    ignored: tuple[str, ...] = ()  # the upload's other files (a Trainer's artefacts), not staged
 
 
 def new_upload_id() -> str:
@@ -64,8 +65,9 @@ def validated_files(
     tenant: Tenant,
     name: str,
     base_model: str,
-) -> list[tuple[str, Path]]:
-    """Run every check on the upload; the (staged name, local file) pairs to stage.
+) -> tuple[list[tuple[str, Path]], tuple[str, ...]]:
+    """Run every check on the upload; the (staged name, local file) pairs to stage, and the
+    upload's files that are ignored.
 
     Raises what embedded mode raises: InvalidRequest, UnknownBaseModel, QuotaExceeded,
     AdapterRejected (422 with its reason code).
@@ -80,12 +82,14 @@ def validated_files(
     session.rollback()  # hold no transaction while the adapter is checked
     with open_adapter_source(source, limits) as files:
         validate_adapter(files, spec, limits, scan_weights=True).close()
+        ignored = files.ignored
         if source.is_dir():
-            return [(CONFIG_NAME, files.config_path), (WEIGHTS_NAME, files.weights_path)]
+            pairs = [(CONFIG_NAME, files.config_path), (WEIGHTS_NAME, files.weights_path)]
+            return pairs, ignored
     kind = archive_kind(source)
     if kind is None:  # open_adapter_source accepted it, so this cannot happen
         raise AdapterRejected(ReasonCode.UNSUPPORTED_FORMAT, f"{source.name} is not an archive")
-    return [(f"adapter.{kind}", source)]
+    return [(f"adapter.{kind}", source)], ignored
 
 
 def stage_files(store: ObjectStore, files: list[tuple[str, Path]]) -> str:
@@ -161,7 +165,7 @@ def stage_upload(
 ) -> Staged:
     """Validate, stage and hand an uploaded adapter to the operator (blocking)."""
     try:
-        files = validated_files(
+        files, ignored = validated_files(
             source, settings, session, tenant=tenant, name=name, base_model=base_model
         )
     except AdapterRejected as exc:
@@ -176,7 +180,7 @@ def stage_upload(
         raise
     uri = stage_files(store, files)
     try:
-        return point_adapter(
+        staged = point_adapter(
             session,
             resources,
             tenant=tenant,
@@ -185,6 +189,7 @@ def stage_upload(
             uri=uri,
             actor=actor,
         )
+        return replace(staged, ignored=ignored)
     except Exception:
         unstage(store, uri)
         raise

@@ -26,6 +26,7 @@ from loraplane.operator.settings import OperatorSettings
 from loraplane.operator.sources import fetch_upload
 from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
 from tests.controlplane.conftest import ADMIN, BASE, BASE_NAME, SERVICE, bearer
+from tests.factories import TRAINER_EXTRAS, build_trainer_checkpoint
 from tests.operator.conftest import (  # `cluster` is a fixture: pytest finds it here
     PLATFORM,
     TENANT,
@@ -283,6 +284,7 @@ def test_json_import_points_the_loraadapter_at_an_allowlisted_bucket(
         "state": "staged",
         "source_uri": uri,
         "resource": f"{TENANT}/imported",
+        "ignored": [],
     }
     assert cluster.adapter("imported", TENANT)["spec"]["source"]["uri"] == uri
 
@@ -344,3 +346,19 @@ def test_cluster_mode_without_credentials_fails_at_start_naming_the_variable(
     )
     with pytest.raises(StartupError, match="LORAPLANE_KUBERNETES"):
         create_app(settings)
+
+
+def test_a_trainer_checkpoint_is_staged_without_its_artefacts_and_lists_them(
+    cluster: Cluster,
+    plane: ClusterPlane,
+    base_model_dir: Path,
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+) -> None:
+    register_pool(plane, base_model_dir)
+    checkpoint = build_trainer_checkpoint(tiny_llama_dir, tmp_path / "trainer")
+    r = plane.upload("trained", checkpoint)
+    assert r.status_code == 202, r.text
+    assert r.json()["ignored"] == list(TRAINER_EXTRAS)
+    staged = sorted(k.rsplit("/", 1)[1] for k in plane.staged())
+    assert staged == ["adapter_config.json", "adapter_model.safetensors"]

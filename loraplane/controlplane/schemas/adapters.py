@@ -79,6 +79,9 @@ class StagedAdapter(BaseModel):
     state: Literal["staged"] = "staged"
     source_uri: str
     resource: str = Field(description="the LoRAAdapter, as <namespace>/<name>")
+    ignored: list[str] = Field(
+        default_factory=list, description="files of the upload beside the adapter, not staged"
+    )
 
 
 class UsagePublic(Public):

@@ -255,7 +255,12 @@ async def _staged(
                 actor=caller.actor,
             )
         )
-    body = StagedAdapter(name=staged.name, source_uri=staged.source_uri, resource=staged.resource)
+    body = StagedAdapter(
+        name=staged.name,
+        source_uri=staged.source_uri,
+        resource=staged.resource,
+        ignored=list(staged.ignored),
+    )
     return JSONResponse(body.model_dump(mode="json"), status_code=status.HTTP_202_ACCEPTED)
 
 
