@@ -6,8 +6,11 @@ How each `tool_choice` is served (the tools are always given to the chat templat
   (structured outputs) to be that function's arguments, a JSON object of its `parameters`
   schema; the answer holds one tool call, finish_reason "stop" (as OpenAI answers a forced call).
 - `required`: the output is forced to a JSON array of `{"name", "parameters"}` objects, one of
-  the tools each (one element at most with `parallel_tool_calls: false`); finish_reason
-  "tool_calls".
+  the tools each: one element at most with `parallel_tool_calls: false`, MAX_REQUIRED_CALLS
+  (8) at most otherwise, so the grammar closes the array (a model may else list calls until
+  max_tokens); finish_reason "tool_calls". An output cut at max_tokens inside the array still
+  answers the calls completed before the cut, with finish_reason "length" (as OpenAI reports
+  any answer cut short; the last, incomplete call is dropped).
 - `auto` (the default when tools are given): the model writes freely and a tool-call parser,
   chosen with `--tool-call-parser` (`hermes`, `llama3_json`, `mistral`, `pythonic`: see
   tool_parsers.py), finds its calls in the text; the text around them is the message's content
@@ -15,7 +18,8 @@ How each `tool_choice` is served (the tools are always given to the chat templat
 
 Streaming: content is sent as it comes, except text that may begin a tool call (and blanks at
 its ends, so the streamed content is the answer's content); each tool call is sent whole (id,
-name and all its arguments in one delta) once its text is complete.
+name and all its arguments in one delta) once its text is complete (with `required`, each
+element of the array as soon as it is closed; a named call once the output ends).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from loraplane.dataplane.structured import Constraint
 __all__ = ["PARSERS", "HermesStream", "Tool", "ToolCall", "ToolPlan", "ToolStream", "plan"]
 ToolChoiceMode = Literal["none", "auto", "required"]
 _NAME = r"^[A-Za-z0-9_-]{1,64}$"
+# the most calls one `required` answer holds with parallel_tool_calls (the array's maxItems)
+MAX_REQUIRED_CALLS = 8
 
 
 class FunctionSpec(BaseModel):
@@ -118,8 +124,7 @@ def plan(
     if choice == "required":
         items = {"anyOf": [_call_schema(t) for t in tools]}
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
-        if not parallel:
-            schema["maxItems"] = 1
+        schema["maxItems"] = MAX_REQUIRED_CALLS if parallel else 1
         return ToolPlan("required", tools, constraint=Constraint("json", json.dumps(schema)))
     name = _named(choice)
     found = next((t for t in tools if t.function.name == name), None)
@@ -159,11 +164,32 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 
 def _json_list(text: str) -> list[dict[str, Any]]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []  # cut short (max_tokens): no complete call
-    return [c for c in value if isinstance(c, dict)] if isinstance(value, list) else []
+    """The objects of a JSON array, or of the complete elements of an array cut short (at
+    max_tokens): an element counts once its closing brace is there."""
+    decoder, found = json.JSONDecoder(), []
+    text = text.lstrip()
+    if not text.startswith("["):
+        return []
+    pos = 1
+    while True:
+        pos = _skip_blanks(text, pos)
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break  # the end of the array, or an element cut short
+        if isinstance(value, dict):
+            found.append(value)
+        pos = _skip_blanks(text, pos)
+        if not text.startswith(",", pos):
+            break
+        pos += 1
+    return found
+
+
+def _skip_blanks(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\n\r":
+        pos += 1
+    return pos
 
 
 def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -199,7 +225,12 @@ class ToolStream:
         if self._calls is not None:
             content, calls = self._calls.feed(text, final=finished)
             content = self._trimmed(content, finished)
-        else:  # a forced call: its JSON is read once whole
+        elif self.plan.mode == "required":  # each element of the array once it is closed
+            self._text += text
+            closed = finished or "}" in text
+            content, calls = "", (self.plan.calls(self._text)[1] if closed else [])
+            calls = calls[self.calls_sent :]
+        else:  # a named call: its JSON is read once whole
             self._text += text
             content, calls = "", (self.plan.calls(self._text)[1] if finished else [])
         self.calls_sent += len(calls)

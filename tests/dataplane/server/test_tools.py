@@ -12,7 +12,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from loraplane.dataplane.server.tools import HermesStream, hermes_calls
+from loraplane.dataplane.server import tools
+from loraplane.dataplane.server.tools import HermesStream, Tool, ToolPlan, ToolStream, hermes_calls
 from tests.dataplane.server.conftest import API_KEY, Running, server_settings, start_server
 
 WEATHER: Any = {
@@ -70,6 +71,43 @@ def test_hermes_stream_holds_back_only_what_may_start_a_call() -> None:
     assert unclosed.feed('"x"', final=True) == ('<tool_call>{"x"', [])
 
 
+def _required(parallel: bool = True) -> ToolPlan:
+    plan = tools.plan([Tool.model_validate(t) for t in (WEATHER, TIME)], "required", parallel,
+                      None)  # fmt: skip
+    assert plan is not None
+    return plan
+
+
+def test_required_bounds_the_array_and_reads_the_calls_of_a_cut_one() -> None:
+    assert tools.MAX_REQUIRED_CALLS == 8
+    for parallel, most in ((True, tools.MAX_REQUIRED_CALLS), (False, 1)):
+        constraint = _required(parallel).constraint
+        assert constraint is not None
+        schema = json.loads(constraint.spec)
+        assert (schema["minItems"], schema["maxItems"]) == (1, most)
+    whole = '[{"name":"get_time","parameters":{"zone":"UTC"}}, {"name":"get_weather",' \
+            '"parameters":{"city":"Oslo","days":2}}]'  # fmt: skip
+    cut = whole[:-20]  # inside the second call
+    content, calls = _required().calls(whole)
+    assert content is None
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_time", '{"zone":"UTC"}'), ("get_weather", '{"city":"Oslo","days":2}'),
+    ]  # fmt: skip
+    assert [(c.name, c.arguments) for c in _required().calls(cut)[1]] == [
+        ("get_time", '{"zone":"UTC"}')
+    ]
+    assert _required().calls('[{"name":"get_ti')[1] == [] and _required().calls("")[1] == []
+    # streamed: each call once its element is closed, never twice
+    stream, sent = ToolStream(_required()), []
+    for i, piece in enumerate([whole[:30], whole[30:48], whole[48:60], whole[60:]]):
+        sent.append([c.name for c in stream.feed(piece, finished=i == 3)[1]])
+    assert sent == [[], ["get_time"], [], ["get_weather"]]
+    assert stream.finish_reason("stop") == "tool_calls"
+    cut_stream = ToolStream(_required())
+    assert [c.name for c in cut_stream.feed(cut, finished=True)[1]] == ["get_time"]
+    assert cut_stream.finish_reason("length") == "length"
+
+
 @pytest.fixture
 def client(server: Running) -> OpenAI:
     return OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0)
@@ -105,9 +143,8 @@ def test_required_makes_calls_of_the_listed_tools_only(client: OpenAI) -> None:
             parallel_tool_calls=parallel, max_tokens=120, seed=5,
         ).choices[0]  # fmt: skip
         calls: list[Any] = list(out.message.tool_calls or [])
-        if out.finish_reason == "length" and parallel:
-            continue  # a random model may list calls until max_tokens: nothing to check
-        assert out.finish_reason == "tool_calls" and calls
+        # cut at max_tokens, the calls completed before the cut still come back
+        assert out.finish_reason in ("tool_calls", "length") and calls
         assert len(calls) == 1 or parallel
         for call in calls:
             assert call.function.name in ("get_weather", "get_time")
@@ -183,3 +220,45 @@ def test_auto_reads_hermes_calls_out_of_the_text(hermes_server: str) -> None:
     assert len(calls) == 1 and calls[0].function is not None
     assert calls[0].function.name == "get_weather"
     assert chunks[-1].finish_reason == "tool_calls"
+
+
+REQUIRED: Any = {
+    "model": "ad04", "messages": CHAT, "tools": [WEATHER, TIME], "tool_choice": "required",
+    "seed": 6,
+}  # fmt: skip
+
+
+def _streamed(client: OpenAI, **args: Any) -> tuple[list[Any], str | None]:
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **args)
+              if c.choices]  # fmt: skip
+    assert all(c.delta.content in (None, "") for c in chunks)
+    return [t for c in chunks for t in (c.delta.tool_calls or [])], chunks[-1].finish_reason
+
+
+def test_required_cut_at_max_tokens_answers_the_calls_completed(client: OpenAI) -> None:
+    """Seed 6 lists 4 calls (173 tokens) when it may: cut at 100 tokens, the 2 calls
+    completed by then come back, with finish_reason "length"; streaming the same."""
+    whole = client.chat.completions.create(max_tokens=220, **REQUIRED).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls or []) == 4
+    out = client.chat.completions.create(max_tokens=100, **REQUIRED).choices[0]
+    assert out.finish_reason == "length" and out.message.content is None
+    calls: list[Any] = list(out.message.tool_calls or [])
+    assert len(calls) == 2
+    expected = [(c.function.name, c.function.arguments) for c in (whole.message.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in calls] == expected[:2]
+    streamed, reason = _streamed(client, max_tokens=100, **REQUIRED)
+    assert reason == "length"
+    assert [t.index for t in streamed] == [0, 1] and all(t.id for t in streamed)
+    assert [(t.function.name, t.function.arguments) for t in streamed] == expected[:2]
+
+
+def test_required_closes_the_array_at_its_cap(
+    client: OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the cap lowered to 2, seed 6 (4 calls uncapped) gets its array closed after its
+    second call: finish_reason "tool_calls", streaming the same."""
+    monkeypatch.setattr(tools, "MAX_REQUIRED_CALLS", 2)
+    out = client.chat.completions.create(max_tokens=220, **REQUIRED).choices[0]
+    assert out.finish_reason == "tool_calls" and len(out.message.tool_calls or []) == 2
+    streamed, reason = _streamed(client, max_tokens=220, **REQUIRED)
+    assert reason == "tool_calls" and [t.index for t in streamed] == [0, 1]
