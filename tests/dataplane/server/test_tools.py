@@ -262,3 +262,24 @@ def test_required_closes_the_array_at_its_cap(
     assert out.finish_reason == "tool_calls" and len(out.message.tool_calls or []) == 2
     streamed, reason = _streamed(client, max_tokens=220, **REQUIRED)
     assert reason == "tool_calls" and [t.index for t in streamed] == [0, 1]
+
+
+def test_required_in_the_responses_api_keeps_the_calls_of_a_cut_output(client: OpenAI) -> None:
+    """The Responses API reads its calls the same way: cut at max_output_tokens, the response
+    is incomplete and holds the calls completed before the cut; streaming the same."""
+    fns = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+    args: Any = {
+        "model": "ad04", "input": "Weather in Paris?", "tools": fns, "tool_choice": "required",
+        "temperature": 1.0, "extra_body": {"seed": 6},
+    }  # fmt: skip
+    whole = client.responses.create(max_output_tokens=220, **args)
+    assert whole.status == "completed"
+    calls = [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
+    assert len(calls) == len(whole.output) == 4
+    cut = client.responses.create(max_output_tokens=100, **args)
+    assert cut.status == "incomplete"
+    assert [(o.name, o.arguments) for o in cut.output if o.type == "function_call"] == calls[:2]
+    events = list(client.responses.create(stream=True, max_output_tokens=100, **args))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(o.name, o.arguments) for o in done if o.type == "function_call"] == calls[:2]
+    assert events[-1].type == "response.incomplete"
