@@ -101,7 +101,8 @@ def routes(app: FastAPI) -> list[tuple[str, set[str] | None]]:
     for item in items:
         methods = getattr(item, "methods", None)
         if methods:
-            out.append((str(item.path), set(methods) - {"HEAD", "OPTIONS"}))
+            path = re.sub(r"\{(\w+):\w+\}", r"{\1}", str(item.path))  # {model:path} as documented
+            out.append((path, set(methods) - {"HEAD", "OPTIONS"}))
             continue
         # a mount (the console's static pages): its root, its inner routes and its files
         mount = getattr(item, "original_route", item)
