@@ -62,17 +62,25 @@ def admin(url: str, method: str, path: str, **kw: object) -> httpx.Response:
     return httpx.request(method, url + path, headers={"Authorization": f"Bearer {ADMIN}"}, **kw)  # type: ignore[arg-type]
 
 
+def pool_and_tenants(
+    cp: str, base: Path, tenants: tuple[str, ...] = ("acme", "globex")
+) -> dict[str, str]:
+    """The pool POOL serving `base` as BASE_NAME, and each tenant with one API key: its key."""
+    pool = {"name": POOL, "base_model": {"name": BASE_NAME, "uri": str(base)}}
+    assert admin(cp, "POST", "/v1/pools", json=pool).status_code == 201
+    keys = {}
+    for tenant in tenants:
+        assert admin(cp, "POST", "/v1/tenants", json={"name": tenant}).status_code == 201
+        r = admin(cp, "POST", f"/v1/tenants/{tenant}/keys", json={"name": "k"})
+        keys[tenant] = r.json()["key"]
+    return keys
+
+
 def test_tenant_upload_is_served_by_the_data_plane_and_isolated(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     with controlplane(tmp_path) as cp:
-        pool = {"name": POOL, "base_model": {"name": BASE_NAME, "uri": str(tiny_llama_dir)}}
-        assert admin(cp, "POST", "/v1/pools", json=pool).status_code == 201
-        keys = {}
-        for tenant in ("acme", "globex"):
-            assert admin(cp, "POST", "/v1/tenants", json={"name": tenant}).status_code == 201
-            r = admin(cp, "POST", f"/v1/tenants/{tenant}/keys", json={"name": "k"})
-            keys[tenant] = r.json()["key"]
+        keys = pool_and_tenants(cp, tiny_llama_dir)
         src = peft_adapters["r16"]
         files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
         acme_h = {"Authorization": f"Bearer {keys['acme']}"}

@@ -14,7 +14,7 @@ import pytest
 from loraplane.dataplane.server.settings import ServerSettings
 from tests.controlplane.conftest import SERVICE
 from tests.dataplane.server.conftest import start_server
-from tests.test_e2e_catalog import BASE_NAME, POOL, admin, controlplane
+from tests.test_e2e_catalog import BASE_NAME, POOL, controlplane, pool_and_tenants
 
 
 def _entry(model: Any) -> dict[str, Any]:
@@ -27,13 +27,7 @@ def test_retrieve_answers_own_models_and_hides_other_tenants(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     with controlplane(tmp_path) as cp:
-        pool = {"name": POOL, "base_model": {"name": BASE_NAME, "uri": str(tiny_llama_dir)}}
-        assert admin(cp, "POST", "/v1/pools", json=pool).status_code == 201
-        keys = {}
-        for tenant in ("acme", "globex"):
-            assert admin(cp, "POST", "/v1/tenants", json={"name": tenant}).status_code == 201
-            keys[tenant] = admin(cp, "POST", f"/v1/tenants/{tenant}/keys", json={"name": "k"})
-            keys[tenant] = keys[tenant].json()["key"]
+        keys = pool_and_tenants(cp, tiny_llama_dir)
         src = peft_adapters["r16"]
         files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
         r = httpx.post(

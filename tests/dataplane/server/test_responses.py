@@ -27,7 +27,7 @@ from loraplane.dataplane.server.settings import ServerSettings
 from tests.controlplane.conftest import SERVICE
 from tests.dataplane.server.conftest import API_KEY, Running, server_settings, start_server
 from tests.dataplane.server.test_load import scrape, total
-from tests.test_e2e_catalog import BASE_NAME, POOL, admin, controlplane
+from tests.test_e2e_catalog import BASE_NAME, POOL, controlplane, pool_and_tenants
 
 GREEDY: Any = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 WEATHER: Any = {
@@ -453,13 +453,7 @@ def test_adapters_are_tenant_scoped_as_in_chat(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
     with controlplane(tmp_path) as cp:
-        pool = {"name": POOL, "base_model": {"name": BASE_NAME, "uri": str(tiny_llama_dir)}}
-        assert admin(cp, "POST", "/v1/pools", json=pool).status_code == 201
-        keys = {}
-        for tenant in ("acme", "globex"):
-            assert admin(cp, "POST", "/v1/tenants", json={"name": tenant}).status_code == 201
-            keys[tenant] = admin(cp, "POST", f"/v1/tenants/{tenant}/keys",
-                                 json={"name": "k"}).json()["key"]  # fmt: skip
+        keys = pool_and_tenants(cp, tiny_llama_dir)
         files = [
             ("files", (p.name, p.read_bytes())) for p in sorted(peft_adapters["r16"].iterdir())
         ]
