@@ -16,6 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+# `validate --base-model` was a folder, `push --base-model` a served name: one meaning per flag
+DEPRECATED_BASE_MODEL = (
+    "warning: `adapters validate --base-model DIR` is deprecated: use --base-model-dir DIR"
+    " (--base-model names a served base model, as in `adapters push`)"
+)
 
 
 def _mib(n: int) -> str:
@@ -41,11 +46,19 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"error: {path} does not exist", file=sys.stderr)
         return EXIT_USAGE
     base = None
-    if args.base_model:
+    base_dir, flag = args.base_model_dir, "--base-model-dir"
+    if args.base_model_deprecated is not None:
+        if base_dir is not None:
+            print("error: give --base-model-dir only (--base-model is its old name)",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
+        print(DEPRECATED_BASE_MODEL, file=sys.stderr)
+        base_dir, flag = args.base_model_deprecated, "--base-model"
+    if base_dir is not None:
         try:
-            base = BaseModelSpec.from_dir(args.base_model)
+            base = BaseModelSpec.from_dir(base_dir)
         except BaseModelError as e:
-            print(f"error: --base-model: {e}", file=sys.stderr)
+            print(f"error: {flag}: {e}", file=sys.stderr)
             return EXIT_USAGE
     try:
         limits = AdapterLimits(max_rank=args.max_rank)
@@ -76,7 +89,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return EXIT_OK
     ranks = ", ".join(map(str, summary["ranks"]))
     scales = ", ".join(f"{s:g}" for s in summary["scales"])
-    base_line = f"{base.name} (shapes checked)" if base else "not checked (pass --base-model DIR)"
+    unchecked = "not checked (pass --base-model-dir DIR)"
+    base_line = f"{base.name} (shapes checked)" if base else unchecked
     print(f"valid: {path}")
     for label, value in (
         ("rank", f"{summary['rank']} (per module: {ranks})"),
@@ -136,8 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("path", metavar="PATH", help="adapter folder or archive")
     validate.add_argument(
-        "--base-model", metavar="DIR", help="HF model folder whose config.json gives the shapes"
+        "--base-model-dir",
+        metavar="DIR",
+        help="HF model folder whose config.json gives the shapes (default: shapes not checked)",
     )
+    # the old name of --base-model-dir, kept working with a warning; hidden from --help
+    validate.add_argument("--base-model", dest="base_model_deprecated", help=argparse.SUPPRESS)
     validate.add_argument(
         "--max-rank", type=_positive_int, metavar="N", help="reject ranks above N"
     )
