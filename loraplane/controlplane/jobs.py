@@ -156,7 +156,11 @@ class UploadJobs:
         else:
             session.rollback()
             crud.mark_succeeded(
-                session, work.job_id, version=result.version.version, created=result.created
+                session,
+                work.job_id,
+                version=result.version.version,
+                created=result.created,
+                ignored=list(result.ignored),
             )
             log.info("upload %s stored %s v%d", work.job_id, work.name, result.version.version)
             return

@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     TypeDecorator,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -111,7 +112,12 @@ class ApiKey(Base):
 
 
 class Adapter(Base):
-    """A tenant's named adapter; `current_version` is what an unpinned name resolves to."""
+    """A tenant's named adapter; `current_version` is what an unpinned name resolves to.
+
+    `follow_latest`: a new version becomes current when it is pushed (the default). Serving a
+    chosen version clears it, so later pushes leave that version serving until the tenant
+    follows the latest again.
+    """
 
     __tablename__ = "adapters"
     __table_args__ = (UniqueConstraint("tenant_id", "name"),)
@@ -121,6 +127,7 @@ class Adapter(Base):
     name: Mapped[str] = mapped_column(String(NAME_LEN))
     base_model: Mapped[str] = mapped_column(String(200))
     current_version: Mapped[int | None]
+    follow_latest: Mapped[bool] = mapped_column(default=True, server_default=true())
     deleted: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -229,6 +236,9 @@ class UploadJob(Base):
     created: Mapped[bool | None]  # a new version (True) or identical to an existing one
     error_code: Mapped[str | None] = mapped_column(String(100))
     error_message: Mapped[str | None] = mapped_column(String(1000))
+    # the upload's files beside the adapter (a Trainer checkpoint's artefacts), never opened:
+    # the job's answer lists them as the synchronous upload's does (None before 0005)
+    ignored: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

@@ -102,28 +102,54 @@ def list_versions(session: Session, *, tenant: Tenant, name: str) -> list[Adapte
 
 
 def set_current_version(
-    session: Session, *, tenant: Tenant, name: str, version: int, actor: str
+    session: Session, *, tenant: Tenant, name: str, version: int | None, actor: str
 ) -> Adapter:
-    """Serve `version` for the unpinned name (pin, or roll back); NotFound if not recorded."""
+    """Serve `version` and hold it (later pushes do not move it); with None, serve the latest
+    version and follow later pushes again. NotFound, naming the versions there are, for a
+    version that was never recorded."""
     adapter = get_adapter(session, tenant=tenant, name=name)
-    exists = session.scalar(
-        select(AdapterVersion.id).where(
-            AdapterVersion.adapter_id == adapter.id, AdapterVersion.version == version
+    recorded = list(
+        session.scalars(
+            select(AdapterVersion.version)
+            .where(AdapterVersion.adapter_id == adapter.id)
+            .order_by(AdapterVersion.version)
         )
     )
-    if exists is None:
-        raise NotFound(f"adapter {name!r} has no version {version}")
-    previous = adapter.current_version
-    adapter.current_version = version
+    if version is not None and version not in recorded:
+        raise NotFound(
+            f"adapter {name!r} has no version {version}; its versions: {version_ranges(recorded)}"
+        )
+    previous = (adapter.current_version, adapter.follow_latest)
+    target = version if version is not None else (recorded[-1] if recorded else None)
+    adapter.current_version = target
+    adapter.follow_latest = version is None
     audit.record(
         session,
         actor=actor,
-        action="adapter.set_current_version",
+        action="adapter.follow_latest" if version is None else "adapter.set_current_version",
         target=f"tenants/{tenant.name}/adapters/{name}",
-        detail={"from": previous, "to": version},
+        detail={
+            "from": previous[0],
+            "to": target,
+            "follow_latest_before": previous[1],
+            "follow_latest": adapter.follow_latest,
+        },
     )
     session.commit()
     return adapter
+
+
+def version_ranges(versions: list[int]) -> str:
+    """Sorted version numbers in few words: [1, 2, 3, 5] -> "v1-v3, v5" ("none" if empty)."""
+    if not versions:
+        return "none"
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"v{a}" if a == b else f"v{a}-v{b}" for a, b in runs)
 
 
 def delete_adapter(session: Session, *, tenant: Tenant, name: str, actor: str) -> None:
@@ -154,7 +180,8 @@ def check_adapter_quota(session: Session, *, tenant: Tenant, name: str) -> None:
     if count_live(session, tenant=tenant) >= tenant.max_adapters:
         raise QuotaExceeded(
             f"tenant {tenant.name!r} has reached its quota of {tenant.max_adapters} adapters "
-            "(max_adapters); delete one or ask for a higher quota"
+            "(max_adapters); delete one (`loraplane adapters delete NAME` or the console's "
+            "Delete) or ask for a higher quota"
         )
 
 
@@ -172,6 +199,7 @@ def _adapter_row(session: Session, *, tenant: Tenant, name: str, base_model: str
         check_adapter_quota(session, tenant=tenant, name=name)
         adapter.deleted = False
         adapter.current_version = None
+        adapter.follow_latest = True  # a revived name starts afresh: it serves what is pushed
     return adapter
 
 
@@ -180,8 +208,9 @@ def record_version(
 ) -> tuple[Adapter, AdapterVersion, bool]:
     """Record a stored version (idempotent): (adapter, version row, whether it is new here).
 
-    The adapter is created or revived if needed; a new version becomes current unless a
-    newer one already is. Racing writers meet a unique constraint, roll back and retry, and
+    The adapter is created or revived if needed; while it follows its latest version, a new
+    version becomes current unless a newer one already is; a chosen version (follow_latest
+    false) keeps serving. Racing writers meet a unique constraint, roll back and retry, and
     then find the other's rows. Conflict if the number is recorded with another digest.
     """
     for _ in range(5):
@@ -211,9 +240,9 @@ def _record_once(
     current = Adapter.current_version
     target: ColumnElement[int]
     if created:  # the newest version serves, whatever order racing uploads commit in
-        target = case(
-            (current.is_(None) | (current < stored.version), stored.version), else_=current
-        )
+        # decided in the statement, so a version chosen meanwhile (PATCH) is never overridden
+        moves = Adapter.follow_latest & (current < stored.version)
+        target = case((current.is_(None) | moves, stored.version), else_=current)
     else:
         target = func.coalesce(current, stored.version)
     session.execute(

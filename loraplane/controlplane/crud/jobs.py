@@ -53,12 +53,20 @@ def mark_running(session: Session, job_id: str) -> None:
     session.commit()
 
 
-def mark_succeeded(session: Session, job_id: str, *, version: int, created: bool) -> None:
-    """The job stored (or matched) `version`."""
+def mark_succeeded(
+    session: Session, job_id: str, *, version: int, created: bool, ignored: list[str]
+) -> None:
+    """The job stored (or matched) `version`; `ignored`: the upload's files it never opened."""
     session.execute(
         update(UploadJob)
         .where(UploadJob.id == job_id)
-        .values(status=SUCCEEDED, version=version, created=created, finished_at=utcnow())
+        .values(
+            status=SUCCEEDED,
+            version=version,
+            created=created,
+            ignored=ignored,
+            finished_at=utcnow(),
+        )
     )
     session.commit()
 

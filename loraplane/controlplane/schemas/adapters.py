@@ -26,9 +26,15 @@ class AdapterImport(Strict):
 
 
 class AdapterUpdate(Strict):
-    """Pin the version an unpinned name resolves to (or roll back to an older one)."""
+    """Choose what the adapter's plain name serves."""
 
-    current_version: int = Field(ge=1, le=INT32)
+    current_version: int | None = Field(
+        ge=1,
+        le=INT32,
+        description="a recorded version: serve it and hold it (later pushes do not change "
+        "what is served; roll back or forward with it); null: serve the latest version and "
+        "follow later pushes again",
+    )
 
 
 class VersionPublic(Public):
@@ -50,8 +56,12 @@ class AdapterPublic(BaseModel):
 
     name: str
     base_model: str
-    current_version: int | None
+    current_version: int | None = Field(description="the version the plain name serves")
     latest_version: int | None
+    follow_latest: bool = Field(
+        description="true: a push serves the new version; false: a chosen version "
+        "(current_version) keeps serving until PATCH current_version null"
+    )
     created_at: datetime
     updated_at: datetime
     current: VersionPublic | None

@@ -77,6 +77,7 @@ def adapter_public(view: crud.AdapterView) -> AdapterPublic:
         base_model=a.base_model,
         current_version=a.current_version,
         latest_version=view.latest_version,
+        follow_latest=a.follow_latest,
         created_at=a.created_at,
         updated_at=a.updated_at,
         current=VersionPublic.model_validate(view.current) if view.current else None,
@@ -301,7 +302,13 @@ def list_versions(name: str, session: SessionDep, caller: CallerDep) -> list[Ver
 def update_adapter(
     name: str, body: AdapterUpdate, session: SessionDep, caller: CallerDep
 ) -> AdapterPublic:
-    """Serve another recorded version for the unpinned name (pin or roll back)."""
+    """Choose what the adapter's plain name serves.
+
+    `{"current_version": n}` serves version n and holds it: later pushes add versions but n
+    keeps serving (roll back, or forward, by choosing another). `{"current_version": null}`
+    serves the latest version and follows later pushes again. A version never recorded is
+    404, naming the versions there are. Replicas pick the change up within their resolve
+    cache's lifetime (seconds); `name@version` requests are not affected."""
     crud.set_current_version(
         session,
         tenant=caller.tenant,
@@ -314,7 +321,11 @@ def update_adapter(
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 503))
 def delete_adapter(name: str, ctx: ContextDep, session: SessionDep, caller: CallerDep) -> None:
-    """Stop serving an adapter; its versions stay stored and recorded.
+    """Stop serving an adapter; its versions stay recorded and their files stored.
+
+    Its name answers 404 from now on and no longer counts against the max_adapters quota; the
+    stored files stay until a retention job removes them. Pushing the name again starts it
+    afresh, following its latest version.
 
     In cluster mode the tenant's LoRAAdapter is deleted (the operator's finalizer then marks
     the catalog); with no such resource the catalog's adapter is marked here.

@@ -39,6 +39,7 @@ def job_public(session: Session, job: UploadJob) -> UploadJobPublic:
                 created=bool(job.created),
                 current_version=adapter.current_version,
                 version=VersionPublic.model_validate(version),
+                ignored=list(job.ignored or []),
             )
     error = None
     if job.status == crud.FAILED:
