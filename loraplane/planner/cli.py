@@ -11,6 +11,8 @@ from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.sizes import parse_memory
 
 EXIT_USAGE = 2
+# --warmup's default follows --duration: a short simulation still counts most of its requests
+WARMUP_MAX_S, WARMUP_SHARE = 10.0, 5.0
 
 DESCRIPTION = """\
 Size a pool of loraplane replicas. From a base model (a folder's config.json, or a named
@@ -75,6 +77,20 @@ def _modules(text: str) -> tuple[str, ...]:
     return modules
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's default appended to its help, unless the
+    help already says what happens without it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS
+        if "(default" in text or unset or not action.option_strings:
+            return text
+        shown = ",".join(default) if isinstance(default, tuple) else "%(default)s"
+        return f"{text} (default: {shown})".lstrip()
+
+
 def add_commands(subparsers: Any) -> None:
     """Register `plan` on the `loraplane` command's sub-parsers."""
     from loraplane.planner.cost import GPUS
@@ -85,76 +101,121 @@ def add_commands(subparsers: Any) -> None:
         "plan",
         help="capacity planner: memory split, adapters per replica, replicas for a load",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     model = plan.add_argument_group("model and device")
     which = model.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="DIR", help="model folder (its config.json)")
     which.add_argument("--model-shape", metavar="NAME", help=f"one of {', '.join(SHAPES)}")
-    model.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
-    model.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     model.add_argument(
-        "--gpu",
-        choices=sorted(GPUS),
-        default="h100",
-        help="GPU whose data sheet gives the defaults below (default h100)",
-    )
-    model.add_argument("--device-memory", type=_size, metavar="SIZE", help="e.g. 80GiB, 141GB")
-    model.add_argument("--device-bandwidth", type=_positive(float), metavar="GB/s")
+        "--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16",
+        help="weights' and KV cache's dtype",
+    )  # fmt: skip
     model.add_argument(
-        "--device-flops", type=_positive(float), metavar="TFLOPS", help="dense bf16/fp16 peak"
-    )
+        "--device", choices=["cuda", "cpu"], default="cuda",
+        help="cpu needs --device-memory and a measured cost model (--calibrate or --cost)",
+    )  # fmt: skip
     model.add_argument(
-        "--pcie", type=_positive(float), metavar="GB/s", help="host to device copies"
-    )
+        "--gpu", choices=sorted(GPUS), default="h100",
+        help="GPU whose data sheet gives the next four flags when they are not given",
+    )  # fmt: skip
     model.add_argument(
-        "--reserved",
-        type=_size,
-        default=0,
-        metavar="SIZE",
+        "--device-memory", type=_size, metavar="SIZE",
+        help="e.g. 80GiB, 141GB (default: the --gpu's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--device-bandwidth", type=_positive(float), metavar="GB/s",
+        help="memory bandwidth (default: the --gpu's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--device-flops", type=_positive(float), metavar="TFLOPS",
+        help="dense bf16/fp16 peak (default: the --gpu's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--pcie", type=_positive(float), metavar="GB/s",
+        help="host to device copies (default: the --gpu's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--reserved", type=_size, default=0, metavar="SIZE",
         help="device memory the weights do not explain (CUDA context, ...)",
-    )
+    )  # fmt: skip
     adapters = plan.add_argument_group("adapters")
-    adapters.add_argument("--adapters", type=_positive(int), default=1000, metavar="N")
-    adapters.add_argument("--adapter-rank", type=_positive(int), default=16, metavar="R")
     adapters.add_argument(
-        "--adapter-modules",
-        type=_modules,
-        default=SUPPORTED_MODULES,
-        metavar="LIST",
-        help="comma-separated, or all (default: all seven)",
+        "--adapters", type=_positive(int), default=1000, metavar="N", help="adapters in the pool"
     )
-    adapters.add_argument("--popularity", default="zipf:1.0", metavar="zipf:S|uniform")
+    adapters.add_argument(
+        "--adapter-rank", type=_positive(int), default=16, metavar="R", help="their LoRA rank"
+    )
+    adapters.add_argument(
+        "--adapter-modules", type=_modules, default=SUPPORTED_MODULES, metavar="LIST",
+        help="the modules they adapt: comma-separated, or all (default: all seven)",
+    )  # fmt: skip
+    adapters.add_argument(
+        "--popularity", default="zipf:1.0", metavar="zipf:S|uniform",
+        help="how requests spread over the adapters",
+    )  # fmt: skip
     engine = plan.add_argument_group("engine settings (as `loraplane serve`)")
-    engine.add_argument("--lora-memory", default="0.1", metavar="SIZE|FRACTION")
-    engine.add_argument("--max-loras", type=_auto_int, default=None, metavar="auto|N")
-    engine.add_argument("--max-cpu-loras", type=_auto_int, default=None, metavar="auto|N")
-    engine.add_argument("--max-num-seqs", type=_positive(int), default=256, metavar="N")
-    engine.add_argument("--max-num-batched-tokens", type=_positive(int), default=4096, metavar="N")
-    engine.add_argument("--max-model-len", type=_positive(int), metavar="N")
-    load = plan.add_argument_group("load and target")
-    load.add_argument("--rate", type=_positive(float), metavar="REQ/S")
-    load.add_argument("--ttft-p99", type=_positive(float), default=2.0, metavar="SECONDS")
-    load.add_argument("--prompt-tokens", type=_positive(int), default=512, metavar="N")
-    load.add_argument("--output-tokens", type=_positive(int), default=128, metavar="N")
+    engine.add_argument(
+        "--lora-memory", default="0.1", metavar="SIZE|FRACTION",
+        help="adapter memory: a size, or a share of what the weights leave free",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-loras", type=_auto_int, default=None, metavar="auto|N",
+        help="adapters in one batch (default: auto, what fits)",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-cpu-loras", type=_auto_int, default=None, metavar="auto|N",
+        help="adapters in the host tier (default: auto, as `loraplane serve`)",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-num-seqs", type=_positive(int), default=256, metavar="N",
+        help="requests running at once per replica",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-num-batched-tokens", type=_positive(int), default=4096, metavar="N",
+        help="tokens per engine step at most",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-model-len", type=_positive(int), metavar="N",
+        help="longest sequence (default: the model's)",
+    )  # fmt: skip
+    load = plan.add_argument_group("load and target (sizing the fleet needs --rate)")
     load.add_argument(
-        "--spread",
-        type=float,
-        default=0.5,
-        help="lengths uniform within mean x (1 +- spread) (default 0.5)",
+        "--rate", type=_positive(float), metavar="REQ/S",
+        help="requests per second to serve (default: none, the memory split only)",
+    )  # fmt: skip
+    load.add_argument(
+        "--ttft-p99", type=_positive(float), default=2.0, metavar="SECONDS",
+        help="target p99 time to first token",
+    )  # fmt: skip
+    load.add_argument(
+        "--prompt-tokens", type=_positive(int), default=512, metavar="N", help="mean prompt length"
     )
     load.add_argument(
-        "--duration",
-        type=_positive(float),
-        default=40.0,
-        metavar="SECONDS",
-        help="simulated time per run (default 40)",
+        "--output-tokens", type=_positive(int), default=128, metavar="N", help="mean output length"
     )
-    load.add_argument("--warmup", type=float, default=10.0, metavar="SECONDS")
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--policies", default=",".join(POLICIES), metavar="LIST")
-    load.add_argument("--max-replicas", type=_positive(int), default=128, metavar="N")
-    cost = plan.add_argument_group("cost model")
+    load.add_argument(
+        "--spread", type=float, default=0.5, help="lengths uniform within mean x (1 +- spread)"
+    )
+    load.add_argument(
+        "--duration", type=_positive(float), default=40.0, metavar="SECONDS",
+        help="simulated time per run",
+    )  # fmt: skip
+    load.add_argument(
+        "--warmup", type=float, default=None, metavar="SECONDS",
+        help="simulated time not counted at the start, below --duration (default:"
+        f" min({WARMUP_MAX_S:g}, duration / {WARMUP_SHARE:g}))",
+    )  # fmt: skip
+    load.add_argument("--seed", type=int, default=0, help="the arrivals' random seed")
+    load.add_argument(
+        "--policies", default=",".join(POLICIES), metavar="LIST",
+        help="routing policies to compare, comma-separated",
+    )  # fmt: skip
+    load.add_argument(
+        "--max-replicas", type=_positive(int), default=128, metavar="N",
+        help="the largest fleet the search tries",
+    )  # fmt: skip
+    cost = plan.add_argument_group("cost model (default: the --gpu's roofline)")
     cost.add_argument(
         "--calibrate",
         action="store_true",
@@ -165,13 +226,46 @@ def add_commands(subparsers: Any) -> None:
     )
     out = plan.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
-    out.add_argument("--plot", metavar="PNG", help="draw p99 TTFT and tokens/s per policy")
+    out.add_argument(
+        "--plot", metavar="PNG", help="draw p99 TTFT and tokens/s per policy (needs --rate)"
+    )
     plan.set_defaults(func=_cmd_plan)
+
+
+class ArgumentsRefused(ValueError):
+    """Flags that cannot give an answer together; the message says what to give."""
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before any model work, what the planner cannot answer; fill in the warmup,
+    which follows the duration."""
+    if args.plot and args.rate is None:
+        raise ArgumentsRefused(
+            "--plot draws the fleet's p99 TTFT against the replica count, which needs a load:"
+            " give --rate REQ/S (and --ttft-p99 for the target)"
+        )
+    if args.device == "cpu" and not (args.calibrate or args.cost):
+        raise ArgumentsRefused(
+            "--device cpu: the default cost model is a GPU's roofline (--gpu), which says"
+            " nothing about a CPU; measure this machine with --calibrate --model DIR (add"
+            " --cost FILE to save the costs), or read costs saved earlier with --cost FILE"
+        )
+    if args.warmup is None:
+        args.warmup = min(WARMUP_MAX_S, args.duration / WARMUP_SHARE)
+    elif not 0 <= args.warmup < args.duration:
+        raise ArgumentsRefused(
+            f"--warmup {args.warmup:g} must be at least 0 and below --duration {args.duration:g}"
+        )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from loraplane.planner.report import PlanError, run_plan
 
+    try:
+        check_arguments(args)
+    except ArgumentsRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         report = run_plan(args)
     except PlanError as e:
