@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from loraplane.dataplane.config import DEFAULT_LORA_MEMORY, EngineConfig
 from loraplane.envhelp import format_env_help
+from loraplane.redact import clean_credential
 from loraplane.sizes import parse_memory
 
 MAX_N = 8  # choices per request (`n`) at most
@@ -26,7 +27,10 @@ class SettingsError(ValueError):
 class ServerSettings(BaseSettings):
     """Everything `loraplane serve` needs; env var = `LORAPLANE_` + the field name, upper case."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAPLANE_", extra="ignore", frozen=True)
+    # hide_input_in_errors: a refused key or token is never echoed in the error
+    model_config = SettingsConfigDict(
+        env_prefix="LORAPLANE_", extra="ignore", frozen=True, hide_input_in_errors=True
+    )
 
     model: str = Field(min_length=1)
     served_model_name: str | None = None
@@ -114,6 +118,15 @@ class ServerSettings(BaseSettings):
         if isinstance(value, list | tuple):
             return dict(parse_lora_module(v) for v in value)
         return value
+
+    @field_validator("api_key", "admin_token", "service_token", mode="before")
+    @classmethod
+    def _clean_token(cls, value: Any) -> Any:
+        """Whitespace around a key or token (an env file, a Secret made from a file, a paste)
+        is not part of it; whitespace inside it is refused, the value never echoed."""
+        if not isinstance(value, str) or value == "":
+            return value
+        return clean_credential(value, "the value")
 
     @field_validator("metrics_port")
     @classmethod
