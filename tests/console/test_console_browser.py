@@ -28,7 +28,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from loraplane.adapters.errors import EXPLANATIONS, ReasonCode
 from loraplane.controlplane.crud.usage import add_usage
@@ -125,7 +125,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, base_model_dir: Path) -> Ite
                     add_usage(session, rows=usage_rows("globex", ["globex-secret"]), day=day)
                 session.commit()
             report = {
-                "pool": POOL, "replica": "replica-0", "slots_used": 3, "running_adapters": 3,
+                "pool": POOL, "replica": "replica-0", "slots_used": 5, "running_adapters": 3,
                 "waiting_adapters": 1, "deferred": 2, "gpu_bytes": 48 << 20,
                 "gpu_bytes_capacity": 128 << 20, "kv_usage": 0.42,
             }  # fmt: skip
@@ -296,11 +296,11 @@ def drop_files(driver: WebDriver, zone_id: str, folder: Path) -> None:
     )
 
 
-def fill_upload(driver: WebDriver, name: str) -> None:
-    for field, value in (("up-name", name), ("up-base", TINY_BASE_NAME)):
-        element = driver.find_element(By.ID, field)
-        element.clear()
-        element.send_keys(value)
+def fill_upload(driver: WebDriver, name: str, base_model: str = TINY_BASE_NAME) -> None:
+    element = driver.find_element(By.ID, "up-name")
+    element.clear()
+    element.send_keys(name)
+    Select(driver.find_element(By.ID, "up-base")).select_by_value(base_model)
 
 
 # -- the tests ----------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def test_a_good_adapter_dropped_on_the_page_is_ingested_in_the_background_and_li
     cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
     assert cells[:4] == ["support", TINY_BASE_NAME, "v1 of 1", "32"]
     assert cells[4].endswith(" KiB")
-    assert cells[5] == api["current"]["digest"][:12] and cells[6] == "serving"
+    assert cells[5] == api["current"]["digest"][:12] and cells[6] == "follows latest"
     recent = browser.find_element(By.XPATH, "//section[h2='Recent uploads']").text
     assert re.search(r"support background stored as v1", recent), recent
     shots(browser, "03-adapters")
@@ -528,13 +528,15 @@ def test_admin_views_show_tenants_a_new_key_once_and_pool_pressure(
     assert key not in browser.page_source  # shown once: gone once the view is left
     row = browser.find_element(By.XPATH, f"//table[@id='keys']//tr[td[3]='{key[:12]}…']")
     row.find_element(By.XPATH, ".//button[text()='Revoke']").click()
+    wait(browser, lambda d: d.find_element(By.ID, "confirm-ok")).click()  # asked first
     wait(browser, lambda d: "revoked" in d.find_element(By.ID, "keys").text)
     assert httpx.get(stack.url + "/v1/adapters", headers=headers).status_code == 401
 
     assert go(browser, "#/pools") == "Pools"
     pool = browser.find_element(By.CSS_SELECTOR, "section.pool").text
     assert f"default/{POOL}" in pool and "replica-0" in pool
-    assert "3 of 8" in pool and "48 MiB of 128 MiB" in pool and "42%" in pool
+    assert "3 running, 5 cached, of 8 slots" in pool
+    assert "48 MiB of 128 MiB" in pool and "42%" in pool
     meters = browser.find_elements(By.CSS_SELECTOR, "section.pool meter")
     assert [m.get_attribute("value") for m in meters] == ["3", "50331648", "0.42"]
     assert unlabelled(browser) == []
@@ -619,7 +621,11 @@ def test_the_key_stays_in_session_storage_and_a_revoked_key_meets_the_401_wall(
         field = browser.find_element(By.ID, "token")
         field.clear()
         field.send_keys(mistyped, Keys.ENTER)
-        wait(browser, lambda d, s=said: s in d.find_element(By.ID, "sign-in-error").text)
+
+        def says(d: WebDriver, s: str = said) -> bool:
+            return s in d.find_element(By.ID, "sign-in-error").text
+
+        wait(browser, says)
     sign_in(browser, stack.url, stack.keys["acme"])
     browser.find_element(By.ID, "sign-out").click()
     wait(browser, lambda d: d.find_element(By.ID, "token").is_displayed())

@@ -2,6 +2,7 @@
 // shown once), and the pools with the slot and memory pressure their replicas report.
 
 import { call } from "./api.js";
+import { confirm } from "./confirm.js";
 import { copyable, field, h, scrolling, table } from "./dom.js";
 import { bytes, count, time, weight } from "./format.js";
 
@@ -117,6 +118,16 @@ function keys(app, tenant, list) {
   }, shown);
   const revoke = (key) =>
     app.guard(async () => {
+      const label = key.name ? ` (“${key.name}”)` : "";
+      const yes = await confirm({
+        question: `Revoke key ${key.prefix}…${label} of ${tenant.name}?`,
+        consequence:
+          "Every request with this key is refused from now on. A revoked key cannot be " +
+          "restored: create a new one if the tenant still needs it.",
+        action: "Revoke key",
+        danger: true,
+      });
+      if (!yes) return;
       await call("DELETE", `v1/tenants/${enc(tenant.name)}/keys/${key.id}`);
       app.notify(`Key ${key.prefix}… revoked.`);
       tbody.replaceChildren(...(await rows()));
@@ -199,25 +210,38 @@ function gauge(label, value, max, text) {
   );
 }
 
+/** A replica's adapter slots: the bar is what runs (adapters with requests in flight), the
+ * text adds what is cached (resident in the slots, ready for the next request). Cached
+ * adapters fill the slots of an idle replica: that is not pressure. */
+function slots(name, report, max) {
+  const running = report.running_adapters || 0;
+  const cached = report.slots_used || 0;
+  return gauge(
+    `Adapters running on ${name}`,
+    running,
+    max,
+    `${running} running, ${cached} cached, of ${max} slots`,
+  );
+}
+
 function replicas(pool) {
   const reported = (pool.pressure && pool.pressure.replicas) || {};
   const names = Object.keys(reported).sort();
   if (!names.length) return h("p", { class: "hint" }, "No replica has reported yet.");
   return table(
-    `Pressure each replica last reported (${time(pool.pressure_at)})`,
-    ["Replica", "Adapter slots", "Adapter memory", "KV cache", "Running adapters", "Waiting adapters", "Deferred requests", "Reported"],
+    `Pressure each replica last reported (${time(pool.pressure_at)}); running: adapters with ` +
+      "requests in flight; cached: adapters resident in the slots",
+    ["Replica", "Adapter slots", "Adapter memory", "KV cache", "Waiting adapters", "Deferred requests", "Reported"],
     names.map((n) => {
       const r = reported[n];
-      const slots = r.slots_used || 0;
       const used = r.gpu_bytes || 0;
       const cap = r.gpu_bytes_capacity || 0;
       const kv = r.kv_usage || 0;
       return [
         n,
-        gauge(`Adapter slots of ${n}`, slots, pool.max_loras, `${slots} of ${pool.max_loras}`),
+        slots(n, r, pool.max_loras),
         gauge(`Adapter memory of ${n}`, used, cap, cap ? `${bytes(used)} of ${bytes(cap)}` : bytes(used)),
         gauge(`KV cache of ${n}`, kv, 1, `${Math.round(kv * 100)}%`),
-        count(r.running_adapters),
         count(r.waiting_adapters),
         count(r.deferred),
         time(r.time),

@@ -43,9 +43,28 @@ export class ApiError extends Error {
   }
 }
 
+/** What an error answer says went wrong: the API's `error.message`; else a framework's
+ * `detail` (a string, or pydantic's list of {loc, msg}) or `message`; else the status text. */
+export function reasonOf(data, fallback) {
+  const error = (data && data.error) || {};
+  if (typeof error.message === "string" && error.message) return error.message;
+  const detail = data && data.detail;
+  if (typeof detail === "string" && detail) return detail;
+  if (Array.isArray(detail) && detail.length) {
+    return detail
+      .map((d) => {
+        const where = Array.isArray(d.loc) ? d.loc.filter((p) => p !== "body").join(".") : "";
+        return where ? `${where}: ${d.msg}` : String(d.msg || d);
+      })
+      .join("; ");
+  }
+  if (data && typeof data.message === "string" && data.message) return data.message;
+  return fallback || "no reason given";
+}
+
 function failure(status, data, fallback) {
   const error = (data && data.error) || {};
-  return new ApiError(status, error.code || `HTTP ${status}`, error.message || fallback);
+  return new ApiError(status, error.code || `HTTP ${status}`, reasonOf(data, fallback));
 }
 
 /** Call `path` (relative to the API root, e.g. "v1/adapters") with `token` (default: the
@@ -65,7 +84,7 @@ export async function call(method, path, body, token = session.token()) {
   }
   if (response.status === 204) return null;
   const data = await response.json().catch(() => null);
-  if (!response.ok) throw failure(response.status, data, response.statusText);
+  if (!response.ok) throw failure(response.status, data, `${response.status} ${response.statusText}`.trim());
   return data;
 }
 
@@ -93,7 +112,7 @@ export function upload(form, onProgress) {
     });
     xhr.addEventListener("load", () => {
       if (xhr.status >= 200 && xhr.status < 300) resolve({ status: xhr.status, data: xhr.response });
-      else reject(failure(xhr.status, xhr.response, xhr.statusText));
+      else reject(failure(xhr.status, xhr.response, `${xhr.status} ${xhr.statusText}`.trim()));
     });
     xhr.addEventListener("error", () =>
       reject(new ApiError(0, "NetworkError", "the upload was interrupted")),

@@ -48,6 +48,8 @@ FILES = {
     "upload.js": "text/javascript; charset=utf-8",
     "usage.js": "text/javascript; charset=utf-8",
     "admin.js": "text/javascript; charset=utf-8",
+    "adapter.js": "text/javascript; charset=utf-8",
+    "confirm.js": "text/javascript; charset=utf-8",
 }
 # Codes that are plain strings rather than classes.
 OTHER_CODES = {

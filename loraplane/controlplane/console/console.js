@@ -1,6 +1,7 @@
 // The console's shell: signing in and out, the sections of each role, and showing errors.
 // Views are functions (app, ...route arguments) -> a Node, in the modules imported below.
 
+import * as adapter from "./adapter.js";
 import * as admin from "./admin.js";
 import { ApiError, call, meta, session } from "./api.js";
 import { h } from "./dom.js";
@@ -10,7 +11,7 @@ import * as usage from "./usage.js";
 
 const SECTIONS = {
   tenant: [
-    { path: "adapters", title: "Adapters", view: tenant.adapters, detail: tenant.adapter },
+    { path: "adapters", title: "Adapters", view: tenant.adapters, detail: adapter.adapter },
     { path: "upload", title: "Upload", view: upload.view },
     { path: "usage", title: "Usage", view: usage.view },
   ],
@@ -36,14 +37,16 @@ const app = {
     $("notice").textContent = message;
     noticeAt = Date.now();
   },
-  /** A reason code with its sentence and the API's message (a role=alert box if `alert`). */
+  /** A reason code with the API's message, what went wrong in this case, first; the code's
+   * general sentence below it (a role=alert box if `alert`). */
   reason(code, message, alert = false) {
     const sentence = app.reasons[code];
+    const lead = message || sentence || "";
     return h(
       "div",
       { class: "reason", role: alert ? "alert" : null },
-      h("p", {}, h("strong", { class: "code" }, code), sentence ? ` ${sentence}` : ""),
-      message ? h("p", { class: "detail" }, message) : null,
+      h("p", { class: "why" }, h("strong", { class: "code" }, code), lead ? `: ${lead}` : ""),
+      message && sentence ? h("p", { class: "detail" }, sentence) : null,
     );
   },
   /** How an error is shown; a 401 signs out instead (the key is no longer accepted). */

@@ -1,24 +1,47 @@
-// A tenant's adapters: the list (with recent uploads and why any was refused), and one
-// adapter's versions and how to call it.
+// A tenant's adapters: the list, with what each name serves and the recent uploads (and why
+// any was refused). One adapter's view is adapter.js.
 
 import { call, session } from "./api.js";
-import { copyable, field, h, table } from "./dom.js";
+import { h, table } from "./dom.js";
 import { bytes, shortDigest, time } from "./format.js";
 
 const enc = encodeURIComponent;
 
-function state(adapter, running) {
-  if (running.has(adapter.name)) return "ingesting a new upload";
+/** Whether the name follows its latest version (a control plane without `follow_latest`:
+ * whether it serves the latest). */
+export function followsLatest(adapter) {
+  if (typeof adapter.follow_latest === "boolean") return adapter.follow_latest;
+  return adapter.current_version === adapter.latest_version;
+}
+
+/** What the name serves: "follows latest" or "held at vN (latest vM)". */
+export function serving(adapter) {
   if (adapter.current_version === null) return "no version";
-  if (adapter.current_version === adapter.latest_version) return "serving";
-  return `serving v${adapter.current_version}, pinned (latest v${adapter.latest_version})`;
+  if (followsLatest(adapter)) return "follows latest";
+  const latest = adapter.latest_version;
+  return latest === adapter.current_version
+    ? `held at v${adapter.current_version} (the latest)`
+    : `held at v${adapter.current_version} (latest v${latest})`;
+}
+
+function state(adapter, running) {
+  if (running.has(adapter.name)) return `ingesting a new upload; ${serving(adapter)}`;
+  return serving(adapter);
+}
+
+/** "ignored: training_args.bin, optimizer.pt": the files of an upload beside the adapter that
+ * the control plane did not open or store ("" when there were none). */
+export function ignoredNote(files) {
+  return Array.isArray(files) && files.length ? `ignored: ${files.join(", ")}` : "";
 }
 
 /** What became of an upload: stored, identical, in progress, or refused (with why). */
 export function outcome(app, job) {
   if (job.status === "succeeded" && job.result) {
     const v = job.result.version.version;
-    return job.result.created ? `stored as v${v}` : `identical to v${v}: nothing new stored`;
+    const done = job.result.created ? `stored as v${v}` : `identical to v${v}: nothing new stored`;
+    const skipped = ignoredNote(job.result.ignored);
+    return skipped ? `${done}; ${skipped}` : done;
   }
   if (job.status === "failed" && job.error) return app.reason(job.error.code, job.error.message);
   return job.status === "pending" ? "waiting to be ingested" : "being ingested";
@@ -89,150 +112,5 @@ export async function adapters(app) {
         )
       : h("p", {}, "No adapters yet. ", h("a", { href: "#/upload" }, "Upload one"), "."),
     recentUploads(app, jobs),
-  );
-}
-
-function dataplaneUrl(app) {
-  if (app.config.dataplane_url) return app.config.dataplane_url.replace(/\/+$/, "");
-  return `${window.location.protocol}//${window.location.hostname}:8000`;
-}
-
-function snippets(url, model) {
-  const body = JSON.stringify({ model, messages: [{ role: "user", content: "Hello!" }] });
-  const curl = [
-    `curl -s ${url}/v1/chat/completions \\`,
-    '  -H "Authorization: Bearer $LORAPLANE_API_KEY" -H "Content-Type: application/json" \\',
-    `  -d '${body.replaceAll("'", "'\\''")}'`,
-  ].join("\n");
-  const python = [
-    "import os",
-    "from openai import OpenAI",
-    "",
-    `client = OpenAI(base_url=${JSON.stringify(`${url}/v1`)}, api_key=os.environ["LORAPLANE_API_KEY"])`,
-    "reply = client.chat.completions.create(",
-    `    model=${JSON.stringify(model)},`,
-    '    messages=[{"role": "user", "content": "Hello!"}],',
-    ")",
-    "print(reply.choices[0].message.content)",
-  ].join("\n");
-  return [copyable(curl, `curl for ${model}`), copyable(python, `Python for ${model}`)];
-}
-
-function howToCall(app, adapter) {
-  const pinned = `${adapter.name}@${adapter.current_version}`;
-  const url = h("input", { type: "url", value: dataplaneUrl(app), spellcheck: "false" });
-  const model = h(
-    "select",
-    {},
-    h("option", { value: adapter.name }, `${adapter.name} (the version it serves now)`),
-    h("option", { value: pinned }, `${pinned} (always this version)`),
-  );
-  const out = h("div", {}, snippets(url.value, adapter.name));
-  const update = () => out.replaceChildren(...snippets(url.value.replace(/\/+$/, ""), model.value));
-  url.addEventListener("input", update);
-  model.addEventListener("change", update);
-  return h(
-    "section",
-    { "aria-labelledby": "call-title" },
-    h("h2", { id: "call-title" }, "How to call it"),
-    h(
-      "p",
-      {},
-      "On the data plane's OpenAI API, ",
-      h("code", {}, `model="${adapter.name}"`),
-      ` uses the version it serves now (v${adapter.current_version}); `,
-      h("code", {}, `model="${pinned}"`),
-      " always that version. Set ",
-      h("code", {}, "LORAPLANE_API_KEY"),
-      " to your key first: the examples read it from the environment.",
-    ),
-    h(
-      "div",
-      { class: "row" },
-      field("call-url", "Data plane URL", url),
-      field("call-model", "Model", model),
-    ),
-    out,
-  );
-}
-
-function notFound(name) {
-  return h(
-    "div",
-    {},
-    h("h1", {}, "Not found"),
-    h("p", {}, `No adapter named “${name}” under this key.`),
-    h("p", {}, h("a", { href: "#/adapters" }, "All adapters")),
-  );
-}
-
-/** #/adapters/{name}: one adapter, its versions, and how to call it. Another tenant's adapter
- * is as absent here as in the API (404 either way). */
-export async function adapter(app, name) {
-  let a;
-  let versions;
-  try {
-    [a, versions] = await Promise.all([
-      call("GET", `v1/adapters/${enc(name)}`),
-      call("GET", `v1/adapters/${enc(name)}/versions`),
-    ]);
-  } catch (error) {
-    if (error.status === 404) return notFound(name);
-    throw error;
-  }
-  const actions = h("div", {});
-  const serve = (v) =>
-    app.guard(async () => {
-      await call("PATCH", `v1/adapters/${enc(a.name)}`, { current_version: v });
-      app.notify(`${a.name} now serves v${v}.`);
-      await app.refresh();
-    }, actions);
-  const rows = versions.map((v) => [
-    `v${v.version}`,
-    String(v.rank),
-    String(v.alpha),
-    v.target_modules.join(", "),
-    bytes(v.size_bytes),
-    v.base_model,
-    h("code", { class: "digest" }, v.digest),
-    time(v.created_at),
-    v.created_by,
-    v.version === a.current_version
-      ? "serving"
-      : h(
-          "button",
-          { type: "button", class: "secondary small", on: { click: serve(v.version) } },
-          `Serve v${v.version}`,
-        ),
-  ]);
-  return h(
-    "div",
-    {},
-    h("p", { class: "crumbs" }, h("a", { href: "#/adapters" }, "Adapters"), " / "),
-    h("h1", {}, a.name),
-    h(
-      "dl",
-      { class: "facts" },
-      h("dt", {}, "Base model"),
-      h("dd", {}, a.base_model),
-      h("dt", {}, "Serving"),
-      h("dd", {}, a.current_version === null ? "no version" : `v${a.current_version}`),
-      h("dt", {}, "Latest"),
-      h("dd", {}, a.latest_version === null ? "" : `v${a.latest_version}`),
-      h("dt", {}, "Updated"),
-      h("dd", {}, time(a.updated_at)),
-    ),
-    a.current_version === null ? null : howToCall(app, a),
-    h(
-      "section",
-      { "aria-labelledby": "versions-title" },
-      h("h2", { id: "versions-title" }, "Versions"),
-      actions,
-      table(
-        "Every version, oldest first; versions are immutable",
-        ["Version", "Rank", "Alpha", "Targets", "Size", "Base model", "Digest", "Created", "By", ""],
-        rows,
-      ),
-    ),
   );
 }

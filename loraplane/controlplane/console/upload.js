@@ -2,9 +2,9 @@
 // background job when the control plane ingests a big upload in the background (202).
 
 import { ApiError, call, session, upload } from "./api.js";
-import { field, h } from "./dom.js";
+import { append, field, h } from "./dom.js";
 import { bytes, time } from "./format.js";
-import { outcome } from "./tenant.js";
+import { ignoredNote, outcome } from "./tenant.js";
 
 const POLL_MS = 500;
 const enc = encodeURIComponent;
@@ -18,13 +18,50 @@ function chosenList(files) {
   );
 }
 
+/** The files the control plane left out of an upload (a Trainer's training_args.bin, ...). */
+function ignoredList(files) {
+  const note = ignoredNote(files);
+  return note ? h("p", { class: "ignored", id: "upload-ignored" }, note) : null;
+}
+
 function finished(app, name, data) {
   const v = data.version.version;
   const text = data.created
     ? `Stored ${name} v${v} (rank ${data.version.rank}, ${bytes(data.version.size_bytes)}).`
     : `Identical to ${name} v${v}: nothing new was stored.`;
   app.notify(text);
-  return h("p", { class: "ok" }, text, " ", h("a", { href: `#/adapters/${enc(name)}` }, `See ${name}`));
+  return h(
+    "div",
+    {},
+    h("p", { class: "ok" }, text, " ", h("a", { href: `#/adapters/${enc(name)}` }, `See ${name}`)),
+    ignoredList(data.ignored),
+  );
+}
+
+/** What a base model's option says: its name, or that it cannot take uploads yet. */
+function offerText(offer) {
+  return offer.ready ? offer.name : `${offer.name} (not ready: its replicas have not reported it)`;
+}
+
+/** What an upload for `offer` must meet, in words. */
+function offerLimits(offer) {
+  if (!offer) return "";
+  if (!offer.ready) {
+    return "Its pools wait for their replicas to report the model: uploads for it are refused until then.";
+  }
+  return (
+    `${offer.model_type}, ${offer.num_layers} layers, hidden size ${offer.hidden_size}: ` +
+    `rank up to ${offer.max_lora_rank}, up to ${bytes(offer.max_adapter_bytes)} per adapter.`
+  );
+}
+
+/** The base model chosen first: the one the tenant's latest adapter uses if it can take an
+ * upload, else the first that can, else the first. */
+function preferred(offers, adapters) {
+  const latest = [...adapters].sort((x, y) => String(y.updated_at).localeCompare(String(x.updated_at)));
+  const ready = offers.filter((o) => o.ready);
+  const mine = latest.find((a) => ready.some((o) => o.name === a.base_model));
+  return mine ? mine.base_model : (ready[0] || offers[0]).name;
 }
 
 /** Poll a background upload until it ends; `show(node)` gets each state. */
@@ -53,8 +90,7 @@ async function follow(app, job, show, stillHere) {
 
 /** #/upload: the upload form. */
 export async function view(app) {
-  const adapters = await call("GET", "v1/adapters");
-  const bases = [...new Set(adapters.map((a) => a.base_model))];
+  const [adapters, offers] = await Promise.all([call("GET", "v1/adapters"), call("GET", "v1/base-models")]);
   let files = [];
 
   const name = h("input", {
@@ -64,8 +100,21 @@ export async function view(app) {
     autocomplete: "off",
     spellcheck: "false",
   });
-  const base = h("input", { type: "text", required: true, list: "base-models", value: bases[0] || "" });
-  const picker = h("input", { type: "file", multiple: true, accept: ".json,.safetensors,.gz,.tgz,.tar,.zip" });
+  const chosenBase = offers.length ? preferred(offers, adapters) : "";
+  const base = h(
+    "select",
+    { required: true },
+    offers.map((o) => h("option", { value: o.name }, offerText(o))),
+  );
+  base.value = chosenBase;
+  const limits = h("p", { class: "hint", id: "up-base-limits" }, "");
+  const showLimits = () => {
+    limits.textContent = offerLimits(offers.find((o) => o.name === base.value));
+  };
+  base.addEventListener("change", showLimits);
+  showLimits();
+  // any file: a Trainer's checkpoint folder is uploaded whole, its extra files are ignored
+  const picker = h("input", { type: "file", multiple: true });
   const chosen = h("div", { id: "chosen" }, chosenList(files));
   const sent = h("progress", { id: "upload-progress", max: "100", value: "0" });
   const sentText = h("span", { id: "upload-progress-text" }, "");
@@ -105,21 +154,30 @@ export async function view(app) {
       "up-files",
       "Adapter files",
       picker,
-      "adapter_config.json and adapter_model.safetensors, or one .tar.gz or .zip holding them. " +
+      "adapter_config.json and adapter_model.safetensors, or one .tar.gz or .zip holding them; " +
+        "a Trainer's checkpoint folder may go whole (its other files are ignored, never opened). " +
         "Drop them here, or choose them.",
     ),
     chosen,
   );
 
-  const submit = h("button", { type: "submit", id: "upload-submit" }, "Upload");
+  const submit = h("button", { type: "submit", id: "upload-submit", disabled: !offers.length }, "Upload");
+  const baseField = offers.length
+    ? append(field("up-base", "Base model", base, "The base model it was trained on."), [limits])
+    : h(
+        "p",
+        { class: "error", id: "up-base-none", role: "alert" },
+        "No base model can take an upload yet: the admin has not registered a pool. " +
+          "Ask your platform's admin to add one; this form works once a pool serves a base model.",
+      );
+  base.setAttribute("aria-describedby", "up-base-hint up-base-limits");
   const form = h(
     "form",
     { id: "upload-form", novalidate: true },
     h("div", { class: "row" }, [
       field("up-name", "Adapter name", name, "1 to 63 of a-z, 0-9, - . _; an existing name gets a new version."),
-      field("up-base", "Base model", base, "The base model it was trained on (a pool must serve it)."),
+      baseField,
     ]),
-    h("datalist", { id: "base-models" }, bases.map((b) => h("option", { value: b }))),
     zone,
     submit,
     progress,
@@ -159,6 +217,7 @@ export async function view(app) {
         } else if (answer.status === 202) {
           result.replaceChildren(
             h("p", { class: "ok" }, `Staged ${body.name}: the operator validates it; it is listed under Adapters once stored.`),
+            ignoredList(body.ignored),
           );
         } else {
           session.remember({ when, name: body.name, status: "succeeded", result: body });

@@ -1,0 +1,230 @@
+// One of a tenant's adapters: what it serves and the actions that change that (serve a
+// version, roll back, follow latest, delete; each asked first), its versions, and how to
+// call it.
+
+import { call } from "./api.js";
+import { confirm } from "./confirm.js";
+import { copyable, field, h, table } from "./dom.js";
+import { bytes, time } from "./format.js";
+import { followsLatest } from "./tenant.js";
+
+const enc = encodeURIComponent;
+
+function dataplaneUrl(app) {
+  if (app.config.dataplane_url) return app.config.dataplane_url.replace(/\/+$/, "");
+  return `${window.location.protocol}//${window.location.hostname}:8000`;
+}
+
+function snippets(url, model) {
+  const body = JSON.stringify({ model, messages: [{ role: "user", content: "Hello!" }] });
+  const curl = [
+    `curl -s ${url}/v1/chat/completions \\`,
+    '  -H "Authorization: Bearer $LORAPLANE_API_KEY" -H "Content-Type: application/json" \\',
+    `  -d '${body.replaceAll("'", "'\\''")}'`,
+  ].join("\n");
+  const python = [
+    "import os",
+    "from openai import OpenAI",
+    "",
+    `client = OpenAI(base_url=${JSON.stringify(`${url}/v1`)}, api_key=os.environ["LORAPLANE_API_KEY"])`,
+    "reply = client.chat.completions.create(",
+    `    model=${JSON.stringify(model)},`,
+    '    messages=[{"role": "user", "content": "Hello!"}],',
+    ")",
+    "print(reply.choices[0].message.content)",
+  ].join("\n");
+  return [copyable(curl, `curl for ${model}`), copyable(python, `Python for ${model}`)];
+}
+
+function howToCall(app, adapter) {
+  const pinned = `${adapter.name}@${adapter.current_version}`;
+  const url = h("input", { type: "url", value: dataplaneUrl(app), spellcheck: "false" });
+  const model = h(
+    "select",
+    {},
+    h("option", { value: adapter.name }, `${adapter.name} (the version it serves now)`),
+    h("option", { value: pinned }, `${pinned} (always this version)`),
+  );
+  const out = h("div", {}, snippets(url.value, adapter.name));
+  const update = () => out.replaceChildren(...snippets(url.value.replace(/\/+$/, ""), model.value));
+  url.addEventListener("input", update);
+  model.addEventListener("change", update);
+  return h(
+    "section",
+    { "aria-labelledby": "call-title" },
+    h("h2", { id: "call-title" }, "How to call it"),
+    h(
+      "p",
+      {},
+      "On the data plane's OpenAI API, ",
+      h("code", {}, `model="${adapter.name}"`),
+      ` uses the version it serves now (v${adapter.current_version}); `,
+      h("code", {}, `model="${pinned}"`),
+      " always that version. Set ",
+      h("code", {}, "LORAPLANE_API_KEY"),
+      " to your key first: the examples read it from the environment.",
+    ),
+    h(
+      "div",
+      { class: "row" },
+      field("call-url", "Data plane URL", url),
+      field("call-model", "Model", model),
+    ),
+    out,
+  );
+}
+
+function notFound(name) {
+  return h(
+    "div",
+    {},
+    h("h1", {}, "Not found"),
+    h("p", {}, `No adapter named “${name}” under this key.`),
+    h("p", {}, h("a", { href: "#/adapters" }, "All adapters")),
+  );
+}
+
+/** The adapter's name with `answer`'s state, as a notice: "faq now serves v1, held." */
+function served(answer) {
+  const how = followsLatest(answer) ? "following the latest version" : "held until you choose again";
+  return `${answer.name} now serves v${answer.current_version}, ${how}.`;
+}
+
+/** The buttons that change what the name serves, or delete it; `place` shows their errors. */
+function actions(app, a, versions, place) {
+  const path = `v1/adapters/${enc(a.name)}`;
+  const until = `Requests to ${a.name} will use`;
+  const patch = async (version, ask) => {
+    if (!(await confirm(ask))) return;
+    app.notify(served(await call("PATCH", path, { current_version: version })));
+    await app.refresh();
+  };
+  const serve = (v) =>
+    app.guard(
+      () =>
+        patch(v, {
+          question: `Serve v${v} of ${a.name}?`,
+          consequence: `${until} v${v} until you choose again. New uploads are stored but not served meanwhile.`,
+          action: `Serve v${v}`,
+        }),
+      place,
+    );
+  const older = versions.map((v) => v.version).filter((n) => a.current_version !== null && n < a.current_version);
+  const before = older.length ? Math.max(...older) : null;
+  const rollback = app.guard(
+    () =>
+      patch(before, {
+        question: `Roll back ${a.name} to v${before}?`,
+        consequence: `${until} v${before} until you choose again (it serves v${a.current_version} now). New uploads are stored but not served meanwhile.`,
+        action: `Roll back to v${before}`,
+      }),
+    place,
+  );
+  const follow = app.guard(
+    () =>
+      patch(null, {
+        question: `Follow the latest version of ${a.name}?`,
+        consequence: `${until} v${a.latest_version} now, and each new version as soon as an upload stores it.`,
+        action: "Follow latest",
+      }),
+    place,
+  );
+  const remove = app.guard(async () => {
+    const kept = versions.length === 1 ? "Its stored version is" : `Its ${versions.length} stored versions are`;
+    const yes = await confirm({
+      question: `Delete ${a.name}?`,
+      consequence: `Requests to ${a.name} will be refused from now on, and it leaves your adapters (and your adapter quota). ${kept} kept, not served.`,
+      action: `Delete ${a.name}`,
+      danger: true,
+    });
+    if (!yes) return;
+    await call("DELETE", path);
+    app.notify(`${a.name} deleted: it is no longer served.`);
+    window.location.hash = "#/adapters";
+  }, place);
+  const button = (id, text, handler, kind = "secondary") =>
+    h("button", { type: "button", id, class: kind, on: { click: handler } }, text);
+  return {
+    serve,
+    bar: h(
+      "div",
+      { class: "row actions" },
+      before === null ? null : button("rollback", `Roll back to v${before}`, rollback),
+      a.current_version === null || followsLatest(a) ? null : button("follow-latest", "Follow latest", follow),
+      button("delete-adapter", `Delete ${a.name}`, remove, "danger"),
+    ),
+  };
+}
+
+function servingText(a) {
+  if (a.current_version === null) return "no version";
+  if (followsLatest(a)) return `v${a.current_version}, following the latest: each new upload is served once stored`;
+  return `v${a.current_version}, held (latest v${a.latest_version}): new uploads are stored, not served, until you choose`;
+}
+
+/** #/adapters/{name}: one adapter, what it serves, its versions, and how to call it. Another
+ * tenant's adapter is as absent here as in the API (404 either way). */
+export async function adapter(app, name) {
+  let a;
+  let versions;
+  try {
+    [a, versions] = await Promise.all([
+      call("GET", `v1/adapters/${enc(name)}`),
+      call("GET", `v1/adapters/${enc(name)}/versions`),
+    ]);
+  } catch (error) {
+    if (error.status === 404) return notFound(name);
+    throw error;
+  }
+  const place = h("div", { id: "adapter-actions-result" });
+  const { serve, bar } = actions(app, a, versions, place);
+  const rows = versions.map((v) => [
+    `v${v.version}`,
+    String(v.rank),
+    String(v.alpha),
+    v.target_modules.join(", "),
+    bytes(v.size_bytes),
+    v.base_model,
+    h("code", { class: "digest" }, v.digest),
+    time(v.created_at),
+    v.created_by,
+    v.version === a.current_version
+      ? "serving"
+      : h(
+          "button",
+          { type: "button", class: "secondary small", on: { click: serve(v.version) } },
+          `Serve v${v.version}`,
+        ),
+  ]);
+  return h(
+    "div",
+    {},
+    h("p", { class: "crumbs" }, h("a", { href: "#/adapters" }, "Adapters"), " / "),
+    h("h1", {}, a.name),
+    h(
+      "dl",
+      { class: "facts" },
+      h("dt", {}, "Base model"),
+      h("dd", {}, a.base_model),
+      h("dt", {}, "Serving"),
+      h("dd", { id: "serving" }, servingText(a)),
+      h("dt", {}, "Latest"),
+      h("dd", {}, a.latest_version === null ? "" : `v${a.latest_version}`),
+      h("dt", {}, "Updated"),
+      h("dd", {}, time(a.updated_at)),
+    ),
+    bar,
+    place,
+    a.current_version === null ? null : howToCall(app, a),
+    h(
+      "section",
+      { "aria-labelledby": "versions-title" },
+      h("h2", { id: "versions-title" }, "Versions"),
+      table(
+        "Every version, oldest first; versions are immutable",
+        ["Version", "Rank", "Alpha", "Targets", "Size", "Base model", "Digest", "Created", "By", ""],
+        rows,
+      ),
+    ),
+  );
+}
