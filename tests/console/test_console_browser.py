@@ -352,6 +352,7 @@ def test_a_good_adapter_dropped_on_the_page_is_ingested_in_the_background_and_li
     assert go(browser, "#/upload") == "Upload an adapter"
     fill_upload(browser, "support")
     folder = stack.adapter("support", 32, 7)  # over BACKGROUND: a background job
+    (folder / "trainer_state.json").write_text("{}")  # a Trainer's: ignored, and said so
     drop_files(browser, "dropzone", folder)
     chosen = browser.find_element(By.ID, "chosen").text
     assert "adapter_config.json" in chosen and "adapter_model.safetensors" in chosen
@@ -366,6 +367,7 @@ def test_a_good_adapter_dropped_on_the_page_is_ingested_in_the_background_and_li
     browser.find_element(By.ID, "upload-submit").click()
     result = browser.find_element(By.ID, "upload-result")
     wait(browser, lambda d: "Stored support v1" in result.text)
+    assert "ignored: trainer_state.json" in result.text
     assert browser.find_element(By.ID, "upload-progress").get_attribute("value") == "100"
     seen = browser.execute_script("return window.seen")
     assert any(t.startswith("Background ingest of support: ") for t in seen), seen
@@ -382,7 +384,7 @@ def test_a_good_adapter_dropped_on_the_page_is_ingested_in_the_background_and_li
     assert cells[4].endswith(" KiB")
     assert cells[5] == api["current"]["digest"][:12] and cells[6] == "follows latest"
     recent = browser.find_element(By.XPATH, "//section[h2='Recent uploads']").text
-    assert re.search(r"support background stored as v1", recent), recent
+    assert re.search(r"support background stored as v1; ignored: trainer_state.json", recent)
     shots(browser, "03-adapters")
 
     browser.find_element(By.LINK_TEXT, "support").click()
