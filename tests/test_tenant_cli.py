@@ -137,8 +137,11 @@ def test_admin_makes_a_tenant_and_key_and_the_tenant_pushes_lists_and_reads_vers
         ("support", 2, 2)
     ]
     table = cli(capsys, "adapters", "list").out.splitlines()
-    assert table[0].split() == ["NAME", "SERVING", "LATEST", "RANK", "BASE", "MODEL", "DIGEST"]
+    assert table[0].split() == [
+        "NAME", "SERVING", "LATEST", "RANK", "BASE", "MODEL", "DIGEST", "MODE",
+    ]  # fmt: skip
     assert table[1].split()[:4] == ["support", "v2", "v2", "4"]
+    assert table[1].split()[-1] == "follow-latest"
     versions = cli(capsys, "adapters", "versions", "support", "--json").json()
     assert [(v["version"], v["rank"]) for v in versions] == [(1, 16), (2, 4)]
     assert versions[0]["digest"] == digest
@@ -234,14 +237,14 @@ def test_a_revoked_key_stops_working(
     assert key.startswith(listed[0]["prefix"])
     assert cli(capsys, "adapters", "list", "--api-key", key, "--json").json() == []
 
-    revoked = cli(capsys, "keys", "revoke", "--tenant", "initech", str(listed[0]["id"]))
+    revoked = cli(capsys, "keys", "revoke", "--tenant", "initech", str(listed[0]["id"]), "--yes")
     assert revoked.code == 0
     assert revoked.out == f"revoked: key {listed[0]['id']} of initech\n"
     run = cli(capsys, "adapters", "list", "--api-key", key)
     assert run.code == 1 and "Unauthorized: invalid or revoked API key" in run.err
     table = cli(capsys, "keys", "list", "--tenant", "initech").out.splitlines()
     assert table[1].split()[-1] == "revoked"
-    again = cli(capsys, "keys", "revoke", "--tenant", "nobody", "1")
+    again = cli(capsys, "keys", "revoke", "--tenant", "nobody", "1", "--yes")
     assert again.code == 1 and again.err.startswith("error: NotFound: ")
 
 

@@ -121,6 +121,19 @@ class RestClient:
         result: list[dict[str, Any]] = self.json("GET", f"/v1/adapters/{_seg(name)}/versions")
         return result
 
+    def get_adapter(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.json("GET", f"/v1/adapters/{_seg(name)}")
+        return result
+
+    def serve_version(self, name: str, version: int | None) -> dict[str, Any]:
+        """Serve `version` and hold it; None: serve the latest and follow later pushes."""
+        body = {"current_version": version}
+        result: dict[str, Any] = self.json("PATCH", f"/v1/adapters/{_seg(name)}", json=body)
+        return result
+
+    def delete_adapter(self, name: str) -> None:
+        self.call("DELETE", f"/v1/adapters/{_seg(name)}")
+
     def upload(
         self,
         name: str,
@@ -185,6 +198,13 @@ class RestClient:
         result: dict[str, Any] = self.json("PATCH", f"/v1/tenants/{_seg(name)}", json=quotas)
         return result
 
+    def get_tenant(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.json("GET", f"/v1/tenants/{_seg(name)}")
+        return result
+
+    def delete_tenant(self, name: str) -> None:
+        self.call("DELETE", f"/v1/tenants/{_seg(name)}")
+
     def list_tenants(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self.json("GET", "/v1/tenants")
         return result
@@ -200,3 +220,25 @@ class RestClient:
 
     def revoke_key(self, tenant: str, key_id: int) -> None:
         self.call("DELETE", f"/v1/tenants/{_seg(tenant)}/keys/{key_id}")
+
+    def list_pools(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.json("GET", "/v1/pools")
+        return result
+
+    def get_pool(self, name: str, namespace: str) -> dict[str, Any]:
+        params = {"namespace": namespace}
+        result: dict[str, Any] = self.json("GET", f"/v1/pools/{_seg(name)}", params=params)
+        return result
+
+    def create_pool(self, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.json("POST", "/v1/pools", json=body)
+        return result
+
+    def update_pool(self, name: str, namespace: str, limits: dict[str, Any]) -> dict[str, Any]:
+        """Change the limits given; the others keep their value."""
+        path, params = f"/v1/pools/{_seg(name)}", {"namespace": namespace}
+        result: dict[str, Any] = self.json("PATCH", path, params=params, json=limits)
+        return result
+
+    def delete_pool(self, name: str, namespace: str) -> None:
+        self.call("DELETE", f"/v1/pools/{_seg(name)}", params={"namespace": namespace})

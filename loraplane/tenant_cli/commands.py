@@ -1,5 +1,6 @@
 """The tenant CLI's commands: `adapters push|list|versions`, `keys create|list|revoke`,
-`tenants create|update|list`.
+`tenants create|update|list` (`lifecycle`: what an adapter serves and deleting it; `admin`:
+`tenants delete`, `pools`).
 
 Each command prints for people, or with `--json` one JSON document on stdout and nothing else
 there; errors are `{"error": {"code", "message"}}` in that mode. Exit codes follow
@@ -30,8 +31,9 @@ EXIT_HELP = """\
 Exit 0: done.
 Exit 1: refused: the control plane refused the request, or (push) the adapter is invalid
         (checked here, nothing sent), or the key or token has whitespace inside
-        (InvalidCredential); prints '<Code>: <message>' (e.g. 'Unauthorized: invalid or
-        revoked API key', 'rejected: RankTooLarge: ...'). Do not retry: fix the input.
+        (InvalidCredential), or a change was not confirmed (ConfirmationRequired, Cancelled);
+        prints '<Code>: <message>' (e.g. 'Unauthorized: invalid or revoked API key',
+        'rejected: RankTooLarge: ...'). Do not retry: fix the input.
 Exit 2: usage error, or the control plane could not be reached or could not answer (retry).
 Keys and tokens are never printed (at most 'lp_abc…'); spaces and line breaks around them
 (an env file, a paste) are ignored.
@@ -120,6 +122,7 @@ def command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
     def run(args: argparse.Namespace) -> int:
         from loraplane.adapters.errors import AdapterRejected, ReasonCode
         from loraplane.redact import CredentialError
+        from loraplane.tenant_cli.confirm import NotConfirmed
 
         try:
             from loraplane.tenant_cli.client import ApiError
@@ -132,6 +135,8 @@ def command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
             return _fail(args, "InvalidUsage", str(exc), EXIT_USAGE, "error")
         except CredentialError as exc:  # not a retry: the key or token must be fixed
             return _fail(args, "InvalidCredential", str(exc), EXIT_REJECTED, "error")
+        except NotConfirmed as exc:  # nothing was changed
+            return _fail(args, exc.code, exc.message, EXIT_REJECTED, "error")
         except AdapterRejected as exc:
             return _fail(args, exc.code.value, exc.message, EXIT_REJECTED, "rejected")
         except ApiError as exc:
@@ -239,11 +244,20 @@ def list_adapters(args: argparse.Namespace) -> int:
             str(a["current"]["rank"]) if a["current"] else "-",
             a["base_model"],
             f"sha256:{a['current']['digest'][:12]}" if a["current"] else "-",
+            _mode(a.get("follow_latest")),
         ]
         for a in adapters
     ]
-    header = ["NAME", "SERVING", "LATEST", "RANK", "BASE MODEL", "DIGEST"]
+    header = ["NAME", "SERVING", "LATEST", "RANK", "BASE MODEL", "DIGEST", "MODE"]
     return _emit(args, adapters, _table(header, rows, "no adapters"))
+
+
+def _mode(follow_latest: object) -> str:
+    """follow-latest: each push serves its new version; held: a chosen version keeps serving
+    ("-": a control plane from before follow_latest)."""
+    if follow_latest is None:
+        return "-"
+    return "follow-latest" if follow_latest else "held"
 
 
 def list_base_models(args: argparse.Namespace) -> int:
@@ -322,8 +336,20 @@ def list_keys(args: argparse.Namespace) -> int:
 
 
 def revoke_key(args: argparse.Namespace) -> int:
-    """`keys revoke KEY_ID`: the key stops working at once."""
+    """`keys revoke KEY_ID`: the key stops working at once (confirmed first)."""
+    from loraplane.tenant_cli import confirm
+
+    confirm.require(args)
     with _connect(args, admin=True) as client:
+        keys = {k["id"]: k for k in client.list_keys(args.tenant)}
+        key = keys.get(args.key_id)
+        if key is not None and not key["revoked_at"]:  # else nothing changes: nothing to ask
+            label = f"{key['name']}, " if key["name"] else ""
+            confirm.ask(
+                args,
+                f"Revoke key {args.key_id} ({label}{key['prefix']}…) of {args.tenant}? "
+                "Requests with it fail at once; this cannot be undone.",
+            )
         client.revoke_key(args.tenant, args.key_id)
     document = {"tenant": args.tenant, "id": args.key_id, "revoked": True}
     return _emit(args, document, [f"revoked: key {args.key_id} of {args.tenant}"])

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from loraplane.tenant_cli import admin, confirm, lifecycle
 from loraplane.tenant_cli import commands as cmd
 
 if TYPE_CHECKING:
@@ -57,6 +58,12 @@ def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
         ("tokens-per-minute", "tokens per minute, over all replicas"),
     ):
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
+
+
+def _version(text: str) -> int:
+    if not text.removeprefix("v").isdigit() or int(text.removeprefix("v")) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a version (1, 2, ... or v1, v2, ...)")
+    return int(text.removeprefix("v"))
 
 
 def _key_id(text: str) -> int:
@@ -156,6 +163,57 @@ def add_adapter_commands(adapters: SubParsers) -> None:
         example="loraplane adapters versions support-bot",
     )
     versions.add_argument("name", metavar="NAME", help="the adapter's name")
+    _add_lifecycle_commands(adapters)
+
+
+def _add_lifecycle_commands(adapters: SubParsers) -> None:
+    """`serve`, `rollback`, `follow-latest` and `delete` under `loraplane adapters`."""
+    serve = _add(
+        adapters,
+        "serve",
+        lifecycle.serve,
+        admin=False,
+        summary="serve one version of an adapter and hold it: later pushes do not change it",
+        example="loraplane adapters serve support-bot 2",
+    )
+    serve.add_argument("name", metavar="NAME", help="the adapter's name")
+    serve.add_argument("version", metavar="VERSION", type=_version, help="e.g. 2 or v2")
+    rollback = _add(
+        adapters,
+        "rollback",
+        lifecycle.rollback,
+        admin=False,
+        summary="serve the version before the one served now, and hold it",
+        example="loraplane adapters rollback support-bot",
+    )
+    rollback.add_argument("name", metavar="NAME", help="the adapter's name")
+    follow = _add(
+        adapters,
+        "follow-latest",
+        lifecycle.follow_latest,
+        admin=False,
+        summary="serve an adapter's newest version, and each new version when it is pushed",
+        example="loraplane adapters follow-latest support-bot",
+    )
+    follow.add_argument("name", metavar="NAME", help="the adapter's name")
+    delete = _add(
+        adapters,
+        "delete",
+        lifecycle.delete,
+        admin=False,
+        summary="stop serving an adapter (its versions stay stored; frees a max_adapters place)",
+        example="loraplane adapters delete support-bot --yes",
+    )
+    delete.add_argument("name", metavar="NAME", help="the adapter's name")
+    for parser in (serve, rollback, follow, delete):
+        _confirmed(parser)
+
+
+CONFIRM_HELP = """\
+confirmation:
+  on a terminal the command shows the change and asks [y/N]; --yes confirms without asking.
+  With stdin not a terminal (a script, a pipe) and no --yes it changes nothing and exits 1
+  (ConfirmationRequired)."""
 
 
 def add_commands(sub: SubParsers) -> None:
@@ -188,10 +246,11 @@ def add_commands(sub: SubParsers) -> None:
         example="loraplane keys revoke --tenant acme 3",
     )
     revoke.add_argument("key_id", metavar="KEY_ID", type=_key_id, help="from `keys list`")
+    _confirmed(revoke)
     for parser in ksub.choices.values():
         parser.add_argument("--tenant", required=True, help="the tenant whose keys these are")
 
-    tenants = sub.add_parser("tenants", help="create, update and list tenants (admin)")
+    tenants = sub.add_parser("tenants", help="create, update, list and delete tenants (admin)")
     tsub = tenants.add_subparsers(dest="tenants_command", metavar="ACTION", required=True)
     new = _add(
         tsub,
@@ -221,3 +280,103 @@ def add_commands(sub: SubParsers) -> None:
         summary="list the tenants and their quotas",
         example="loraplane tenants list --json",
     )
+    gone = _add(
+        tsub,
+        "delete",
+        admin.delete_tenant,
+        admin=True,
+        summary="delete a tenant: its keys are revoked and its adapters stop serving, for good",
+        example="loraplane tenants delete acme",
+    )
+    gone.add_argument("name", metavar="NAME", help="the tenant")
+    _confirmed(gone)
+    _add_pool_commands(sub)
+
+
+def _confirmed(parser: argparse.ArgumentParser) -> None:
+    confirm.add_flag(parser)
+    parser.epilog = f"{CONFIRM_HELP}\n\n{parser.epilog}"
+
+
+def _pool_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, meaning in (
+        ("max-lora-rank", "the highest LoRA rank its replicas load (default 64)"),
+        ("max-loras", "adapters in one batch on a replica (default 8)"),
+        ("max-cpu-loras", "adapters a replica keeps in CPU memory (default 32)"),
+    ):
+        parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
+
+
+def _add_pool_commands(sub: SubParsers) -> None:
+    """`loraplane pools list|show|create|update|delete` (admin)."""
+    pools = sub.add_parser("pools", help="list, show, create, update and delete pools (admin)")
+    psub = pools.add_subparsers(dest="pools_command", metavar="ACTION", required=True)
+    _add(
+        psub,
+        "list",
+        admin.list_pools,
+        admin=True,
+        summary="list the serving pools: base model, limits, replicas that reported",
+        example="loraplane pools list",
+    )
+    _add(
+        psub,
+        "show",
+        admin.show_pool,
+        admin=True,
+        summary="show one pool, with its replicas' last pressure reports",
+        example="loraplane pools show pool-a",
+    )
+    create = _add(
+        psub,
+        "create",
+        admin.create_pool,
+        admin=True,
+        summary="register a pool: the base model it serves and its LoRA limits",
+        example="loraplane pools create pool-a --base-model llama-3-8b "
+        "--base-model-uri /models/llama-3-8b",
+    )
+    create.add_argument(
+        "--base-model", required=True, metavar="NAME", help="the base model's served name"
+    )
+    create.add_argument(
+        "--base-model-uri",
+        required=True,
+        metavar="URI",
+        help="where its config.json is (an absolute path or s3://...): uploads are checked "
+        "against its shapes",
+    )
+    create.add_argument(
+        "--config-from-replicas",
+        action="store_true",
+        help="the model is only on the replicas' volume: take config.json from their first "
+        "report (uploads wait until then)",
+    )
+    _pool_flags(create)
+    update = _add(
+        psub,
+        "update",
+        admin.update_pool,
+        admin=True,
+        summary="change a pool's LoRA limits; the others keep their value",
+        example="loraplane pools update pool-a --max-loras 16",
+    )
+    _pool_flags(update)
+    delete = _add(
+        psub,
+        "delete",
+        admin.delete_pool,
+        admin=True,
+        summary="forget a pool (stored adapters are kept)",
+        example="loraplane pools delete pool-a",
+    )
+    _confirmed(delete)
+    for parser in psub.choices.values():
+        if parser is not psub.choices["list"]:
+            parser.add_argument("name", metavar="NAME", help="the pool's name")
+            parser.add_argument(
+                "--namespace",
+                default="default",
+                metavar="NS",
+                help="the pool's namespace (its ServingPool's; default: default)",
+            )
