@@ -301,6 +301,14 @@ def test_follow_latest_asks_first_and_serves_the_latest_again(
         [f"Follow the latest version of {name}?", f"Requests to {name} will use v2 now"],
     )  # fmt: skip
     assert stack.adapter(name)["current_version"] == 1
+    # leaving the view with the question open (Back) answers no
+    press(browser, "Follow latest")
+    dialog(browser)
+    browser.back()
+    assert heading(browser) == "Adapters"
+    closed(browser)
+    assert go(browser, f"#/adapters/{name}") == name
+    assert stack.adapter(name)["current_version"] == 1
 
     confirmed(browser, "Follow latest")
     wait(browser, lambda d: "following the latest" in text_of(d, "serving"))

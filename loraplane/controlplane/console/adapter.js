@@ -86,54 +86,58 @@ function notFound(name) {
 
 /** The adapter's name with `answer`'s state, as a notice: "faq now serves v1, held." */
 function served(answer) {
-  const how = followsLatest(answer) ? "following the latest version" : "held until you choose again";
+  const how = followsLatest(answer)
+    ? "following the latest version"
+    : "held until you choose again";
   return `${answer.name} now serves v${answer.current_version}, ${how}.`;
 }
 
-/** The buttons that change what the name serves, or delete it; `place` shows their errors. */
+/** The version before the current one (what Roll back serves), or null. */
+function previous(a, versions) {
+  if (a.current_version === null) return null;
+  const older = versions.map((v) => v.version).filter((n) => n < a.current_version);
+  return older.length ? Math.max(...older) : null;
+}
+
+/** The buttons that change what the name serves, or delete it; `place` shows their errors.
+ * `serve(v)` is the handler of a version row's "Serve vN". */
 function actions(app, a, versions, place) {
   const path = `v1/adapters/${enc(a.name)}`;
-  const until = `Requests to ${a.name} will use`;
-  const patch = async (version, ask) => {
-    if (!(await confirm(ask))) return;
-    app.notify(served(await call("PATCH", path, { current_version: version })));
-    await app.refresh();
-  };
+  const held = "New uploads are stored but not served meanwhile.";
+  const use = (v) => `Requests to ${a.name} will use v${v}`;
+  // ask, then PATCH current_version (a number holds it, null follows the latest)
+  const patch = (version, ask) =>
+    app.guard(async () => {
+      if (!(await confirm(ask))) return;
+      app.notify(served(await call("PATCH", path, { current_version: version })));
+      await app.refresh();
+    }, place);
   const serve = (v) =>
-    app.guard(
-      () =>
-        patch(v, {
-          question: `Serve v${v} of ${a.name}?`,
-          consequence: `${until} v${v} until you choose again. New uploads are stored but not served meanwhile.`,
-          action: `Serve v${v}`,
-        }),
-      place,
-    );
-  const older = versions.map((v) => v.version).filter((n) => a.current_version !== null && n < a.current_version);
-  const before = older.length ? Math.max(...older) : null;
-  const rollback = app.guard(
-    () =>
-      patch(before, {
-        question: `Roll back ${a.name} to v${before}?`,
-        consequence: `${until} v${before} until you choose again (it serves v${a.current_version} now). New uploads are stored but not served meanwhile.`,
-        action: `Roll back to v${before}`,
-      }),
-    place,
-  );
-  const follow = app.guard(
-    () =>
-      patch(null, {
-        question: `Follow the latest version of ${a.name}?`,
-        consequence: `${until} v${a.latest_version} now, and each new version as soon as an upload stores it.`,
-        action: "Follow latest",
-      }),
-    place,
-  );
+    patch(v, {
+      question: `Serve v${v} of ${a.name}?`,
+      consequence: `${use(v)} until you choose again. ${held}`,
+      action: `Serve v${v}`,
+    });
+  const before = previous(a, versions);
+  const rollback = patch(before, {
+    question: `Roll back ${a.name} to v${before}?`,
+    consequence:
+      `${use(before)} until you choose again (it serves v${a.current_version} now). ${held}`,
+    action: `Roll back to v${before}`,
+  });
+  const follow = patch(null, {
+    question: `Follow the latest version of ${a.name}?`,
+    consequence: `${use(a.latest_version)} now, and each new version as soon as an upload stores it.`,
+    action: "Follow latest",
+  });
+  const kept =
+    versions.length === 1 ? "Its stored version is" : `Its ${versions.length} stored versions are`;
   const remove = app.guard(async () => {
-    const kept = versions.length === 1 ? "Its stored version is" : `Its ${versions.length} stored versions are`;
     const yes = await confirm({
       question: `Delete ${a.name}?`,
-      consequence: `Requests to ${a.name} will be refused from now on, and it leaves your adapters (and your adapter quota). ${kept} kept, not served.`,
+      consequence:
+        `Requests to ${a.name} will be refused from now on, and it leaves your adapters ` +
+        `(and your adapter quota). ${kept} kept, not served.`,
       action: `Delete ${a.name}`,
       danger: true,
     });
@@ -144,22 +148,27 @@ function actions(app, a, versions, place) {
   }, place);
   const button = (id, text, handler, kind = "secondary") =>
     h("button", { type: "button", id, class: kind, on: { click: handler } }, text);
+  const canFollow = a.current_version !== null && !followsLatest(a);
   return {
     serve,
     bar: h(
       "div",
       { class: "row actions" },
       before === null ? null : button("rollback", `Roll back to v${before}`, rollback),
-      a.current_version === null || followsLatest(a) ? null : button("follow-latest", "Follow latest", follow),
+      canFollow ? button("follow-latest", "Follow latest", follow) : null,
       button("delete-adapter", `Delete ${a.name}`, remove, "danger"),
     ),
   };
 }
 
 function servingText(a) {
-  if (a.current_version === null) return "no version";
-  if (followsLatest(a)) return `v${a.current_version}, following the latest: each new upload is served once stored`;
-  return `v${a.current_version}, held (latest v${a.latest_version}): new uploads are stored, not served, until you choose`;
+  const v = a.current_version;
+  if (v === null) return "no version";
+  if (followsLatest(a)) return `v${v}, following the latest: each new upload is served once stored`;
+  return (
+    `v${v}, held (latest v${a.latest_version}): ` +
+    "new uploads are stored, not served, until you choose"
+  );
 }
 
 /** #/adapters/{name}: one adapter, what it serves, its versions, and how to call it. Another

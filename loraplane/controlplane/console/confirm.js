@@ -42,6 +42,10 @@ export function confirm({ question, consequence, action, danger = false }) {
       dialog.remove();
       resolve(dialog.returnValue === "confirm");
     });
+    // leaving the view (back, a link) answers no: the question was about that view
+    window.addEventListener("hashchange", () => dialog.open && dialog.close("cancel"), {
+      once: true,
+    });
     document.body.append(dialog);
     open = dialog;
     dialog.showModal();
