@@ -37,6 +37,7 @@ from tests.console.test_console_browser import (
     heading,
     logged,
     sign_in,
+    unlabelled,
     view_text,
     wait,
 )
@@ -206,6 +207,7 @@ def dialog(driver: WebDriver) -> WebElement:
         "const b = arguments[0].getBoundingClientRect(); return [b.left, b.right]", box
     )
     assert edges[0] >= 0 and edges[1] <= width(driver), edges
+    assert unlabelled(driver) == []
     return box
 
 
@@ -228,6 +230,8 @@ def refused_three_ways(driver: WebDriver, text: str, said: list[str]) -> None:
                 Keys.ESCAPE if leave == "escape" else Keys.ENTER
             )
         closed(driver)
+        # the focus is back on the button that asked
+        assert driver.switch_to.active_element.text == text, leave
 
 
 def confirmed(driver: WebDriver, text: str) -> None:
