@@ -83,8 +83,8 @@ def test_serve_holds_a_version_across_pushes_and_follow_latest_undoes_it(
     run = cli(capsys, "adapters", "serve", "bot", "1", "--yes")
     assert run.code == 0, run.err
     assert run.out == (
-        "serving: bot v1 (held: pushes do not change it (latest v2; undo with `loraplane "
-        "adapters follow-latest bot`))\n"
+        "serving: bot v1, held (pushes do not change it; latest v2; follow the latest again "
+        "with `loraplane adapters follow-latest bot`)\n"
     )
     assert resolved(controlplane, key, "bot") == 1
     third = push(capsys, make_adapter, "bot", 3)
@@ -98,6 +98,10 @@ def test_serve_holds_a_version_across_pushes_and_follow_latest_undoes_it(
     back = cli(capsys, "adapters", "follow-latest", "bot", "--yes", "--json")
     assert back.code == 0, back.err
     body = back.json()
+    human = cli(capsys, "adapters", "follow-latest", "bot", "--yes")
+    assert human.out == (
+        "serving: bot v3, following the latest (each push serves its new version)\n"
+    )
     assert (body["current_version"], body["latest_version"], body["follow_latest"]) == (3, 3, True)
     assert resolved(controlplane, key, "bot") == 3
     fourth = push(capsys, make_adapter, "bot", 4)
@@ -125,7 +129,7 @@ def test_rollback_serves_the_version_before_and_says_when_there_is_none(
         push(capsys, make_adapter, "bot", seed)
     run = cli(capsys, "adapters", "rollback", "bot", "--yes")
     assert run.code == 0, run.err
-    assert run.out.startswith("serving: bot v2 (held: ")
+    assert run.out.startswith("serving: bot v2, held (pushes do not change it; latest v3;")
     assert resolved(controlplane, key, "bot") == 2
     push(capsys, make_adapter, "bot", 4)  # v4 arrives: the rollback holds
     assert resolved(controlplane, key, "bot") == 2

@@ -22,11 +22,12 @@ def _serving_lines(adapter: dict[str, Any]) -> list[str]:
     """What the adapter serves now, and whether pushes change it."""
     name, current, latest = adapter["name"], adapter["current_version"], adapter["latest_version"]
     if adapter["follow_latest"]:
-        mode = "follows the latest: each push serves its new version"
-    else:
-        mode = f"held: pushes do not change it (latest {_v(latest)}; undo with `loraplane "
-        mode += f"adapters follow-latest {name}`)"
-    return [f"serving: {name} {_v(current)} ({mode})"]
+        return [f"serving: {name} {_v(current)}, following the latest (each push serves its "
+                "new version)"]  # fmt: skip
+    return [
+        f"serving: {name} {_v(current)}, held (pushes do not change it; latest {_v(latest)}; "
+        f"follow the latest again with `loraplane adapters follow-latest {name}`)"
+    ]
 
 
 def serve(args: argparse.Namespace) -> int:
