@@ -190,21 +190,61 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal grouped-query attention through the paged cache.
 
     write_kv(k, v) at meta.slot_mapping
     for each sequence i with queries q[s:e] and context length c:
         K, V = cache rows of block_tables[i] for positions 0..c-1
-        out[s:e] = softmax(q K^T * scale + causal/sliding mask) V, queries at positions c-(e-s)..c-1
+        S = q K^T * scale;  S = softcap * tanh(S / softcap) when softcap is set (Gemma 2)
+        out[s:e] = softmax(S + causal/sliding mask) V, queries at positions c-(e-s)..c-1
+    A sliding window w lets the query at position p see keys p-w+1..p only (Mistral, Gemma).
     The attention itself runs in the Triton kernel or in `torch_attention`, as `backend(q)` says.
     """
+    check_options(sliding_window, softcap)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if backend(q) == "triton":
         from loraplane.dataplane.kernels import attention_triton
 
-        return attention_triton.paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
-    return torch_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+        return attention_triton.paged_attention(
+            q, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap
+        )
+    return torch_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+
+
+def check_options(sliding_window: int | None, softcap: float | None) -> None:
+    """ValueError unless the window is None or >= 1 and the soft-cap None or > 0."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+
+
+def _attend(
+    queries: torch.Tensor,  # [..., heads, q_len, head_dim]
+    keys: torch.Tensor,  # [..., kv_heads, ctx, head_dim], queries' dtype
+    values: torch.Tensor,  # [..., kv_heads, ctx, head_dim], queries' dtype
+    allowed: torch.Tensor | None,  # bool, broadcastable to [..., heads, q_len, ctx]
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [..., heads, q_len, head_dim]
+    """SDPA, or without soft-capping (which SDPA cannot do) the same steps spelled out in the
+    order transformers' eager Gemma 2 attention takes them: scores, cap, mask, fp32 softmax
+    cast back to the queries' dtype, then V."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+    group = queries.shape[-3] // keys.shape[-3]
+    keys = keys.repeat_interleave(group, dim=-3)
+    values = values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(probs, values)
 
 
 def torch_attention(
@@ -214,6 +254,7 @@ def torch_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """`paged_attention` after its write_kv, in torch: the CPU path and the Triton kernel's
     oracle. Single-token queries share one padded gather + SDPA; others get an SDPA each."""
@@ -222,7 +263,7 @@ def torch_attention(
     cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
     decodes = [i for i in range(len(ctx_lens)) if cu[i + 1] - cu[i] == 1]
     if len(decodes) > 1:  # one batched call for all single-token queries
-        _decode_attention(q, k_cache, v_cache, meta, decodes, out, scale, sliding_window)
+        _decode_attention(q, k_cache, v_cache, meta, decodes, out, scale, sliding_window, softcap)
     batched = set(decodes) if len(decodes) > 1 else set()
     for i, ctx in enumerate(ctx_lens):
         if i in batched:
@@ -234,14 +275,7 @@ def torch_attention(
         values = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
         queries = q[start:end].transpose(0, 1)  # [heads, q_len, head_dim]
         mask = _mask(end - start, ctx, sliding_window, q.device)
-        attended = F.scaled_dot_product_attention(
-            queries,
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
+        attended = _attend(queries, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap)
         out[start:end] = attended.transpose(0, 1)
     return out
 
@@ -255,6 +289,7 @@ def _decode_attention(
     out: torch.Tensor,  # [T, num_heads, head_dim], written at those sequences' rows
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> None:
     """Attention of many one-token queries in one call: their contexts are gathered from the
     cache into a padded [B, max_ctx] batch and the padding is masked out."""
@@ -273,12 +308,7 @@ def _decode_attention(
     allowed = positions < ctx  # [B, width*bs]
     if sliding_window is not None:
         allowed &= positions > ctx - 1 - sliding_window
-    attended = F.scaled_dot_product_attention(
-        queries,
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=allowed[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
+    attended = _attend(
+        queries, keys.to(q.dtype), values.to(q.dtype), allowed[:, None, None, :], scale, softcap
     )  # [B, heads, 1, head_dim]
     out[rows] = attended.squeeze(2)

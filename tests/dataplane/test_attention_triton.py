@@ -1,13 +1,14 @@
 """The Triton paged attention kernel against the torch path (`attention.torch_attention`).
 
 Mixed batches (decode rows, whole prompts, tails over cached prefixes, long sequences over many
-shuffled blocks, partial last blocks), GQA ratios 1 to 4 (and 3), head dims 8 to 128, sliding
-window on and off, split-KV, fp32 and fp16; then the model and the engine with the kernel forced
-(`LORAPLANE_ATTENTION=triton`) against the torch path. Without CUDA the kernel runs in Triton's
-interpreter on CPU tensors (`TRITON_INTERPRET=1`, set here before Triton is imported); bf16 is
-checked compiled on a GPU (the interpreter's bf16 `tl.dot` is wrong: the launcher computes bf16
-products in fp32 there). With CUDA and TRITON_INTERPRET unset, the same tests run the compiled
-kernel on CUDA tensors. Shapes stay small: the interpreter is slow.
+shuffled blocks, partial last blocks), GQA ratios 1 to 16 (and 3), head dims 8 to 256, sliding
+window on and off, tanh soft-capping on and off (Gemma 2), split-KV, fp32 and fp16; then the
+model and the engine with the kernel forced (`LORAPLANE_ATTENTION=triton`) against the torch
+path. Without CUDA the kernel runs in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1`,
+set here before Triton is imported); bf16 is checked compiled on a GPU (the interpreter's bf16
+`tl.dot` is wrong: the launcher computes bf16 products in fp32 there). With CUDA and
+TRITON_INTERPRET unset, the same tests run the compiled kernel on CUDA tensors. Shapes stay
+small: the interpreter is slow.
 """
 
 from __future__ import annotations
@@ -121,20 +122,27 @@ def _batch(
     )  # fmt: skip
 
 
-def _expected(b: Batch, window: int | None) -> torch.Tensor:
+def _expected(b: Batch, window: int | None, softcap: float | None = None) -> torch.Tensor:
     """The torch path (write_kv, then attention.torch_attention) on fp32 CPU copies."""
     q, k, v, k_cache, v_cache = (t.float().cpu() for t in (b.q, b.k, b.v, b.k_cache, b.v_cache))
     meta = b.meta("cpu")
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attention.torch_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, window)
+    return attention.torch_attention(
+        q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, window, softcap
+    )
 
 
-def _triton(b: Batch, window: int | None, config: at.AttentionConfig | None = None) -> torch.Tensor:
+def _triton(
+    b: Batch,
+    window: int | None,
+    config: at.AttentionConfig | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """The step's K/V written as the engine writes them, then the kernel."""
     meta = b.meta()
     write_kv(b.k, b.v, b.k_cache, b.v_cache, meta.slot_mapping)
     return at.paged_attention(b.q, b.k_cache, b.v_cache, meta, b.q.shape[-1] ** -0.5, window,
-                              config)  # fmt: skip
+                              config, softcap=softcap)  # fmt: skip
 
 
 def _assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -156,6 +164,47 @@ def test_mixed_batch_matches_the_torch_path(
     b = _batch(MIXED, heads, kv_heads, dim, block_size, dtype, seed=dim + heads)
     expected = _expected(b, window)
     _assert_close(_triton(b, window), expected, dtype)
+
+
+# Gemma's shapes, scaled down: head_dim 256 and up to 16 query heads per KV head; rows of
+# scores several units large (q scaled) so that a cap of 5 binds hard
+GEMMA_ROWS = [(1, 1), (1, 19), (6, 6), (9, 33), (1, 70)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    ("softcap", "window"),
+    [(5.0, None), (5.0, 8), (None, 8)],
+    ids=["softcap5", "softcap5-window8", "window8"],
+)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(16, 1, 256, 16), (8, 2, 256, 4), (16, 1, 32, 4)],
+    ids=["gqa16-d256", "gqa4-d256", "gqa16-d32"],
+)
+def test_softcap_and_sliding_window_at_gemma_shapes_match_the_torch_path(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+    softcap: float | None,
+    window: int | None,
+    dtype: torch.dtype,
+) -> None:
+    b = _batch(GEMMA_ROWS, heads, kv_heads, dim, block_size, dtype, seed=heads + dim)
+    b.q.mul_(4.0)
+    expected = _expected(b, window, softcap)
+    if softcap is not None:  # negative control: the cap changes the answer at these scores
+        assert not torch.allclose(_expected(b, window), expected, atol=1e-2)
+    _assert_close(_triton(b, window, softcap=softcap), expected, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_softcap_with_split_kv_decode_and_small_tiles_matches_the_torch_path(splits: int) -> None:
+    b = _batch(DECODE, 16, 1, 64, 8, torch.float32, seed=splits)
+    b.q.mul_(4.0)
+    cfg = at.AttentionConfig(block_m=16, tile_n=16, num_splits=splits)
+    _assert_close(_triton(b, 9, cfg, softcap=3.0), _expected(b, 9, 3.0), torch.float32)
 
 
 @pytest.mark.parametrize("window", [None, 7], ids=["causal", "window7"])
@@ -234,6 +283,8 @@ def _bad(change: str) -> dict[str, Any]:
         args["q"] = b.q[:2]
     elif change == "window":
         args["sliding_window"] = 0
+    elif change == "softcap":
+        args["softcap"] = -1.0
     elif change == "block-m":
         args["q"] = b.q.repeat(1, 9, 1)  # 36 query heads over 2 KV heads: groups of 18
         args["config"] = at.AttentionConfig(block_m=16, tile_n=16)
@@ -251,6 +302,7 @@ def _bad(change: str) -> dict[str, Any]:
         ("heads", "not a multiple"),
         ("tokens", "q has 2 tokens; meta has 3"),
         ("window", "sliding_window"),
+        ("softcap", "softcap must be None or > 0"),
         ("block-m", "block_m"),
     ],
 )
@@ -392,7 +444,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
                  "k_ptr": dt, "v_ptr": dt, "tables_ptr": "*i32", "cu_ptr": "*i32",
                  "ctx_ptr": "*i32", "scale": "fp32"}
         consts = {"GROUP": 4, "HEAD_DIM": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16, "TILE_N": 64,
-                  "DOT_FP32": False, "PRECISION": precision}
+                  "DOT_FP32": False, "PRECISION": precision, "SOFTCAP": 0.0}
         # decode at Llama-3-8B's heads: split-KV, num_seqs specialised to 1
         decode = {"BLOCK_M": 16, "WINDOW": 0, "NUM_SPLITS": 4, "num_seqs": 1}
         compile(at._attention_kernel, types, {**consts, **decode})
@@ -402,7 +454,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
             compile(at._attention_kernel, types, {**consts, **prefill})
             compile(at._combine_kernel, types, {"HEAD_DIM": 128, "HEAD_PAD": 128,
                                                 "NUM_SPLITS": 4})
-            count += 2
+            # Gemma 2: head_dim 256, 2 query heads per KV head, soft-capped scores, a window
+            gemma = {**consts, "GROUP": 2, "HEAD_DIM": 256, "HEAD_PAD": 256, "TILE_N": 32,
+                     "BLOCK_M": 64, "WINDOW": 4096, "NUM_SPLITS": 1,
+                     "SOFTCAP": 50.0 * 1.4426950408889634}
+            compile(at._attention_kernel, types, gemma)
+            count += 3
     print("compiled", count)
     """
 )
@@ -410,7 +467,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_kernels_compile_to_sm90_cubin_in_every_dtype_without_a_gpu() -> None:
     """The interpreter does not lower kernels; compile them for an H100/H200 target here."""
-    assert "compiled 5" in compile_without_gpu(_COMPILE_SCRIPT, timeout=300)
+    assert "compiled 6" in compile_without_gpu(_COMPILE_SCRIPT, timeout=300)
 
 
 @pytest.mark.gpu

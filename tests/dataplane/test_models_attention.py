@@ -12,11 +12,19 @@ from loraplane.dataplane.attention import (
 )
 
 
-def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+def _dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Causal attention over one whole sequence: q [L, H, D], k/v [L, KV, D]."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(q.shape[0])
     allowed = pos[None, :] <= pos[:, None]
     if window is not None:
@@ -79,13 +87,16 @@ def test_float_index_tensors_are_rejected() -> None:
         )
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["nocap", "softcap2"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_chunked_paged_attention_equals_dense_causal_attention(window: int | None) -> None:
+def test_chunked_paged_attention_equals_dense_causal_attention(
+    window: int | None, softcap: float | None
+) -> None:
     torch.manual_seed(0)
     length, heads, kv_heads, dim, block_size = 11, 4, 2, 8, 4
-    q = torch.randn(length, heads, dim)
+    q = torch.randn(length, heads, dim) * 3  # scores of several units: a cap of 2 binds
     k, v = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
-    expected = _dense(q, k, v, window)
+    expected = _dense(q, k, v, window, softcap)
     k_cache = torch.zeros(6, block_size, kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     table = [4, 0, 5]
@@ -95,8 +106,56 @@ def test_chunked_paged_attention_equals_dense_causal_attention(window: int | Non
         meta = AttentionMetadata.build([end - start], [end], [table], block_size)
         out.append(
             paged_attention(
-                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, dim**-0.5, window
+                q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, dim**-0.5,
+                window, softcap,
             )
-        )
+        )  # fmt: skip
     torch.testing.assert_close(torch.cat(out), expected, atol=1e-5, rtol=1e-5)
+    if softcap is not None:  # negative control: the cap changes the result
+        assert not torch.allclose(_dense(q, k, v, window), expected, atol=1e-3)
     assert torch.equal(k_cache[4], k[:4]) and torch.equal(v_cache[5, :3], v[8:11])
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["nocap", "softcap2"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_batched_decode_rows_equal_dense_attention_of_each_sequence(
+    window: int | None, softcap: float | None
+) -> None:
+    """Several one-token queries share one padded gather (the batched decode path)."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block_size = 8, 1, 16, 4
+    lengths, tables = [1, 6, 13], [[3], [0, 7], [1, 5, 2, 6]]
+    seqs = [
+        (
+            torch.randn(n, heads, dim) * 3,
+            torch.randn(n, kv_heads, dim),
+            torch.randn(n, kv_heads, dim),
+        )
+        for n in lengths
+    ]
+    k_cache = torch.zeros(8, block_size, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    for (q, k, v), n, table in zip(seqs, lengths, tables, strict=True):  # the cached prefixes
+        if n > 1:
+            meta = AttentionMetadata.build([n - 1], [n - 1], [table], block_size)
+            paged_attention(q[: n - 1], k[: n - 1], v[: n - 1], k_cache, v_cache, meta, 1.0)
+    meta = AttentionMetadata.build([1, 1, 1], lengths, tables, block_size)
+    last = [torch.cat([t[-1:] for t in part]) for part in zip(*seqs, strict=True)]
+    got = paged_attention(*last, k_cache, v_cache, meta, dim**-0.5, window, softcap)
+    for i, (q, k, v) in enumerate(seqs):
+        expected = _dense(q, k, v, window, softcap)[-1]
+        torch.testing.assert_close(got[i], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "message"),
+    [(0, None, "sliding_window must be None or >= 1"), (None, 0.0, "softcap must be None or > 0")],
+)
+def test_bad_window_or_softcap_is_rejected_naming_it(
+    window: int | None, softcap: float | None, message: str
+) -> None:
+    q, k = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
+    cache = torch.zeros(1, 4, 2, 8)
+    meta = AttentionMetadata.build([1], [1], [[0]], 4)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(q, k, k, cache, cache.clone(), meta, 1.0, window, softcap)

@@ -4,7 +4,8 @@ decode rows in the same launch, beside its launcher.
 Same meaning as `attention.torch_attention` (the CPU path and the test oracle): sequence
 i's q_len queries are the last q_len positions of its context, its keys and values live in the
 paged cache `[num_blocks, block_size, num_kv_heads, head_dim]` at the blocks of its block
-table, and attention is causal (plus an optional sliding window) and grouped-query.
+table, and attention is causal (plus an optional sliding window and an optional tanh
+soft-cap of the scores, Gemma 2's) and grouped-query.
 
 Grid and tiling (G = num_heads // num_kv_heads query heads per KV head):
 - (q block, kv head, kv split). A q block is BLOCK_Q = BLOCK_M // G consecutive queries of one
@@ -33,7 +34,7 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
-from loraplane.dataplane.attention import AttentionMetadata
+from loraplane.dataplane.attention import AttentionMetadata, check_options
 
 __all__ = ["AttentionConfig", "default_config", "paged_attention"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,6 +110,15 @@ def _find_seq(cu_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):  # type: ignore
     return lo - 1
 
 
+@triton.jit
+def _tanh(x):  # type: ignore[no-untyped-def]
+    # tanh from exp2 (no tl.tanh; libdevice's is CUDA-only): odd, and exp2 of a non-positive
+    # number never overflows; absolute error ~1e-7, well inside the fp32 tolerance
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def _attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [T, H, D] (NUM_SPLITS == 1)
@@ -120,7 +130,7 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
     tables_ptr,  # [B, max_blocks] int
     cu_ptr,  # [B + 1] int
     ctx_ptr,  # [B] int
-    scale,  # fp32: softmax scale * log2(e)
+    scale,  # fp32: softmax scale * log2(e); without SOFTCAP, scale / softcap with it
     num_seqs,
     stride_qt,
     stride_qh,
@@ -140,6 +150,7 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     WINDOW: tl.constexpr,  # 0: full causal attention
+    SOFTCAP: tl.constexpr,  # 0.0: no soft-capping; else softcap * log2(e)
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # compute the products in fp32 (bf16 under the interpreter)
     PRECISION: tl.constexpr,
@@ -209,6 +220,8 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, k_t, input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
+        if SOFTCAP > 0.0:  # softcap * tanh(s / softcap), in base 2 like the other scores
+            scores = _tanh(scores) * SOFTCAP
         allowed = (keys[None, :] <= pos[:, None]) & k_mask[None, :]
         if WINDOW > 0:
             allowed &= keys[None, :] > pos[:, None] - WINDOW
@@ -332,11 +345,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], q's dtype
     """Causal grouped-query attention of a flat varlen batch through the paged cache.
 
     Semantics (those of the torch path `attention.torch_attention(q, k_cache, v_cache, meta,
-    scale, sliding_window)`, the test oracle):
+    scale, sliding_window, softcap)`, the test oracle):
         G = num_heads // num_kv_heads
         for each sequence i, queries q[s:e] with s, e = cu_seqlens_q[i], cu_seqlens_q[i+1],
                 context c = context_lens[i]:
@@ -344,7 +358,9 @@ def paged_attention(
                    block_tables[i, j // block_size], offset j % block_size)
             for query t in s..e-1 at position p = c - (e - s) + (t - s), head h:
                 allowed j: j <= p, and j > p - sliding_window when a window is set
-                out[t, h] = softmax_j(scale * q[t, h] . K[j, h // G]) @ V[:, h // G]
+                s_j = scale * q[t, h] . K[j, h // G]
+                s_j = softcap * tanh(s_j / softcap) when softcap is set (Gemma 2)
+                out[t, h] = softmax_j(s_j) @ V[:, h // G]
     The caller has written this step's K/V into the cache (slot_mapping); the kernel reads the
     cache only. Products accumulate in fp32 and the softmax is in fp32; for fp16/bf16 the
     probabilities are rounded to the input dtype before the product with V (as flash attention
@@ -352,8 +368,7 @@ def paged_attention(
     one decode token, all in one launch.
     """
     _check(q, k_cache, v_cache, meta)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    check_options(sliding_window, softcap)
     tokens, num_heads, head_dim = q.shape
     out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
@@ -377,13 +392,14 @@ def paged_attention(
     _attention_kernel[grid](
         out, part_acc, part_ml, q, k_cache, v_cache,
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-        scale * _LOG2E, meta.num_seqs,
+        scale / softcap if softcap else scale * _LOG2E, meta.num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, WINDOW=sliding_window or 0,
+        SOFTCAP=float(softcap * _LOG2E) if softcap else 0.0,
         NUM_SPLITS=splits, DOT_FP32=interpreted_bf16,
         PRECISION="ieee" if q.dtype == torch.float32 or interpreted_bf16 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
