@@ -108,21 +108,34 @@ def set_current_version(
     version and follow later pushes again. NotFound, naming the versions there are, for a
     version that was never recorded."""
     adapter = get_adapter(session, tenant=tenant, name=name)
-    recorded = list(
-        session.scalars(
-            select(AdapterVersion.version)
-            .where(AdapterVersion.adapter_id == adapter.id)
-            .order_by(AdapterVersion.version)
+    if version is not None:
+        recorded = list(
+            session.scalars(
+                select(AdapterVersion.version)
+                .where(AdapterVersion.adapter_id == adapter.id)
+                .order_by(AdapterVersion.version)
+            )
         )
-    )
-    if version is not None and version not in recorded:
-        raise NotFound(
-            f"adapter {name!r} has no version {version}; its versions: {version_ranges(recorded)}"
-        )
+        if version not in recorded:
+            raise NotFound(
+                f"adapter {name!r} has no version {version}; its versions: "
+                f"{version_ranges(recorded)}"
+            )
     previous = (adapter.current_version, adapter.follow_latest)
-    target = version if version is not None else (recorded[-1] if recorded else None)
-    adapter.current_version = target
-    adapter.follow_latest = version is None
+    if version is None:  # the newest when the row is written: a push racing this one counts
+        newest = select(func.max(AdapterVersion.version)).where(
+            AdapterVersion.adapter_id == adapter.id
+        )
+        session.execute(
+            update(Adapter)
+            .where(Adapter.id == adapter.id)
+            .values(current_version=newest.scalar_subquery(), follow_latest=True)
+        )
+        session.refresh(adapter)
+    else:
+        adapter.current_version = version
+        adapter.follow_latest = False
+    target = adapter.current_version
     audit.record(
         session,
         actor=actor,
