@@ -89,7 +89,10 @@ def test_serve_holds_a_version_across_pushes_and_follow_latest_undoes_it(
     assert resolved(controlplane, key, "bot") == 1
     third = push(capsys, make_adapter, "bot", 3)
     assert third.out.startswith("pushed: bot v3 (new version)\n")
-    assert "  serving     v1\n" in third.out  # the push says v1 still serves
+    assert (  # the push says v1 still serves, and how to serve the new one
+        "  serving     v1 (held: v3 is stored, not served; serve it with `loraplane adapters "
+        "serve bot 3` or `loraplane adapters follow-latest bot`)\n"
+    ) in third.out
     assert resolved(controlplane, key, "bot") == 1
     table = cli(capsys, "adapters", "list").out.splitlines()
     assert table[0].split()[-1] == "MODE"

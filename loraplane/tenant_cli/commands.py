@@ -215,8 +215,19 @@ def push(args: argparse.Namespace) -> int:
             f"  modules     {', '.join(version['target_modules'])}",
             f"  size        {_mib(version['size_bytes'])}",
             f"  base model  {version['base_model']}",
-            f"  serving     {_v(body['current_version'])}",
+            f"  serving     {_v(body['current_version'])}{_held_note(body)}",
         ],
+    )
+
+
+def _held_note(body: dict[str, Any]) -> str:
+    """A new version that does not serve: the adapter is held at another one (`serve`)."""
+    new, current, name = body["version"]["version"], body["current_version"], body["name"]
+    if not body["created"] or current is None or current >= new:
+        return ""
+    return (
+        f" (held: v{new} is stored, not served; serve it with `loraplane adapters serve "
+        f"{name} {new}` or `loraplane adapters follow-latest {name}`)"
     )
 
 
