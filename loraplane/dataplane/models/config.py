@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text", "gemma3")
+# parsed by models/gemma.py (GemmaConfig, a ModelConfig with Gemma's own fields)
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -102,6 +104,10 @@ class ModelConfig:
                 f"model_type {model_type!r} (architectures {config.get('architectures')}) is not "
                 f"supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if model_type in GEMMA_ARCHITECTURES:  # imported here: gemma.py imports this module
+            from loraplane.dataplane.models.gemma import GemmaConfig
+
+            return GemmaConfig.from_hf(config)
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: silu")

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from loraplane import fileaccess
 from loraplane.adapters import base_model
 from loraplane.dataplane.models.config import ModelConfig
+from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
 from loraplane.dataplane.models.llama import LlamaForCausalLM
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -66,6 +67,13 @@ def _check_keys(model: LlamaForCausalLM, state: dict[str, torch.Tensor], where: 
         )
 
 
+def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
+    """The decoder a parsed config describes (Gemma's is a LlamaForCausalLM subclass)."""
+    if isinstance(config, GemmaConfig):
+        return GemmaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
 def load_model(
     model_dir: Path | str, dtype: torch.dtype, device: torch.device | str
 ) -> LlamaForCausalLM:
@@ -80,7 +88,7 @@ def load_model(
     root = Path(model_dir)
     config = read_config(root)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = causal_lm(config)
     state: dict[str, torch.Tensor] = {}
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
