@@ -94,6 +94,9 @@ def test_serve_holds_a_version_across_pushes_and_follow_latest_undoes_it(
         "serve bot 3` or `loraplane adapters follow-latest bot`)\n"
     ) in third.out
     assert resolved(controlplane, key, "bot") == 1
+    versions = cli(capsys, "adapters", "versions", "bot").out.splitlines()
+    assert versions[0].split()[:3] == ["VERSION", "SERVING", "DIGEST"]
+    assert [line.split()[:2] for line in versions[1:]] == [["v1", "yes"], ["v2", "-"], ["v3", "-"]]
     table = cli(capsys, "adapters", "list").out.splitlines()
     assert table[0].split()[-1] == "MODE"
     assert table[1].split()[:3] == ["bot", "v1", "v3"] and table[1].split()[-1] == "held"

@@ -290,12 +290,14 @@ def list_base_models(args: argparse.Namespace) -> int:
 
 
 def list_versions(args: argparse.Namespace) -> int:
-    """`adapters versions NAME`: every version of one adapter."""
+    """`adapters versions NAME`: every version of one adapter, and which one serves."""
     with _connect(args, admin=False) as client:
         versions = client.list_versions(args.name)
+        serving = client.get_adapter(args.name)["current_version"] if versions else None
     rows = [
         [
             _v(v["version"]),
+            "yes" if v["version"] == serving else "-",
             f"sha256:{v['digest'][:12]}",
             str(v["rank"]),
             f"{v['alpha']:g}",
@@ -305,7 +307,7 @@ def list_versions(args: argparse.Namespace) -> int:
         ]
         for v in versions
     ]
-    header = ["VERSION", "DIGEST", "RANK", "ALPHA", "SIZE", "CREATED", "BY"]
+    header = ["VERSION", "SERVING", "DIGEST", "RANK", "ALPHA", "SIZE", "CREATED", "BY"]
     return _emit(args, versions, _table(header, rows, f"{args.name} has no versions"))
 
 
