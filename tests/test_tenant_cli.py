@@ -285,7 +285,10 @@ def test_a_bad_weight_or_update_is_refused_with_a_clear_error(
     # past the control plane's bound: its refusal, naming the field
     run = cli(capsys, "tenants", "update", "bounded", "--weight", "1001")
     assert (run.code, run.out) == (1, "")
-    assert run.err.startswith("error: InvalidRequest: weight: Input should be less than or equal")
+    assert run.err == (
+        "error: InvalidRequest: weight: must be a number greater than 0 and at most 1000 "
+        "(got 1001.0)\n"
+    )
     as_json = cli(capsys, "tenants", "create", "toobig", "--weight", "5000", "--json")
     assert as_json.code == 1 and as_json.json()["error"]["code"] == "InvalidRequest"
     nothing = cli(capsys, "tenants", "update", "bounded", "--json")

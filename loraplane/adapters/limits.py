@@ -7,13 +7,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class AdapterLimits:
-    """Caps on one adapter. `max_rank` None means no rank limit (the CLI's default)."""
+    """Caps on one adapter. `max_rank` None means no rank limit (the CLI's default).
+
+    `rank_limit` says whose limit `max_rank` is, for the refusal ("rank 64 exceeds <it>"):
+    the pool's max_lora_rank or the tenant's quota; empty: "max_lora_rank N".
+    """
 
     max_rank: int | None = None
     max_bytes: int = 4 << 30
     max_tensors: int = 8192
     max_archive_entries: int = 64
     max_archive_bytes: int = (4 << 30) + (1 << 20)
+    rank_limit: str = ""
 
     def __post_init__(self) -> None:
         if self.max_rank is not None and self.max_rank <= 0:
@@ -23,16 +28,23 @@ class AdapterLimits:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def tightened(
-        self, *, max_rank: int | None = None, max_bytes: int | None = None
+        self, *, max_rank: int | None = None, max_bytes: int | None = None, rank_limit: str = ""
     ) -> AdapterLimits:
-        """These limits, lowered by a tenant quota or a pool setting where that is stricter."""
-        rank = self.max_rank
-        if max_rank is not None:
-            rank = max_rank if rank is None else min(rank, max_rank)
+        """These limits, lowered by a tenant quota or a pool setting where that is stricter.
+        `rank_limit` names `max_rank` when it is the stricter one (at a tie, the limit
+        already there keeps its name)."""
+        rank, named = self.max_rank, self.rank_limit
+        if max_rank is not None and (rank is None or max_rank < rank):
+            rank, named = max_rank, rank_limit
         return AdapterLimits(
             max_rank=rank,
             max_bytes=min(self.max_bytes, max_bytes) if max_bytes is not None else self.max_bytes,
             max_tensors=self.max_tensors,
             max_archive_entries=self.max_archive_entries,
             max_archive_bytes=self.max_archive_bytes,
+            rank_limit=named,
         )
+
+    def rank_limit_text(self) -> str:
+        """What a too-high rank exceeds, in words."""
+        return self.rank_limit or f"max_lora_rank {self.max_rank}"

@@ -319,7 +319,7 @@ def validate_adapter(
     if limits.max_rank is not None and spec.max_rank > limits.max_rank:
         raise AdapterRejected(
             ReasonCode.RANK_TOO_LARGE,
-            f"rank {spec.max_rank} exceeds max_lora_rank {limits.max_rank}",
+            f"rank {spec.max_rank} exceeds {limits.rank_limit_text()}",
         )
     size = files.weights_path.stat().st_size
     if size > limits.max_bytes:

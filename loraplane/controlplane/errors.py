@@ -9,7 +9,9 @@ stack trace.
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,6 +22,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode, StoreError
+from loraplane.controlplane.schemas.common import rule_for_pattern
+from loraplane.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +41,19 @@ class ControlPlaneError(Exception):
 
 
 class InvalidRequest(ControlPlaneError):
-    """The request is malformed (body shape, content type, multipart parts)."""
+    """The request was refused as sent: a field's value, the body's shape, its content type
+    or its multipart parts (the message names the field and what it must be).
+
+    `problems` lists each refused field for programs (the answer's `errors`), when known.
+    """
 
     code = "InvalidRequest"
+
+    def __init__(
+        self, message: str, *, code: str | None = None, problems: list[dict[str, str]] | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.problems = problems
 
 
 class Unauthorized(ControlPlaneError):
@@ -180,12 +194,103 @@ def error_response(
     return JSONResponse(error_body(code, message), status_code=status, headers=headers)
 
 
-def _describe_validation(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"
+# pydantic's error types, in words (after the field's name); the table's rules have their own
+_WORDS = {
+    "missing": "required",
+    "extra_forbidden": "not a field of this request (unknown fields are refused)",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "dict_type": "must be a JSON object",
+    "model_type": "must be a JSON object",
+    "model_attributes_type": "must be a JSON object",
+    "list_type": "must be a list",
+    "greater_than": "must be greater than {gt}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than": "must be less than {lt}",
+    "less_than_equal": "must be at most {le}",
+    "string_too_short": "must be at least {min_length} characters",
+    "string_too_long": "must be at most {max_length} characters",
+}
+_SOURCES = ("body", "query", "path", "header", "cookie")
+MAX_GOT = 80  # characters of a refused value echoed back
+MAX_SHOWN = 5  # refused fields named in the message
+
+
+def got(value: Any) -> str:
+    """A refused value as the message echoes it: a string in double quotes (cut at MAX_GOT
+    characters; anything shaped like a key masked), a number or true/false/null as in JSON."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list | tuple):
+        return "a list"
+    text = str(value)
+    cut = text[:MAX_GOT] + ("..." if len(text) > MAX_GOT else "")
+    shown = f'"{cut}"' if cut.isprintable() else json.dumps(cut)
+    return redact(shown, ())
+
+
+def _field(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = list(loc)
+    if parts and parts[0] in _SOURCES:
+        parts = parts[1:]
+    return ".".join(str(p) for p in parts) or "body"
+
+
+def _problem(err: Mapping[str, Any]) -> dict[str, str]:
+    """One pydantic error as {field, message, type, detail}: the message in words."""
+    kind = str(err.get("type", ""))
+    ctx = err.get("ctx") or {}
+    raw = str(err.get("msg", "invalid"))
+    field = _field(err.get("loc", ()))
+    echo = True
+    if kind == "invalid_value":  # a rule of the table (schemas/common.py): already in words
+        words, raw = raw, str(ctx.get("detail", raw))
+    elif kind == "json_invalid":
+        field, echo = "body", False
+        words = f"not valid JSON ({ctx.get('error', 'decode error')})"
+    elif kind == "string_pattern_mismatch":
+        rule = rule_for_pattern(str(ctx.get("pattern", "")))
+        words = f"must be {rule.words}" if rule else "is not in the form this field takes"
+    elif kind in _WORDS:
+        try:
+            words = _WORDS[kind].format(**ctx)
+        except (KeyError, IndexError, ValueError):
+            words = raw
+        echo = kind not in ("missing", "extra_forbidden") and not kind.endswith("_type")
+    else:
+        words = raw
+    if echo and "input" in err:
+        words += f" (got {got(err['input'])})"
+    return {"field": field, "message": words, "type": kind, "detail": raw}
+
+
+def describe_errors(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest:
+    """The InvalidRequest for pydantic's errors: a message naming each field (the first
+    MAX_SHOWN) and what it must be, in words, and every problem for programs."""
+    problems = [_problem(e) for e in errors]
+    parts = [f"{p['field']}: {p['message']}" for p in problems[:MAX_SHOWN]]
+    if len(problems) > MAX_SHOWN:
+        parts.append(f"and {len(problems) - MAX_SHOWN} more")
+    return InvalidRequest("; ".join(parts) or "invalid request", problems=problems)
+
+
+def invalid_response(exc: InvalidRequest) -> JSONResponse:
+    """400 InvalidRequest with the refused fields listed (`errors`) beside the message."""
+    body = error_body(exc.code, exc.message)
+    if exc.problems is not None:
+        body["error"]["errors"] = exc.problems
+    return JSONResponse(body, status_code=STATUS[InvalidRequest])
 
 
 def install_error_handlers(app: FastAPI, *, retry_after: int) -> None:
@@ -193,6 +298,8 @@ def install_error_handlers(app: FastAPI, *, retry_after: int) -> None:
 
     async def domain(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ControlPlaneError)
+        if isinstance(exc, InvalidRequest) and exc.problems is not None:
+            return invalid_response(exc)
         later = exc.retry_after if isinstance(exc, RetryLater) else None
         return error_response(status_of(exc), exc.code, exc.message, later)
 
@@ -216,7 +323,7 @@ def install_error_handlers(app: FastAPI, *, retry_after: int) -> None:
 
     async def validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return error_response(400, "InvalidRequest", _describe_validation(exc))
+        return invalid_response(describe_errors(exc.errors()))
 
     async def http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

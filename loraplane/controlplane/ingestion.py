@@ -31,11 +31,13 @@ from loraplane.controlplane.errors import (
     SourceNotAllowed,
     SourceNotFound,
     UnknownBaseModel,
+    got,
 )
 from loraplane.controlplane.models import Adapter, AdapterVersion, Tenant
+from loraplane.controlplane.schemas.common import RESOURCE_NAME, must_be
 from loraplane.controlplane.settings import Settings
 
-ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9._]{0,61}[a-z0-9])?$")
+ADAPTER_NAME = re.compile(RESOURCE_NAME)
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 
 
@@ -50,12 +52,10 @@ class Ingested:
 
 
 def check_adapter_name(name: str) -> str:
-    """InvalidRequest unless `name` is DNS-safe (no '@': it pins versions; no '/')."""
+    """InvalidRequest unless `name` is DNS-safe (no '@': it pins versions; no '/'), worded
+    as a refused JSON field is (`name: must be ... (got "My Adapter")`)."""
     if not ADAPTER_NAME.match(name):
-        raise InvalidRequest(
-            f"adapter name {name[:80]!r} must be 1 to 63 of a-z, 0-9, '-', '.', '_' and start "
-            "and end with a letter or digit"
-        )
+        raise InvalidRequest(f"name: {must_be('resource_name')} (got {got(name)})")
     return name
 
 
@@ -77,10 +77,18 @@ def limits_for(
             f"no replica of pool {refs} has reported base model {base_model!r} yet; retry later"
         )
     spec = basemodels.spec_of(config, base_model)
+    # the pool's limit first: at a tie it is the one named (raising the quota would not help)
+    strictest = min(pools, key=lambda p: p.max_lora_rank)
     limits = AdapterLimits(max_archive_bytes=settings.max_upload_bytes).tightened(
-        max_rank=min(p.max_lora_rank for p in pools)
+        max_rank=strictest.max_lora_rank,
+        rank_limit=f"the pool's max_lora_rank {strictest.max_lora_rank} "
+        f"(pool {pool_ref(strictest.namespace, strictest.name)})",
     )
-    return spec, limits.tightened(max_rank=tenant.max_rank, max_bytes=tenant.max_bytes)
+    return spec, limits.tightened(
+        max_rank=tenant.max_rank,
+        max_bytes=tenant.max_bytes,
+        rank_limit=f"your tenant's rank quota (max_rank {tenant.max_rank}; an admin can raise it)",
+    )
 
 
 def precheck(

@@ -578,7 +578,8 @@ def test_the_admin_sees_each_tenants_weight_and_sets_it_at_create_and_with_the_q
 
     set_value("quota-weight", "0")  # refused by the control plane, which names the field
     browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()
-    wait(browser, lambda d: "weight: Input should be greater than 0" in view_text(d))
+    refusal = "weight: must be a number greater than 0 and at most 1000 (got 0)"
+    wait(browser, lambda d: refusal in view_text(d))
     assert tenant_weight("weighted") == 2.5
     set_value("quota-weight", "0.5")
     browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()

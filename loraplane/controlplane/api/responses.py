@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplane.controlplane.schemas.common import ErrorBody
+from loraplane.controlplane.schemas.common import ErrorBody, RequestErrorBody
 
 _WHY = {
-    400: "malformed request (InvalidRequest)",
+    400: "refused as sent (InvalidRequest): the message names each field and what it must be "
+    "(`errors` lists them), or what is wrong with the body's shape, content type or parts",
     401: "missing, unknown or wrong kind of credential (Unauthorized)",
     404: "no such resource for this caller (NotFound)",
     409: "conflicts with existing state (AlreadyExists, Conflict, QuotaExceeded), or "
@@ -21,4 +22,7 @@ _WHY = {
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """`responses=` for a route: the error shape under each status it can answer."""
-    return {s: {"model": ErrorBody, "description": _WHY[s]} for s in (*statuses, 503)}
+    return {
+        s: {"model": RequestErrorBody if s == 400 else ErrorBody, "description": _WHY[s]}
+        for s in (*statuses, 503)
+    }

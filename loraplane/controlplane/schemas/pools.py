@@ -11,6 +11,7 @@ from loraplane.controlplane.models import DEFAULT_NAMESPACE
 from loraplane.controlplane.schemas.common import (
     Count,
     ModelName,
+    ModelUri,
     Namespace,
     Public,
     Rank,
@@ -23,7 +24,7 @@ class BaseModelRef(Strict):
     """A base model: its served name and where its config.json is (a path or s3:// URI)."""
 
     name: ModelName
-    uri: str = Field(min_length=1, max_length=1024, pattern=r"^(s3://[^\s]+|/[^\s]*)$")
+    uri: ModelUri
     config_from_replicas: bool = Field(
         default=False,
         description="the model is only where the pool's replicas see it (a volume they mount "

@@ -8,11 +8,11 @@ from pydantic import Field
 
 from loraplane.controlplane.models import DEFAULT_WEIGHT
 from loraplane.controlplane.schemas.common import (
+    AdapterCount,
     Bytes,
-    Count,
     PerMinute,
     Public,
-    Rank,
+    RankQuota,
     Strict,
     TenantName,
     Weight,
@@ -20,12 +20,16 @@ from loraplane.controlplane.schemas.common import (
 
 
 class TenantCreate(Strict):
-    """A new tenant; the namespace defaults to its name (the tenant is the namespace)."""
+    """A new tenant; the namespace defaults to its name (the tenant is the namespace).
+
+    Quotas: `requests_per_minute` and `tokens_per_minute` take 0 for unlimited;
+    `max_adapters`, `max_rank` and `max_bytes` (each adapter's weights) are at least 1.
+    """
 
     name: TenantName
     namespace: TenantName | None = None
-    max_adapters: Count = 100
-    max_rank: Rank = 64
+    max_adapters: AdapterCount = 100
+    max_rank: RankQuota = 64
     max_bytes: Bytes = 1 << 30
     requests_per_minute: PerMinute = 600
     tokens_per_minute: PerMinute = 1_000_000
@@ -35,8 +39,8 @@ class TenantCreate(Strict):
 class TenantUpdate(Strict):
     """New quotas; fields left out keep their value."""
 
-    max_adapters: Count | None = None
-    max_rank: Rank | None = None
+    max_adapters: AdapterCount | None = None
+    max_rank: RankQuota | None = None
     max_bytes: Bytes | None = None
     requests_per_minute: PerMinute | None = None
     tokens_per_minute: PerMinute | None = None

@@ -20,7 +20,7 @@ from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.api.routes.uploads import UPLOADS_PATH, job_public
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud
-from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge
+from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge, describe_errors
 from loraplane.controlplane.ingestion import (
     fetch_import,
     import_location,
@@ -274,9 +274,7 @@ async def _json_body(request: Request) -> AdapterImport:
     try:
         return AdapterImport.model_validate_json(bytes(raw))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidRequest(f"{where}: {first['msg']}") from None
+        raise describe_errors(exc.errors()) from None
 
 
 @router.get("", response_model=list[AdapterPublic])
