@@ -1,0 +1,282 @@
+"""Gemma 2 and Gemma 3 (text) + LoRA layers + paged cache against HF transformers + PEFT, fp32.
+
+Tiny seeded models that exercise what Gemma does differently: head_dim 32 with hidden 64 over
+4 heads, (1 + w) norms with random weights, sliding layers whose 6-token window binds (every
+prompt is longer), Gemma 2's soft-caps set low enough to bind (2 on scores, 5 on logits; the
+control test shows the logits move without them), Gemma 3's q/k norms, 5 sliding : 1 full
+layers and two RoPE tables (full: base 1e6, linear x8; sliding: base 1e4), tied embeddings
+(Gemma 2) and untied ones (Gemma 3). Batches mix several adapters (ranks 8 to 64, all modules,
+q/v only, MLP only, rank/alpha patterns, rslora) with base-model rows, prefill in chunks,
+attend through shuffled blocks and start from a shared cached prefix; decode steps feed back
+the greedy token, which must be HF's argmax at every position.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
+from loraplane.dataplane.models import load_model, read_config
+from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
+from tests.conftest import ADAPTER_CONFIGS
+from tests.dataplane.conftest import Family, LoadedModel, PagedRunner, Seq, hf_logits
+
+KINDS = ["gemma2", "gemma3_text"]
+ATOL = 1e-4  # the Llama parity tests' tolerance on fp32 logits
+WINDOW = 6
+ADAPTERS = ["r64", "r8-qv", "r32-mlp", "r16-rslora", "r8-patterns"]
+_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "head_dim": 32,  # != hidden / heads
+    "sliding_window": WINDOW,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma2": {
+        **_SHAPE,
+        "num_hidden_layers": 4,  # sliding, full, sliding, full
+        "num_key_value_heads": 2,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0,
+    },
+    "gemma3_text": {
+        **_SHAPE,
+        "num_hidden_layers": 6,  # five sliding, then one full
+        "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 32,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    },
+}
+
+
+def _build_model(out: Path, kind: str, seed: int, **overrides: Any) -> Path:
+    """A seeded HF Gemma with weights large enough that the window, caps and norms matter."""
+    import transformers
+
+    from loraplane.demo.build import build_tokenizer
+
+    vocab = build_tokenizer(out)
+    config_cls = {"gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig}
+    config = config_cls[kind](vocab_size=vocab, **{**CONFIGS[kind], **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # norms scale by 1 + w (HF initialises w to 0); scores of a few units, so a cap of
+            # 2 binds on about one score in five
+            param.normal_(0.0, 0.3 if "norm" in name or "embed" in name else 0.12)
+    model.save_pretrained(out)
+    return out
+
+
+def _spec(model_dir: Path) -> BaseModelSpec:
+    """The adapter core's view of the base model (its shapes), from our parsed config."""
+    c = read_config(model_dir)
+    return BaseModelSpec(
+        name=model_dir.name, model_type=c.model_type, num_layers=c.num_layers,
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma_families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
+    from tests.factories import build_peft_adapter
+
+    root = tmp_path_factory.mktemp("gemma-models")
+    out = {}
+    for i, kind in enumerate(KINDS):
+        model_dir = _build_model(root / kind, kind, seed=11 + i)
+        adapters = {
+            name: build_peft_adapter(
+                model_dir, root / f"{kind}-{name}", seed=200 + j, **dict(ADAPTER_CONFIGS[name])
+            )
+            for j, name in enumerate(ADAPTERS)
+        }
+        out[kind] = Family(kind, model_dir, adapters)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(gemma_families: dict[str, Family]) -> Callable[[str], torch.nn.Module]:
+    """kind -> a PeftModel of that Gemma with all its adapters loaded (fp32)."""
+    import peft
+    import transformers
+
+    cache: dict[str, torch.nn.Module] = {}
+
+    def get(kind: str) -> torch.nn.Module:
+        if kind not in cache:
+            fam = gemma_families[kind]
+            base = transformers.AutoModelForCausalLM.from_pretrained(fam.model_dir)
+            names = list(fam.adapters)
+            model = peft.PeftModel.from_pretrained(
+                base, fam.adapters[names[0]], adapter_name=names[0]
+            )
+            for name in names[1:]:
+                model.load_adapter(fam.adapters[name], adapter_name=name)
+            cache[kind] = model.eval()
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def gemma_models(gemma_families: dict[str, Family]) -> Callable[[str], LoadedModel]:
+    cache: dict[str, LoadedModel] = {}
+
+    def get(kind: str) -> LoadedModel:
+        if kind not in cache:
+            fam = gemma_families[kind]
+            spec = _spec(fam.model_dir)
+            model = load_model(fam.model_dir, torch.float32, torch.device("cpu"))
+            pool = LoRAPool(len(fam.adapters), spec, torch.float32, "cpu")
+            install_lora(model, pool)
+            slots = {}
+            for slot, (name, path) in enumerate(fam.adapters.items()):
+                pool.load(slot, load_lora(path, spec))
+                slots[name] = slot
+            cache[kind] = LoadedModel(model, pool, slots)
+        return cache[kind]
+
+    return get
+
+
+def _check(seq: GenSeq, reference: torch.nn.Module, adapter: str | None) -> None:
+    """seq's logits equal HF+PEFT's at the same positions, and every token fed back after the
+    prompt is HF's greedy choice."""
+    expected = hf_logits(reference, seq.tokens[: seq.num_computed], adapter)[seq.first_logit :]
+    got = torch.stack(seq.logits)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    generated = seq.tokens[seq.prompt_len :]
+    greedy = expected.argmax(-1)[seq.prompt_len - 1 - seq.first_logit :][: len(generated)]
+    assert generated == greedy.tolist()
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 384) for _ in range(length)]
+
+
+@dataclass
+class GenSeq(Seq):
+    """A Seq that remembers where its prompt ends (the tokens after it are generated)."""
+
+    prompt_len: int = 0
+
+
+def _seq(tokens: list[int], slot: int) -> GenSeq:
+    return GenSeq(tokens, slot, prompt_len=len(tokens))
+
+
+def test_config_parses_gemma_layer_types_caps_and_ropes(gemma_families: dict[str, Family]) -> None:
+    g2 = read_config(gemma_families["gemma2"].model_dir)
+    g3 = read_config(gemma_families["gemma3_text"].model_dir)
+    assert isinstance(g2, GemmaConfig) and isinstance(g3, GemmaConfig)
+    assert g2.sliding_windows == (WINDOW, None, WINDOW, None)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.qk_norm) == (2.0, 5.0, False)
+    assert g2.tie_word_embeddings and g2.head_dim == 32 and g2.query_pre_attn_scalar == 24
+    assert g3.sliding_windows == (WINDOW,) * 5 + (None,)
+    assert (g3.attn_logit_softcap, g3.final_logit_softcap, g3.qk_norm) == (None, None, True)
+    assert not g3.tie_word_embeddings
+    assert (g3.rope.theta, g3.rope.rope_type, g3.rope.factor) == (1e6, "linear", 8.0)
+    assert (g3.local_rope.theta, g3.local_rope.rope_type) == (1e4, "default")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixed_adapters_chunked_prefill_and_greedy_decode_match_hf_peft(
+    kind: str,
+    gemma_families: dict[str, Family],
+    gemma_models: Callable[[str], LoadedModel],
+    gemma_reference: Callable[[str], torch.nn.Module],
+) -> None:
+    engine, rng = gemma_models(kind), random.Random(kind)
+    # every adapter, two base rows, one adapter twice in non-adjacent rows; all longer than
+    # the window
+    names: list[str | None] = [*gemma_families[kind].adapters, None, "r64", None]
+    lengths = [9, 14, 7, 11, 16, 8, 21, 10]
+    seqs = [
+        _seq(_prompt(rng, n), engine.slots[a] if a else -1)
+        for a, n in zip(names, lengths, strict=True)
+    ]
+    runner = PagedRunner(engine.model, num_blocks=160, block_size=4, seed=5)
+    long_seq = seqs[-2]
+    # step 1: all prompts but one, and that one's first 8-token chunk; step 2: its remaining
+    # 13 tokens while the others decode; then 5 decode steps, each token HF's argmax
+    runner.step([(s, len(s.tokens)) for s in seqs if s is not long_seq] + [(long_seq, 8)])
+    for _ in range(6):
+        for seq in seqs:
+            if seq.num_computed == len(seq.tokens):
+                seq.tokens.append(int(seq.logits[-1].argmax()))
+        runner.step([(s, len(s.tokens) - s.num_computed) for s in seqs])
+    reference = gemma_reference(kind)
+    for seq, name in zip(seqs, names, strict=True):
+        assert len(seq.tokens) - seq.prompt_len >= 5
+        _check(seq, reference, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cached_prefix_longer_than_the_window_is_attended_as_hf_does(
+    kind: str,
+    gemma_models: Callable[[str], LoadedModel],
+    gemma_reference: Callable[[str], torch.nn.Module],
+) -> None:
+    engine, rng = gemma_models(kind), random.Random(f"{kind}-prefix")
+    slot = engine.slots["r16-rslora"]
+    prefix = _prompt(rng, 12)  # three blocks of 4, twice the window
+    writer = _seq([*prefix, *_prompt(rng, 5)], slot)
+    runner = PagedRunner(engine.model, num_blocks=48, block_size=4, seed=7)
+    runner.step([(writer, len(writer.tokens))])
+    tail, last_token = _seq([*prefix, *_prompt(rng, 9)], slot), _seq([*prefix, 77], slot)
+    runner.share_prefix(writer, tail, 3)
+    runner.share_prefix(writer, last_token, 3)
+    writer.tokens.append(int(writer.logits[-1].argmax()))
+    runner.step([(tail, 9), (writer, 1), (last_token, 1)])
+    for _ in range(3):
+        for seq in (tail, writer, last_token):
+            seq.tokens.append(int(seq.logits[-1].argmax()))
+        runner.step([(tail, 1), (writer, 1), (last_token, 1)])
+    reference = gemma_reference(kind)
+    for seq in (tail, last_token, writer):
+        _check(seq, reference, "r16-rslora")
+
+
+def test_gemma2_soft_caps_change_the_logits_so_the_parity_checks_them(
+    gemma_families: dict[str, Family],
+    gemma_models: Callable[[str], LoadedModel],
+    tmp_path: Path,
+) -> None:
+    """Negative control: the same weights without the caps give other logits, so a model
+    that ignored either cap would fail the parity tests above."""
+    import transformers
+
+    fam = gemma_families["gemma2"]
+    model = gemma_models("gemma2").model
+    assert isinstance(model, GemmaForCausalLM)
+    rng = random.Random(3)
+    tokens = _prompt(rng, 15)
+    seq = Seq(list(tokens))
+    PagedRunner(model, num_blocks=8, block_size=4).step([(seq, len(tokens))])
+    ours = torch.stack(seq.logits)
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        uncapped = transformers.AutoModelForCausalLM.from_pretrained(fam.model_dir, **{cap: None})
+        with torch.no_grad():
+            other = uncapped(torch.tensor([tokens])).logits[0]
+        assert (other - ours).abs().max() > 100 * ATOL, cap
