@@ -14,6 +14,8 @@ import argparse
 import sys
 from typing import Any
 
+from loraplane.accesslog import AccessLogError, make_logger, settings_from, wrap
+from loraplane.accesslog import add_arguments as add_access_log
 from loraplane.redact import env_secrets, install_log_redaction, redact
 
 
@@ -38,11 +40,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.internal_port is None:
         try:
+            access = settings_from(args)
             app = create_app(Settings())
-        except StartupError as exc:
+            requests_log = make_logger(access, "controlplane", _tokens(app))
+        except (StartupError, AccessLogError) as exc:
             _error(str(exc))
             return 2
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        config = uvicorn.Config(
+            wrap(app, "controlplane", requests_log),  # one JSON line per request (accesslog.py)
+            host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        )  # fmt: skip
         install_log_redaction(_tokens(app))  # after Config: it sets the log handlers up
         uvicorn.Server(config).run()
         return 0
@@ -70,12 +77,15 @@ def _serve_two_ports(args: argparse.Namespace) -> int:
             _error(f"cannot listen on {args.host}:{port} ({flag}): {exc}")
             return 1
     try:
+        access = settings_from(args)
         app = create_app(Settings(), internal_port=port_of(sockets[1]))
-    except StartupError as exc:
+        requests_log = make_logger(access, "controlplane", _tokens(app))
+    except (StartupError, AccessLogError) as exc:
         _error(str(exc))
         return 2
-    config = uvicorn.Config(app, host=args.host, port=port_of(sockets[0]),
-                            log_level=args.log_level)  # fmt: skip
+    config = uvicorn.Config(wrap(app, "controlplane", requests_log), host=args.host,
+                            port=port_of(sockets[0]), log_level=args.log_level,
+                            access_log=False)  # fmt: skip
     install_log_redaction(_tokens(app))
     logging.getLogger("uvicorn.error").info(
         "internal routes and /metrics on %s:%d only", args.host, port_of(sockets[1])
@@ -137,6 +147,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         " everything on --port)",
     )
     cp.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_access_log(cp)
     cp.set_defaults(func=_serve)
     actions = cp.add_subparsers(dest="controlplane_command", metavar="ACTION")
     migrate = actions.add_parser(

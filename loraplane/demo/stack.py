@@ -10,6 +10,7 @@ stored versions from the same store.
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import socket
 import threading
@@ -22,12 +23,14 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from loraplane.accesslog import AccessLogSettings, make_logger, wrap
 from loraplane.demo.errors import DemoError
 
 POOL = "demo"
 MAX_LORAS = 2  # device slots: three tenants' adapters share two, so requests get deferred
 MAX_LORA_RANK = 32
 STARTUP_TIMEOUT_S = 120.0
+AccessLog = tuple[str, logging.Logger | None]  # the service's name in its lines, the logger
 
 
 class StackError(DemoError):
@@ -70,12 +73,15 @@ def serve(
     host: str,
     port: int,
     reserved: tuple[socket.socket, bool] | None = None,
+    requests_log: AccessLog | None = None,
 ) -> Service:
     """Run `app` under uvicorn on a thread, on `port` or a free one if it is taken (or on the
-    socket `bind` `reserved` earlier)."""
+    socket `bind` `reserved` earlier); `requests_log` (service name, logger) logs its requests."""
     sock, fell_back = reserved or bind(host, port)
     bound = int(sock.getsockname()[1])
-    config = uvicorn.Config(app, host=host, port=bound, log_level="warning", lifespan="on")
+    served = wrap(app, *requests_log) if requests_log else app
+    config = uvicorn.Config(served, host=host, port=bound, log_level="warning", lifespan="on",
+                            access_log=False)  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
     thread.start()
@@ -97,8 +103,9 @@ def wait_ready(service: Service, path: str, timeout: float = STARTUP_TIMEOUT_S) 
 
 
 def start_controlplane(
-    run_dir: Path, host: str, port: int, admin: str, service: str, dataplane_url: str
-) -> Service:
+    run_dir: Path, host: str, port: int, admin: str, service: str, dataplane_url: str,
+    requests_log: logging.Logger | None = None,
+) -> Service:  # fmt: skip
     """The control plane on SQLite and a local store under `run_dir`, ready to use; its
     console's examples call `dataplane_url`."""
     from pydantic import SecretStr
@@ -111,7 +118,8 @@ def start_controlplane(
         store=str(run_dir / "store"), admin_token=SecretStr(admin),
         service_token=SecretStr(service), console_dataplane_url=dataplane_url,
     )  # fmt: skip
-    svc = serve("control plane", create_app(settings), host, port)
+    svc = serve("control plane", create_app(settings), host, port,
+                requests_log=("controlplane", requests_log))  # fmt: skip
     wait_ready(svc, "/readyz")
     return svc
 
@@ -125,6 +133,7 @@ def start_dataplane(
     cp_url: str,
     service: str,
     reserved: tuple[socket.socket, bool] | None = None,
+    requests_log: logging.Logger | None = None,
 ) -> tuple[Service, Service]:
     """A CPU data plane in catalog mode; it loads the model in the background (see /ready).
     With it, its metrics port on a free port: every series, the per-tenant ones the tour shows
@@ -141,25 +150,35 @@ def start_dataplane(
         pressure_interval_s=1.0, resolve_ttl_s=5.0, shutdown_grace_s=5.0,
     )  # fmt: skip
     app = create_app(settings)
-    api = serve("data plane", app, host, port, reserved)
+    api = serve("data plane", app, host, port, reserved, ("dataplane", requests_log))
     return api, serve("data plane metrics", create_metrics_app(app.state.runtime), host, 0)
 
 
 class Stack:
     """The running system: the control plane, then the data plane, and the demo's tokens."""
 
-    def __init__(self, run_dir: Path, host: str, cp_port: int, dp_port: int) -> None:
+    def __init__(
+        self, run_dir: Path, host: str, cp_port: int, dp_port: int,
+        access_log: AccessLogSettings | None = None, admin_token: str | None = None,
+    ) -> None:  # fmt: skip
         self.run_dir, self.host, self.dp_port = run_dir, host, dp_port
-        self.admin_token = secrets.token_urlsafe(32)
+        self.admin_token = admin_token or secrets.token_urlsafe(32)
         self.service_token = secrets.token_urlsafe(32)
+        # one JSON line per request of either service, on stderr unless set otherwise
+        access = access_log if access_log is not None else AccessLogSettings()
+        tokens = [self.admin_token, self.service_token]
+        self.requests_logs = {
+            name: make_logger(access, name, tokens) for name in ("controlplane", "dataplane")
+        }
         # the data plane's socket first, so the console's examples name its real port
         self._dp_socket: tuple[socket.socket, bool] | None = bind(host, dp_port)
         shown = f"[{host}]" if ":" in host else host
         dp_url = f"http://{shown}:{self._dp_socket[0].getsockname()[1]}"
         try:
             self.controlplane = start_controlplane(
-                run_dir, host, cp_port, self.admin_token, self.service_token, dp_url
-            )
+                run_dir, host, cp_port, self.admin_token, self.service_token, dp_url,
+                self.requests_logs["controlplane"],
+            )  # fmt: skip
         except BaseException:
             self._dp_socket[0].close()
             raise
@@ -185,7 +204,7 @@ class Stack:
         reserved, self._dp_socket = self._dp_socket, None
         self._dataplane, self._metrics = start_dataplane(
             model, base_name, self.run_dir, self.host, self.dp_port, self.controlplane.url,
-            self.service_token, reserved,
+            self.service_token, reserved, self.requests_logs["dataplane"],
         )  # fmt: skip
         return self._dataplane
 
@@ -205,9 +224,13 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running(run_dir: Path, host: str, cp_port: int, dp_port: int) -> Iterator[Stack]:
-    """A stack with its control plane up; everything started is stopped on exit."""
-    stack = Stack(run_dir, host, cp_port, dp_port)
+def running(
+    run_dir: Path, host: str, cp_port: int, dp_port: int,
+    access_log: AccessLogSettings | None = None, admin_token: str | None = None,
+) -> Iterator[Stack]:  # fmt: skip
+    """A stack with its control plane up (with `admin_token`, or a new one); everything
+    started is stopped on exit."""
+    stack = Stack(run_dir, host, cp_port, dp_port, access_log, admin_token)
     try:
         yield stack
     finally:

@@ -80,12 +80,15 @@ class Caller:
         return f"tenant:{self.tenant.name}/key:{self.key.prefix}"
 
 
-def current_tenant(ctx: ContextDep, session: SessionDep, credentials: Credentials) -> Caller:
+def current_tenant(
+    request: Request, ctx: ContextDep, session: SessionDep, credentials: Credentials
+) -> Caller:
     """The tenant whose live key this is, within its rate limit."""
     token = _token(credentials)
     if security.key_prefix(token) is None:
         raise Unauthorized(security.not_a_key(token, ctx.admin_token))
     key = authenticate(session, secret=token)
+    request.state.tenant = key.tenant.name  # for the access log's line (accesslog.py)
     wait = ctx.limiter.acquire(key.id, key.tenant.requests_per_minute)
     if wait is not None:
         raise RateLimited(

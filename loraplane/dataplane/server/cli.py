@@ -96,6 +96,9 @@ def add_commands(subparsers: Any) -> None:
         " format (hermes: <tool_call> JSON blocks; llama3_json; mistral: [TOOL_CALLS]; pythonic:"
         " [f(a=1)]); without it, auto is refused",
     )
+    from loraplane.accesslog import add_arguments as add_access_log
+
+    add_access_log(serve)
     serve.set_defaults(func=run_serve)
 
 
@@ -122,11 +125,14 @@ def run_serve(args: argparse.Namespace) -> int:
                   "controlplane_url", "usage_spool_dir",
                   "api_key", "admin_token", "tool_call_parser")
     }  # fmt: skip
+    from loraplane.accesslog import AccessLogError, settings_from
+
     try:
         settings = ServerSettings.load(**flags)
-    except (SettingsError, ValueError) as e:
+        access_log = settings_from(args)
+    except (SettingsError, AccessLogError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     from loraplane.dataplane.server.serving import serve  # torch and uvicorn: only now
 
-    return serve(settings)
+    return serve(settings, access_log)

@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from loraplane.accesslog import AccessLogError, AccessLogSettings, make_logger, wrap
 from loraplane.dataplane.server.app import create_app
 from loraplane.dataplane.server.metrics_port import (
     create_gateway_metrics_app,
@@ -92,8 +93,9 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(settings: ServerSettings) -> int:
-    """Serve until told to stop; the process exit code."""
+def serve(settings: ServerSettings, access_log: AccessLogSettings | None = None) -> int:
+    """Serve until told to stop; the process exit code. `access_log`: the request log's
+    settings (default: from the environment, on, to stderr)."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -130,11 +132,19 @@ def serve(settings: ServerSettings) -> int:
             print(f"error: cannot serve metrics on {settings.host}:{port}"
                   f" ({where}; 0 turns it off): {e}", file=sys.stderr, flush=True)  # fmt: skip
             return EXIT_FAILED
+    secrets = [settings.api_key, settings.admin_token, settings.service_token, *env_secrets()]
+    try:
+        requests_log = make_logger(access_log or AccessLogSettings(), "dataplane", secrets)
+    except (AccessLogError, ValueError) as e:
+        for sock, _ in bound:
+            sock.close()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     app = create_app(settings, on_fatal=on_fatal, freeze_heap=True)
     sides = [(_side_server(factory(app.state.runtime), settings.host, sock), sock)
              for sock, factory in bound]  # fmt: skip
     config = uvicorn.Config(
-        app,
+        wrap(app, "dataplane", requests_log),  # one JSON line per request (accesslog.py)
         host=settings.host,
         port=settings.port,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
@@ -142,8 +152,7 @@ def serve(settings: ServerSettings) -> int:
         log_level="info",
     )
     # after Config (it sets the handlers up): no key or token in a log line
-    install_log_redaction([settings.api_key, settings.admin_token, settings.service_token,
-                           *env_secrets()])  # fmt: skip
+    install_log_redaction(secrets)
     server = DrainingServer(config, app.state.runtime, sides)
     holder.append(server)
     server.run()
