@@ -21,6 +21,12 @@ The whole system on this machine, from nothing outside it (no downloads, CPU onl
      adapter, a concurrent mixed batch, each tenant's /v1/models, bad adapters refused with
      their reason codes, and the slot pressure and usage both services report.
 
+The admin token is in .loraplane/admin-token under the folder you run the demo from (mode
+0600; written unless one is there): the tenant CLI reads it there. Both services log one JSON
+line per request on stderr (--access-log off, or --access-log-file FILE); the model is
+chat-trained: use chat completions, or the chat format <|user|>...</s><|assistant|> as the
+prompt of a completion (a bare question gets an empty reply).
+
 Ports: the asked-for ones if free, otherwise free ones (printed). Every run starts with a
 fresh catalog and store under WORKDIR/run; the build is reused while its recipe is unchanged.
 Building needs transformers and peft (the `demo` extra); later runs do not import them."""
@@ -37,8 +43,16 @@ def _port(text: str) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import sys
+
+    from loraplane.accesslog import AccessLogError, settings_from
     from loraplane.demo.run import run_demo
 
+    try:
+        access_log = settings_from(args)
+    except AccessLogError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return run_demo(
         Path(args.workdir),
         once=args.once,
@@ -46,6 +60,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         port=args.port,
         controlplane_port=args.controlplane_port,
         rebuild=args.rebuild,
+        access_log=access_log,
     )
 
 
@@ -84,4 +99,7 @@ def add_commands(sub: Any) -> None:
         metavar="N",
         help="control plane (REST API) port; a free one if taken (default: %(default)s)",
     )
+    from loraplane.accesslog import add_arguments as add_access_log
+
+    add_access_log(demo)
     demo.set_defaults(func=_cmd_demo)

@@ -65,9 +65,14 @@ STYLES: dict[str, list[str]] = {
 TENANTS = ("acme", "globex", "initech")
 
 
+def chat_prompt(question: str) -> str:
+    """A question as `build.CHAT_TEMPLATE` renders it for a reply (the generation prompt)."""
+    return f"<|user|>{question}</s><|assistant|>"
+
+
 def chat_text(question: str, answer: str) -> str:
     """One exchange as `build.CHAT_TEMPLATE` renders it, then the end-of-sequence token."""
-    return f"<|user|>{question}</s><|assistant|>{answer}</s>"
+    return f"{chat_prompt(question)}{answer}</s>"
 
 
 def corpus(style: str) -> list[str]:

@@ -18,6 +18,8 @@ from types import FrameType
 
 import httpx
 
+from loraplane import tokenfile
+from loraplane.accesslog import AccessLogError, AccessLogSettings
 from loraplane.demo import workspace
 from loraplane.demo.console import say, step
 from loraplane.demo.corpus import QUESTIONS
@@ -25,6 +27,7 @@ from loraplane.demo.errors import DemoError
 from loraplane.demo.provision import Tenant, admin_client, provision, register_pool
 from loraplane.demo.stack import MAX_LORA_RANK, MAX_LORAS, POOL, Service, Stack, StackError, running
 from loraplane.demo.workspace import ADAPTERS, BASE_NAME, Workspace
+from loraplane.redact import CredentialError
 
 TOUR_STEPS = 5
 
@@ -69,15 +72,19 @@ def run_demo(
     port: int = 8000,
     controlplane_port: int = 8080,
     rebuild: bool = False,
+    access_log: AccessLogSettings | None = None,
 ) -> int:
-    """Run the demo (see the module doc); return the process exit code."""
+    """Run the demo (see the module doc); return the process exit code. `access_log`: the
+    services' request logs (default: from the environment, on, to stderr)."""
     start = time.perf_counter()
     total = 3 + (TOUR_STEPS if once else 1)
     ws = Workspace(workdir.absolute())
     try:
         workspace.require("openai")  # the clients of the tour and the serving preview
         build_s = _build(ws, rebuild, 1, total)
-        with running(ws.fresh_run_dir(), host, controlplane_port, port) as stack:
+        admin_token, token_file = _admin_token()
+        with running(ws.fresh_run_dir(), host, controlplane_port, port, access_log,
+                     admin_token) as stack:  # fmt: skip
             tenants = _set_up(stack, ws, controlplane_port, 2, total)
             stack.wait_ready()
             ready_s = time.perf_counter() - start
@@ -89,10 +96,13 @@ def run_demo(
                 say(f"tour done. build {built}, serving after {ready_s:.1f} s, whole run "
                     f"{time.perf_counter() - start:.1f} s")  # fmt: skip
             else:
-                _serve(stack, tenants, total)
+                _serve(stack, tenants, total, token_file)
         if not once:
             say("stopped")
-    except DemoError as e:
+    except (DemoError, CredentialError, AccessLogError) as e:
+        say(f"demo failed: {e}")
+        return 1
+    except OSError as e:  # the admin token's file: this user may not write it
         say(f"demo failed: {e}")
         return 1
     except httpx.HTTPError as e:
@@ -116,14 +126,24 @@ def _tour(stack: Stack, ws: Workspace, tenants: dict[str, Tenant], total: int) -
     )  # fmt: skip
 
 
-def _serve(stack: Stack, tenants: dict[str, Tenant], total: int) -> None:
+def _admin_token() -> tuple[str, Path]:
+    """The admin token in `.loraplane/admin-token` (the file the CLI reads), written there
+    now (mode 0600) unless one is there already; the token and its file's absolute path."""
+    token, path, written = tokenfile.ensure_admin_token()
+    path = path.absolute()
+    say(f"admin token: {'written to' if written else 'read from'} {path} (mode 0600; the "
+        "tenant CLI reads it there, e.g. loraplane tenants list)")  # fmt: skip
+    return token, path
+
+
+def _serve(stack: Stack, tenants: dict[str, Tenant], total: int, token_file: Path) -> None:
     from loraplane.demo.examples import show_examples
     from loraplane.demo.tour import preview
 
     step(4, total, "serving; first, one question to the base model and each adapter")
     preview(stack.dataplane.url, BASE_NAME, tenants, QUESTIONS[0])
     say("")
-    show_examples(stack.dataplane.url, stack.controlplane.url, stack.admin_token, BASE_NAME,
+    show_examples(stack.dataplane.url, stack.controlplane.url, token_file, BASE_NAME,
                   tenants, metrics_url=stack.metrics.url)  # fmt: skip
     say("")
     say("serving until Ctrl-C (both services stop cleanly)")

@@ -84,6 +84,23 @@ def same_prompt(
     return replies
 
 
+def chat_format_completion(base: str, client: openai.OpenAI, question: str) -> str:
+    """A plain completion (`/v1/completions`) with the question in the model's chat format,
+    as the serving examples show it; TourFailed if the reply is empty."""
+    from loraplane.demo.examples import completions_body
+
+    body = completions_body(base, question)
+    reply = client.completions.create(
+        model=base, prompt=str(body["prompt"]), temperature=0, max_tokens=MAX_TOKENS
+    )
+    text = reply.choices[0].text
+    say("    the model is chat-trained: /v1/completions answers a prompt in its chat format")
+    say(f"    {body['prompt']!r} -> {one_line(text, 64)}")
+    if not text.strip():
+        raise TourFailed(f"a chat-format completion came back empty: {reply}")
+    return text
+
+
 def batch_calls(base: str, tenants: dict[str, Tenant]) -> list[Call]:
     """BATCH calls: every fourth to the base model, the rest to the tenants' adapters in turn."""
     people = list(tenants.values())
@@ -204,6 +221,7 @@ def _tour(
     api = clients(dp_url, tenants)
     step("one prompt, four replies: the base model and each tenant's adapter")
     same_prompt(base, tenants, api, QUESTIONS[0])
+    chat_format_completion(base, api[next(iter(tenants))], QUESTIONS[1])
     step(f"a mixed batch: {BATCH} concurrent requests over three adapters and the base model")
     peaks = mixed_batch(base, tenants, api, metrics_url)
     step("isolation: what each tenant's key can see and use")

@@ -70,18 +70,36 @@ def _credential(flag: str | None, flag_name: str, var: str) -> str | None:
     return clean_credential(value, var) if value else None
 
 
+def _admin_token(flag: str | None) -> str:
+    """--admin-token, else the variable, else the file the embedded control plane and the
+    demo write (`.loraplane/admin-token`, or in $LORAPLANE_DATA_DIR); UsageError if none."""
+    from loraplane import tokenfile
+
+    token = _credential(flag, "--admin-token", ADMIN_ENV)
+    if token:
+        return token
+    path = tokenfile.admin_token_path()
+    try:
+        token = tokenfile.read_admin_token(path)
+    except OSError as e:
+        raise UsageError(f"no admin token: {ADMIN_ENV} is not set and {e}") from e
+    if not token:
+        raise UsageError(
+            f"no admin token: set {ADMIN_ENV}, pass --admin-token, or run where {path} is"
+            " (the embedded control plane and `loraplane demo` write it)"
+        )
+    return token
+
+
 def _connect(args: argparse.Namespace, *, admin: bool) -> RestClient:
     from loraplane.tenant_cli.client import RestClient
 
     url = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
     if admin:
-        token = _credential(args.admin_token, "--admin-token", ADMIN_ENV)
-        if not token:
-            raise UsageError(f"no admin token: set {ADMIN_ENV} or pass --admin-token")
-    else:
-        token = _credential(args.api_key, "--api-key", KEY_ENV)
-        if not token:
-            raise UsageError(f"no API key: set {KEY_ENV} or pass --api-key")
+        return RestClient(url, _admin_token(args.admin_token))
+    token = _credential(args.api_key, "--api-key", KEY_ENV)
+    if not token:
+        raise UsageError(f"no API key: set {KEY_ENV} or pass --api-key")
     return RestClient(url, token)
 
 
