@@ -280,3 +280,42 @@ def test_gemma2_soft_caps_change_the_logits_so_the_parity_checks_them(
         with torch.no_grad():
             other = uncapped(torch.tensor([tokens])).logits[0]
         assert (other - ours).abs().max() > 100 * ATOL, cap
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_stack_as_hf_does(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (config `gemma3` with a text_config; weights
+    `language_model.model.*` beside a vision tower and projector): the text stack loads and its
+    logits on a text-only prompt are HF's."""
+    import transformers
+
+    from loraplane.demo.build import build_tokenizer
+
+    vocab = build_tokenizer(tmp_path)
+    text = {**CONFIGS["gemma3_text"], "vocab_size": vocab, "num_hidden_layers": 3,
+            "final_logit_softcapping": 5.0, "tie_word_embeddings": True}  # fmt: skip
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+              "patch_size": 14}  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=vocab - 1, boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.normal_(0.0, 0.3 if "norm" in name or "embed" in name else 0.12)
+    hf.save_pretrained(tmp_path)
+    parsed = read_config(tmp_path)
+    assert isinstance(parsed, GemmaConfig) and parsed.model_type == "gemma3_text"
+    # HF's image-text model never soft-caps its logits (its text-only Gemma3ForCausalLM does)
+    assert parsed.final_logit_softcap is None and parsed.sliding_windows == (WINDOW,) * 3
+    model = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    install_lora(model, LoRAPool(1, _spec(tmp_path), torch.float32, "cpu"))
+    rng = random.Random(9)
+    tokens = [rng.randrange(3, vocab - 3) for _ in range(14)]  # no image/boi/eoi token
+    seq = Seq(list(tokens))
+    PagedRunner(model, num_blocks=8, block_size=4).step([(seq, len(tokens))])
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(torch.stack(seq.logits), expected, atol=ATOL, rtol=0)

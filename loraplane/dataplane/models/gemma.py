@@ -11,8 +11,9 @@ What differs from the Llama decoder (`llama.py`), each as transformers 5 compute
   soft-cap the final logits (`final_logit_softcapping`) with cap * tanh(x / cap);
 - Gemma 3 adds RMSNorms over head_dim on q and k (before RoPE) and a RoPE per layer type:
   full layers at base 1e6 with the config's scaling, sliding layers at base 1e4 without.
-  transformers does not pass Gemma 3's `attn_logit_softcapping` to its attention, so neither
-  does this model.
+  transformers does not pass Gemma 3's `attn_logit_softcapping` to its attention, nor does
+  its image-text model (`gemma3`) soft-cap the logits, so neither does this model (the
+  published Gemma 3 configs set both to null).
 
 Module names are HF's (`model.layers.0.self_attn.q_proj`, `...pre_feedforward_layernorm`), so
 checkpoints load by name and LoRA wraps the projections PEFT adapts. The model reuses the
@@ -185,9 +186,37 @@ class GemmaConfig(ModelConfig):
                 if family == "gemma2"
                 else None
             ),
-            final_logit_softcap=_optional_cap(text, "final_logit_softcapping", final_cap),
+            # transformers' Gemma3ForConditionalGeneration never soft-caps its logits
+            final_logit_softcap=(
+                None
+                if outer_type == "gemma3"
+                else _optional_cap(text, "final_logit_softcapping", final_cap)
+            ),
             qk_norm=family == "gemma3_text",
         )
+
+
+# a gemma3 (image-text) checkpoint's text stack: transformers 5 writes `language_model.model.*`
+# and `language_model.lm_head.*` (the Hub's layout); its in-memory names `model.language_model.*`
+# appear in some exports. The vision tower and the projector are not served.
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")  # fmt: skip
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The name of checkpoint tensor `name` in GemmaForCausalLM, None for one it does not use
+    (an image-text checkpoint's vision tower and projector)."""
+    for prefix, target in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return target + name[len(prefix) :]
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    return name
 
 
 class GemmaRMSNorm(nn.Module):

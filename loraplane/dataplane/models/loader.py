@@ -20,7 +20,9 @@ from loraplane import fileaccess
 from loraplane.adapters import base_model
 from loraplane.dataplane.models.config import ModelConfig
 from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
+from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
 from loraplane.dataplane.models.llama import LlamaForCausalLM
+from loraplane.dataplane.models.rope import RotaryEmbedding
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_NAME = "model.safetensors.index.json"
@@ -99,9 +101,12 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if config.tie_word_embeddings and name == "lm_head.weight":
+                target = gemma_name(name) if isinstance(config, GemmaConfig) else name
+                if target is None:
+                    continue  # an image-text Gemma 3's vision tower: only its text is served
+                if config.tie_word_embeddings and target == "lm_head.weight":
                     continue  # tied: the embedding matrix is the output projection
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                state[target] = f.get_tensor(name).to(device=device, dtype=dtype)
     _check_keys(model, state, root)
     try:
         model.load_state_dict(state, strict=False, assign=True)
@@ -109,5 +114,7 @@ def load_model(
         raise ValueError(f"checkpoint in {root} does not fit its config.json: {e}") from e
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.to(device)
+    for module in model.modules():  # cos/sin tables: computed on the CPU, not in the file
+        if isinstance(module, RotaryEmbedding):
+            module.to(device)
     return model.eval().requires_grad_(False)
