@@ -35,7 +35,9 @@ class Run:
 
 
 def demo_once(workdir: Path) -> Run:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the admin token's file goes to the work folder, not the checkout's .loraplane/
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "LORAPLANE_DATA_DIR": str(workdir / "state")}  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "loraplane", "demo", "--once", "--workdir", str(workdir)],
@@ -120,7 +122,7 @@ def first(workdir: Path) -> Run:
 
 
 @pytest.mark.slow
-def test_first_run_builds_then_tours_the_running_system(first: Run) -> None:
+def test_first_run_builds_then_tours_the_running_system(first: Run, workdir: Path) -> None:
     out = first.out
     assert "[build 2/3] base model" in out and re.search(r"step +80/80 +loss", out)
     assert "built in" in out
@@ -148,6 +150,9 @@ def test_first_run_builds_then_tours_the_running_system(first: Run) -> None:
         assert re.search(rf"tokens {tenant} +prompt +\d+ +completion +[1-9]\d*", out)
         assert re.search(rf"usage {tenant} +\(base model\): \d+ requests", out)
     assert "tour done." in out
+    # the chat-format completion the serving examples show answers; the admin token's file
+    assert re.search(r"'<\|user\|>.+</s><\|assistant\|>' -> [A-Z]", out)
+    assert f"admin token: written to {workdir / 'state' / 'admin-token'} (mode 0600" in out
 
 
 @pytest.mark.slow
