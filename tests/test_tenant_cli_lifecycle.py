@@ -121,6 +121,11 @@ def test_serve_holds_a_version_across_pushes_and_follow_latest_undoes_it(
     assert missing.code == 1
     assert missing.err == "error: NotFound: adapter 'bot' has no version 9; its versions: v1-v4\n"
     assert cli(capsys, "adapters", "serve", "bot", "0", "--yes").code == 2  # argparse
+    latest = cli(capsys, "adapters", "serve", "bot", "latest")
+    assert latest.code == 2 and latest.err.rstrip().endswith(
+        "'latest' is not a version (1, 2, ... or v1, v2, ...); to serve the newest version and "
+        "follow pushes: loraplane adapters follow-latest NAME"
+    )
     nobody = cli(capsys, "adapters", "follow-latest", "nobody", "--yes")
     assert nobody.code == 1 and nobody.err == "error: NotFound: adapter 'nobody' not found\n"
 
@@ -309,7 +314,7 @@ def test_each_question_says_what_will_change(
         "once; the name cannot be used again. [y/N] "
     )
     assert re.match(
-        rf"Revoke key \d+ \(ci, lp_\w+…\) of {t}\? Requests with it fail at once; this cannot "
+        rf"Revoke key \d+ \(ci, lp_[\w-]+…\) of {t}\? Requests with it fail at once; this cannot "
         r"be undone\. \[y/N\] ",
         questions["keys-revoke"],
     ), questions["keys-revoke"]

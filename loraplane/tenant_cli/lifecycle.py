@@ -60,10 +60,15 @@ def rollback(args: argparse.Namespace) -> int:
         if not earlier:
             from loraplane.tenant_cli.client import ApiError  # httpx: only when a command runs
 
+            where = (
+                f"serves {_v(current)}, its oldest version"
+                if current is not None
+                else "serves no version yet"
+            )
             raise ApiError(
                 "NoEarlierVersion",
-                f"{args.name} serves {_v(current)}, its oldest version: there is no earlier "
-                f"version to roll back to (see: loraplane adapters versions {args.name})",
+                f"{args.name} {where}: there is no earlier version to roll back to (see: "
+                f"loraplane adapters versions {args.name})",
                 refused=True,
             )
         target = max(earlier)

@@ -61,9 +61,18 @@ def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
 
 
 def _version(text: str) -> int:
-    if not text.removeprefix("v").isdigit() or int(text.removeprefix("v")) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a version (1, 2, ... or v1, v2, ...)")
-    return int(text.removeprefix("v"))
+    number = text.removeprefix("v")
+    if not number.isdigit() or int(number) < 1:
+        hint = ""
+        if text.lower() in ("latest", "newest", "head", "null", "none"):
+            hint = (
+                "; to serve the newest version and follow pushes: loraplane adapters "
+                "follow-latest NAME"
+            )
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a version (1, 2, ... or v1, v2, ...){hint}"
+        )
+    return int(number)
 
 
 def _key_id(text: str) -> int:
