@@ -48,6 +48,12 @@ from tests.dataplane.conftest import (  # noqa: E402
     compile_without_gpu,
 )
 
+# fixtures: the Gemma models and their adapters, built once for this module
+from tests.dataplane.test_models_gemma_parity import (  # noqa: E402, F401
+    gemma_families,
+    gemma_models,
+)
+
 if INTERPRETED and not at.is_interpreted():
     pytest.skip(
         "attention_triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True
@@ -382,6 +388,27 @@ def test_model_logits_with_triton_attention_equal_the_torch_path(
 ) -> None:
     """mistral: 8 heads over 2 KV heads, an 8-token sliding window; qwen2: 4 heads over 1."""
     model = loaded_models(kind)
+    if model.model.lm_head.weight.device != DEVICE:
+        pytest.skip("the loaded models live on the CPU: compare there (interpreter)")
+    monkeypatch.setenv(attention.ENV, "torch")
+    want = _runner_schedule(model, random.Random(kind))
+    monkeypatch.setenv(attention.ENV, "triton")
+    got = _runner_schedule(model, random.Random(kind))
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens and len(g.logits) == len(w.logits) > 0
+        torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
+def test_gemma_logits_with_triton_attention_equal_the_torch_path(
+    kind: str,
+    gemma_models: Callable[[str], LoadedModel],  # noqa: F811 - the imported fixture
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gemma2: soft-capped scores (cap 2) and a 6-token window on every other layer, head_dim
+    32 over hidden 64; gemma3_text: 4 heads over 1 KV head, 5 sliding layers : 1 full."""
+    model = gemma_models(kind)
     if model.model.lm_head.weight.device != DEVICE:
         pytest.skip("the loaded models live on the CPU: compare there (interpreter)")
     monkeypatch.setenv(attention.ENV, "torch")
