@@ -59,6 +59,17 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
+def as_sent(exc: AdapterRejected, source: Path) -> AdapterRejected:
+    """The refusal of an upload worded for the tenant who sent it: the folder its files were
+    received in (a path on this server, which means nothing to the tenant) is "the upload",
+    and a file in it goes by its own name, as the CLI names the tenant's own files."""
+    folder = str(source)
+    if folder not in exc.message:
+        return exc
+    text = exc.message.replace(folder + "/", "").replace(folder, "the upload")
+    return AdapterRejected(ReasonCode(exc.code), text)
+
+
 def limits_for(
     session: Session, *, tenant: Tenant, base_model: str, settings: Settings
 ) -> tuple[BaseModelSpec, AdapterLimits]:
@@ -123,7 +134,8 @@ def ingest_adapter(
     )
     try:
         stored = ingest(source, tenant.name, name, spec, limits, store, created_by=actor)
-    except AdapterRejected as exc:
+    except AdapterRejected as raw:
+        exc = as_sent(raw, source)
         audit.record_failure(
             factory,
             actor=actor,
@@ -132,7 +144,9 @@ def ingest_adapter(
             outcome=f"rejected:{ReasonCode(exc.code).value}",
             detail={"message": exc.message[:500]},
         )
-        raise
+        if exc is raw:
+            raise
+        raise exc from raw
     record = crud_adapters.StoredVersion(
         version=stored.version,
         digest=stored.digest,

@@ -33,7 +33,7 @@ from loraplane.controlplane.cluster import AdapterResources, AppliedAdapter
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import audit
 from loraplane.controlplane.errors import InvalidRequest, SourceNotAllowed
-from loraplane.controlplane.ingestion import check_adapter_name, limits_for
+from loraplane.controlplane.ingestion import as_sent, check_adapter_name, limits_for
 from loraplane.controlplane.models import Tenant
 from loraplane.controlplane.settings import Settings
 
@@ -80,12 +80,18 @@ def validated_files(
     spec, limits = limits_for(session, tenant=tenant, base_model=base_model, settings=settings)
     crud_adapters.check_adapter_quota(session, tenant=tenant, name=name)
     session.rollback()  # hold no transaction while the adapter is checked
-    with open_adapter_source(source, limits) as files:
-        validate_adapter(files, spec, limits, scan_weights=True).close()
-        ignored = files.ignored
-        if source.is_dir():
-            pairs = [(CONFIG_NAME, files.config_path), (WEIGHTS_NAME, files.weights_path)]
-            return pairs, ignored
+    try:
+        with open_adapter_source(source, limits) as files:
+            validate_adapter(files, spec, limits, scan_weights=True).close()
+            ignored = files.ignored
+            if source.is_dir():
+                pairs = [(CONFIG_NAME, files.config_path), (WEIGHTS_NAME, files.weights_path)]
+                return pairs, ignored
+    except AdapterRejected as exc:
+        worded = as_sent(exc, source)
+        if worded is exc:
+            raise
+        raise worded from exc
     kind = archive_kind(source)
     if kind is None:  # open_adapter_source accepted it, so this cannot happen
         raise AdapterRejected(ReasonCode.UNSUPPORTED_FORMAT, f"{source.name} is not an archive")

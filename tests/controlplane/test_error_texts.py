@@ -6,10 +6,15 @@ reason (adapters, rank, bytes). Each asserted on the app's answers."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from loraplane.adapters.errors import AdapterRejected
+from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME, open_adapter_source
 from loraplane.controlplane.console.app import reasons
 from tests.controlplane.conftest import ADMIN_H, BASE_NAME, Api, bearer
 
@@ -169,3 +174,28 @@ def test_at_a_tie_the_pools_limit_is_named(api: Api) -> None:
     assert r.json()["error"]["message"] == (
         "rank 8 exceeds the pool's max_lora_rank 4 (pool default/pool-a)"
     )
+
+
+# -- a config without its weights -------------------------------------------------------------
+
+
+def test_a_config_without_weights_says_so_as_the_cli_does_and_names_no_server_path(
+    ready: Api, tmp_path: Path
+) -> None:
+    folder = tmp_path / "half"
+    folder.mkdir()
+    shutil.copy(ready.adapter_dir() / CONFIG_NAME, folder / CONFIG_NAME)
+    (folder / "README.md").write_text("a model card, no weights\n")
+    # what `loraplane adapters push` says of the tenant's own folder
+    with pytest.raises(AdapterRejected) as cli, open_adapter_source(folder, AdapterLimits()):
+        pass
+    assert cli.value.message == f"{folder} has no {WEIGHTS_NAME} beside {CONFIG_NAME}"
+    said = f"the upload has no {WEIGHTS_NAME} beside {CONFIG_NAME}"
+    key = ready.keys["acme"]
+    r = ready.upload(key, "half", folder)  # both files as parts: the console and REST
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == {"code": "UnsupportedFormat", "message": said}
+    r = ready.upload(key, "half", folder, headers={"Prefer": "respond-async"})
+    assert r.status_code == 202, r.text
+    job = ready.wait_upload(key, r.headers["location"])  # a background ingest says the same
+    assert job["error"] == {"code": "UnsupportedFormat", "message": said}
