@@ -477,3 +477,37 @@ def test_an_error_shows_the_apis_reason_first(browser: WebDriver, stack: Stack) 
         """
     )
     assert said == ["name: Field required", "Method Not Allowed", "502 Bad Gateway"]
+
+
+@pytest.mark.parametrize("browser", [1280], indirect=True, ids=["1280px"])
+def test_a_rate_limit_of_0_is_saved_and_shown_as_unlimited_and_a_0_quota_is_refused_in_words(
+    browser: WebDriver, stack: Stack
+) -> None:
+    assert stack.admin("POST", "/v1/tenants", json={"name": "quotas"}).status_code == 201
+    assert sign_in(browser, stack.url, ADMIN, "#/tenants/quotas") == "quotas"
+
+    def set_value(element_id: str, value: str) -> None:
+        element = browser.find_element(By.ID, element_id)
+        element.clear()
+        element.send_keys(value)
+
+    hint = browser.find_element(By.ID, "quota-tokens_per_minute-hint").text
+    assert hint == "0: unlimited"
+    set_value("quota-tokens_per_minute", "0")
+    browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()
+    wait(
+        browser, lambda d: stack.admin("GET", "/v1/tenants/quotas").json()["tokens_per_minute"] == 0
+    )
+    assert go(browser, "#/tenants") == "Tenants"
+    row = browser.find_element(By.XPATH, "//table//tr[td/a[text()='quotas']]")
+    cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[7] == "unlimited" and cells[6] == "600", cells  # tokens, requests per minute
+
+    assert go(browser, "#/tenants/quotas") == "quotas"
+    set_value("quota-max_adapters", "0")
+    browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()
+    box = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#view .reason[role=alert]"))
+    said = stack.admin("PATCH", "/v1/tenants/quotas", json={"max_adapters": 0}).json()["error"]
+    assert box.find_element(By.CSS_SELECTOR, "p.why").text == f"{said['code']}: {said['message']}"
+    assert "max_adapters" in said["message"]
+    assert stack.admin("GET", "/v1/tenants/quotas").json()["max_adapters"] == 100

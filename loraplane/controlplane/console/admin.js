@@ -14,6 +14,13 @@ const QUOTAS = [
   ["requests_per_minute", "Requests per minute"],
   ["tokens_per_minute", "Tokens per minute"],
 ];
+// The rate limits take 0 for "no limit"; the other quotas refuse 0 (the API says why).
+const UNLIMITED_AT_ZERO = new Set(["requests_per_minute", "tokens_per_minute"]);
+
+/** A per-minute limit as people read it: 0 is "unlimited". */
+function rate(n) {
+  return Number(n) === 0 ? "unlimited" : count(n);
+}
 // A weight is a share of a contended replica's seats and tokens, relative to the other tenants'.
 const WEIGHT_HINT = "Share of a busy replica (1: equal; up to 1000).";
 
@@ -50,8 +57,8 @@ export async function tenants(app) {
         count(t.max_adapters),
         count(t.max_rank),
         bytes(t.max_bytes),
-        count(t.requests_per_minute),
-        count(t.tokens_per_minute),
+        rate(t.requests_per_minute),
+        rate(t.tokens_per_minute),
         time(t.created_at),
       ]),
     ),
@@ -72,9 +79,10 @@ export async function tenants(app) {
 }
 
 function quotaForm(app, tenant) {
-  const inputs = QUOTAS.map(([key]) =>
-    h("input", { type: "number", min: "1", step: "1", value: String(tenant[key]), dataset: { key } }),
-  );
+  const inputs = QUOTAS.map(([key]) => {
+    const min = UNLIMITED_AT_ZERO.has(key) ? "0" : "1";
+    return h("input", { type: "number", min, step: "1", value: String(tenant[key]), dataset: { key } });
+  });
   const share = weightInput(tenant.weight ?? 1);
   const place = h("div", {});
   const save = app.guard(async () => {
@@ -92,7 +100,9 @@ function quotaForm(app, tenant) {
       "form",
       { class: "row", novalidate: true, on: { submit: save } },
       field("quota-weight", "Weight", share, WEIGHT_HINT),
-      QUOTAS.map(([key, label], i) => field(`quota-${key}`, label, inputs[i])),
+      QUOTAS.map(([key, label], i) =>
+        field(`quota-${key}`, label, inputs[i], UNLIMITED_AT_ZERO.has(key) ? "0: unlimited" : null),
+      ),
       h("div", { class: "field" }, h("button", { type: "submit" }, "Save quotas")),
     ),
     place,
