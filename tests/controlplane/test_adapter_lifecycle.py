@@ -17,7 +17,7 @@ from loraplane.controlplane import db
 from loraplane.controlplane.crud.adapters import version_ranges
 from loraplane.controlplane.models import Adapter, AuditEvent
 from tests.controlplane import pg
-from tests.controlplane.conftest import SERVICE_H, Api, bearer
+from tests.controlplane.conftest import BASE_NAME, SERVICE_H, Api, bearer
 
 ASYNC = {"Prefer": "respond-async"}
 
@@ -213,6 +213,32 @@ def test_delete_stops_serving_frees_the_quota_keeps_the_files_and_a_push_starts_
     assert (revived["version"]["version"], revived["current_version"]) == (3, 3)
     assert state(api, key) == (3, 3, True)
     assert push(api, key, 4)["current_version"] == 4
+
+
+def test_versions_the_operator_records_follow_the_same_rule(ready: Api) -> None:
+    """Cluster mode: the operator stores a LoRAAdapter's new content and records it through
+    the internal API; a held adapter keeps serving its version, a following one moves."""
+    key = ready.keys["acme"]
+    tenant = "acme"  # the tenant's namespace
+
+    def record(version: int) -> Any:
+        body = {
+            "tenant": tenant, "name": "gitops", "version": version, "digest": f"{version:064x}",
+            "path": f"adapters/acme/gitops/v{version}", "rank": 8, "alpha": 16.0,
+            "target_modules": ["q_proj"], "size_bytes": 1, "base_model": BASE_NAME,
+        }  # fmt: skip
+        r = ready.client.post("/internal/v1/versions", json=body, headers=SERVICE_H)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    record(1)
+    assert record(2)["current_version"] == 2
+    assert patch(ready, key, 1, name="gitops").status_code == 200
+    assert record(3)["current_version"] == 1
+    assert served(ready, key, "gitops") == 1
+    assert patch(ready, key, None, name="gitops").json()["current_version"] == 3
+    assert record(4)["current_version"] == 4
+    assert served(ready, key, "gitops") == 4
 
 
 def test_a_background_upload_answers_the_served_version_and_the_ignored_files(ready: Api) -> None:
