@@ -319,3 +319,29 @@ def test_gemma3_image_text_checkpoint_serves_its_text_stack_as_hf_does(tmp_path:
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(torch.stack(seq.logits), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_half_precision_gemma_and_pool_stay_close_to_hf_peft_fp32(
+    kind: str,
+    dtype: torch.dtype,
+    gemma_families: dict[str, Family],
+    gemma_reference: Callable[[str], torch.nn.Module],
+) -> None:
+    fam, rng = gemma_families[kind], random.Random(7)
+    spec = _spec(fam.model_dir)
+    model = load_model(fam.model_dir, dtype, torch.device("cpu"))
+    pool = LoRAPool(3, spec, dtype, "cpu")
+    install_lora(model, pool)
+    names: list[str | None] = ["r64", None, "r8-qv", "r32-mlp"]
+    for slot, name in enumerate(n for n in names if n):
+        pool.load(slot, load_lora(fam.adapters[name], spec))
+    slots = iter(range(3))
+    seqs = [Seq(_prompt(rng, 11), next(slots) if n else -1) for n in names]
+    PagedRunner(model, num_blocks=16, block_size=4).step([(s, 11) for s in seqs])
+    reference = gemma_reference(kind)
+    for seq, name in zip(seqs, names, strict=True):
+        expected = hf_logits(reference, seq.tokens, name)
+        # logits of up to ~15 (the Llama test's are < 1): twice its absolute tolerance
+        torch.testing.assert_close(torch.stack(seq.logits), expected, atol=0.1, rtol=0.05)
