@@ -5,7 +5,8 @@ local store): Serve vN, Roll back, Follow latest, Delete and a key's Revoke each
 nothing (the REST API says so), the dialog's own button does it. Also: the upload form's base
 models come from GET /v1/base-models (none: a message), an upload's ignored files are listed,
 the pools view draws its slots bar from what runs (not from what is cached), and an error
-shows the API's reason first.
+shows the API's reason first. And a new tenant's tour, at both widths: key, upload (a Trainer
+checkpoint folder), the quota's refusal, roll back, follow latest, delete, upload again.
 """
 
 from __future__ import annotations
@@ -511,3 +512,80 @@ def test_a_rate_limit_of_0_is_saved_and_shown_as_unlimited_and_a_0_quota_is_refu
     assert box.find_element(By.CSS_SELECTOR, "p.why").text == f"{said['code']}: {said['message']}"
     assert "max_adapters" in said["message"]
     assert stack.admin("GET", "/v1/tenants/quotas").json()["max_adapters"] == 100
+
+
+def upload_in_page(driver: WebDriver, name: str, folder: Path) -> WebElement:
+    """Fill the upload form (the base model as chosen for us), drop `folder`'s files, send;
+    the result box once it holds an answer."""
+    element = driver.find_element(By.ID, "up-name")
+    element.clear()
+    element.send_keys(name)
+    drop_files(driver, "dropzone", folder)
+    driver.find_element(By.ID, "upload-submit").click()
+    result: WebElement = wait(
+        driver,
+        lambda d: (box := d.find_element(By.ID, "upload-result")).text and box,
+    )
+    return result
+
+
+def fits(driver: WebDriver) -> None:
+    found = overflow(driver)
+    assert found["scroll"] <= found["inner"] == width(driver), found
+
+
+def test_a_new_tenants_tour_from_key_to_upload_rollback_and_delete(
+    browser: WebDriver, stack: Stack
+) -> None:
+    tenant = f"newbie-{width(browser)}"
+    body = {"name": tenant, "max_adapters": 1}
+    assert stack.admin("POST", "/v1/tenants", json=body).status_code == 201
+    key = stack.admin("POST", f"/v1/tenants/{tenant}/keys", json={"name": "first"}).json()["key"]
+    me = {"Authorization": f"Bearer {key}"}
+
+    # the key opens an empty list that points at the upload form
+    assert sign_in(browser, stack.url, key) == "Adapters"
+    assert "No adapters yet. Upload one." in view_text(browser)
+    fits(browser)
+    browser.find_element(By.LINK_TEXT, "Upload one").click()
+    assert heading(browser) == "Upload an adapter"
+    select = Select(browser.find_element(By.ID, "up-base"))
+    assert select.first_selected_option.get_attribute("value") == TINY_BASE_NAME
+    assert "rank up to" in browser.find_element(By.ID, "up-base-limits").text
+    fits(browser)
+
+    # a Trainer's checkpoint folder as it is: stored, its artefacts named as ignored
+    trainer = stack.folder("checkpoint-500", "training_args.bin", "optimizer.pt", "scheduler.pt")
+    result = upload_in_page(browser, "first", trainer)
+    assert "Stored first v1" in result.text, result.text
+    assert "ignored: optimizer.pt, scheduler.pt, training_args.bin" in result.text
+    result = upload_in_page(browser, "first", stack.folder("first"))
+    wait(browser, lambda d: "Stored first v2" in text_of(d, "upload-result"))
+    # a second name is over the quota of 1: the reason says what to do, and the console can
+    result = upload_in_page(browser, "second", stack.folder("second"))
+    alert = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#upload-result [role=alert]"))
+    assert alert.text.startswith("QuotaExceeded: ")
+    assert "quota of 1 adapters" in alert.text and "the console's Delete" in alert.text
+    fits(browser)
+
+    assert go(browser, "#/adapters") == "Adapters"
+    row = browser.find_element(By.XPATH, "//table//tr[td/a[text()='first']]")
+    assert "v2 of 2" in row.text and "follows latest" in row.text
+    row.find_element(By.LINK_TEXT, "first").click()
+    assert heading(browser) == "first"
+    confirmed(browser, "Roll back to v1")
+    wait(browser, lambda d: "v1, held (latest v2)" in text_of(d, "serving"))
+    assert httpx.get(f"{stack.url}/v1/adapters/first", headers=me).json()["current_version"] == 1
+    confirmed(browser, "Follow latest")
+    wait(browser, lambda d: "v2, following the latest" in text_of(d, "serving"))
+    fits(browser)
+    confirmed(browser, "Delete first")
+    assert heading(browser) == "Adapters"
+    assert "No adapters yet." in view_text(browser)
+    assert httpx.get(f"{stack.url}/v1/adapters/first", headers=me).status_code == 404
+
+    # the quota is free again: the second name goes in
+    assert go(browser, "#/upload") == "Upload an adapter"
+    result = upload_in_page(browser, "second", stack.folder("second"))
+    wait(browser, lambda d: "Stored second v1" in text_of(d, "upload-result"))
+    fits(browser)
