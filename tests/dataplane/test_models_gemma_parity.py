@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.attention import AttentionMetadata, query_positions
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
 from loraplane.dataplane.models import load_model, read_config
 from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
@@ -345,3 +346,24 @@ def test_half_precision_gemma_and_pool_stay_close_to_hf_peft_fp32(
         expected = hf_logits(reference, seq.tokens, name)
         # logits of up to ~15 (the Llama test's are < 1): twice its absolute tolerance
         torch.testing.assert_close(torch.stack(seq.logits), expected, atol=0.1, rtol=0.05)
+
+
+def test_embedding_scale_is_rounded_to_the_weights_dtype_as_transformers_does() -> None:
+    """sqrt(72) = 8.485 is 8.5 in bf16: the first layer sees embed * 8.5, as in HF."""
+    config = GemmaConfig.from_hf(
+        {"model_type": "gemma2", "vocab_size": 40, "hidden_size": 72, "intermediate_size": 16,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "head_dim": 8}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(config).to(torch.bfloat16)
+    model.allocate_kv_cache(2, 4)
+    seen: list[torch.Tensor] = []
+    layer = model.model.decoder_layers[0]  # type: ignore[attr-defined]
+    layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    ids = torch.tensor([3, 7, 11])
+    attn = AttentionMetadata.build([3], [3], [[0]], 4)
+    model(ids, query_positions([3], [3]), attn)
+    embedded = model.model.embed_tokens(ids)
+    assert torch.equal(seen[0], embedded * torch.tensor(8.5, dtype=torch.bfloat16))
+    assert not torch.equal(seen[0], (embedded.float() * 72**0.5).to(torch.bfloat16))

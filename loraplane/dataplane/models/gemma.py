@@ -355,12 +355,12 @@ class GemmaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:  # [T, hidden]
-        weight = self.embed_tokens.weight
         # the factor is rounded to the weights' dtype first, as transformers does (in bf16
-        # sqrt(3072) = 55.43 becomes 55.5): the checkpoints were trained that way
-        x = self.embed_tokens(input_ids) * torch.tensor(
-            self.embed_scale, dtype=weight.dtype, device=weight.device
-        )
+        # sqrt(3072) = 55.43 becomes 55.5): the checkpoints were trained that way. A host
+        # scalar, so no copy to the device is issued (CUDA graphs capture this forward).
+        dtype = self.embed_tokens.weight.dtype
+        scale = float(torch.tensor(self.embed_scale, dtype=dtype))
+        x = self.embed_tokens(input_ids) * scale
         tables = self.rotary_emb(positions, x.dtype)
         for layer in self.decoder_layers:
             cos, sin = tables[layer.is_sliding]
