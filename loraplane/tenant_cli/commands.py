@@ -48,8 +48,9 @@ environment:
 ADMIN_ENV_HELP = f"""\
 environment:
   {URL_ENV}          the control plane (default {DEFAULT_URL}); or --url
-  {ADMIN_ENV}  the control plane's admin token (embedded mode: in the file
-                         .loraplane/admin-token by default); or --admin-token"""
+  {ADMIN_ENV}  the control plane's admin token; or --admin-token; with neither,
+                         read from .loraplane/admin-token (in $LORAPLANE_DATA_DIR when set),
+                         which the embedded control plane and `loraplane demo` write"""
 
 
 class UsageError(Exception):
