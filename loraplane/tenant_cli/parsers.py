@@ -51,11 +51,11 @@ def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
         + ("(default 1; at most 1000)" if creating else "(at most 1000)"),
     )
     for flag, meaning in (
-        ("max-adapters", "adapters the tenant may have"),
-        ("max-rank", "the highest LoRA rank of its adapters"),
-        ("max-bytes", "bytes of one adapter's weights"),
-        ("requests-per-minute", "requests per minute, over all replicas"),
-        ("tokens-per-minute", "tokens per minute, over all replicas"),
+        ("max-adapters", "adapters the tenant may have (at least 1)"),
+        ("max-rank", "the highest LoRA rank of its adapters (at least 1)"),
+        ("max-bytes", "bytes of one adapter's weights (at least 1)"),
+        ("requests-per-minute", "requests per minute, over all replicas (0: unlimited)"),
+        ("tokens-per-minute", "tokens per minute, over all replicas (0: unlimited)"),
     ):
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
 
