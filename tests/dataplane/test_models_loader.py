@@ -50,10 +50,10 @@ def test_unimplemented_rope_scaling_is_refused_rather_than_computed_wrongly(
 ) -> None:
     model_dir = _copy_with_config(
         tiny_llama_dir,
-        tmp_path / "yarn",
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
+        tmp_path / "proportional",
+        rope_parameters={"rope_type": "proportional", "factor": 4.0, "rope_theta": 10000.0},
     )
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    with pytest.raises(UnsupportedModelError, match="proportional"):
         load_model(model_dir, torch.float32, torch.device("cpu"))
 
 

@@ -1,8 +1,13 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch and a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4) over a flat batch and a
+paged KV cache.
 
 Module names follow the HF checkpoints (`model.layers.0.self_attn.q_proj`, ...), so weights load
-by name and LoRA wraps the same projections PEFT adapts. Every linear layer stays a separate
-`nn.Linear` (q, k, v, gate, up unfused) so `install_lora` can wrap each one.
+by name and LoRA wraps the same projections PEFT adapts. Every linear layer stays the
+`nn.Linear` the checkpoint has: q, k, v, gate, up separate for Llama, Mistral and Qwen; Phi-3's
+`qkv_proj` and `gate_up_proj` fused, so a Phi-3 adapter (trained on those fused names) wraps
+them directly, its B [q + k + v out, r] read once, rank-exact.
+Qwen3 norms each q and k head (RMSNorm over head_dim) before RoPE; Phi-3 rotates only the first
+partial_rotary_factor of each head.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.models.config import ModelConfig
 from loraplane.dataplane.models.rope import RotaryEmbedding, apply_rotary
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, rotary_dim]
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, with the statistics in fp32."""
@@ -26,7 +33,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -44,10 +51,20 @@ class Attention(nn.Module):
         self.sliding_window = config.sliding_windows[layer_idx]
         q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, q_out, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+        self.split = [q_out, kv_out, kv_out]
+        self.fused = config.fused_projections
+        if self.fused:
+            self.qkv_proj = nn.Linear(hidden, q_out + 2 * kv_out, bias=config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(hidden, q_out, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_out, hidden, bias=config.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_head_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
 
@@ -61,9 +78,16 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("the KV cache is not allocated: call allocate_kv_cache first")
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+            v = v.contiguous()
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(
             q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window
@@ -73,17 +97,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Phi-3: gate and up are the halves of gate_up(x)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.fused = config.fused_projections
+        if self.fused:
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+            self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 
@@ -116,19 +148,28 @@ class DecoderModel(nn.Module):
         self.decoder_layers = layers  # the same modules, typed
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        # RoPE per layer type (transformers 5 rope_parameters keyed by layer type): one table
+        # per distinct RoPE, each layer reading its own
+        ropes = [config.layer_rope(i) for i in range(config.num_layers)]
+        distinct = [r for i, r in enumerate(ropes) if r != config.rope and r not in ropes[:i]]
+        self.layer_rotary = nn.ModuleList(RotaryEmbedding(r, config.head_dim) for r in distinct)
+        self.layer_table = [0 if r == config.rope else 1 + distinct.index(r) for r in ropes]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.decoder_layers:
+        tables: list[RopeTables] = [self.rotary_emb(positions, x.dtype, attn)]
+        tables += [rotary(positions, x.dtype, attn) for rotary in self.layer_rotary]
+        for layer, table in zip(self.decoder_layers, self.layer_table, strict=True):
+            cos, sin = tables[table]
             x = layer(x, cos, sin, attn)
         return self.norm(x)  # type: ignore[no-any-return]
 
 
 class LlamaForCausalLM(nn.Module):
-    """A causal LM for model_type llama, mistral and qwen2, driven by the engine's model runner.
+    """A causal LM for model_type llama, mistral, qwen2, qwen3 and phi3, driven by the engine's
+    model runner.
 
     The runner calls `allocate_kv_cache` once, then per step `forward` on a flat batch and
     `compute_logits` on the rows it samples from.
