@@ -12,12 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from loraplane import fileaccess
+from loraplane.adapters.families import (
+    ATTENTION_MODULES,
+    FAMILIES,
+    FUSED_ATTENTION_MODULES,
+    MLP_MODULES,
+    PACKED_EXPERT_PARAMS,
+    Family,
+)
 
-# The linear layers a LoRA adapter may target, in a decoder layer of the Llama family.
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# The linear layers a LoRA adapter may target in a decoder layer of the Llama layout (the
+# other families' are in `families`).
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 class BaseModelError(ValueError):
@@ -93,9 +100,37 @@ def _int_field(config: dict[str, Any], key: str, default: int | None = None) -> 
     return value
 
 
+def _experts_field(config: dict[str, Any], key: str, default: int) -> int:
+    value = config.get(key, default)
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BaseModelError(
+            f"config.json field {key!r} must be a non-negative integer, got {value!r}"
+        )
+    return value
+
+
+def _moe_layers(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """The layers whose MLP is a mixture of experts (as the HF decoder layer decides)."""
+    if model_type == "mixtral":
+        return tuple(range(num_layers))
+    step = _int_field(config, "decoder_sparse_step", 1)
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in dense
+    ):
+        raise BaseModelError("config.json field 'mlp_only_layers' must be a list of layer indices")
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
 @dataclass(frozen=True, slots=True)
 class BaseModelSpec:
-    """Shapes of a Llama-family base model, enough to check an adapter against it."""
+    """Shapes of a base model's adaptable linear layers, enough to check an adapter against it.
+
+    `intermediate_size` is a dense MLP's (Mixtral: an expert's); `num_experts`,
+    `moe_intermediate_size` and `moe_layers` describe a mixture-of-experts model's sparse
+    layers (0, 0, () for a dense model)."""
 
     name: str
     model_type: str
@@ -105,29 +140,59 @@ class BaseModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str) -> BaseModelSpec:
-        """Read the shapes from a parsed HF `config.json`."""
+        """Read the shapes from a parsed HF `config.json`; a field it leaves out takes the
+        default of the family's transformers config class."""
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+        if family is None or not isinstance(model_type, str):
             raise BaseModelError(
                 f"unsupported model_type {model_type!r}; supported: "
                 + ", ".join(SUPPORTED_MODEL_TYPES)
             )
-        hidden = _int_field(config, "hidden_size")
-        heads = _int_field(config, "num_attention_heads")
-        kv_heads = _int_field(config, "num_key_value_heads", heads)
-        head_dim = _int_field(config, "head_dim", hidden // heads)
+        text = config
+        if family.nested_text_config:
+            text = config.get("text_config")  # type: ignore[assignment]
+            if not isinstance(text, dict):
+                raise BaseModelError(
+                    f"config.json of a {model_type} model must hold its text stack's numbers "
+                    "in a 'text_config' object"
+                )
+        hidden = _int_field(text, "hidden_size")
+        heads = _int_field(text, "num_attention_heads")
+        kv_heads = _int_field(text, "num_key_value_heads", heads)
+        head_dim = _int_field(text, "head_dim", family.head_dim_default or hidden // heads)
+        layers = _int_field(text, "num_hidden_layers")
+        intermediate = _int_field(text, "intermediate_size")
+        experts, moe_inter = 0, 0
+        moe_layers: tuple[int, ...] = ()
+        # transformers 5 writes `num_local_experts` for both; Qwen's own configs `num_experts`
+        key = "num_local_experts" if "num_local_experts" in text else "num_experts"
+        if model_type == "mixtral":
+            experts = _int_field(text, key, 8)
+            moe_inter = intermediate
+        elif model_type == "qwen3_moe":
+            experts = _experts_field(text, key, 128)
+            moe_inter = _int_field(text, "moe_intermediate_size", 768)
+        if experts:
+            moe_layers = _moe_layers(text, model_type, layers)
         return cls(
             name=name,
             model_type=model_type,
-            num_layers=_int_field(config, "num_hidden_layers"),
+            num_layers=layers,
             hidden_size=hidden,
-            intermediate_size=_int_field(config, "intermediate_size"),
+            intermediate_size=intermediate,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
+            num_experts=experts if moe_layers else 0,
+            moe_intermediate_size=moe_inter if moe_layers else 0,
+            moe_layers=moe_layers,
         )
 
     @classmethod
@@ -138,22 +203,107 @@ class BaseModelSpec:
             raise BaseModelUnavailable(f"no config.json in {path}")
         return cls.from_config(read_config(str(path)), name or path.name)
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES.get(self.model_type, FAMILIES["llama"])
+
+    @property
+    def layer_prefix(self) -> str:
+        """Where the decoder layers live in the HF model (transformers 5 layout)."""
+        return self.family.prefixes[0] + "layers"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer in self.moe_layers
+
+    def layer_modules(self, layer: int) -> tuple[str, ...]:
+        """The linear layers of decoder layer `layer` an adapter may adapt, in the checkpoint's
+        own layout (fused names for Phi-3; one entry per expert, `experts.N.NAME`, in a sparse
+        layer; the packed `experts.gate_up_proj` / `experts.down_proj` are the alternative)."""
+        family = self.family
+        if not self.is_moe_layer(layer):
+            return family.attention + family.mlp
+        per_expert = tuple(
+            f"experts.{e}.{m}" for e in range(self.num_experts) for m in family.experts
+        )
+        return family.attention + per_expert
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Every module name some layer has (experts without their index: `experts.NAME`)."""
+        family = self.family
+        names = list(family.attention)
+        if any(not self.is_moe_layer(i) for i in range(self.num_layers)):
+            names += family.mlp
+        if self.num_experts:
+            names += [f"experts.{m}" for m in family.experts]
+        return tuple(names)
+
+    def has_module(self, layer: int, module: str) -> bool:
+        """Whether decoder layer `layer` holds `module` (layer_modules, or a packed expert
+        parameter in a sparse layer of a family that packs them)."""
+        family = self.family
+        if module in family.attention:
+            return True
+        parts = module.split(".")
+        if not self.is_moe_layer(layer):
+            return module in family.mlp
+        if len(parts) == 2 and parts[0] == "experts":
+            return family.packed_experts and parts[1] in PACKED_EXPERT_PARAMS
+        return (
+            len(parts) == 3
+            and parts[0] == "experts"
+            and parts[1].isdigit()
+            and int(parts[1]) < self.num_experts
+            and parts[2] in family.experts
+        )
+
     def module_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one of SUPPORTED_MODULES."""
+        """(in_features, out_features) of a module: a projection (split or fused name: either
+        layout's geometry is defined for every family), one expert's linear layer
+        (`experts.N.NAME` or `experts.NAME`), or one expert's slice of a packed parameter
+        (`experts.gate_up_proj`, `experts.down_proj`). KeyError for any other name."""
+        hidden = self.hidden_size
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
+        parts = module.split(".")
+        if parts[0] == "experts" and len(parts) in (2, 3):
+            if self.num_experts == 0:
+                raise KeyError(module)
+            inter = self.moe_intermediate_size
+            leaf = parts[-1]
+            expert = {
+                "w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden),
+                "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            }  # fmt: skip
+            if len(parts) == 2 and leaf == "gate_up_proj":
+                return hidden, 2 * inter
+            if leaf not in expert or (len(parts) == 3 and not parts[1].isdigit()):
+                raise KeyError(module)
+            return expert[leaf]
         shapes = {
-            "q_proj": (self.hidden_size, q_out),
-            "k_proj": (self.hidden_size, kv_out),
-            "v_proj": (self.hidden_size, kv_out),
-            "o_proj": (q_out, self.hidden_size),
-            "gate_proj": (self.hidden_size, self.intermediate_size),
-            "up_proj": (self.hidden_size, self.intermediate_size),
-            "down_proj": (self.intermediate_size, self.hidden_size),
+            "q_proj": (hidden, q_out),
+            "k_proj": (hidden, kv_out),
+            "v_proj": (hidden, kv_out),
+            "qkv_proj": (hidden, q_out + 2 * kv_out),
+            "o_proj": (q_out, hidden),
+            "gate_proj": (hidden, self.intermediate_size),
+            "up_proj": (hidden, self.intermediate_size),
+            "gate_up_proj": (hidden, 2 * self.intermediate_size),
+            "down_proj": (self.intermediate_size, hidden),
         }
         return shapes[module]
 
+    def module_block(self, module: str) -> str:
+        """The block of a decoder layer that holds `module`: `self_attn`, `mlp`, or Mixtral's
+        4.x `block_sparse_moe` for its per-expert layers."""
+        if module in ATTENTION_MODULES or module in FUSED_ATTENTION_MODULES:
+            return "self_attn"
+        parts = module.split(".")
+        if parts[0] == "experts" and len(parts) == 3:
+            return self.family.expert_block
+        return "mlp"
+
     def module_key(self, layer: int, module: str) -> str:
         """The module's name inside the HF model, as PEFT matches patterns against it."""
-        block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-        return f"model.layers.{layer}.{block}.{module}"
+        return f"{self.layer_prefix}.{layer}.{self.module_block(module)}.{module}"

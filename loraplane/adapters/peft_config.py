@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.adapters.families import KNOWN_MODULE_NAMES, PACKED_EXPERT_PARAMS, refused_module
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_PATTERNS = 1024
@@ -41,7 +41,6 @@ _REJECTED_FLAGS = {
 _UNSUPPORTED_EXTRAS = (
     "layer_replication",
     "megatron_config",
-    "target_parameters",
     "trainable_token_indices",
     "alora_invocation_tokens",
     "use_qalora",
@@ -110,6 +109,8 @@ class LoraSpec:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
+    # transformers 5's packed MoE experts, adapted as parameters (`experts.gate_up_proj`, ...)
+    target_parameters: tuple[str, ...] = ()
     base_model_name_or_path: str | None = None
     task_type: str | None = None
 
@@ -138,7 +139,7 @@ class LoraSpec:
         if _matches_any(self.exclude_modules, module_key):
             return f"exclude_modules {_shown(self.exclude_modules)} exclude it"
         if self.target_modules == ALL_LINEAR:
-            hit = short in SUPPORTED_MODULES
+            hit = short in KNOWN_MODULE_NAMES
         else:
             hit = _matches_any(self.target_modules, module_key)
         if not hit:
@@ -149,6 +150,15 @@ class LoraSpec:
         if layers is not None and not regex and layer not in layers:
             return f"layers_to_transform {list(layers)} leave out layer {layer}"
         return None
+
+    def parameter_miss(self, param_key: str) -> str | None:
+        """None when PEFT would adapt the parameter `param_key` (a packed experts' weight,
+        `model.layers.N.mlp.experts.gate_up_proj`) through target_parameters; else why not.
+        As in PEFT, a name matches the whole key or its end; exclude_modules and
+        layers_to_transform do not apply to parameters."""
+        if _matches_any(self.target_parameters, param_key):
+            return None
+        return f"target_parameters {_shown(self.target_parameters)} do not select it"
 
     def canonical(self) -> dict[str, Any]:
         """The fields that change the computation, in a PEFT-loadable form."""
@@ -162,7 +172,11 @@ class LoraSpec:
             if isinstance(self.exclude_modules, str)
             else (sorted(self.exclude_modules) or None)
         )
+        extra: dict[str, Any] = {}
+        if self.target_parameters:  # absent otherwise: older digests stay what they were
+            extra["target_parameters"] = sorted(self.target_parameters)
         return {
+            **extra,
             "peft_type": "LORA",
             "task_type": self.task_type,
             "base_model_name_or_path": self.base_model_name_or_path,
@@ -276,16 +290,20 @@ def parse_adapter_config(data: bytes) -> LoraSpec:
         raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
 
     targets = _module_list("target_modules", raw.get("target_modules"), allow_all=True)
-    if not targets:
+    parameters = _target_parameters(raw.get("target_parameters"))
+    if not targets and not parameters:
         raise _invalid("target_modules is empty: the adapter adapts nothing")
     if isinstance(targets, tuple):
         for t in targets:
             short = t.rsplit(".", 1)[-1]
-            if short not in SUPPORTED_MODULES:
+            refused = refused_module(short, t)
+            if refused is not None:
+                raise AdapterRejected(ReasonCode.UNSUPPORTED_TARGET_MODULE, refused)
+            if short not in KNOWN_MODULE_NAMES:
                 raise AdapterRejected(
                     ReasonCode.UNSUPPORTED_TARGET_MODULE,
                     f"target module {t!r} is not supported; supported: "
-                    + ", ".join(SUPPORTED_MODULES),
+                    + ", ".join(KNOWN_MODULE_NAMES),
                 )
 
     layers = raw.get("layers_to_transform")
@@ -323,6 +341,35 @@ def parse_adapter_config(data: bytes) -> LoraSpec:
         rank_pattern=_pattern_map("rank_pattern", raw.get("rank_pattern"), _positive_int),
         alpha_pattern=_pattern_map("alpha_pattern", raw.get("alpha_pattern"), _positive_float),
         layers_to_transform=layers_t,
+        target_parameters=parameters,
         base_model_name_or_path=base[:512] if isinstance(base, str) else None,
         task_type=task,
     )
+
+
+def _target_parameters(raw: object) -> tuple[str, ...]:
+    """PEFT's target_parameters: only the packed experts' weights of a transformers 5 MoE
+    model (`experts.gate_up_proj`, `experts.down_proj`, bare or with their full path)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple) or len(raw) > MAX_PATTERNS:
+        raise _invalid("target_parameters must be a list of parameter names")
+    names: list[str] = []
+    for item in raw:
+        if not isinstance(item, str) or not item or len(item) > MAX_PATTERN_LEN:
+            raise _invalid(f"target_parameters entry {str(item)[:60]!r} must be a parameter name")
+        parts = item.split(".")
+        # PEFT's own conversion of 4.x expert targets writes the bare names (`gate_up_proj`)
+        if parts[-1] in PACKED_EXPERT_PARAMS and (len(parts) == 1 or parts[-2] == "experts"):
+            names.append(item)
+            continue
+        module = parts[-2] if len(parts) >= 2 and parts[-1] == "weight" else parts[-1]
+        refused = refused_module(module, item.removesuffix(".weight"))
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_TARGET_MODULE,
+            refused
+            or f"target_parameters entry {item!r} is not served: only the packed experts' "
+            "parameters (experts.gate_up_proj, experts.down_proj of a transformers 5 "
+            "mixture-of-experts model) are",
+        )
+    return tuple(names)

@@ -14,18 +14,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplane.adapters.base_model import ATTENTION_MODULES, SUPPORTED_MODULES, BaseModelSpec
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.adapters.families import KNOWN_MODULE_NAMES, refused_module
 from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.locate import Located, locate, strip_prefix
 from loraplane.adapters.peft_config import LoraSpec, parse_adapter_config
 from loraplane.adapters.safetensors_io import SafetensorsFile
 from loraplane.adapters.source import AdapterFiles
 
 # PEFT saves `base_model.model.<module path>.lora_A.weight`; the prefix is optional so files
 # written by other tools with the bare module path are accepted too.
-_PEFT_PREFIX = "base_model.model."
 _LORA_WEIGHT = re.compile(r"^(?P<path>.+)\.lora_(?P<which>[AB])\.weight$")
-_LAYER_MODULE = re.compile(r"^(?:model\.)?layers\.(\d{1,6})\.(self_attn|mlp)\.([A-Za-z0-9_]+)$")
 # A base-model parameter saved whole (what PEFT's modules_to_save writes): a decoder layer's
 # linear layer or norm, the final norm, the embeddings or the head.
 _BASE_WEIGHT = re.compile(
@@ -34,11 +34,39 @@ _BASE_WEIGHT = re.compile(
 )
 _OTHER_LORA = re.compile(r"(?:^|\.)([A-Za-z0-9_]+)\.lora_[AB](?:\.|$)")
 _SAVED_MODULES = ("lm_head", "embed_tokens", "score", "modules_to_save", "classifier")
+# The order modules are listed in (target_modules, summaries): q, k, v, o, then the MLP, then
+# experts (an expert's index left out: `experts.w1`).
+_ORDER = (
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+    "down_proj", "experts.w1", "experts.w3", "experts.w2", "experts.gate_proj",
+    "experts.up_proj", "experts.gate_up_proj", "experts.down_proj",
+)  # fmt: skip
+
+
+def generic_module(module: str) -> str:
+    """A module's name without an expert's index: `experts.5.w1` -> `experts.w1`."""
+    parts = module.split(".")
+    return f"experts.{parts[2]}" if len(parts) == 3 and parts[0] == "experts" else module
+
+
+def _module_order(module: str) -> tuple[int, int]:
+    generic = generic_module(module)
+    rank = _ORDER.index(generic) if generic in _ORDER else len(_ORDER)
+    parts = module.split(".")
+    return rank, int(parts[1]) if len(parts) == 3 else -1
 
 
 @dataclass(frozen=True, slots=True)
 class ModuleLoRA:
-    """One adapted linear layer: where it is, its rank and scale, and its tensors' names."""
+    """One adapted linear layer (or packed experts' parameter): where it is, its rank and
+    scale, and its tensors' names.
+
+    `module` is the name inside its block: `q_proj`, `qkv_proj`, one expert's `experts.5.w1`,
+    or a packed parameter `experts.gate_up_proj`, whose A is [rank * experts, in] (expert-major
+    rows) and B [out, rank * experts] (rank-major columns), as PEFT's ParamWrapper lays them
+    out; `in_features` / `out_features` are one expert's. `key` is its name in the HF model
+    (transformers 5 layout) and `stem` the module path its canonical tensors are named after.
+    """
 
     layer: int
     module: str
@@ -49,16 +77,15 @@ class ModuleLoRA:
     out_features: int
     a_name: str
     b_name: str
-
-    @property
-    def key(self) -> str:
-        block = "self_attn" if self.module in ATTENTION_MODULES else "mlp"
-        return f"model.layers.{self.layer}.{block}.{self.module}"
+    key: str = ""
+    stem: str = ""
+    experts: int = 1  # > 1: a packed parameter's expert count
 
     def canonical_names(self) -> tuple[str, str]:
+        stem = self.stem or self.key
         return (
-            f"base_model.model.{self.key}.lora_A.weight",
-            f"base_model.model.{self.key}.lora_B.weight",
+            f"base_model.model.{stem}.lora_A.weight",
+            f"base_model.model.{stem}.lora_B.weight",
         )
 
 
@@ -81,8 +108,8 @@ class ValidatedAdapter:
 
     @property
     def target_modules(self) -> list[str]:
-        present = {m.module for m in self.modules}
-        return [m for m in SUPPORTED_MODULES if m in present]
+        present = {generic_module(m.module) for m in self.modules}
+        return sorted(present, key=_module_order)
 
     @property
     def tensor_bytes(self) -> int:
@@ -116,10 +143,6 @@ class ValidatedAdapter:
         self.weights.close()
 
 
-def _strip_prefix(name: str) -> str:
-    return name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
-
-
 def _classify_foreign(name: str) -> AdapterRejected:
     """The reason a tensor that is not a LoRA A/B weight is refused: nothing in a LoRA config
     explains it."""
@@ -132,16 +155,19 @@ def _classify_foreign(name: str) -> AdapterRejected:
     if "lora_embedding_" in name:
         return AdapterRejected(
             ReasonCode.UNSUPPORTED_TARGET_MODULE,
-            f"tensor {name!r} adapts an embedding layer, which no served config can target",
+            f"tensor {name!r} adapts an embedding layer: " + str(refused_module("embed_tokens")),
         )
     m = _OTHER_LORA.search(name)
-    if m and m.group(1) not in SUPPORTED_MODULES:
+    if m and m.group(1) not in KNOWN_MODULE_NAMES:
+        refused = refused_module(m.group(1))
         return AdapterRejected(
             ReasonCode.UNSUPPORTED_TARGET_MODULE,
-            f"tensor {name!r} adapts module {m.group(1)!r}; supported: "
-            + ", ".join(SUPPORTED_MODULES),
+            f"tensor {name!r}: {refused}"
+            if refused
+            else f"tensor {name!r} adapts module {m.group(1)!r}; supported: "
+            + ", ".join(KNOWN_MODULE_NAMES),
         )
-    if _BASE_WEIGHT.match(_strip_prefix(name)) or any(
+    if _BASE_WEIGHT.match(strip_prefix(name)) or any(
         part in name.split(".") for part in _SAVED_MODULES
     ):
         return AdapterRejected(
@@ -157,58 +183,20 @@ def _classify_foreign(name: str) -> AdapterRejected:
     )
 
 
-def _locate(name: str, path: str, spec: LoraSpec, base: BaseModelSpec | None) -> tuple[int, str]:
-    """(layer, module) of a LoRA weight named `name` for module `path`, once the base model
-    has that module and the config targets it; else the rejection that names the tensor."""
-    short = _strip_prefix(path)
-    m = _LAYER_MODULE.match(short)
-    if m is None:
-        raise _module_refused(
-            name, f"adapts {short!r}, which is not a linear layer of a decoder block"
-        )
-    layer, block, module = int(m.group(1)), m.group(2), m.group(3)
-    if module not in SUPPORTED_MODULES:
-        raise _module_refused(name, f"adapts module {module!r}, which the base model lacks")
-    if (block == "self_attn") != (module in ATTENTION_MODULES):
-        raise _module_refused(
-            name,
-            f"adapts {block}.{module}, which the base model lacks ({module} is not in {block})",
-        )
-    if base is not None and layer >= base.num_layers:
-        raise AdapterRejected(
-            ReasonCode.BASE_MODEL_MISMATCH,
-            f"tensor {name!r} is for layer {layer} but {base.name} has {base.num_layers} layers "
-            f"(0 to {base.num_layers - 1})",
-        )
-    key = f"model.layers.{layer}.{block}.{module}"
-    miss = spec.target_miss(key, layer)
-    if miss is not None:
-        raise AdapterRejected(
-            ReasonCode.UNSUPPORTED_TARGET_MODULE,
-            f"tensor {name!r} adapts {key}, which the config does not target ({miss}): every "
-            "tensor must belong to a targeted module",
-        )
-    return layer, module
-
-
-def _module_refused(name: str, what: str) -> AdapterRejected:
-    return AdapterRejected(
-        ReasonCode.UNSUPPORTED_TARGET_MODULE,
-        f"tensor {name!r} {what}; LoRA is served on " + ", ".join(SUPPORTED_MODULES),
-    )
-
-
 def _pair_tensors(
     weights: SafetensorsFile, spec: LoraSpec, base: BaseModelSpec | None
-) -> dict[tuple[int, str], dict[str, str]]:
+) -> dict[tuple[int, str], tuple[Located, dict[str, str]]]:
     """Every tensor must be explained by the config and the base model: a LoRA A or B weight
     of a module the base model has and the config targets. Group them by module."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
+    places: dict[tuple[int, str], Located] = {}
     for name in sorted(weights.tensors):
         m = _LORA_WEIGHT.match(name)
         if m is None:
             raise _classify_foreign(name)
-        layer, module = _locate(name, m.group("path"), spec, base)
+        place = locate(name, m.group("path"), spec, base)
+        layer, module = place.layer, place.module
+        places.setdefault((layer, module), place)
         which = m.group("which")
         slot = pairs.setdefault((layer, module), {})
         if which in slot:
@@ -227,18 +215,18 @@ def _pair_tensors(
                     ReasonCode.SHAPE_MISMATCH,
                     f"layer {layer} {module} has lora_{other} but no lora_{which}",
                 )
-    return pairs
+    return {where: (places[where], slot) for where, slot in pairs.items()}
 
 
 def _check_module(
     spec: LoraSpec,
     weights: SafetensorsFile,
-    layer: int,
-    module: str,
+    place: Located,
     names: dict[str, str],
     base: BaseModelSpec | None,
     seen_shapes: dict[str, tuple[int, int]],
 ) -> ModuleLoRA:
+    layer, module, key = place.layer, place.module, place.key
     a, b = weights.tensors[names["A"]], weights.tensors[names["B"]]
     where = f"layer {layer} {module}"
     if len(a.shape) != 2 or len(b.shape) != 2:
@@ -252,13 +240,16 @@ def _check_module(
             ReasonCode.SHAPE_MISMATCH,
             f"{where}: lora_A has rank {rank_a} but lora_B has rank {rank_b}",
         )
-    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-    key = f"model.layers.{layer}.{block}.{module}"
     want = spec.rank_for(key)
-    if rank_a != want:
+    # A packed parameter's factors hold every expert's: rank * experts rows of A.
+    experts = 1
+    if place.packed:
+        experts = base.num_experts if base is not None else max(1, rank_a // want)
+    if rank_a != want * experts:
+        per = f" x {experts} experts" if place.packed else ""
         raise AdapterRejected(
             ReasonCode.SHAPE_MISMATCH,
-            f"{where}: tensors have rank {rank_a} but the config gives rank {want} "
+            f"{where}: tensors have rank {rank_a} but the config gives rank {want}{per} "
             "(r / rank_pattern)",
         )
     if base is not None:
@@ -269,8 +260,8 @@ def _check_module(
                 f"{where}: lora_A is {rank_a}x{in_f} and lora_B {out_f}x{rank_b}, but "
                 f"{base.name} needs A {rank_a}x{base_in} and B {base_out}x{rank_a}",
             )
-    elif seen_shapes.setdefault(module, (in_f, out_f)) != (in_f, out_f):
-        first = seen_shapes[module]
+    elif seen_shapes.setdefault(generic_module(module), (in_f, out_f)) != (in_f, out_f):
+        first = seen_shapes[generic_module(module)]
         raise AdapterRejected(
             ReasonCode.SHAPE_MISMATCH,
             f"{where}: in/out features {in_f}/{out_f} differ from another layer's "
@@ -279,13 +270,16 @@ def _check_module(
     return ModuleLoRA(
         layer=layer,
         module=module,
-        rank=rank_a,
+        rank=want,
         alpha=spec.alpha_for(key),
         scale=spec.scale_for(key),
         in_features=in_f,
         out_features=out_f,
         a_name=names["A"],
         b_name=names["B"],
+        key=key,
+        stem=place.stem,
+        experts=experts,
     )
 
 
@@ -346,10 +340,15 @@ def validate_adapter(
 def _check_modules(
     spec: LoraSpec, weights: SafetensorsFile, base: BaseModelSpec | None
 ) -> list[ModuleLoRA]:
+    if spec.target_parameters and base is not None and not base.family.packed_experts:
+        raise AdapterRejected(
+            ReasonCode.UNSUPPORTED_TARGET_MODULE,
+            f"target_parameters {sorted(spec.target_parameters)!r} name packed experts, but "
+            f"{base.name} ({base.model_type}) has none: PEFT would adapt nothing there",
+        )
     pairs = _pair_tensors(weights, spec, base)
     seen: dict[str, tuple[int, int]] = {}
-    order = {m: i for i, m in enumerate(SUPPORTED_MODULES)}
     return [
-        _check_module(spec, weights, layer, module, pairs[(layer, module)], base, seen)
-        for layer, module in sorted(pairs, key=lambda lm: (lm[0], order[lm[1]]))
+        _check_module(spec, weights, *pairs[where], base, seen)
+        for where in sorted(pairs, key=lambda lm: (lm[0], *_module_order(lm[1])))
     ]

@@ -270,7 +270,7 @@ CASES = [
          f"tensor '{Q0}.weight' is a full copy",
          with_tensors(lambda t: put(t, Q0 + ".weight", np.zeros((64, 64), np.float32)))),
     # --- targets, bias, DoRA, modules_to_save ---------------------------------------------------
-    Case("target-lm-head", Code.UNSUPPORTED_TARGET_MODULE, "'lm_head' is not supported",
+    Case("target-lm-head", Code.UNSUPPORTED_TARGET_MODULE, "LoRA on `lm_head` (the output projection) is not supported",
          with_config(target_modules=["q_proj", "lm_head"])),
     Case("target-parameters", Code.UNSUPPORTED_TARGET_MODULE, "target_parameters",
          with_config(target_parameters=["experts.gate_up_proj"])),
