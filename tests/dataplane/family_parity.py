@@ -80,7 +80,12 @@ def prompt(rng: random.Random, length: int) -> list[int]:
 
 
 def mixed_run(
-    served: Served, names: list[str | None], lengths: list[int], seed: int, decode_steps: int = 4
+    served: Served,
+    names: list[str | None],
+    lengths: list[int],
+    seed: int,
+    decode_steps: int = 4,
+    sharer_tail: int = 5,
 ) -> list[tuple[Seq, str | None]]:
     """The mixed scenario over `names` (None: base rows); returns each sequence and its adapter.
 
@@ -99,7 +104,7 @@ def mixed_run(
     runner.step([(s, len(s.tokens)) for s in seqs[:-1]] + [(chunked, first_chunk)])
     writer, writer_name = seqs[0], names[0]
     assert writer.num_computed >= 8, "the first prompt must fill two blocks of 4"
-    sharer = Seq([*writer.tokens[:8], *prompt(rng, 5)], writer.slot)
+    sharer = Seq([*writer.tokens[:8], *prompt(rng, sharer_tail)], writer.slot)
     runner.share_prefix(writer, sharer, 2)
     everyone = [*seqs, sharer]
     for _ in range(decode_steps + 1):

@@ -17,11 +17,13 @@ from torch import nn
 from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora.metadata import LoRABatch
-from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
+from loraplane.dataplane.lora.pool import FUSED_MODULES, LoRAPool, ModuleSlots
 
 # HF names of the projections an adapter may target, e.g. model.layers.3.self_attn.q_proj
+# (Phi-3's fused qkv_proj / gate_up_proj included)
+WRAPPED_MODULES = tuple(dict.fromkeys(SUPPORTED_MODULES + FUSED_MODULES))
 _TARGET = re.compile(
-    r"^(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(SUPPORTED_MODULES) + r")$"
+    r"^(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(WRAPPED_MODULES) + r")$"
 )
 
 
@@ -60,9 +62,9 @@ class LinearWithLoRA(nn.Module):
 
     def __init__(self, base_layer: nn.Linear, layer_idx: int, module_name: str) -> None:
         super().__init__()
-        if module_name not in SUPPORTED_MODULES:
+        if module_name not in WRAPPED_MODULES:
             raise ValueError(
-                f"module_name {module_name!r} is not one of {', '.join(SUPPORTED_MODULES)}"
+                f"module_name {module_name!r} is not one of {', '.join(WRAPPED_MODULES)}"
             )
         self.base_layer = base_layer
         self.layer_idx = layer_idx

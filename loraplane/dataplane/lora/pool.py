@@ -86,6 +86,16 @@ def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
     return ordered[0].as_strided((end - start,), (1,)), start
 
 
+# Phi-3 / Phi-4 checkpoints, and so the decoder serving them and their adapters, keep q/k/v
+# and gate/up fused (models/llama.py)
+FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def engine_modules(spec: BaseModelSpec) -> tuple[str, ...]:
+    """The projections of a decoder layer the engine's model of this base has."""
+    return FUSED_MODULES if spec.model_type == "phi3" else SUPPORTED_MODULES
+
+
 class ModuleSlots:
     """Every slot's A, B and scale for one (layer, module); None where a slot does not adapt it."""
 
@@ -143,7 +153,7 @@ class LoRAPool:
         self._modules = {
             (layer, module): ModuleSlots(max_loras, self.device)
             for layer in range(model_spec.num_layers)
-            for module in SUPPORTED_MODULES
+            for module in engine_modules(model_spec)
         }
         # slot -> its storage: one flat buffer, or the host copy's tensors read in place
         self._buffers: list[list[torch.Tensor] | None] = [None] * max_loras
