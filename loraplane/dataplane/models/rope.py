@@ -148,26 +148,29 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("long_inv_freq", long, persistent=False)
 
     def _per_token_inv_freq(
-        self, attn: AttentionMetadata | None, device: torch.device
+        self, attn: AttentionMetadata | None, tokens: int, device: torch.device
     ) -> torch.Tensor:  # [T, rotary_dim // 2] fp32
+        # on the device, from the metadata's tensors: nothing read back to the host, so a
+        # captured CUDA graph replays it with each step's lengths
         if attn is None:
             raise ValueError(
                 f"RoPE type {self.rope.rope_type!r} needs each sequence's length: pass attn"
             )
-        cu, ctx = attn.host_cu_seqlens_q, attn.host_context_lens
-        q_lens = torch.tensor([cu[i + 1] - cu[i] for i in range(len(ctx))])
+        q_lens = attn.cu_seqlens_q[1:] - attn.cu_seqlens_q[:-1]
+        seq_lens = torch.repeat_interleave(attn.context_lens, q_lens, output_size=tokens)
+        seq_lens = seq_lens.to(device)[:, None]  # [T, 1]: each token's sequence length
         inv_freq = self.inv_freq.to(device)
         if self.rope.rope_type == "longrope":
-            old_len = self.rope.original_max_position_embeddings
-            long = torch.tensor([c > old_len for c in ctx]).repeat_interleave(q_lens)
-            return torch.where(long.to(device)[:, None], self.long_inv_freq.to(device), inv_freq)
-        rows = []  # dynamic: one row per sequence, regrown only past max_position_embeddings
-        for length in ctx:
-            if length <= self.rope.max_position_embeddings:
-                rows.append(inv_freq)
-            else:
-                rows.append(rope_parameters(self.rope, self.head_dim, length)[0].to(device))
-        return torch.stack(rows).repeat_interleave(q_lens.to(device), dim=0)
+            long = seq_lens > self.rope.original_max_position_embeddings
+            return torch.where(long, self.long_inv_freq.to(device), inv_freq)
+        # dynamic NTK: the base grows with the sequence past max_position_embeddings (in fp32,
+        # as transformers' update at run time computes it)
+        rope, dim = self.rope, rotary_dim(self.rope, self.head_dim)
+        max_pos, factor = rope.max_position_embeddings, _factor(rope)
+        length = torch.clamp(seq_lens.float(), min=max_pos)
+        base = rope.theta * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        grown = 1.0 / (base ** _exponents(dim).to(device))
+        return torch.where(seq_lens > max_pos, grown, inv_freq)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype, attn: AttentionMetadata | None = None
@@ -175,7 +178,8 @@ class RotaryEmbedding(nn.Module):
         """cos/sin of each token's position; `attn` (the step's sequences) is needed by the
         length-dependent types (dynamic, longrope)."""
         if self.rope.rope_type in LENGTH_DEPENDENT:
-            freqs = positions[:, None].float() * self._per_token_inv_freq(attn, positions.device)
+            inv_freq = self._per_token_inv_freq(attn, positions.shape[0], positions.device)
+            freqs = positions[:, None].float() * inv_freq
         else:
             freqs = positions[:, None].float() * self.inv_freq[None, :].to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
