@@ -9,6 +9,7 @@ Needs root (to start a process as another user); skipped with the reason otherwi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -335,6 +336,48 @@ def test_controlplane_says_permission_denied_for_its_files(
     line = assert_denied(done, expect)
     assert variable in line, line
     assert "cannot write" in line and "mount a writable volume" in line, line
+
+
+@pytest.mark.parametrize("blocked", ["file", "folder"])
+def test_a_pool_whose_model_config_is_root_only_is_refused_over_rest_naming_it_and_the_user(
+    loraplane_cmd: list[str], world: Path, model: Path, restore: None, blocked: str
+) -> None:
+    port = free_port()
+    home = world / "home"
+    env = {"LORAPLANE_DATA_DIR": str(home / f"cp-pool-{blocked}"), **CP_TOKENS}
+    proc = subprocess.Popen(
+        [*loraplane_cmd, "controlplane", "--port", str(port)], cwd=home, env=_env(home, **env),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        **_as_user(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    config = model / "config.json"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        (config if blocked == "file" else model).chmod(0o600 if blocked == "file" else 0o700)
+        admin = {"Authorization": f"Bearer {CP_TOKENS['LORAPLANE_ADMIN_TOKEN']}"}
+        pool = {"name": "p", "base_model": {"name": "tiny", "uri": str(model)}}
+        r = httpx.post(url + "/v1/pools", json=pool, headers=admin, timeout=30)
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["code"] == "InvalidBaseModel", error
+        denied = config if blocked == "file" else model
+        assert f"permission denied: {denied} (" in error["message"], error
+        assert f"uid {UID} (" in error["message"] and f"gid {GID}" in error["message"], error
+        assert "No such file or directory" not in error["message"], error
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
 
 
 def test_controlplane_migrate_says_permission_denied_for_the_sqlite_folder(
