@@ -89,13 +89,8 @@ def _build_model(out: Path, kind: str, seed: int, **overrides: Any) -> Path:
 
 
 def _spec(model_dir: Path) -> BaseModelSpec:
-    """The adapter core's view of the base model (its shapes), from our parsed config."""
-    c = read_config(model_dir)
-    return BaseModelSpec(
-        name=model_dir.name, model_type=c.model_type, num_layers=c.num_layers,
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-    )  # fmt: skip
+    """The adapter core's view of the base model: its adaptable modules' shapes."""
+    return BaseModelSpec.from_dir(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -367,3 +362,39 @@ def test_embedding_scale_is_rounded_to_the_weights_dtype_as_transformers_does() 
     embedded = model.model.embed_tokens(ids)
     assert torch.equal(seen[0], embedded * torch.tensor(8.5, dtype=torch.bfloat16))
     assert not torch.equal(seen[0], (embedded.float() * 72**0.5).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_greedy_tokens_and_logprobs_equal_hf_peft_with_chunks_and_prefix_cache(
+    kind: str,
+    gemma_families: dict[str, Family],
+    gemma_reference: Callable[[str], torch.nn.Module],
+) -> None:
+    """Through the engine: a 16-token budget chunks the prompts, the shared 12-token prefix
+    (twice the window) is served from the prefix cache to the later requests."""
+    from loraplane.dataplane.config import EngineConfig
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.sampling import SamplingParams
+
+    family, rng = gemma_families[kind], random.Random(f"{kind}-engine")
+    config = EngineConfig(
+        model=str(family.model_dir), device="cpu", dtype="float32", block_size=4,
+        num_kv_blocks=96, max_num_batched_tokens=16, enable_prefix_caching=True,
+        max_loras=3,
+    )  # fmt: skip
+    engine = Engine(config)
+    refs = {n: engine.register_lora(n, family.adapters[n], "t") for n in ("r64", "r8-qv")}
+    shared = _prompt(rng, 12)
+    names: list[str | None] = ["r64", "r64", None, "r8-qv"]
+    batch = [[*shared, *_prompt(rng, n)] for n in (3, 9, 1)] + [_prompt(rng, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+    first = engine.generate(batch[:1], params, [refs["r64"]])  # fills the prefix cache
+    rest = engine.generate(batch[1:], params, [refs[n] if n else None for n in names[1:]])
+    assert engine.block_manager.cache_hit_tokens >= 12  # the shared prefix came from cache
+    reference = gemma_reference(kind)
+    for prompt, name, out in zip(batch, names, [*first, *rest], strict=True):
+        tokens = [*prompt, *out.token_ids]
+        logits = hf_logits(reference, tokens[:-1], name)[len(prompt) - 1 :]
+        assert out.token_ids == logits.argmax(-1).tolist(), name
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected[:, 0], atol=ATOL, rtol=0)
