@@ -44,6 +44,8 @@ class Served:
     model: LlamaForCausalLM
     slots: dict[str, int]
     reference: torch.nn.Module
+    model_dir: Path
+    adapters: dict[str, Path]
 
 
 def serve(model_dir: Path, adapters: dict[str, Path]) -> Served:
@@ -64,7 +66,7 @@ def serve(model_dir: Path, adapters: dict[str, Path]) -> Served:
     reference = peft.PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         reference.load_adapter(adapters[name], adapter_name=name)
-    return Served(model, slots, reference.eval())
+    return Served(model, slots, reference.eval(), model_dir, adapters)
 
 
 def check(seq: Seq, reference: torch.nn.Module, adapter: str | None) -> None:
@@ -113,3 +115,30 @@ def mixed_run(
                 seq.tokens.append(int(seq.logits[-1].argmax()))
         runner.step([(s, len(s.tokens) - s.num_computed) for s in everyone])
     return [*zip(seqs, names, strict=True), (sharer, writer_name)]
+
+
+def engine_greedy_equals_hf(
+    served: Served, names: list[str | None], prompt_lens: list[int]
+) -> None:
+    """The whole engine (scheduler, chunked prefill under a small token budget, prefix cache,
+    LoRA tiers) generates HF + PEFT's greedy tokens for a mixed batch."""
+    from loraplane.dataplane.config import EngineConfig
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.sampling import SamplingParams
+
+    engine = Engine(
+        EngineConfig(
+            model=str(served.model_dir), device="cpu", dtype="float32", block_size=4,
+            max_loras=len(served.adapters), num_kv_blocks=256, max_num_batched_tokens=24,
+        )
+    )  # fmt: skip
+    refs = {name: engine.register_lora(name, path, "t") for name, path in served.adapters.items()}
+    rng = random.Random(5)
+    prompts = [prompt(rng, n) for n in prompt_lens]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = engine.generate(prompts, greedy, [refs[n] if n else None for n in names])
+    for tokens, name, out in zip(prompts, names, outs, strict=True):
+        expected = list(tokens)
+        for _ in range(8):
+            expected.append(int(hf_logits(served.reference, expected, name)[-1].argmax()))
+        assert out.token_ids == expected[len(tokens) :], name

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from loraplane.dataplane.models import ModelConfig
-from tests.dataplane.family_parity import Served, build_base, check, mixed_run, serve
+from tests.dataplane.family_parity import (
+    Served,
+    build_base,
+    check,
+    engine_greedy_equals_hf,
+    mixed_run,
+    serve,
+)
 
 ORIGINAL = 16  # original_max_position_embeddings: longer sequences use the long factors
 SHAPE: dict[str, Any] = {
@@ -126,3 +133,10 @@ def test_phi3_base_model_spec_and_pool_know_the_fused_modules(phi3: Served, tmp_
     pool = phi3.model.lora_context.pool  # type: ignore[union-attr]
     assert {m for _, m in pool.modules} == set(FUSED_MODULES)
     assert torch.is_tensor(pool.modules[(0, "qkv_proj")].scales)
+
+
+def test_the_engine_generates_hf_peft_greedy_tokens_for_phi3(phi3: Served) -> None:
+    # each prompt and its 8 generated tokens stay within the original 16 positions (the long
+    # factors are covered above, where each sequence is long from its first step)
+    names: list[str | None] = ["r16-all", None, "r8-qkv", "r32-mlp"]
+    engine_greedy_equals_hf(phi3, names, [5, 7, 6, 4])

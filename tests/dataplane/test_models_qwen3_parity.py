@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from loraplane.dataplane.models import ModelConfig, read_config
-from tests.dataplane.family_parity import Served, build_base, check, mixed_run, serve
+from tests.dataplane.family_parity import (
+    Served,
+    build_base,
+    check,
+    engine_greedy_equals_hf,
+    mixed_run,
+    serve,
+)
 
 # head_dim 32 != 64 / 4: q is 128 wide, k and v 64 (4 heads over 2 KV heads)
 SHAPE: dict[str, Any] = {
@@ -112,3 +119,8 @@ def test_read_config_of_a_saved_qwen3_equals_the_parsed_dict(qwen3: Served, tmp_
         json.dumps({"model_type": "qwen3", "vocab_size": 64, **SHAPE}), encoding="utf-8"
     )
     assert read_config(tmp_path).qk_head_norm
+
+
+def test_the_engine_generates_hf_peft_greedy_tokens_for_qwen3(qwen3: Served) -> None:
+    names: list[str | None] = ["r16-all", None, "r8-qv", "r64-rslora", "r32-mlp"]
+    engine_greedy_equals_hf(qwen3, names, [30, 7, 12, 19, 5])
