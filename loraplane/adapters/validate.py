@@ -319,7 +319,7 @@ def validate_adapter(
     if size > limits.max_bytes:
         raise AdapterRejected(
             ReasonCode.TOO_LARGE,
-            f"{files.weights_path.name} is {size} bytes, over the limit of {limits.max_bytes}",
+            f"{files.weights_path.name} is {size} bytes, over {limits.bytes_limit_text()}",
         )
     weights = SafetensorsFile(files.weights_path, max_tensors=limits.max_tensors)
     try:

@@ -99,6 +99,8 @@ def limits_for(
         max_rank=tenant.max_rank,
         max_bytes=tenant.max_bytes,
         rank_limit=f"your tenant's rank quota (max_rank {tenant.max_rank}; an admin can raise it)",
+        bytes_limit=f"your tenant's quota of {tenant.max_bytes} bytes per adapter (max_bytes; an "
+        "admin can raise it)",
     )
 
 

@@ -176,6 +176,19 @@ def test_at_a_tie_the_pools_limit_is_named(api: Api) -> None:
     )
 
 
+def test_weights_over_the_tenants_byte_quota_name_the_quota(api: Api) -> None:
+    api.pool()
+    key = api.tenant("acme", max_bytes=1000)
+    folder = api.adapter_dir()
+    size = (folder / WEIGHTS_NAME).stat().st_size
+    r = api.upload(key, "bot", folder)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "TooLarge"
+    assert r.json()["error"]["message"] == (
+        f"{WEIGHTS_NAME} is {size} bytes, over your tenant's quota of 1000 bytes per adapter "
+        "(max_bytes; an admin can raise it)"
+    )
+
+
 # -- a config without its weights -------------------------------------------------------------
 
 
