@@ -281,7 +281,8 @@ def test_gemma2_soft_caps_change_the_logits_so_the_parity_checks_them(
 def test_gemma3_image_text_checkpoint_serves_its_text_stack_as_hf_does(tmp_path: Path) -> None:
     """A Gemma3ForConditionalGeneration checkpoint (config `gemma3` with a text_config; weights
     `language_model.model.*` beside a vision tower and projector): the text stack loads and its
-    logits on a text-only prompt are HF's."""
+    logits on a text-only prompt are HF's, alone and with a PEFT adapter of the text stack."""
+    import peft
     import transformers
 
     from loraplane.demo.build import build_tokenizer
@@ -302,19 +303,35 @@ def test_gemma3_image_text_checkpoint_serves_its_text_stack_as_hf_does(tmp_path:
         for name, param in hf.named_parameters():
             param.normal_(0.0, 0.3 if "norm" in name or "embed" in name else 0.12)
     hf.save_pretrained(tmp_path)
+    # a tenant's adapter of the text stack (PEFT names it model.language_model.layers.N...);
+    # SigLIP has no o/gate/down projections, so these names hit the text stack only
+    lora = peft.LoraConfig(
+        r=8, lora_alpha=16, init_lora_weights=False,
+        target_modules=["o_proj", "gate_proj", "down_proj"],
+    )  # fmt: skip
+    torch.manual_seed(5)
+    reference = peft.get_peft_model(hf, lora).eval()
+    reference.save_pretrained(tmp_path / "adapter")
     parsed = read_config(tmp_path)
     assert isinstance(parsed, GemmaConfig) and parsed.model_type == "gemma3_text"
     # HF's image-text model never soft-caps its logits (its text-only Gemma3ForCausalLM does)
     assert parsed.final_logit_softcap is None and parsed.sliding_windows == (WINDOW,) * 3
     model = load_model(tmp_path, torch.float32, torch.device("cpu"))
-    install_lora(model, LoRAPool(1, _spec(tmp_path), torch.float32, "cpu"))
+    spec = _spec(tmp_path)
+    pool = LoRAPool(1, spec, torch.float32, "cpu")
+    install_lora(model, pool)
+    pool.load(0, load_lora(tmp_path / "adapter", spec))
     rng = random.Random(9)
     tokens = [rng.randrange(3, vocab - 3) for _ in range(14)]  # no image/boi/eoi token
-    seq = Seq(list(tokens))
-    PagedRunner(model, num_blocks=8, block_size=4).step([(seq, len(tokens))])
+    base, adapted = Seq(list(tokens)), Seq(list(tokens), slot=0)
+    PagedRunner(model, num_blocks=16, block_size=4).step([(base, 14), (adapted, 14)])
     with torch.no_grad():
-        expected = hf(input_ids=torch.tensor([tokens])).logits[0]
-    torch.testing.assert_close(torch.stack(seq.logits), expected, atol=ATOL, rtol=0)
+        with_adapter = reference(input_ids=torch.tensor([tokens])).logits[0]
+        with reference.disable_adapter():
+            without = reference(input_ids=torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(torch.stack(base.logits), without, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.stack(adapted.logits), with_adapter, atol=ATOL, rtol=0)
+    assert (with_adapter - without).abs().max() > 100 * ATOL  # the adapter does something
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
