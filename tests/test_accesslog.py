@@ -254,3 +254,26 @@ def test_the_demo_stack_logs_both_services_on_stderr_by_default(
     assert pools["route"] == "/v1/pools"
     assert stack.admin_token not in err
     logging.getLogger("loraplane.access.controlplane").handlers.clear()
+
+
+def test_an_exception_behind_the_control_planes_error_handlers_keeps_its_reason(
+    tmp_path: Path,
+) -> None:
+    """The service answers its generic 500 (no reason for the client); the log line has it."""
+    from loraplane.controlplane.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app, retry_after=1)
+
+    @app.get("/v1/things/{thing}")
+    async def thing(thing: str) -> None:
+        raise RuntimeError(f"catalog lost {thing}; key {OTHER_KEY}")
+
+    log = tmp_path / "access.log"
+    logger = make_logger(AccessLogSettings(access_log_file=log), "controlplane", [])
+    with serve_in_thread(wrap(app, "controlplane", logger)) as url:
+        answer = httpx.get(url + "/v1/things/t1")
+    assert answer.status_code == 500 and "catalog lost" not in answer.text
+    line = one(lines_of(log.read_text(), "controlplane"), "GET", "/v1/things/t1", 500)
+    assert line["route"] == "/v1/things/{thing}"
+    assert line["error"] == "RuntimeError: catalog lost t1; key lp_QQQ…"
