@@ -4,7 +4,9 @@ Code deep in the control plane (crud, ingest, auth) raises the exceptions at the
 module and knows nothing of HTTP. `install_error_handlers` turns each into
 `{"error": {"code": ..., "message": ...}}` with the status in `STATUS`, adds Retry-After where
 a retry helps (429, 503), and answers anything unforeseen with a generic 500 that carries no
-stack trace.
+stack trace. A refused request body or parameter (pydantic's errors) becomes 400 InvalidRequest
+whose message names each field and what it must be, in words (`describe_errors`: the rules of
+`schemas/common.py` and the error types below), with `errors` listing them for programs.
 """
 
 from __future__ import annotations
