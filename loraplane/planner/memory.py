@@ -21,6 +21,7 @@ planner cannot drift from the engine; it is torch-free.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -98,27 +99,39 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
 
 
 def adapter_elements(shape: ModelShape, profile: AdapterProfile) -> int:
-    """A and B elements of one adapter: r * (in + out) per adapted module and layer."""
-    spec = shape.spec
-    per_layer = sum(sum(spec.module_shape(m)) for m in profile.modules)
-    return profile.rank * per_layer * shape.num_layers
+    """A and B elements of one adapter: r * (in + out) per adapted module and layer (the
+    profile's modules by role: `ModelShape.adapted_shapes`, fused layers and experts)."""
+    return profile.rank * _features(shape, profile.modules)
+
+
+@functools.lru_cache(maxsize=64)
+def _features(shape: ModelShape, modules: tuple[str, ...]) -> int:
+    # cached: the cost model asks once per simulated step
+    return sum(
+        fan_in + fan_out
+        for layer in range(shape.num_layers)
+        for fan_in, fan_out in shape.adapted_shapes(modules, layer)
+    )
 
 
 def arena_blocks(shape: ModelShape, profile: AdapterProfile, block_size: int) -> int:
     """KV blocks one adapter takes inside the KV cache: the fewest n such that each layer's A
     and B tensors, largest first, fit first-fit into that layer's two regions (K and V) of n
-    blocks. Every layer adapts the same modules, so one layer decides."""
+    blocks. The layer that needs the most decides (they differ only where a mixture of experts
+    has dense layers)."""
     chunk = block_size * shape.num_kv_heads * shape.head_dim  # elements per block and region
-    spec = shape.spec
-    sizes = sorted(
-        (n for m in profile.modules for n in (profile.rank * spec.module_shape(m)[0],
-                                               spec.module_shape(m)[1] * profile.rank)),
-        reverse=True,
-    )  # fmt: skip
-    n = max(1, -(-sizes[0] // chunk), -(-sum(sizes) // (2 * chunk)))
-    while not _packs(sizes, n * chunk):
-        n += 1
-    return n
+    needed = 1
+    layouts = {tuple(shape.adapted_shapes(profile.modules, i)) for i in range(shape.num_layers)}
+    for layout in layouts:
+        sizes = sorted((n for i, o in layout for n in (profile.rank * i, o * profile.rank)),
+                       reverse=True)  # fmt: skip
+        if not sizes:
+            continue
+        n = max(1, -(-sizes[0] // chunk), -(-sum(sizes) // (2 * chunk)))
+        while not _packs(sizes, n * chunk):
+            n += 1
+        needed = max(needed, n)
+    return needed
 
 
 def _packs(sizes: list[int], room: int) -> bool:

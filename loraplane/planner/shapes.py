@@ -1,18 +1,31 @@
-"""Base model shapes: named ones (Llama-3 8B/70B, Mistral-7B, Qwen2-7B, ...) or a model folder.
+"""Base model shapes: named ones (Llama-3, Mistral-7B, Qwen2/Qwen3, Gemma 3, Phi-4, Mixtral,
+Qwen3-30B-A3B, ...) or a model folder of any family the adapter core knows.
 
 A `ModelShape` is what the planner needs to size a replica: the decoder's dimensions, the
-vocabulary and whether the embedding is tied (weights), the KV heads (KV cache) and the module
-shapes adapters attach to, which come from the engine's own `BaseModelSpec.module_shape`.
+vocabulary and whether the embedding is tied (weights), the KV heads (KV cache), a mixture of
+experts' expert count and top-k (total vs active parameters), and the module shapes adapters
+attach to, which come from the adapter core's own `BaseModelSpec` (fused names for Phi-3, one
+entry per expert in a sparse layer).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec, read_config
+from loraplane.adapters.base_model import BaseModelSpec, read_config
+from loraplane.adapters.families import FAMILIES
 
 ATTENTION_BIAS_TYPES = ("qwen2",)  # q/k/v projections with a bias
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text")  # RMSNorm over head_dim on q, k
+FOUR_NORM_TYPES = ("gemma2", "gemma3", "gemma3_text")  # pre/post attention and feed-forward
+TIED_BY_DEFAULT = ("gemma2", "gemma3", "gemma3_text")  # tie_word_embeddings' default
+# An adapter profile names modules by role, Llama's names; a fused family adapts the fused
+# layer a role belongs to, a mixture of experts each expert's layer of that role.
+_FUSED_ROLE = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+_MIXTRAL_ROLE = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +43,10 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    num_experts: int = 0  # a mixture of experts' experts per sparse layer
+    experts_per_tok: int = 0  # top-k: the experts each token runs through
+    moe_intermediate_size: int = 0  # one expert's
+    moe_layers: tuple[int, ...] = ()  # the sparse layers
 
     def __post_init__(self) -> None:
         for field in (
@@ -45,6 +62,10 @@ class ModelShape:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type must be one of {', '.join(FAMILIES)}")
+        if self.moe_layers and not 0 < self.experts_per_tok <= self.num_experts:
+            raise ValueError("experts_per_tok must be between 1 and num_experts")
 
     @property
     def spec(self) -> BaseModelSpec:
@@ -58,34 +79,82 @@ class ModelShape:
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
+            num_experts=self.num_experts,
+            moe_intermediate_size=self.moe_intermediate_size,
+            moe_layers=self.moe_layers,
         )
+
+    def _layer_linear(self, layer: int, experts: int) -> int:
+        spec = self.spec
+        total = 0
+        for module in spec.layer_modules(layer):
+            if module.startswith("experts.") and int(module.split(".")[1]) >= experts:
+                continue  # active count: only the top-k experts run
+            fan_in, fan_out = spec.module_shape(module)
+            total += fan_in * fan_out
+        if spec.is_moe_layer(layer):
+            total += self.hidden_size * self.num_experts  # the router
+        if self.model_type in ATTENTION_BIAS_TYPES:
+            total += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return total
 
     def linear_params(self) -> int:
-        """Parameters of the decoder layers' linear projections (biases included)."""
-        spec = self.spec
-        per_layer = sum(
-            fan_in * fan_out
-            for fan_in, fan_out in (spec.module_shape(m) for m in SUPPORTED_MODULES)
-        )
-        if self.model_type in ATTENTION_BIAS_TYPES:
-            per_layer += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        return per_layer * self.num_layers
+        """Parameters of the decoder layers' linear projections (biases, experts and routers
+        included)."""
+        return _linear_params(self, self.num_experts)
+
+    def active_linear_params(self) -> int:
+        """linear_params with only `experts_per_tok` experts per sparse layer: what one token
+        computes with (equal to linear_params for a dense model)."""
+        return _linear_params(self, self.experts_per_tok)
+
+    def _other_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        per_layer = 4 if self.model_type in FOUR_NORM_TYPES else 2
+        norms = (per_layer * self.num_layers + 1) * self.hidden_size
+        if self.model_type in QK_NORM_TYPES:
+            norms += 2 * self.head_dim * self.num_layers
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + norms + head
 
     def num_params(self) -> int:
-        """Every parameter the engine loads: embedding, layers, norms and the LM head."""
-        embed = self.vocab_size * self.hidden_size
-        norms = (2 * self.num_layers + 1) * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return embed + self.linear_params() + norms + head
+        """Every parameter the engine loads: embedding, layers, norms and the LM head (every
+        expert of a mixture of experts; no vision tower)."""
+        return self._other_params() + self.linear_params()
+
+    def active_params(self) -> int:
+        """Parameters one token computes with (a mixture of experts' top-k experts only)."""
+        return self._other_params() + self.active_linear_params()
+
+    def adapted_shapes(self, modules: tuple[str, ...], layer: int) -> list[tuple[int, int]]:
+        """(in, out) of each linear layer an adapter of `modules` (Llama's names, by role)
+        adapts in decoder layer `layer`: Phi-3's fused layer once for q/k/v or gate/up, and
+        in a sparse layer each expert's layer of the MLP roles."""
+        spec = self.spec
+        family = spec.family
+        names: list[str] = []
+        for role in modules:
+            name = _FUSED_ROLE.get(role, role) if "qkv_proj" in family.attention else role
+            if role in ("gate_proj", "up_proj", "down_proj") and spec.is_moe_layer(layer):
+                leaf = _MIXTRAL_ROLE[role] if self.model_type == "mixtral" else role
+                names += [f"experts.{e}.{leaf}" for e in range(self.num_experts)]
+            elif name not in names and spec.has_module(layer, name):
+                names.append(name)
+        return [spec.module_shape(n) for n in names]
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str) -> ModelShape:
         """Read a parsed HF config.json (the engine's supported model types only)."""
         spec = BaseModelSpec.from_config(config, name)
-        vocab = config.get("vocab_size")
+        text = config.get("text_config", config) if spec.family.nested_text_config else config
+        vocab = text.get("vocab_size")
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise ValueError(f"config.json field 'vocab_size' must be a positive int: {vocab!r}")
-        max_len = config.get("max_position_embeddings") or 4096  # as the engine defaults it
+        max_len = text.get("max_position_embeddings") or 4096  # as the engine defaults it
+        tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        if tied is None:
+            tied = spec.model_type in TIED_BY_DEFAULT
+        top_k = text.get("num_experts_per_tok") or (2 if spec.model_type == "mixtral" else 8)
         return cls(
             name=name,
             model_type=spec.model_type,
@@ -97,7 +166,11 @@ class ModelShape:
             intermediate_size=spec.intermediate_size,
             vocab_size=vocab,
             max_position_embeddings=int(max_len),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(tied),
+            num_experts=spec.num_experts,
+            experts_per_tok=int(top_k) if spec.num_experts else 0,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            moe_layers=spec.moe_layers,
         )
 
     @classmethod
@@ -106,11 +179,19 @@ class ModelShape:
         return cls.from_config(read_config(path), name=path.rstrip("/").rsplit("/", 1)[-1])
 
 
+@functools.lru_cache(maxsize=64)
+def _linear_params(shape: ModelShape, experts: int) -> int:
+    # cached: the cost model asks once per simulated step
+    return sum(shape._layer_linear(i, experts) for i in range(shape.num_layers))
+
+
 def _shape(name: str, model_type: str, layers: int, hidden: int, heads: int, kv: int,
            inter: int, vocab: int, max_len: int, head_dim: int = 128,
-           tied: bool = False) -> ModelShape:  # fmt: skip
+           tied: bool = False, experts: int = 0, top_k: int = 0,
+           moe_inter: int = 0) -> ModelShape:  # fmt: skip
+    moe_layers = tuple(range(layers)) if experts else ()
     return ModelShape(name, model_type, layers, hidden, heads, kv, head_dim, inter, vocab,
-                      max_len, tied)  # fmt: skip
+                      max_len, tied, experts, top_k, moe_inter, moe_layers)  # fmt: skip
 
 
 # From each model's published config.json.
@@ -123,6 +204,41 @@ SHAPES: dict[str, ModelShape] = {
         _shape("llama-3.2-1b", "llama", 16, 2048, 32, 8, 8192, 128256, 131072, 64, True),
         _shape("mistral-7b", "mistral", 32, 4096, 32, 8, 14336, 32768, 32768),  # v0.3
         _shape("qwen2-7b", "qwen2", 28, 3584, 28, 4, 18944, 152064, 32768),
+        _shape("qwen3-8b", "qwen3", 36, 4096, 32, 8, 12288, 151936, 40960),
+        _shape("qwen3-32b", "qwen3", 64, 5120, 64, 8, 25600, 151936, 40960),
+        # 128 experts of 768, 8 per token, in every layer (decoder_sparse_step 1)
+        _shape(
+            "qwen3-30b-a3b",
+            "qwen3_moe",
+            48,
+            2048,
+            32,
+            4,
+            6144,
+            151936,
+            40960,
+            experts=128,
+            top_k=8,
+            moe_inter=768,
+        ),
+        # the text stack of Gemma3ForConditionalGeneration (its text_config); no vision tower
+        _shape("gemma-3-12b", "gemma3", 48, 3840, 16, 8, 15360, 262208, 131072, 256, True),
+        _shape("gemma-3-27b", "gemma3", 62, 5376, 32, 16, 21504, 262208, 131072, 128, True),
+        _shape("phi-4", "phi3", 40, 5120, 40, 10, 17920, 100352, 16384),
+        _shape(
+            "mixtral-8x7b",
+            "mixtral",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            32000,
+            32768,
+            experts=8,
+            top_k=2,
+            moe_inter=14336,
+        ),
     )
 }
 
