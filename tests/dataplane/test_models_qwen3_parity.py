@@ -124,3 +124,25 @@ def test_read_config_of_a_saved_qwen3_equals_the_parsed_dict(qwen3: Served, tmp_
 def test_the_engine_generates_hf_peft_greedy_tokens_for_qwen3(qwen3: Served) -> None:
     names: list[str | None] = ["r16-all", None, "r8-qv", "r64-rslora", "r32-mlp"]
     engine_greedy_equals_hf(qwen3, names, [30, 7, 12, 19, 5])
+
+
+@pytest.fixture(scope="module")
+def qwen3_bias_window(tmp_path_factory: pytest.TempPathFactory) -> Served:
+    # q/k/v/o biases; layer 1 slides over 6 positions, layer 0 attends to everything
+    return _family(
+        tmp_path_factory.mktemp("qwen3-bias-window"),
+        attention_bias=True,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    )
+
+
+def test_qwen3_with_attention_bias_and_a_sliding_layer_matches_hf_peft(
+    qwen3_bias_window: Served,
+) -> None:
+    config = qwen3_bias_window.model.config
+    assert config.qkv_bias and config.o_bias and config.sliding_windows == (None, 6)
+    names: list[str | None] = ["r16-all", None, "r64-rslora", "r8-qv"]
+    for seq, name in mixed_run(qwen3_bias_window, names, [14, 9, 17, 11], seed=13):
+        check(seq, qwen3_bias_window.reference, name)
