@@ -11,6 +11,10 @@ Figures:
 - the same 64 requests vs one batch per adapter, run one after another (goal: at least 5x)
 Run: .venv/bin/python benchmarks/engine_cpu.py [--gen-tokens N] [--skip-peft]
 (--smoke: the same runs on a hidden-64, 2-layer model, 2 generated tokens)
+
+`--family qwen3|phi3` instead times the decode step of that family's config against the
+same-shaped Llama (benchmarks/_families.py; goal: at most 1.3x), written to
+results/engine_cpu_<family>.json.
 """
 
 from __future__ import annotations
@@ -134,12 +138,50 @@ def shape(smoke: bool) -> dict[str, int]:
     return SMOKE_SHAPE if smoke else SHAPE
 
 
+def run_family(family: str, smoke: bool, rounds: int = 3) -> int:
+    """The decode step of `family`'s config over the same-shaped Llama's (see _families)."""
+    from _families import build_family, write_adapter
+
+    steps, rounds = (2, 1) if smoke else (8, rounds)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        root = Path(tmp)
+        engines = {}
+        for name in ("llama", family):
+            print(f"building the {name} model and 8 rank-16 adapters ...", flush=True)
+            modules = build_family(root / name, name, shape(smoke))
+            adapters = [write_adapter(root / name, root / f"{name}-a{i}", modules, RANK, i)
+                        for i in range(8)]  # fmt: skip
+            engines[name] = make_engine(root / name, adapters, max_loras=8)
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(rounds):  # alternate the models: a noisy neighbour hits both alike
+            for name, (engine, refs) in engines.items():
+                runs = {"no_adapters": [None] * NUM_SEQS,
+                        "8_adapters": [refs[i % 8] for i in range(NUM_SEQS)]}  # fmt: skip
+                for kind, loras in runs.items():
+                    seconds = decode_step_seconds(engine, loras, steps)
+                    best[name, kind] = min(best.get((name, kind), seconds), seconds)
+        figures: dict[str, float] = {}
+        for kind in ("no_adapters", "8_adapters"):
+            figures[f"decode_step_ms_llama_{kind}"] = best["llama", kind] * 1e3
+            figures[f"decode_step_ms_{family}_{kind}"] = best[family, kind] * 1e3
+            figures[f"{family}_over_llama_{kind}"] = best[family, kind] / best["llama", kind]
+        goals = [goal(figures, f"{family}_over_llama_{k}", "<=", 1.3)
+                 for k in ("no_adapters", "8_adapters")]  # fmt: skip
+        return report(f"engine_cpu_{family}", figures, goals, smoke=smoke)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument(
+        "--family", choices=("qwen3", "phi3"),
+        help="time this family's decode step against the same-shaped Llama",
+    )  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.family:
+        return run_family(args.family, args.smoke)
     gen_tokens = 2 if args.smoke else args.gen_tokens
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
