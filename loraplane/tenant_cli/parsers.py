@@ -86,7 +86,9 @@ def _common(admin: bool) -> argparse.ArgumentParser:
     parent.add_argument("--url", help=f"the control plane (default: ${cmd.URL_ENV})")
     if admin:
         parent.add_argument(
-            "--admin-token", metavar="TOKEN", help=f"admin token (default: ${cmd.ADMIN_ENV})"
+            "--admin-token",
+            metavar="TOKEN",
+            help=f"admin token (default: ${cmd.ADMIN_ENV}, else .loraplane/admin-token)",
         )
     else:
         parent.add_argument(
