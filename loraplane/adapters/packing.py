@@ -27,6 +27,16 @@ Example: an adapter of a Llama-layout model served on Phi-3 (or the reverse with
     q2, k2, v2 = split(qkv, (q_out, kv_out, kv_out))
 
 `to_fused` / `to_split` do that for a whole adapter's modules, keyed by module path.
+
+Experts: a 4.x adapter names each expert's layers (`experts.N.w1`, `w3`, `w2`); transformers
+5 packs them into 3-D parameters that PEFT adapts as one (`target_parameters`), its A
+[rank x experts, in] with expert-major rows (row e * rank + j) and its B [out, rank x experts]
+with rank-major columns (column j * experts + e). `pack_experts` / `unpack_experts` convert
+between the two; for `gate_up_proj` fuse each expert's gate and up first (rank 2r), as PEFT's
+own conversion does::
+
+    gate_up = pack_experts([fuse([w1[e], w3[e]], (inter, inter)) for e in range(n)])
+    down = pack_experts(w2)
 """
 
 from __future__ import annotations
@@ -168,3 +178,34 @@ def to_split(modules: Mapping[str, LoRAFactors], spec: BaseModelSpec) -> dict[st
             if piece is not None:
                 out[f"{parent}.{part}"] = piece
     return out
+
+
+def pack_experts(experts: Sequence[LoRAFactors]) -> LoRAFactors:
+    """One packed parameter's factors, in PEFT's ParamWrapper layout, from each expert's (all
+    of one rank; scale ratios folded into B). Its `delta()` means nothing: expert e's update
+    is `unpack_experts(...)[e].delta()`."""
+    if not experts:
+        raise ValueError("no experts to pack")
+    rank, scale = experts[0].rank, experts[0].scale
+    if any(e.rank != rank for e in experts):
+        raise ValueError(
+            "the experts' ranks differ ("
+            + ", ".join(str(e.rank) for e in experts)
+            + "): a packed parameter has one rank"
+        )
+    count = len(experts)
+    a = np.concatenate([e.a for e in experts], axis=0)  # row e * rank + j
+    b = np.stack([e.b * (e.scale / scale) for e in experts], axis=2)  # [out, rank, experts]
+    return LoRAFactors(a, b.reshape(b.shape[0], rank * count), scale)
+
+
+def unpack_experts(packed: LoRAFactors, num_experts: int) -> list[LoRAFactors]:
+    """Each expert's factors from a packed parameter's (PEFT's ParamWrapper layout)."""
+    if num_experts < 1 or packed.rank % num_experts:
+        raise ValueError(
+            f"a packed rank of {packed.rank} does not split over {num_experts} experts"
+        )
+    rank = packed.rank // num_experts
+    a = packed.a.reshape(num_experts, rank, packed.a.shape[1])
+    b = packed.b.reshape(packed.b.shape[0], rank, num_experts)
+    return [LoRAFactors(a[e].copy(), b[:, :, e].copy(), packed.scale) for e in range(num_experts)]

@@ -16,7 +16,15 @@ from safetensors.numpy import load_file, save_file
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.limits import AdapterLimits
-from loraplane.adapters.packing import LoRAFactors, fuse, split, to_fused, to_split
+from loraplane.adapters.packing import (
+    LoRAFactors,
+    fuse,
+    pack_experts,
+    split,
+    to_fused,
+    to_split,
+    unpack_experts,
+)
 from loraplane.adapters.source import open_adapter_source
 from loraplane.adapters.validate import validate_adapter
 
@@ -251,3 +259,61 @@ def test_llama_layout_adapter_fused_computes_the_same_on_phi3(tmp_path: Path) ->
     torch.testing.assert_close(
         _logits(phi_dir, fused_dir, ids), _logits(llama_dir, split_dir, ids), rtol=1e-4, atol=1e-5
     )
+
+
+# --- experts: one by one (4.x) <-> packed (transformers 5, PEFT target_parameters) ----------
+
+
+def test_packed_experts_hold_each_experts_update_and_unpack_exactly() -> None:
+    rng = np.random.default_rng(5)
+    experts = [_factors(rng, 4, 20, s) for s in (2.0, 2.0, 1.0)]
+    packed = pack_experts(experts)
+    assert (packed.a.shape, packed.b.shape) == ((12, HIDDEN), (20, 12))
+    # PEFT's ParamWrapper update: delta[e] = scale * sum_j B[:, j * E + e] A[e * r + j]
+    a = packed.a.reshape(3, 4, HIDDEN)
+    b = packed.b.reshape(20, 4, 3)
+    delta = packed.scale * np.einsum("ore,eri->eoi", b, a)
+    for e, want in enumerate(experts):
+        np.testing.assert_allclose(delta[e], want.delta())
+    for got, want in zip(unpack_experts(packed, 3), experts, strict=True):
+        np.testing.assert_allclose(got.delta(), want.delta())
+    with pytest.raises(ValueError, match="ranks differ"):
+        pack_experts([_factors(rng, 4, 20, 1.0), _factors(rng, 8, 20, 1.0)])
+
+
+def test_per_expert_adapter_packs_to_the_factors_peft_itself_loads(tmp_path: Path) -> None:
+    """A 4.x Mixtral adapter (experts.N.w1/w3/w2) packed by us equals, tensor for tensor,
+    what PEFT's transformers-5 conversion makes of it on a packed-experts Mixtral."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4)  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    rng = np.random.default_rng(6)
+    shapes = {"w1": (32, 16), "w3": (32, 16), "w2": (16, 32)}
+    per = {(e, w): LoRAFactors(rng.standard_normal((4, i)).astype(np.float32),
+                               rng.standard_normal((o, 4)).astype(np.float32), 2.0)
+           for e in range(4) for w, (i, o) in shapes.items()}  # fmt: skip
+    stem = "base_model.model.model.layers.0.block_sparse_moe.experts"
+    tensors = {}
+    for (e, w), f in per.items():
+        tensors[f"{stem}.{e}.{w}.lora_A.weight"] = f.a
+        tensors[f"{stem}.{e}.{w}.lora_B.weight"] = f.b
+    src = tmp_path / "a"
+    src.mkdir()
+    save_file(tensors, src / "adapter_model.safetensors")
+    (src / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["w1", "w2", "w3"]}
+    ))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = peft.PeftModel.from_pretrained(model, src)
+    wrappers = {m.parameter_name: m for _, m in loaded.named_modules()
+                if getattr(m, "parameter_name", None)}  # fmt: skip
+    gate_up = pack_experts([fuse([per[e, "w1"], per[e, "w3"]], (16, 16)) for e in range(4)])
+    down = pack_experts([per[e, "w2"] for e in range(4)])
+    for name, ours in (("gate_up_proj", gate_up), ("down_proj", down)):
+        theirs = wrappers[name]
+        np.testing.assert_array_equal(theirs.lora_A["default"].weight.detach().numpy(), ours.a)
+        np.testing.assert_array_equal(theirs.lora_B["default"].weight.detach().numpy(), ours.b)
+        assert theirs.scaling["default"] == pytest.approx(ours.scale)
