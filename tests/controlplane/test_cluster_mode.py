@@ -362,3 +362,19 @@ def test_a_trainer_checkpoint_is_staged_without_its_artefacts_and_lists_them(
     assert r.json()["ignored"] == list(TRAINER_EXTRAS)
     staged = sorted(k.rsplit("/", 1)[1] for k in plane.staged())
     assert staged == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_a_config_without_weights_names_the_upload_not_the_staging_folder(
+    cluster: Cluster, plane: ClusterPlane, base_model_dir: Path, tmp_path: Path
+) -> None:
+    register_pool(plane, base_model_dir)
+    folder = write_adapter(tmp_path / "half", lora_config(r=4), lora_tensors(BASE, 4, seed=1))
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "README.md").write_text("no weights here\n")
+    r = plane.upload("half", folder)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == {
+        "code": "UnsupportedFormat",
+        "message": "the upload has no adapter_model.safetensors beside adapter_config.json",
+    }
+    assert cluster.emulator.objects("loraadapters") == [] and plane.staged() == []
