@@ -441,3 +441,18 @@ def test_a_config_without_its_family_numbers_is_refused_naming_the_field() -> No
     )  # fmt: skip
     assert spec.head_dim == 128
     assert spec.module_shape("q_proj") == (64, 512)
+
+
+def test_a_per_expert_adapter_with_qwen3_30b_a3b_tensor_count_passes_the_default_limits(
+    tmp_path: Path,
+) -> None:
+    """48 layers x (4 attention + 128 experts x 3) modules x A and B = 37,248 tensors."""
+    config = {"model_type": "qwen3_moe", "hidden_size": 16, "intermediate_size": 32,
+              "moe_intermediate_size": 8, "num_experts": 128, "num_hidden_layers": 48,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8}  # fmt: skip
+    base = BaseModelSpec.from_config(config, "q30-shaped")
+    src = _per_expert_adapter(tmp_path / "a", base, tuple(ATTN + MLP), r=1)
+    adapter = _validate(src, base)
+    assert len(adapter.weights.tensors) == 37_248
+    assert len({m.module for m in adapter.modules if m.module.startswith("experts.")}) == 384
+    adapter.close()
