@@ -60,6 +60,9 @@ def test_the_cli_agrees_0_rates_are_unlimited_and_0_adapters_refused_with_the_re
                "--tokens-per-minute", "0", "--json")  # fmt: skip
     assert made.code == 0, made.err
     assert (made.json()["requests_per_minute"], made.json()["tokens_per_minute"]) == (0, 0)
+    shown = cli(capsys, "tenants", "update", "zero-rates", "--max-rank", "8").out.splitlines()
+    assert "  requests_per_minute   0 (unlimited)" in shown
+    assert "  tokens_per_minute     0 (unlimited)" in shown and "  max_rank              8" in shown
     run = cli(capsys, "tenants", "update", "zero-rates", "--max-adapters", "0")
     assert (run.code, run.out) == (1, "")
     assert run.err == (

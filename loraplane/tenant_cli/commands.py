@@ -398,9 +398,18 @@ def _quotas(args: argparse.Namespace) -> dict[str, Any]:
     return {f: getattr(args, f) for f in QUOTA_FIELDS if getattr(args, f, None) is not None}
 
 
+RATE_FIELDS = ("requests_per_minute", "tokens_per_minute")  # 0: unlimited
+
+
+def _quota_value(field: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "0 (unlimited)" if field in RATE_FIELDS and value == 0 else str(value)
+
+
 def _quota_lines(tenant: dict[str, Any]) -> list[str]:
     return [
-        f"  {field:<20}  {value:g}" if isinstance(value, float) else f"  {field:<20}  {value}"
+        f"  {field:<20}  {_quota_value(field, value)}"
         for field in QUOTA_FIELDS
         if (value := tenant.get(field)) is not None
     ]
