@@ -236,15 +236,19 @@ def _attend(
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True
         )
-    group = queries.shape[-3] // keys.shape[-3]
-    keys = keys.repeat_interleave(group, dim=-3)
-    values = values.repeat_interleave(group, dim=-3)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    # the G query heads of a KV head share its K/V: stack their rows instead of copying K/V
+    *lead, heads, q_len, dim = queries.shape
+    kv_heads, ctx = keys.shape[-3], keys.shape[-2]
+    group = heads // kv_heads
+    stacked = queries.reshape(*lead, kv_heads, group * q_len, dim)
+    scores = torch.matmul(stacked, keys.transpose(-1, -2)) * scale  # [..., KV, G*q, ctx]
+    scores = (torch.tanh(scores / softcap) * softcap).view(*lead, kv_heads, group, q_len, ctx)
+    if allowed is not None:  # its head dimension (size 1) becomes (KV, G)
+        scores = scores.masked_fill(~(allowed.unsqueeze(-3) if allowed.dim() > 2 else allowed),
+                                    float("-inf"))  # fmt: skip
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
-    return torch.matmul(probs, values)
+    out = torch.matmul(probs.view(*lead, kv_heads, group * q_len, ctx), values)
+    return out.view(*lead, heads, q_len, dim)
 
 
 def torch_attention(
