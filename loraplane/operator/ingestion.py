@@ -33,11 +33,15 @@ class IndexedPool:
 
 
 def pool_limits(settings_max_bytes: int, pools: Iterable[IndexedPool]) -> AdapterLimits:
-    """An adapter must fit every pool serving its base model: the lowest maxLoraRank."""
-    ranks = [p.spec.max_lora_rank for p in pools]
-    return AdapterLimits(max_archive_bytes=settings_max_bytes).tightened(
-        max_rank=min(ranks) if ranks else None
-    )
+    """An adapter must fit every pool serving its base model: the lowest maxLoraRank, named
+    in a refusal with its ServingPool ("the ServingPool ns/name's maxLoraRank 16")."""
+    limits = AdapterLimits(max_archive_bytes=settings_max_bytes)
+    strictest = min(pools, key=lambda p: p.spec.max_lora_rank, default=None)
+    if strictest is None:
+        return limits
+    rank = strictest.spec.max_lora_rank
+    named = f"the ServingPool {strictest.namespace}/{strictest.name}'s maxLoraRank {rank}"
+    return limits.tightened(max_rank=rank, rank_limit=named)
 
 
 def parse_pools(entries: Iterable[Mapping[str, Any]]) -> list[IndexedPool]:

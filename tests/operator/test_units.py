@@ -348,3 +348,25 @@ def test_operator_help_lists_every_setting_with_its_default() -> None:
         if f.name != "finalizer":
             assert f"LORAPLANE_{f.name.upper()} (default: " in text, f.name
     assert "LORAPLANE_POOL_INTERVAL_SECONDS (default: 15.0)" in text
+
+
+def test_a_rank_over_a_pools_max_lora_rank_is_refused_naming_the_servingpool(
+    tmp_path: Path,
+) -> None:
+    from loraplane.adapters.source import open_adapter_source
+    from loraplane.adapters.validate import validate_adapter
+    from loraplane.operator.ingestion import IndexedPool, pool_limits
+    from tests.adapters.crafting import TINY_BASE, lora_config, lora_tensors, write_adapter
+
+    pools = [
+        IndexedPool("team-a", name, PoolSpec.parse({**POOL, "lora": {"maxLoraRank": rank}}))
+        for name, rank in (("wide", 64), ("narrow", 8))
+    ]
+    limits = pool_limits(1 << 30, pools)
+    assert limits.max_rank == 8
+    folder = write_adapter(tmp_path / "r16", lora_config(r=16), lora_tensors(TINY_BASE, 16))
+    with open_adapter_source(folder, limits) as files, pytest.raises(AdapterRejected) as info:
+        validate_adapter(files, TINY_BASE, limits)
+    assert info.value.code == ReasonCode.RANK_TOO_LARGE
+    assert "rank 16 exceeds the ServingPool team-a/narrow's maxLoraRank 8" in str(info.value)
+    assert pool_limits(1 << 30, []).max_rank is None
