@@ -26,7 +26,8 @@ Example: an adapter of a Llama-layout model served on Phi-3 (or the reverse with
     assert np.allclose(qkv.delta(), np.concatenate([q.delta(), k.delta(), v.delta()]))
     q2, k2, v2 = split(qkv, (q_out, kv_out, kv_out))
 
-`to_fused` / `to_split` do that for a whole adapter's modules, keyed by module path.
+`to_fused` / `to_split` do that for a whole adapter's modules, keyed by module path
+(`adapter_factors` reads them from a validated adapter).
 
 Experts: a 4.x adapter names each expert's layers (`experts.N.w1`, `w3`, `w2`); transformers
 5 packs them into 3-D parameters that PEFT adapts as one (`target_parameters`), its A
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.safetensors_io import SafetensorsFile
+from loraplane.adapters.validate import ValidatedAdapter
 
 # A fused module and the split modules it packs, in the order of its output rows.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -136,6 +139,25 @@ def split(fused: LoRAFactors, out_features: Sequence[int]) -> list[LoRAFactors |
         else:
             parts.append(LoRAFactors(fused.a[keep], b[:, keep], fused.scale))
     return parts
+
+
+def _float_array(weights: SafetensorsFile, name: str) -> np.ndarray:
+    array = weights.array(name)
+    if weights.tensors[name].dtype == "BF16":  # uint16 bit patterns: the high half of an f32
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return np.array(array, dtype=np.float32 if array.dtype == np.float16 else array.dtype)
+
+
+def adapter_factors(adapter: ValidatedAdapter) -> dict[str, LoRAFactors]:
+    """A validated adapter's modules as factors (float copies), keyed by module path (its
+    `ModuleLoRA.key`); a packed experts parameter's in PEFT's layout (`unpack_experts`)."""
+    return {
+        m.key: LoRAFactors(
+            _float_array(adapter.weights, m.a_name), _float_array(adapter.weights, m.b_name),
+            m.scale,
+        )
+        for m in adapter.modules
+    }  # fmt: skip
 
 
 def part_sizes(spec: BaseModelSpec, fused_module: str) -> tuple[int, ...]:

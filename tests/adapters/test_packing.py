@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
+from safetensors.torch import save_file as save_torch
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.packing import (
     LoRAFactors,
+    adapter_factors,
     fuse,
     pack_experts,
     split,
@@ -169,9 +171,10 @@ def _phi3_and_llama(root: Path) -> tuple[Path, Path]:
 def _read_peft(adapter_dir: Path, base: BaseModelSpec) -> dict[str, LoRAFactors]:
     with open_adapter_source(adapter_dir, AdapterLimits()) as files:
         adapter = validate_adapter(files, base, AdapterLimits())
+    out = adapter_factors(adapter)
     tensors = load_file(adapter_dir / "adapter_model.safetensors")
-    out = {m.key: LoRAFactors(tensors[m.a_name], tensors[m.b_name], m.scale)
-           for m in adapter.modules}  # fmt: skip
+    for m in adapter.modules:  # the same numbers as the file holds
+        np.testing.assert_array_equal(out[m.key].a, tensors[m.a_name])
     adapter.close()
     return out
 
@@ -317,3 +320,26 @@ def test_per_expert_adapter_packs_to_the_factors_peft_itself_loads(tmp_path: Pat
         np.testing.assert_array_equal(theirs.lora_A["default"].weight.detach().numpy(), ours.a)
         np.testing.assert_array_equal(theirs.lora_B["default"].weight.detach().numpy(), ours.b)
         assert theirs.scaling["default"] == pytest.approx(ours.scale)
+
+
+def test_adapter_factors_read_bf16_and_f16_files_as_floats(tmp_path: Path) -> None:
+    spec = BaseModelSpec("t", "llama", 1, 8, 16, 2, 2, 4)
+    rng = np.random.default_rng(7)
+    a = torch.from_numpy(rng.standard_normal((2, 8)).astype(np.float32))
+    b = torch.from_numpy(rng.standard_normal((8, 2)).astype(np.float32))
+    for dtype in (torch.bfloat16, torch.float16):
+        out = tmp_path / str(dtype)
+        out.mkdir()
+        stem = "base_model.model.model.layers.0.self_attn.q_proj"
+        save_torch({stem + ".lora_A.weight": a.to(dtype), stem + ".lora_B.weight": b.to(dtype)},
+                   out / "adapter_model.safetensors")  # fmt: skip
+        (out / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+        ))  # fmt: skip
+        with open_adapter_source(out, AdapterLimits()) as files:
+            adapter = validate_adapter(files, spec, AdapterLimits())
+        got = adapter_factors(adapter)["model.layers.0.self_attn.q_proj"]
+        adapter.close()
+        np.testing.assert_array_equal(got.a, a.to(dtype).float().numpy())
+        np.testing.assert_array_equal(got.b, b.to(dtype).float().numpy())
+        assert got.scale == 2.0
