@@ -12,6 +12,7 @@ import pytest
 
 from loraplane.adapters.errors import ReasonCode
 from loraplane.adapters.ingest import list_versions
+from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.source import WEIGHTS_NAME
 from loraplane.adapters.store import LocalStore
 from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
@@ -104,7 +105,7 @@ def _one_case_per_code() -> dict[ReasonCode, Any]:
             1 << 20
         ):
             continue
-        if case.limits.max_tensors != 8192 or case.id in ("pickle-file",):
+        if case.limits.max_tensors != AdapterLimits().max_tensors or case.id in ("pickle-file",):
             continue
         chosen[case.code] = case
     return chosen
