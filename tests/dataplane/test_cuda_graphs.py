@@ -37,6 +37,10 @@ from loraplane.dataplane.engine import Engine  # noqa: E402
 from loraplane.dataplane.kernels import dispatch  # noqa: E402
 from loraplane.dataplane.sampling import SamplingParams  # noqa: E402
 from loraplane.dataplane.sequence import LoRARef  # noqa: E402
+from tests.dataplane.conftest import Family  # noqa: E402
+
+# fixtures: the Gemma models and their adapters, built once for this module
+from tests.dataplane.test_models_gemma_parity import gemma_families  # noqa: E402, F401
 
 pytest.importorskip("triton")
 
@@ -114,6 +118,23 @@ def test_replayed_decode_steps_generate_the_eager_engines_tokens_and_logprobs(
     assert graphs is not None and graphs.batch_sizes == (1, 2, 4, 8)
     _same(_generate(engine, peft_adapters, names), want)
     # every decode step replayed (the last request decodes alone for its final tokens)
+    assert graphs.replays >= max(MAX_TOKENS) - 1 and graphs.fallbacks == 0
+
+
+def test_replayed_gemma2_decode_steps_generate_the_eager_engines_tokens_and_logprobs(
+    gemma_families: dict[str, Family],  # noqa: F811 - the imported fixture
+    triton_paths: None,
+) -> None:
+    """Soft-capped scores in the Triton kernel and windows of 6 that the decodes outgrow,
+    replayed from the graphs with padding rows (Gemma 3 adds nothing the graphs freeze)."""
+    family = gemma_families["gemma2"]
+    names = ["r64", "r8-qv", None, "r32-mlp", "r16-rslora"]
+    want = _generate(_engine(family.model_dir), family.adapters, names)
+    engine = _engine(family.model_dir)
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None
+    _same(_generate(engine, family.adapters, names), want)
     assert graphs.replays >= max(MAX_TOKENS) - 1 and graphs.fallbacks == 0
 
 
