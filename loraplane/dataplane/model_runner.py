@@ -28,6 +28,7 @@ from loraplane.dataplane.lora.layers import install_lora
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
 from loraplane.dataplane.lora.pool import LoRAPool
+from loraplane.dataplane.models import gemma
 from loraplane.dataplane.models.loader import load_model
 from loraplane.dataplane.prompt_logprobs import PromptScores, PromptSpan, score_prompts
 from loraplane.dataplane.scheduler import SchedulerOutput
@@ -41,7 +42,9 @@ GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading, for the KV cache
 
 
 def _model_max_len(model_dir: str) -> int:
-    value = read_config(model_dir).get("max_position_embeddings") or 4096
+    # an image-text Gemma 3 keeps it in text_config, and Gemma configs may leave it to
+    # transformers' default
+    value = gemma.text_config(read_config(model_dir)).get("max_position_embeddings") or 4096
     return int(value)
 
 

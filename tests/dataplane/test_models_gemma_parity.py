@@ -415,3 +415,73 @@ def test_engine_greedy_tokens_and_logprobs_equal_hf_peft_with_chunks_and_prefix_
         assert out.token_ids == logits.argmax(-1).tolist(), name
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])
         torch.testing.assert_close(torch.tensor(out.logprobs), expected[:, 0], atol=ATOL, rtol=0)
+
+
+# config.json as the Hub publishes them (transformers 4 spellings, fields left to defaults)
+HUB_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma-3-4b-it": {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+        "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                          "image_size": 896, "intermediate_size": 4304,
+                          "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14,
+                          "vision_use_head": False},
+    },
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "vocab_size": 262144,
+    },
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 3584, "intermediate_size": 14336, "max_position_embeddings": 8192,
+        "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+        "sliding_window": 4096, "vocab_size": 256000,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HUB_CONFIGS))
+def test_published_configs_parse_as_transformers_reads_them(name: str) -> None:
+    import transformers
+
+    raw = HUB_CONFIGS[name]
+    ours = GemmaConfig.from_hf(raw)
+    hf = transformers.AutoConfig.for_model(**raw)
+    text = hf.get_text_config()
+    for field, theirs in [
+        ("vocab_size", text.vocab_size), ("hidden_size", text.hidden_size),
+        ("intermediate_size", text.intermediate_size), ("num_layers", text.num_hidden_layers),
+        ("num_heads", text.num_attention_heads), ("num_kv_heads", text.num_key_value_heads),
+        ("head_dim", text.head_dim), ("rms_norm_eps", text.rms_norm_eps),
+        ("query_pre_attn_scalar", text.query_pre_attn_scalar),
+        ("final_logit_softcap", None if raw["model_type"] == "gemma3"
+         else text.final_logit_softcapping),
+        ("attn_logit_softcap", text.attn_logit_softcapping if raw["model_type"] == "gemma2"
+         else None),
+    ]:  # fmt: skip
+        assert getattr(ours, field) == theirs, field
+    windows = tuple(text.sliding_window if t == "sliding_attention" else None
+                    for t in text.layer_types)  # fmt: skip
+    assert ours.sliding_windows == windows
+    params = text.rope_parameters
+    full = params.get("full_attention", params)
+    local = params.get("sliding_attention", params)
+    assert (ours.rope.theta, ours.rope.rope_type) == (full["rope_theta"], full["rope_type"])
+    assert (ours.local_rope.theta, ours.local_rope.rope_type) == (
+        local["rope_theta"], local["rope_type"],
+    )  # fmt: skip
+    assert ours.rope.factor == full.get("factor", 1.0)
+    assert ours.local_rope.factor == local.get("factor", 1.0)

@@ -56,16 +56,44 @@ def _optional_cap(config: dict[str, Any], key: str, default: float | None) -> fl
     return float(value)
 
 
+# transformers' config class defaults for the fields a published config may leave out (the Hub's
+# gemma-3-4b-it `text_config` lists only six fields): Gemma2Config, Gemma3TextConfig
+_SHARED_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {**_SHARED_DEFAULTS, "vocab_size": 256_000, "max_position_embeddings": 8192},
+    "gemma3_text": {
+        **_SHARED_DEFAULTS,
+        "vocab_size": 262_208,
+        "max_position_embeddings": 131_072,
+    },
+}
+
+
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text stack's config: a `gemma3` (image-text) config's `text_config`, as a
-    `gemma3_text` config; other configs as they are."""
-    if config.get("model_type") != "gemma3":
+    """The text stack's config with transformers' defaults filled in: a `gemma3` (image-text)
+    config's `text_config` as a `gemma3_text` config, a gemma2 / gemma3_text config itself;
+    any other config as it is."""
+    model_type = config.get("model_type")
+    if model_type == "gemma3":
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise UnsupportedModelError("a gemma3 config.json needs a text_config object")
+        tied = config.get("tie_word_embeddings", True)
+        config, model_type = {"tie_word_embeddings": tied, **text}, "gemma3_text"
+    if model_type not in HF_DEFAULTS:
         return config
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        raise UnsupportedModelError("a gemma3 config.json needs a text_config object")
-    merged = {"tie_word_embeddings": config.get("tie_word_embeddings", True), **text}
-    return {**merged, "model_type": "gemma3_text"}
+    return {**HF_DEFAULTS[model_type], **config, "model_type": model_type}
 
 
 def _layer_types(config: dict[str, Any], family: str, layers: int) -> list[str]:
@@ -151,15 +179,13 @@ class GemmaConfig(ModelConfig):
             **{k: v for k, v in text.items() if k not in ("rope_parameters", "rope_scaling")},
             "model_type": "llama",
             "hidden_act": "silu",  # Gemma's activation is checked above
-            "head_dim": text.get("head_dim", 256),
-            "tie_word_embeddings": text.get("tie_word_embeddings", True),
             "attention_bias": bool(text.get("attention_bias", False)),
             "mlp_bias": False,
             "rope_parameters": full_rope,
         }
         base = ModelConfig.from_dict(llama_view)
         layers = base.num_layers
-        window = text.get("sliding_window", 4096)
+        window = text.get("sliding_window")
         types = _layer_types(text, family, layers)
         if window is None:
             windows: tuple[int | None, ...] = (None,) * layers
@@ -168,7 +194,7 @@ class GemmaConfig(ModelConfig):
         else:
             raise UnsupportedModelError(f"sliding_window must be a positive int: {window!r}")
         attn_cap, final_cap = _DEFAULT_SOFTCAPS[family]
-        scalar = text.get("query_pre_attn_scalar", 256)
+        scalar = text.get("query_pre_attn_scalar")
         if not isinstance(scalar, int | float) or isinstance(scalar, bool) or scalar <= 0:
             raise UnsupportedModelError(f"query_pre_attn_scalar must be > 0: {scalar!r}")
         shared = {f.name: getattr(base, f.name) for f in fields(ModelConfig)}
