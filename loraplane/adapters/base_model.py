@@ -163,12 +163,13 @@ class BaseModelSpec:
                     f"config.json of a {model_type} model must hold its text stack's numbers "
                     "in a 'text_config' object"
                 )
-        hidden = _int_field(text, "hidden_size")
-        heads = _int_field(text, "num_attention_heads")
-        kv_heads = _int_field(text, "num_key_value_heads", heads)
+        known = dict(family.defaults)
+        hidden = _int_field(text, "hidden_size", known.get("hidden_size"))
+        heads = _int_field(text, "num_attention_heads", known.get("num_attention_heads"))
+        kv_heads = _int_field(text, "num_key_value_heads", known.get("num_key_value_heads", heads))
         head_dim = _int_field(text, "head_dim", family.head_dim_default or hidden // heads)
-        layers = _int_field(text, "num_hidden_layers")
-        intermediate = _int_field(text, "intermediate_size")
+        layers = _int_field(text, "num_hidden_layers", known.get("num_hidden_layers"))
+        intermediate = _int_field(text, "intermediate_size", known.get("intermediate_size"))
         experts, moe_inter = 0, 0
         moe_layers: tuple[int, ...] = ()
         # transformers 5 writes `num_local_experts` for both; Qwen's own configs `num_experts`

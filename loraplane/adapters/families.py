@@ -51,6 +51,9 @@ class Family:
     prefixes: tuple[str, ...] = ("model.", "")
     head_dim_default: int | None = None  # the config class's default; None: hidden // heads
     nested_text_config: bool = False  # the text stack's numbers are under `text_config`
+    # Fields a published config.json may leave out, as the transformers config class fills
+    # them (Google's Gemma 3 configs omit the heads, head_dim and vocab_size of text_config).
+    defaults: tuple[tuple[str, int], ...] = ()
 
     @property
     def moe(self) -> bool:
@@ -63,19 +66,24 @@ class Family:
 
 
 _LLAMA = Family(ATTENTION_MODULES, MLP_MODULES)
+_GEMMA_DEFAULTS = (("hidden_size", 2304), ("intermediate_size", 9216), ("num_hidden_layers", 26),
+                   ("num_attention_heads", 8), ("num_key_value_heads", 4))  # fmt: skip
+_GEMMA2 = (*_GEMMA_DEFAULTS, ("vocab_size", 256000), ("max_position_embeddings", 8192))
+_GEMMA3 = (*_GEMMA_DEFAULTS, ("vocab_size", 262208), ("max_position_embeddings", 131072))
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": Family(ATTENTION_MODULES, MLP_MODULES, head_dim_default=128),
-    "gemma2": Family(ATTENTION_MODULES, MLP_MODULES, head_dim_default=256),
-    "gemma3_text": Family(ATTENTION_MODULES, MLP_MODULES, head_dim_default=256),
+    "gemma2": Family(ATTENTION_MODULES, MLP_MODULES, head_dim_default=256, defaults=_GEMMA2),
+    "gemma3_text": Family(ATTENTION_MODULES, MLP_MODULES, head_dim_default=256, defaults=_GEMMA3),
     "gemma3": Family(
         ATTENTION_MODULES,
         MLP_MODULES,
         prefixes=("model.language_model.", "language_model.model."),
         head_dim_default=256,
         nested_text_config=True,
+        defaults=_GEMMA3,
     ),
     "phi3": Family(FUSED_ATTENTION_MODULES, FUSED_MLP_MODULES),
     "mixtral": Family(

@@ -147,10 +147,13 @@ class ModelShape:
         """Read a parsed HF config.json (the engine's supported model types only)."""
         spec = BaseModelSpec.from_config(config, name)
         text = config.get("text_config", config) if spec.family.nested_text_config else config
-        vocab = text.get("vocab_size")
+        known = dict(spec.family.defaults)
+        vocab = text.get("vocab_size", known.get("vocab_size"))
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise ValueError(f"config.json field 'vocab_size' must be a positive int: {vocab!r}")
-        max_len = text.get("max_position_embeddings") or 4096  # as the engine defaults it
+        max_len = text.get("max_position_embeddings") or known.get(
+            "max_position_embeddings", 4096
+        )  # as the engine defaults it
         tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
         if tied is None:
             tied = spec.model_type in TIED_BY_DEFAULT

@@ -23,6 +23,7 @@ from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.source import open_adapter_source
 from loraplane.adapters.validate import ValidatedAdapter, validate_adapter
+from loraplane.planner.shapes import ModelShape
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -456,3 +457,32 @@ def test_a_per_expert_adapter_with_qwen3_30b_a3b_tensor_count_passes_the_default
     assert len(adapter.weights.tensors) == 37_248
     assert len({m.module for m in adapter.modules if m.module.startswith("experts.")}) == 384
     adapter.close()
+
+
+def test_a_published_gemma3_config_that_leaves_fields_out_reads_as_transformers_reads_it(
+    tmp_path: Path,
+) -> None:
+    """Google's gemma-3-4b config.json gives text_config only hidden, intermediate and layer
+    counts: the heads, head_dim and vocabulary are the config class's defaults."""
+    published = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    spec = BaseModelSpec.from_dir(tmp_path)
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path).text_config
+    assert (spec.hidden_size, spec.intermediate_size, spec.num_layers) == (2560, 10240, 34)
+    assert spec.num_heads == theirs.num_attention_heads == 8
+    assert spec.num_kv_heads == theirs.num_key_value_heads == 4
+    assert spec.head_dim == theirs.head_dim == 256
+    assert spec.module_shape("q_proj") == (2560, 8 * 256)
+    shape = ModelShape.from_dir(str(tmp_path))
+    assert shape.vocab_size == theirs.vocab_size == 262208
+    assert shape.tie_word_embeddings
