@@ -359,10 +359,12 @@ class LayerTypeRotary(nn.Module):
         )  # fmt: skip
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, attn: AttentionMetadata
     ) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:  # is_sliding -> (cos, sin) [T, dim]
-        full = self.full(positions, dtype)
-        return {False: full, True: full if self.shared else self.sliding(positions, dtype)}
+        # attn: the sequences' lengths, which the length-dependent RoPE types read
+        full = self.full(positions, dtype, attn)
+        sliding = full if self.shared else self.sliding(positions, dtype, attn)
+        return {False: full, True: sliding}
 
 
 class GemmaModel(nn.Module):
@@ -387,7 +389,7 @@ class GemmaModel(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         scale = float(torch.tensor(self.embed_scale, dtype=dtype))
         x = self.embed_tokens(input_ids) * scale
-        tables = self.rotary_emb(positions, x.dtype)
+        tables = self.rotary_emb(positions, x.dtype, attn)
         for layer in self.decoder_layers:
             cos, sin = tables[layer.is_sliding]
             x = layer(x, cos, sin, attn)
