@@ -14,6 +14,7 @@ the greedy token, which must be HF's argmax at every position.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -485,3 +486,31 @@ def test_published_configs_parse_as_transformers_reads_them(name: str) -> None:
     )  # fmt: skip
     assert ours.rope.factor == full.get("factor", 1.0)
     assert ours.local_rope.factor == local.get("factor", 1.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for gemma2"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"layer_types": ["full_attention"]}, "layer_types must list 42"),
+        ({"sliding_window": 0}, "sliding_window must be a positive int"),
+        ({"attn_logit_softcapping": -1}, "'attn_logit_softcapping' must be null or > 0"),
+        ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be > 0"),
+    ],
+)
+def test_gemma_configs_the_decoder_cannot_serve_are_refused_naming_why(
+    change: dict[str, Any], message: str
+) -> None:
+    from loraplane.dataplane.models import UnsupportedModelError
+    from loraplane.dataplane.models.config import ModelConfig
+
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        ModelConfig.from_dict({**HUB_CONFIGS["gemma-2-9b"], **change})
+
+
+def test_an_image_text_gemma3_config_without_text_config_is_refused() -> None:
+    from loraplane.dataplane.models import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="needs a text_config"):
+        GemmaConfig.from_hf({"model_type": "gemma3", "vision_config": {}})
