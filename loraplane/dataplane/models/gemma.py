@@ -197,29 +197,28 @@ class GemmaConfig(ModelConfig):
         scalar = text.get("query_pre_attn_scalar")
         if not isinstance(scalar, int | float) or isinstance(scalar, bool) or scalar <= 0:
             raise UnsupportedModelError(f"query_pre_attn_scalar must be > 0: {scalar!r}")
-        shared = {f.name: getattr(base, f.name) for f in fields(ModelConfig)}
-        return cls(
-            **{
-                **shared,
-                "model_type": family,
-                "rope": _rope(text, full_rope),
-                "sliding_windows": windows,
-            },
-            local_rope=_rope(text, local_rope),
-            query_pre_attn_scalar=float(scalar),
-            attn_logit_softcap=(
+        gemma: dict[str, Any] = {
+            "model_type": family,
+            "rope": _rope(text, full_rope),
+            "sliding_windows": windows,
+            "local_rope": _rope(text, local_rope),
+            "query_pre_attn_scalar": float(scalar),
+            "attn_logit_softcap": (
                 _optional_cap(text, "attn_logit_softcapping", attn_cap)
                 if family == "gemma2"
                 else None
             ),
             # transformers' Gemma3ForConditionalGeneration never soft-caps its logits
-            final_logit_softcap=(
+            "final_logit_softcap": (
                 None
                 if outer_type == "gemma3"
                 else _optional_cap(text, "final_logit_softcapping", final_cap)
             ),
-            qk_norm=family == "gemma3_text",
-        )
+            "qk_norm": family == "gemma3_text",
+        }
+        # the Llama reader's values for the shared fields, Gemma's where they differ
+        shared = {f.name: getattr(base, f.name) for f in fields(ModelConfig)}
+        return cls(**{**shared, **gemma})
 
 
 # a gemma3 (image-text) checkpoint's text stack: transformers 5 writes `language_model.model.*`
