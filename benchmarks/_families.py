@@ -7,9 +7,9 @@ vocab 32000, fp32) with its own extras on top:
 - phi3: fused qkv_proj and gate_up_proj, partial rotary 0.75 and LongRoPE (Phi-4-mini's);
 adapters are rank 16 on every projection the family has (the fused names for phi3).
 Figures: the decode step of 64 sequences with no adapters and over 8 adapters, for the family
-and for Llama, and their ratios (goal: at most 1.3). The two models alternate over several
-rounds and each figure is the smallest of the rounds' medians, so a noisy neighbour on a shared
-machine weighs on both alike.
+and for Llama (the median of 24 steps each), and their ratios (goal: at most 1.3). Both engines
+hold their batch at once and take their decode steps in turn, one of each, so load from other
+processes on a shared machine weighs on both alike.
 """
 
 from __future__ import annotations

@@ -89,6 +89,31 @@ def decode_step_seconds(
     return statistics.median(times)
 
 
+def paired_decode_seconds(
+    engines: dict[str, Engine], loras: dict[str, Sequence[LoRARef | None]], steps: int
+) -> dict[str, float]:
+    """Median decode step time of each engine, their steps taken in turn (one of each, again
+    and again), so load from other processes on a shared machine falls on all of them alike."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    prompt_ids = prompts(NUM_SEQS, 1)
+    stamp = time.monotonic_ns()
+    for name, engine in engines.items():
+        for i, (p, lora) in enumerate(zip(prompt_ids, loras[name], strict=True)):
+            engine.add_request(f"p{stamp}-{i}", p, params, lora)
+        while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - start)
+    for engine in engines.values():
+        while engine.has_unfinished:
+            engine.step()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def engine_tokens_per_s(
     engine: Engine, batches: Sequence[Sequence[LoRARef | None]], gen: int
 ) -> float:
@@ -153,13 +178,14 @@ def run_family(family: str, smoke: bool, rounds: int = 3) -> int:
                         for i in range(8)]  # fmt: skip
             engines[name] = make_engine(root / name, adapters, max_loras=8)
         best: dict[tuple[str, str], float] = {}
-        for _ in range(rounds):  # alternate the models: a noisy neighbour hits both alike
-            for name, (engine, refs) in engines.items():
-                runs = {"no_adapters": [None] * NUM_SEQS,
-                        "8_adapters": [refs[i % 8] for i in range(NUM_SEQS)]}  # fmt: skip
-                for kind, loras in runs.items():
-                    seconds = decode_step_seconds(engine, loras, steps)
-                    best[name, kind] = min(best.get((name, kind), seconds), seconds)
+        for kind in ("no_adapters", "8_adapters"):
+            runs = {name: [None] * NUM_SEQS if kind == "no_adapters"
+                    else [refs[i % 8] for i in range(NUM_SEQS)]
+                    for name, (_, refs) in engines.items()}  # fmt: skip
+            times = paired_decode_seconds({n: e for n, (e, _) in engines.items()}, runs,
+                                          steps * rounds)  # fmt: skip
+            for name, seconds in times.items():
+                best[name, kind] = seconds
         figures: dict[str, float] = {}
         for kind in ("no_adapters", "8_adapters"):
             figures[f"decode_step_ms_llama_{kind}"] = best["llama", kind] * 1e3
