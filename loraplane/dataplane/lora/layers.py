@@ -116,5 +116,8 @@ def install_lora(model: LoRAHost, pool: LoRAPool) -> LoRAContext:
         wrapper.bind(pool.module_slots(layer_idx, module_name), context)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, wrapper)
+    bind_experts = getattr(model, "bind_expert_lora", None)
+    if callable(bind_experts):  # a mixture of experts: its blocks apply the experts' LoRA
+        bind_experts(pool, context)
     model.lora_context = context
     return context

@@ -270,6 +270,22 @@ def load_lora(
     limits: AdapterLimits | None = None,
     expected_digest: str | None = None,
 ) -> LoadedAdapter:
+    """Validate and read the adapter at `path` (see `_load_lora`); on a mixture-of-experts
+    base, packed experts' factors are split per expert (`lora/experts.py`)."""
+    loaded = _load_lora(path, base, limits, expected_digest)
+    if not base.num_experts:
+        return loaded
+    from loraplane.dataplane.lora.experts import per_expert_modules  # it imports this module
+
+    return per_expert_modules(loaded, base)
+
+
+def _load_lora(
+    path: Path | str,
+    base: BaseModelSpec,
+    limits: AdapterLimits | None = None,
+    expected_digest: str | None = None,
+) -> LoadedAdapter:
     """Validate the adapter at `path` (folder or archive) against `base`; copy its weights.
 
     Raises `AdapterRejected` with the reason code when any check fails. With

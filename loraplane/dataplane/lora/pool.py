@@ -96,6 +96,12 @@ def engine_modules(spec: BaseModelSpec) -> tuple[str, ...]:
     return FUSED_MODULES if spec.model_type == "phi3" else SUPPORTED_MODULES
 
 
+def layer_engine_modules(spec: BaseModelSpec, layer: int) -> tuple[str, ...]:
+    """The adaptable linears of decoder layer `layer`: a sparse layer's attention and each
+    expert's, `experts.N.NAME` (lora/experts.py), else `engine_modules`."""
+    return spec.layer_modules(layer) if spec.is_moe_layer(layer) else engine_modules(spec)
+
+
 class ModuleSlots:
     """Every slot's A, B and scale for one (layer, module); None where a slot does not adapt it."""
 
@@ -153,7 +159,7 @@ class LoRAPool:
         self._modules = {
             (layer, module): ModuleSlots(max_loras, self.device)
             for layer in range(model_spec.num_layers)
-            for module in engine_modules(model_spec)
+            for module in layer_engine_modules(model_spec, layer)
         }
         # slot -> its storage: one flat buffer, or the host copy's tensors read in place
         self._buffers: list[list[torch.Tensor] | None] = [None] * max_loras

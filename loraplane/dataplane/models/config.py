@@ -16,7 +16,7 @@ The decoder families (`LLAMA_FAMILIES`, built by `llama.py`) and what each reads
   (`partial_rotary_factor`); `longrope` (the old "su"/"yarn" names mean longrope here);
   `original_max_position_embeddings` at the top level (default 4096); `sliding_window` on every
   layer.
-Gemma 2/3 are parsed by `models/gemma.py`.
+Gemma 2/3 are parsed by `models/gemma.py`, Mixtral and Qwen3-MoE by `models/moe.py`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from typing import Any
 
 # the families llama.py's decoder builds; another family adds itself here or below
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILIES, "gemma2", "gemma3_text", "gemma3")
+SUPPORTED_ARCHITECTURES = (
+    *LLAMA_FAMILIES, "gemma2", "gemma3_text", "gemma3", "mixtral", "qwen3_moe"
+)  # fmt: skip
 # parsed by models/gemma.py (GemmaConfig, a ModelConfig with Gemma's own fields)
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
@@ -209,6 +211,10 @@ class ModelConfig:
             from loraplane.dataplane.models.gemma import GemmaConfig
 
             return GemmaConfig.from_hf(config)
+        if model_type in ("mixtral", "qwen3_moe"):  # models/moe.py (which imports this module)
+            from loraplane.dataplane.models.moe import MoEConfig
+
+            return MoEConfig.from_hf(config)
         if model_type == "phi3":
             config = _phi3_config(config)
         act = config.get("hidden_act", "silu")

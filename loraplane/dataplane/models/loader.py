@@ -22,6 +22,7 @@ from loraplane.dataplane.models.config import ModelConfig
 from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
 from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
 from loraplane.dataplane.models.llama import LlamaForCausalLM
+from loraplane.dataplane.models.moe import MoEConfig, MoEForCausalLM
 from loraplane.dataplane.models.rope import RotaryEmbedding
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,9 +71,12 @@ def _check_keys(model: LlamaForCausalLM, state: dict[str, torch.Tensor], where: 
 
 
 def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
-    """The decoder a parsed config describes (Gemma's is a LlamaForCausalLM subclass)."""
+    """The decoder a parsed config describes (Gemma's and the MoE families' are LlamaForCausalLM
+    subclasses)."""
     if isinstance(config, GemmaConfig):
         return GemmaForCausalLM(config)
+    if isinstance(config, MoEConfig):
+        return MoEForCausalLM(config)
     return LlamaForCausalLM(config)
 
 

@@ -15,7 +15,7 @@ from tests.servers import free_port
 
 @pytest.mark.parametrize(
     ("model_type", "architecture"),
-    [("gpt2", "GPT2LMHeadModel"), ("mixtral", "MixtralForCausalLM")],
+    [("gpt2", "GPT2LMHeadModel"), ("falcon", "FalconForCausalLM")],
 )
 def test_serve_refuses_an_unsupported_family_at_start_naming_it(
     model_type: str, architecture: str, tmp_path: Path
