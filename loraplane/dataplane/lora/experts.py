@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
 from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
 
+TRITON_BACKENDS = ("triton", "triton-fused")
 Segment = tuple[int, int, int]  # (slot, start, end): rows start:end of one expert use slot
 
 # one expert's (gate, up, down) names per family, as its checkpoint names them
@@ -121,6 +123,45 @@ def expert_lora_torch(
         y[start:end] += delta * table.scales[slot].to(delta.dtype)
 
 
+def expert_batch(segments: Sequence[Segment], device: torch.device) -> LoRABatch:
+    """One expert's adapter segments as a LoRABatch over its rows (already sorted by slot, so
+    no sort): what the SGMV kernels take, each segment one (expert, adapter) group."""
+    order = [i for _, start, end in segments for i in range(start, end)]
+    bounds = [0]
+    slots = []
+    for slot, start, end in segments:
+        bounds.append(bounds[-1] + end - start)
+        slots.append(slot)
+    token_slots = [slot for slot, start, end in segments for _ in range(start, end)]
+    num_rows = max((end for _, _, end in segments), default=0)
+    return LoRABatch(
+        num_tokens=num_rows,
+        token_order=torch.tensor(order, dtype=torch.int64, device=device),
+        seg_slots=tuple(slots),
+        seg_bounds=tuple(bounds),
+        seg_slots_t=torch.tensor(slots, dtype=torch.int32, device=device),
+        seg_bounds_t=torch.tensor(bounds, dtype=torch.int32, device=device),
+        token_slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
+    )
+
+
+def expert_lora_apply(
+    y: torch.Tensor,  # [R, out]: one expert's rows, updated in place
+    x: torch.Tensor,  # [R, in]
+    segments: Sequence[Segment],
+    table: ModuleSlots,
+) -> None:
+    """`expert_lora_torch`'s meaning on any device: the Triton SGMV kernels where dispatch
+    picks Triton (CUDA, or LORAPLANE_SGMV=triton with TRITON_INTERPRET=1), one launch over all
+    of an expert's (expert, adapter) segments; the torch reference otherwise."""
+    if not any(table.lora_a[slot] is not None for slot, _, _ in segments):
+        return
+    if dispatch.backend(x) in TRITON_BACKENDS:
+        dispatch.lora_apply(y, x, expert_batch(segments, x.device), table)
+        return
+    expert_lora_torch(y, x, segments, table)
+
+
 class ExpertLoRA:
     """The pool's slot tables of one sparse layer: [expert][gate, up, down]."""
 
@@ -151,8 +192,8 @@ class ExpertLoRA:
         proj: int,  # 0 gate, 1 up, 2 down
         segments: Sequence[Segment],
     ) -> None:
-        """Add the adapters' deltas of one expert's linear to its rows (torch reference)."""
-        expert_lora_torch(y, x, segments, self.tables[expert][proj])
+        """Add the adapters' deltas of one expert's linear to its rows."""
+        expert_lora_apply(y, x, segments, self.tables[expert][proj])
 
 
 def per_expert_modules(adapter: LoadedAdapter, spec: BaseModelSpec) -> LoadedAdapter:
