@@ -26,7 +26,6 @@ from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
 from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
 
-TRITON_BACKENDS = ("triton", "triton-fused")
 Segment = tuple[int, int, int]  # (slot, start, end): rows start:end of one expert use slot
 
 # one expert's (gate, up, down) names per family, as its checkpoint names them
@@ -150,16 +149,14 @@ def expert_lora_apply(
     x: torch.Tensor,  # [R, in]
     segments: Sequence[Segment],
     table: ModuleSlots,
+    batch: LoRABatch | None = None,  # expert_batch(segments): built once per expert, if given
 ) -> None:
-    """`expert_lora_torch`'s meaning on any device: the Triton SGMV kernels where dispatch
-    picks Triton (CUDA, or LORAPLANE_SGMV=triton with TRITON_INTERPRET=1), one launch over all
-    of an expert's (expert, adapter) segments; the torch reference otherwise."""
+    """`expert_lora_torch`'s meaning on any device, through the SGMV dispatch the attention
+    LoRA layers use (`kernels/dispatch.py`): the Triton kernels on CUDA, one launch over all
+    of an expert's (expert, adapter) segments; the native C kernel or torch on the CPU."""
     if not any(table.lora_a[slot] is not None for slot, _, _ in segments):
         return
-    if dispatch.backend(x) in TRITON_BACKENDS:
-        dispatch.lora_apply(y, x, expert_batch(segments, x.device), table)
-        return
-    expert_lora_torch(y, x, segments, table)
+    dispatch.lora_apply(y, x, batch or expert_batch(segments, x.device), table)
 
 
 class ExpertLoRA:
@@ -191,9 +188,11 @@ class ExpertLoRA:
         expert: int,
         proj: int,  # 0 gate, 1 up, 2 down
         segments: Sequence[Segment],
+        batch: LoRABatch | None = None,
     ) -> None:
-        """Add the adapters' deltas of one expert's linear to its rows."""
-        expert_lora_apply(y, x, segments, self.tables[expert][proj])
+        """Add the adapters' deltas of one expert's linear to its rows (`batch`: the
+        segments as `expert_batch` gives them, shared by the expert's three linears)."""
+        expert_lora_apply(y, x, segments, self.tables[expert][proj], batch)
 
 
 def per_expert_modules(adapter: LoadedAdapter, spec: BaseModelSpec) -> LoadedAdapter:

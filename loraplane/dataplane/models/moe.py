@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from loraplane.dataplane.attention import AttentionMetadata
-from loraplane.dataplane.lora.experts import ExpertLoRA, RoutedRows, route_rows
+from loraplane.dataplane.lora.experts import ExpertLoRA, RoutedRows, expert_batch, route_rows
 from loraplane.dataplane.lora.layers import LoRAContext
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
@@ -176,13 +176,14 @@ class SparseMoeBlock(nn.Module):
             xe = xs[start:end]
             gate, up = gate_l(xe), up_l(xe)
             segments = rows.segments(e)  # (slot, start, end) within this expert's rows
-            if lora is not None and segments:
-                lora.apply(gate, xe, e, 0, segments)
-                lora.apply(up, xe, e, 1, segments)
+            ebatch = expert_batch(segments, x.device) if lora is not None and segments else None
+            if lora is not None and ebatch is not None:
+                lora.apply(gate, xe, e, 0, segments, ebatch)
+                lora.apply(up, xe, e, 1, segments, ebatch)
             h = F.silu(gate) * up
             y = down_l(h)
-            if lora is not None and segments:
-                lora.apply(y, h, e, 2, segments)
+            if lora is not None and ebatch is not None:
+                lora.apply(y, h, e, 2, segments, ebatch)
             tokens = rows.tokens[start:end]
             w = weights.reshape(-1)[rows.pairs[start:end]]  # [rows] this expert's weights
             out.index_add_(0, tokens, (y * w[:, None]).to(out.dtype))
