@@ -401,3 +401,46 @@ def test_the_engine_serves_a_moe_base_with_expert_adapters_as_hf_peft(
             logits = _reference_logits(moe_reference(kind, name), tokens)
             tokens.append(int(logits[-1].argmax()))
         assert out.token_ids == tokens[len(prompt) :], name
+
+
+def test_a_qwen3_moe_dense_layers_mlp_adapter_applies_as_its_merged_weights(
+    moe_families: dict[str, Family], tmp_path: Path
+) -> None:
+    """LoRA on the MLP of a dense layer (mlp_only_layers) of a Qwen3-MoE base: the engine's
+    logits equal HF's with the deltas merged into that MLP's weights (PEFT on transformers 5
+    writes such an adapter's gate/up targets as packed experts instead, so it is written here
+    in the 4.x layout PEFT reads)."""
+    import transformers
+
+    fam = moe_families["qwen3_moe"]
+    torch.manual_seed(9)
+    rank, alpha = 8, 16
+    tensors, deltas = {}, {}
+    for name, (fan_in, fan_out) in {"gate_proj": (64, 80), "down_proj": (80, 64)}.items():
+        a, b = torch.randn(rank, fan_in) * 0.2, torch.randn(fan_out, rank) * 0.2
+        stem = f"base_model.model.model.layers.1.mlp.{name}"
+        tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = a, b
+        deltas[name] = (alpha / rank) * b @ a
+    out = tmp_path / "dense"
+    out.mkdir()
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
+              "target_modules": ["gate_proj", "down_proj"], "task_type": "CAUSAL_LM"}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    engine = _engine(fam, {"dense": out})
+    assert {m for _, m in load_lora(out, BaseModelSpec.from_dir(fam.model_dir)).modules} == {
+        "gate_proj",
+        "down_proj",
+    }
+    merged = transformers.AutoModelForCausalLM.from_pretrained(fam.model_dir).eval()
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            getattr(merged.model.layers[1].mlp, name).weight += delta
+    tokens = _prompt(random.Random("dense"), 14)
+    seq, base = Seq(list(tokens), engine.slots["dense"]), Seq(list(tokens))
+    PagedRunner(engine.model, num_blocks=16, block_size=4).step(
+        [(seq, len(tokens)), (base, len(tokens))]
+    )
+    expected = _reference_logits(merged, tokens)
+    torch.testing.assert_close(torch.stack(seq.logits), expected, atol=ATOL, rtol=0)
+    assert (torch.stack(base.logits) - expected).abs().max() > 100 * ATOL
