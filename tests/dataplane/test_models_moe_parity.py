@@ -6,8 +6,10 @@ renormalised, fp32 routing weights) and Qwen3-MoE (norm_topk_prob, q/k head norm
 != hidden / heads, one dense layer among the sparse ones). Adapters as PEFT trains them on
 transformers 5: attention through target_modules, the packed experts through
 target_parameters (split per expert at load); a 4.x-style per-expert adapter
-(`experts.N.w1`...) is checked to serve as its packed twin does. Batches mix adapters with
-base-model rows, prefill in chunks and decode greedily: every token is HF's argmax.
+(`experts.N.w1`...) is checked to serve as its packed twin does, and a dense layer's MLP
+adapter as its merged weights. Batches mix adapters with base-model rows, prefill in chunks,
+start from a cached prefix and decode greedily: every token is HF's argmax; the Engine end to
+end gives HF+PEFT's greedy tokens.
 """
 
 from __future__ import annotations
@@ -444,3 +446,30 @@ def test_a_qwen3_moe_dense_layers_mlp_adapter_applies_as_its_merged_weights(
     expected = _reference_logits(merged, tokens)
     torch.testing.assert_close(torch.stack(seq.logits), expected, atol=ATOL, rtol=0)
     assert (torch.stack(base.logits) - expected).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cached_prefix_is_read_as_hf_computes_it(
+    kind: str,
+    moe_models: Callable[[str], LoadedModel],
+    moe_reference: Callable[[str, str | None], Any],
+) -> None:
+    """Prefix caching: sequences that start from another's cached blocks (an all-modules
+    adapter) decode as HF+PEFT does over the whole sequence."""
+    engine, rng = moe_models(kind), random.Random(f"prefix-{kind}")
+    slot = engine.slots["r32-all"]
+    prefix = _prompt(rng, 8)  # two blocks of 4
+    writer = Seq([*prefix, *_prompt(rng, 5)], slot)
+    runner = PagedRunner(engine.model, num_blocks=48, block_size=4, seed=7)
+    runner.step([(writer, len(writer.tokens))])
+    tail = Seq([*prefix, *_prompt(rng, 6)], slot)
+    runner.share_prefix(writer, tail, 2)
+    runner.step([(tail, 6)])
+    prompt_len = len(tail.tokens)
+    for _ in range(3):
+        tail.tokens.append(int(tail.logits[-1].argmax()))
+        runner.step([(tail, 1)])
+    expected = _reference_logits(moe_reference(kind, "r32-all"), tail.tokens[: tail.num_computed])
+    torch.testing.assert_close(torch.stack(tail.logits), expected[8:], atol=ATOL, rtol=0)
+    greedy = expected.argmax(-1)[prompt_len - 1 :][:3]
+    assert tail.tokens[prompt_len:] == greedy.tolist()
