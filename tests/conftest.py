@@ -10,6 +10,17 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton reads TRITON_INTERPRET once, when it is first imported, and PEFT and torch._dynamo import
+# it as a side effect: any test module collected before the kernel tests (one importing PEFT at
+# module level) would otherwise freeze Triton's own @jit helpers (tl.sum, tl.max) uninterpreted,
+# and every interpreted kernel then fails with "Cannot call @triton.jit'd outside of the scope of
+# a kernel". Without CUDA the kernels can only run interpreted, so decide here, before anything.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 # name -> LoraConfig arguments; ranks 4 to 64 and every PEFT feature the engine honours
 ADAPTER_CONFIGS: dict[str, dict[str, object]] = {
     "r4": {"r": 4, "lora_alpha": 8},
