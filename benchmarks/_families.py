@@ -1,15 +1,21 @@
-"""`engine_cpu.py --family NAME`: the decode step of a family's config against the same-shaped
-Llama, both built and timed in this process.
+"""`engine_cpu.py --family NAME`: the model and adapters of a family at engine_cpu's shape.
 
-Each family gets engine_cpu's shape (hidden 1024, 8 layers, 16 heads / 4 KV heads, MLP 2816,
-vocab 32000, fp32) with its own extras on top:
+Each dense family gets engine_cpu's shape (hidden 1024, 8 layers, 16 heads / 4 KV heads, MLP
+2816, vocab 32000, fp32) with its own extras on top, and is timed against the same-shaped Llama:
 - qwen3: q_norm / k_norm on every head (head_dim 64, as the Llama's);
 - phi3: fused qkv_proj and gate_up_proj, partial rotary 0.75 and LongRoPE (Phi-4-mini's);
-adapters are rank 16 on every projection the family has (the fused names for phi3).
-Figures: the decode step of 64 sequences with no adapters and over 8 adapters, for the family
-and for Llama (the median of 24 steps each), and their ratios (goal: at most 1.3). Both engines
-hold their batch at once and take their decode steps in turn, one of each, so load from other
-processes on a shared machine weighs on both alike.
+- gemma3 (`gemma3_text`): q/k norms, four (1 + w) norms per layer computed in fp32, GeGLU,
+  embeddings scaled by sqrt(hidden), five sliding layers (window 1024) to one global (RoPE base
+  1e4 and 1e6), tied embeddings, no soft-caps (Gemma 3's default); head_dim 64;
+- gemma2: the same without q/k norms, sliding and global layers alternating, soft-caps on
+  (50 on the attention scores, 30 on the logits).
+The mixture-of-experts families are timed against themselves, with and without adapters:
+- mixtral, qwen3_moe: the same attention (qwen3_moe with its q/k norms), 8 experts, top-2,
+  experts 1408 wide, so a token's active MLP (2 x 1408) is the Llama's 2816; every layer
+  sparse.
+Adapters are rank 16 on every projection the family has (the fused names for phi3; for the MoE
+families attention and every expert's three linears, one module per expert as PEFT 0.x writes
+them for transformers 4.x checkpoints, `experts.N.w1` / `experts.N.gate_proj` ...).
 """
 
 from __future__ import annotations
@@ -22,36 +28,68 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-FAMILIES = ("qwen3", "phi3")
-HEAD_DIM = 64
+from loraplane.adapters.base_model import BaseModelSpec
+
+DENSE = ("qwen3", "phi3", "gemma3", "gemma2")
+MOE = ("mixtral", "qwen3_moe")
+FAMILIES = DENSE + MOE
+NUM_EXPERTS, TOP_K = 8, 2
+LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = LLAMA_MODULES[:4]
 
 
 def family_config(family: str, shape: dict[str, Any]) -> tuple[Any, list[str]]:
     """The transformers config of `family` at `shape`, and the modules its adapters target."""
     import transformers
 
-    heads = shape["num_attention_heads"]
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     common = {**shape, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
-    llama_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     if family == "llama":
-        return transformers.LlamaConfig(**common), llama_modules
+        return transformers.LlamaConfig(**common), LLAMA_MODULES
     if family == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=shape["hidden_size"] // heads), (
-            llama_modules
-        )
+        return transformers.Qwen3Config(**common, head_dim=head_dim), LLAMA_MODULES
     if family == "phi3":
-        rotary = int(shape["hidden_size"] // heads * 0.75)
+        rotary = int(head_dim * 0.75)
         rope = {
             "rope_type": "longrope",
             "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.01 * i for i in range(rotary // 2)],
             "long_factor": [1.0 + 0.5 * i for i in range(rotary // 2)],
         }
-        config = transformers.Phi3Config(
-            **common, partial_rotary_factor=0.75, rope_parameters=rope, pad_token_id=0,
-            original_max_position_embeddings=shape["max_position_embeddings"] // 4,
-        )  # fmt: skip
-        return config, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+        phi3 = {
+            **common,
+            "partial_rotary_factor": 0.75,
+            "rope_parameters": rope,
+            "pad_token_id": 0,
+            "original_max_position_embeddings": shape["max_position_embeddings"] // 4,
+        }
+        return transformers.Phi3Config(**phi3), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    if family in ("gemma3", "gemma2"):
+        # the families' own defaults for norms, GeGLU, embedding scale, layer pattern and
+        # soft-caps; a window shorter than transformers' 4096 default, as Gemma checkpoints have
+        gemma = {**common, "tie_word_embeddings": True, "head_dim": head_dim, "pad_token_id": 0,
+                 "query_pre_attn_scalar": head_dim, "sliding_window": 1024}  # fmt: skip
+        if family == "gemma2":
+            return transformers.Gemma2Config(**gemma), LLAMA_MODULES
+        return transformers.Gemma3TextConfig(**gemma), LLAMA_MODULES
+    if family in MOE:
+        expert = shape["intermediate_size"] // TOP_K  # the active MLP is the Llama's
+        if family == "mixtral":
+            mixtral = {**common, "intermediate_size": expert, "num_local_experts": NUM_EXPERTS,
+                       "num_experts_per_tok": TOP_K}  # fmt: skip
+            return transformers.MixtralConfig(**mixtral), [*ATTENTION, "w1", "w2", "w3"]
+        qwen = {
+            **common,
+            "head_dim": head_dim,
+            "num_experts": NUM_EXPERTS,
+            "num_experts_per_tok": TOP_K,
+            "moe_intermediate_size": expert,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        modules = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+        return transformers.Qwen3MoeConfig(**qwen), modules
     raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, not {family!r}")
 
 
@@ -69,35 +107,25 @@ def build_family(out: Path, family: str, shape: dict[str, Any], seed: int = 0) -
     return modules
 
 
-def module_shape(config: dict[str, Any], module: str) -> tuple[int, int]:
-    """(in, out) of one projection, from config.json."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    q, k = heads * head_dim, kv * head_dim
-    return {
-        "q_proj": (hidden, q), "k_proj": (hidden, k), "v_proj": (hidden, k),
-        "qkv_proj": (hidden, q + 2 * k), "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-        "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden),
-    }[module]  # fmt: skip
-
-
 def write_adapter(model: Path, out: Path, modules: list[str], rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter with seeded random A and B on `modules` of every layer."""
-    config = json.loads((model / "config.json").read_text())
+    """A PEFT LoRA adapter with seeded random A and B on `modules` of every layer: a name
+    matches a layer's module by its last part (`w1` matches every `experts.N.w1`), and shapes
+    and keys are the adapter core's (BaseModelSpec, from config.json)."""
+    spec = BaseModelSpec.from_dir(model)
     rng = np.random.default_rng(seed)
     tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module in modules:
-            fan_in, fan_out = module_shape(config, module)
-            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "qkv_proj",
-                                              "o_proj") else "mlp"  # fmt: skip
-            stem = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            a = rng.standard_normal((rank, fan_in)) * 0.05
-            b = rng.standard_normal((fan_out, rank)) * 0.05
-            tensors[f"{stem}.lora_A.weight"] = a.astype(np.float32)
-            tensors[f"{stem}.lora_B.weight"] = b.astype(np.float32)
+    for layer in range(spec.num_layers):
+        for module in spec.layer_modules(layer):
+            if module.split(".")[-1] not in modules:
+                continue
+            fan_in, fan_out = spec.module_shape(module)
+            stem = "base_model.model." + spec.module_key(layer, module)
+            a = rng.standard_normal((rank, fan_in), dtype=np.float32) * np.float32(0.05)
+            b = rng.standard_normal((fan_out, rank), dtype=np.float32) * np.float32(0.05)
+            tensors[f"{stem}.lora_A.weight"] = a
+            tensors[f"{stem}.lora_B.weight"] = b
+    if not tensors:
+        raise ValueError(f"{model.name} has none of the modules {modules}")
     out.mkdir(parents=True, exist_ok=True)
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,

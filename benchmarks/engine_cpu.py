@@ -12,9 +12,11 @@ Figures:
 Run: .venv/bin/python benchmarks/engine_cpu.py [--gen-tokens N] [--skip-peft]
 (--smoke: the same runs on a hidden-64, 2-layer model, 2 generated tokens)
 
-`--family qwen3|phi3` instead times the decode step of that family's config against the
-same-shaped Llama (benchmarks/_families.py; goal: at most 1.3x), written to
-results/engine_cpu_<family>.json.
+`--family qwen3|phi3|gemma3|gemma2` instead times the decode step of that family's config
+against the same-shaped Llama (benchmarks/_families.py; goal: at most 1.3x), and
+`--family mixtral|qwen3_moe` the decode step of that mixture-of-experts base (8 experts, top-2,
+the Llama's active MLP) with 8 rank-16 adapters on attention and the experts against the same
+base with none (goal: at most 1.5x); written to results/engine_cpu_<family>.json.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 from _common import add_smoke_flag, goal, report
+from _families import FAMILIES, MOE, build_family, write_adapter
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
@@ -163,23 +166,24 @@ def shape(smoke: bool) -> dict[str, int]:
     return SMOKE_SHAPE if smoke else SHAPE
 
 
+def _build(root: Path, family: str, smoke: bool) -> tuple[Engine, list[LoRARef]]:
+    """An engine on `family`'s benchmark model with 8 rank-16 adapters registered."""
+    print(f"building the {family} model and 8 rank-16 adapters ...", flush=True)
+    modules = build_family(root / family, family, shape(smoke))
+    adapters = [write_adapter(root / family, root / f"{family}-a{i}", modules, RANK, i)
+                for i in range(8)]  # fmt: skip
+    return make_engine(root / family, adapters, max_loras=8)
+
+
 def run_family(family: str, smoke: bool, rounds: int = 3) -> int:
     """The decode step of `family`'s config over the same-shaped Llama's (see _families)."""
-    from _families import build_family, write_adapter
-
     steps, rounds = (2, 1) if smoke else (8, rounds)
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
-        root = Path(tmp)
-        engines = {}
-        for name in ("llama", family):
-            print(f"building the {name} model and 8 rank-16 adapters ...", flush=True)
-            modules = build_family(root / name, name, shape(smoke))
-            adapters = [write_adapter(root / name, root / f"{name}-a{i}", modules, RANK, i)
-                        for i in range(8)]  # fmt: skip
-            engines[name] = make_engine(root / name, adapters, max_loras=8)
+        engines = {name: _build(Path(tmp), name, smoke) for name in ("llama", family)}
         best: dict[tuple[str, str], float] = {}
         for kind in ("no_adapters", "8_adapters"):
-            runs = {name: [None] * NUM_SEQS if kind == "no_adapters"
+            runs: dict[str, Sequence[LoRARef | None]] = {
+                name: [None] * NUM_SEQS if kind == "no_adapters"
                     else [refs[i % 8] for i in range(NUM_SEQS)]
                     for name, (_, refs) in engines.items()}  # fmt: skip
             times = paired_decode_seconds({n: e for n, (e, _) in engines.items()}, runs,
@@ -196,16 +200,43 @@ def run_family(family: str, smoke: bool, rounds: int = 3) -> int:
         return report(f"engine_cpu_{family}", figures, goals, smoke=smoke)
 
 
+def run_moe(family: str, smoke: bool, rounds: int = 3) -> int:
+    """The decode step of a mixture-of-experts base with 8 adapters on attention and experts
+    over the same base's with none: two engines on the one model, stepping in turn."""
+    steps, rounds = (2, 1) if smoke else (8, rounds)
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        engine, refs = _build(Path(tmp), family, smoke)
+        model_dir = Path(engine.config.model)
+        base, _ = make_engine(model_dir, [], max_loras=8)
+        times = paired_decode_seconds(
+            {"no_adapters": base, "8_adapters": engine},
+            {"no_adapters": [None] * NUM_SEQS,
+             "8_adapters": [refs[i % 8] for i in range(NUM_SEQS)]},
+            steps * rounds,
+        )  # fmt: skip
+        figures = {f"decode_step_ms_{family}_{kind}": t * 1e3 for kind, t in times.items()}
+        figures[f"{family}_8_adapters_over_base"] = times["8_adapters"] / times["no_adapters"]
+        # what bounds the cost from below where a step streams weights: the 8 adapters'
+        # bytes over the base's (64 rows top-2 over 8 experts reach every expert)
+        base_bytes, adapter_bytes = bytes_per_step(engine, 8)
+        figures["adapter_bytes_over_base_bytes"] = adapter_bytes / base_bytes
+        goals = [goal(figures, f"{family}_8_adapters_over_base", "<=", 1.5)]
+        return report(f"engine_cpu_{family}", figures, goals, smoke=smoke)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--skip-peft", action="store_true")
     parser.add_argument(
-        "--family", choices=("qwen3", "phi3"),
-        help="time this family's decode step against the same-shaped Llama",
+        "--family", choices=FAMILIES,
+        help="time this family's decode step against the same-shaped Llama's (an MoE family's"
+        " with 8 adapters against its own with none)",
     )  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.family in MOE:
+        return run_moe(args.family, args.smoke)
     if args.family:
         return run_family(args.family, args.smoke)
     gen_tokens = 2 if args.smoke else args.gen_tokens

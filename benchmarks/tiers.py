@@ -17,8 +17,12 @@ Figures (all measured in this run, CPU):
   same order each round, and each figure is the median of its rounds (failed requests: the
   sum); the comparison loads run once after them
 Run: .venv/bin/python benchmarks/tiers.py [--adapters 2000] [--requests 256] [--rounds 3]
+[--family llama|qwen3|gemma3]
 (--smoke: every load once on engine_cpu.py's smoke model, 16 adapters, 16 requests; a 5 MiB
 cold load)
+`--family qwen3|gemma3` runs the same loads and goals on that family's config at the same shape
+(engine_cpu.py --family's model, benchmarks/_families.py), written to results/tiers_<family>.json;
+the cold load, whose adapter is a 7.8B Llama's whatever the benchmark model, runs on llama only.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any
 
 import numpy as np
 from _common import add_smoke_flag, goal, report
+from _families import build_family
 from engine_cpu import decode_step_seconds, shape
 from ingest import base_spec
 from ingest import build_adapter as build_big_adapter
@@ -201,8 +206,14 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds of the loads with goals (figure: median)"
     )
+    parser.add_argument(
+        "--family", choices=("llama", "qwen3", "gemma3"), default="llama",
+        help="the benchmark model's family (engine_cpu.py's shape either way)",
+    )  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.family != "llama":
+        args.skip_cold = True  # the cold load's adapter does not depend on the family
     if args.smoke:
         adapters, requests, repeats, args.rounds = 16, 16, 1, 1
     else:
@@ -215,8 +226,12 @@ def main() -> int:
             print(f"cold loads of a {big.num_layers}-layer rank-16 adapter ...", flush=True)
             figures.update(cold_load(root, repeats, big))
 
-        print("building the benchmark model ...", flush=True)
-        model = build_llama(root / "model", **shape(args.smoke))
+        print(f"building the benchmark model ({args.family}) ...", flush=True)
+        model = root / "model"
+        if args.family == "llama":
+            build_llama(model, **shape(args.smoke))
+        else:
+            build_family(model, args.family, shape(args.smoke))
         spec = BaseModelSpec.from_dir(model)
 
         def engine(**overrides: Any) -> Engine:
@@ -316,7 +331,7 @@ def main() -> int:
             figures["uniform_ttft_p99_s"] / figures["eight_ttft_p99_s"]
         )
         figures["eight_auto_over_max8"] = eight / figures["eight_max8_tokens_per_s"]
-    return report("tiers", figures, [
+    goals = [
         *([] if args.skip_cold else [goal(figures, "cold_load_over_raw_read", "<=", 1.5)]),
         goal(figures, "rank_exact_step_ratio", "<=", 1.2),
         goal(figures, "rank_exact_bytes_ratio", "<=", 1.2),
@@ -326,7 +341,10 @@ def main() -> int:
         goal(figures, "zipf_failed", "<=", 0),
         goal(figures, "uniform_failed", "<=", 0),
         goal(figures, "eight_auto_over_max8", ">=", 0.97),
-    ], smoke=args.smoke)  # fmt: skip
+    ]  # fmt: skip
+    if args.family != "llama":
+        return report(f"tiers_{args.family}", figures, goals, smoke=args.smoke)
+    return report("tiers", figures, goals, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -113,3 +113,58 @@ def test_the_shape_check_names_what_is_wrong(runner: ModuleType) -> None:
 def test_a_goal_with_an_unknown_op_is_refused(common: ModuleType) -> None:
     with pytest.raises(ValueError, match="op"):
         common.goal({"a": 1.0}, "a", "<", 2.0)
+
+
+# The variants `make bench-smoke` does not run (it runs each script once, plain): each at
+# smoke size in its own process (a benchmark sets torch's threads and imports transformers),
+# results under tmp_path; the figures each must write and the goals it states.
+VARIANTS: dict[str, tuple[list[str], str, list[str]]] = {
+    "gemma3": (["engine_cpu.py", "--family", "gemma3"], "engine_cpu_gemma3",
+               ["gemma3_over_llama_no_adapters", "gemma3_over_llama_8_adapters"]),
+    "gemma2": (["engine_cpu.py", "--family", "gemma2"], "engine_cpu_gemma2",
+               ["gemma2_over_llama_no_adapters", "gemma2_over_llama_8_adapters"]),
+    "mixtral": (["engine_cpu.py", "--family", "mixtral"], "engine_cpu_mixtral",
+                ["mixtral_8_adapters_over_base"]),
+    "qwen3_moe": (["engine_cpu.py", "--family", "qwen3_moe"], "engine_cpu_qwen3_moe",
+                  ["qwen3_moe_8_adapters_over_base"]),
+    "tiers-qwen3": (["tiers.py", "--family", "qwen3"], "tiers_qwen3",
+                    ["rank_exact_step_ratio", "zipf_over_eight_adapters",
+                     "uniform_over_eight_adapters", "eight_auto_over_max8"]),
+    "tiers-gemma3": (["tiers.py", "--family", "gemma3"], "tiers_gemma3",
+                     ["rank_exact_step_ratio", "zipf_over_eight_adapters",
+                      "uniform_over_eight_adapters", "eight_auto_over_max8"]),
+}  # fmt: skip
+_RUN_VARIANT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import _common
+_common.RESULTS = Path(sys.argv[2])
+script = sys.argv[3]
+sys.argv = sys.argv[3:]
+module = __import__(Path(script).stem)
+sys.exit(module.main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_family_variant_runs_at_smoke_size_and_writes_its_goals(
+    variant: str, runner: ModuleType, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    args, name, goal_figures = VARIANTS[variant]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(BENCH.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_VARIANT, str(BENCH), str(tmp_path), *args, "--smoke"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    body = json.loads((tmp_path / f"{name}.smoke.json").read_text())
+    assert runner.shape_problems(body, smoke=True) == []
+    assert set(goal_figures) <= {g["figure"] for g in body["goals"]}
+    assert all(body["figures"][f] > 0 for f in goal_figures)
+    assert not list(tmp_path.glob("tmp*")), "the benchmark left its models behind"
