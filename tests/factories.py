@@ -36,11 +36,92 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
     },
+    # Qwen3: per-head q/k norms, head_dim 32 != 64 / 4 (q is 128 wide, k and v 64)
+    "qwen3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "tie_word_embeddings": False,
+    },
+    # Gemma 3 (text): (1 + w) norms, head_dim 32, one sliding layer (window 6) then a full one,
+    # two RoPE tables, q/k norms, tied embeddings
+    "gemma3_text": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "pad_token_id": 0,
+    },
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, partial rotary (half of each head)
+    "phi3": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.5,
+        "pad_token_id": 0,
+    },
+    # Mixtral: 4 experts, top-2 (transformers 5 packs them into 3-D parameters)
+    "mixtral": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "pad_token_id": 0,
+    },
+    # Qwen3-MoE: 4 experts, top-2 renormalised, q/k norms, head_dim 32, layer 1 dense
+    "qwen3_moe": {
+        "hidden_size": 64,
+        "intermediate_size": 80,
+        "moe_intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+        "pad_token_id": 0,
+    },
+}
+# The target modules of an adapter on every linear layer of each kind (PEFT's names); the
+# mixture-of-experts kinds adapt their packed experts through FAMILY_TARGET_PARAMETERS.
+FAMILY_TARGETS: dict[str, list[str]] = {
+    **{
+        kind: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        for kind in ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+    },
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+FAMILY_TARGET_PARAMETERS: dict[str, list[str]] = {
+    "mixtral": ["experts.gate_up_proj", "experts.down_proj"],
+    "qwen3_moe": ["experts.gate_up_proj", "experts.down_proj"],
 }
 
 
-def build_model(out: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a seeded, randomly initialised HF causal LM (config, safetensors, tokenizer)."""
+def build_model(
+    out: Path, kind: str = "llama", seed: int = 0, *, spread: bool = False, **overrides: Any
+) -> Path:
+    """Save a seeded, randomly initialised HF causal LM (config, safetensors, tokenizer).
+
+    `spread`: norm weights drawn from [0.5, 1.5] (HF initialises them all to one, or zero
+    for Gemma's (1 + w)) and a router scaled so tokens reach every expert with clear top-k
+    margins: a family's norms and routing then matter to the output."""
     import torch
     import transformers
 
@@ -49,6 +130,11 @@ def build_model(out: Path, kind: str = "llama", seed: int = 0, **overrides: Any)
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "mistral": transformers.MistralConfig,
+        "qwen3": transformers.Qwen3Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[kind]
     shape = {**MODEL_SHAPES[kind], **overrides}
     config = config_cls(
@@ -56,6 +142,13 @@ def build_model(out: Path, kind: str = "llama", seed: int = 0, **overrides: Any)
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    if spread:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
+                elif name.endswith("mlp.gate.weight"):  # an MoE router
+                    param.normal_(0.0, 0.5)
     model.save_pretrained(out)
     return out
 

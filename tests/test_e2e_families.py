@@ -1,0 +1,371 @@
+"""The families beyond Llama, end to end as a platform team runs them: `loraplane controlplane`
+(SQLite catalog, local store) and one `loraplane serve` per base model (catalog mode), real
+processes over real HTTP. Per family (Qwen3, Gemma 3 text, Phi-3, Mixtral, Qwen3-MoE) a tiny
+seeded HF model with a tokenizer is registered as a pool; a tenant uploads a real
+PEFT adapter of that family through the REST API and gets, from the `openai` client, HF+PEFT's
+greedy tokens for it and the base model's for a base request (sent together, so they share
+engine steps). Uploads that do not fit the family's config are refused with their reason in
+words: a projection shaped for the wrong head layout (ShapeMismatch), LoRA on `lm_head` (pushed
+with `loraplane adapters push`) and on `embed_tokens` (UnsupportedTargetModule)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from tests.controlplane.conftest import ADMIN, SERVICE
+from tests.dataplane.server.conftest import wait_ready
+from tests.servers import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ["qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe"]
+TENANT = "acme"
+# 17 tokens with the tiny tokenizer: longer than Gemma 3's 6-token sliding window
+PROMPT = "Many tenants share one base model; each brings a small LoRA adapter."
+MAX_TOKENS = 8
+LOGPROB_ATOL = 1e-3  # fp32 on both sides; the engine's logprobs are of its fp32 logits
+
+
+@dataclass
+class Family:
+    """One family's base model and the adapters a tenant tries to upload for it."""
+
+    kind: str
+    model_dir: Path
+    good: Path  # every linear layer (and the packed experts of an MoE), rank 8
+    wrong_shape: Path  # the good one with a q/qkv projection shaped for hidden / heads
+    lm_head: Path
+    embed_tokens: Path
+
+    @property
+    def base_name(self) -> str:
+        return f"tiny-{self.kind.replace('_', '-')}"
+
+    @property
+    def pool(self) -> str:
+        return f"pool-{self.kind.replace('_', '-')}"
+
+
+def _wrong_shape(good: Path, out: Path) -> tuple[Path, str]:
+    """`good` with layer 0's first attention projection's B half as tall as the family's config
+    makes it (as if head_dim were hidden / heads, or qkv_proj held q only); the tensor's name."""
+    import shutil
+
+    shutil.copytree(good, out)
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    name = next(
+        k for k in sorted(tensors)
+        if ".layers.0." in k and k.endswith(("q_proj.lora_B.weight", "qkv_proj.lora_B.weight"))
+    )  # fmt: skip
+    tensors[name] = tensors[name][: tensors[name].shape[0] // 2].copy()
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out, name
+
+
+def _build_family(kind: str, root: Path) -> Family:
+    from tests.factories import (
+        FAMILY_TARGET_PARAMETERS,
+        FAMILY_TARGETS,
+        build_model,
+        build_peft_adapter,
+    )
+
+    model_dir = build_model(root / kind, kind, seed=11, spread=True)
+    experts = FAMILY_TARGET_PARAMETERS.get(kind)
+    extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
+    good = build_peft_adapter(model_dir, root / f"{kind}-good", seed=21, r=8, lora_alpha=16,
+                              target_modules=FAMILY_TARGETS[kind], **extra)  # fmt: skip
+    first = FAMILY_TARGETS[kind][0]
+    lm_head = build_peft_adapter(model_dir, root / f"{kind}-lm-head", seed=22, r=4,
+                                 lora_alpha=8, target_modules=[first, "lm_head"])  # fmt: skip
+    embed = build_peft_adapter(model_dir, root / f"{kind}-embed", seed=23, r=4, lora_alpha=8,
+                               target_modules=[first, "embed_tokens"])  # fmt: skip
+    wrong, _ = _wrong_shape(good, root / f"{kind}-wrong-shape")
+    return Family(kind, model_dir, good, wrong, lm_head, embed)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **extra}
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the control plane exited"
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the control plane did not start"
+        time.sleep(0.1)
+
+
+@dataclass
+class Stack:
+    """The running control plane and data planes, the tenant's key, and how to reach them."""
+
+    controlplane: str
+    dataplanes: dict[str, str]  # kind -> base URL
+    key: str
+    families: dict[str, Family]
+    logs: Path
+
+    def tenant(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def upload(self, family: Family, name: str, folder: Path) -> httpx.Response:
+        """POST /v1/adapters with the adapter's two files, as a tenant's script does."""
+        files = [
+            ("files", (f, (folder / f).read_bytes()))
+            for f in ("adapter_config.json", "adapter_model.safetensors")
+        ]
+        form = {"name": name, "base_model": family.base_name}
+        return httpx.post(self.controlplane + "/v1/adapters", data=form, files=files,
+                          headers=self.tenant(), timeout=60)  # fmt: skip
+
+    def client(self, kind: str) -> openai.OpenAI:
+        url = self.dataplanes[kind]
+        return openai.OpenAI(base_url=url + "/v1", api_key=self.key, max_retries=0, timeout=120)
+
+
+def _serve(family: Family, cp: str, store: Path, log: Path) -> tuple[str, subprocess.Popen[str]]:
+    """`loraplane serve` of the family's base in catalog mode, on a free port."""
+    port = free_port()
+    args = [sys.executable, "-m", "loraplane", "serve", "--model", str(family.model_dir),
+            "--served-model-name", family.base_name, "--controlplane-url", cp,
+            "--port", str(port), "--metrics-port", "0", "--gateway-metrics-port", "0",
+            "--dtype", "float32", "--max-loras", "2", "--max-num-seqs", "8",
+            "--access-log", "off"]  # fmt: skip
+    env = _env(LORAPLANE_SERVICE_TOKEN=SERVICE, LORAPLANE_STORE=str(store),
+               LORAPLANE_POOL=family.pool, LORAPLANE_NUM_KV_BLOCKS="64",
+               LORAPLANE_RESOLVE_TTL_S="0", OMP_NUM_THREADS="1")  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=store.parent, env=env, stdout=out, stderr=out, text=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The families this run selects, one pool and one data plane each, one control plane."""
+    selected = [kind for kind in KINDS if _selected(request, kind)] or KINDS
+    root = tmp_path_factory.mktemp("families")
+    families = {kind: _build_family(kind, root / "build") for kind in selected}
+    data, logs = root / "run", root / "logs"
+    data.mkdir()
+    logs.mkdir()
+    store = data / "store"
+    port = free_port()
+    cp = f"http://127.0.0.1:{port}"
+    env = _env(LORAPLANE_DATA_DIR=str(data), LORAPLANE_STORE=str(store),
+               LORAPLANE_ADMIN_TOKEN=ADMIN, LORAPLANE_SERVICE_TOKEN=SERVICE)  # fmt: skip
+    with (logs / "controlplane.log").open("wb") as out:
+        control = subprocess.Popen(
+            [sys.executable, "-m", "loraplane", "controlplane", "--port", str(port)],
+            cwd=data, env=env, stdout=out, stderr=out, text=True,
+        )  # fmt: skip
+    procs: list[subprocess.Popen[str]] = [control]
+    try:
+        _wait_healthy(cp, control)
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        for family in families.values():
+            base = {"name": family.base_name, "uri": str(family.model_dir)}
+            pool = {"name": family.pool, "base_model": base}
+            r = httpx.post(cp + "/v1/pools", json=pool, headers=admin)
+            assert r.status_code == 201, r.text
+        r = httpx.post(cp + "/v1/tenants", json={"name": TENANT}, headers=admin)
+        assert r.status_code == 201, r.text
+        r = httpx.post(cp + f"/v1/tenants/{TENANT}/keys", json={"name": "k"}, headers=admin)
+        key = r.json()["key"]
+        urls: dict[str, str] = {}
+        started = []
+        for kind, family in families.items():  # all start at once: their imports overlap
+            url, proc = _serve(family, cp, store, logs / f"{kind}.log")
+            procs.append(proc)
+            started.append((kind, url, proc))
+        for kind, url, proc in started:
+            try:
+                wait_ready(url, timeout=180, proc=proc)
+            except (RuntimeError, TimeoutError) as e:
+                log = (logs / f"{kind}.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"loraplane serve ({kind}) did not start: {e}\n{log}") from e
+            urls[kind] = url
+        yield Stack(cp, urls, key, families, logs)
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def _selected(request: pytest.FixtureRequest, kind: str) -> bool:
+    """Whether a test of this family is collected in this session: a run of one family's
+    tests (`-k qwen3`) builds and starts only that family's base model."""
+    return any(
+        f"[{kind}]" in item.nodeid and getattr(item, "module", None) is request.module
+        for item in request.session.items
+    )
+
+
+def _hf_greedy(family: Family, prompt: list[int]) -> dict[str, tuple[list[int], list[float]]]:
+    """HF + PEFT's greedy continuation of `prompt` (fp32, full forwards), with each chosen
+    token's log-probability: for the adapter ("adapter") and the base model ("base")."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(family.model_dir, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, family.good, adapter_name="adapter").eval()
+    out = {}
+    for which in ("adapter", "base"):
+        tokens, logprobs = list(prompt), []
+        for _ in range(MAX_TOKENS):
+            with torch.no_grad():
+                if which == "base":
+                    with model.disable_adapter():
+                        logits = model(torch.tensor([tokens])).logits[0, -1].float()
+                else:
+                    logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            chosen = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[chosen]))
+            tokens.append(chosen)
+        out[which] = (tokens[len(prompt) :], logprobs)
+    return out
+
+
+def _token_texts(model_dir: Path) -> tuple[Any, list[str]]:
+    """The tokenizer and the text of each token id alone (what completions' logprobs show)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = [str(tokenizer.decode([i], skip_special_tokens=False)) for i in range(len(tokenizer))]
+    return tokenizer, texts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_uploaded_adapter_of_the_family_serves_hf_peft_greedy_tokens(
+    stack: Stack, kind: str
+) -> None:
+    family = stack.families[kind]
+    r = stack.upload(family, f"{kind.replace('_', '-')}-bot", family.good)
+    assert r.status_code == 201, r.text
+    stored = r.json()
+    version = stored["version"]
+    assert (stored["created"], version["version"], version["rank"]) == (True, 1, 8), stored
+
+    tokenizer, texts = _token_texts(family.model_dir)
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert len(prompt) > 6  # Gemma 3's sliding layer sees only part of it
+    expected = _hf_greedy(family, prompt)
+    assert expected["adapter"][0] != expected["base"][0], "the adapter must change the output"
+
+    client = stack.client(kind)
+    models = {"adapter": stored["name"], "base": family.base_name}
+
+    def complete(which: str) -> Any:
+        return client.completions.create(
+            model=models[which], prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            logprobs=0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(2) as pool:  # adapter and base rows in the same engine steps
+        answers = dict(zip(models, pool.map(complete, models), strict=True))
+    for which, answer in answers.items():
+        ids, logprobs = expected[which]
+        choice = answer.choices[0]
+        assert choice.logprobs is not None
+        # token for token: each generated token's text alone, and the whole text
+        assert choice.logprobs.tokens == [texts[t] for t in ids], (kind, which)
+        assert choice.text == tokenizer.decode(ids, skip_special_tokens=True), (kind, which)
+        assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+        assert answer.usage is not None and answer.usage.completion_tokens == MAX_TOKENS
+    listed = {m.id: m for m in client.models.list().data}
+    assert set(listed) == {family.base_name, stored["name"]}
+    assert listed[stored["name"]].parent == family.base_name  # type: ignore[attr-defined]
+
+
+def _refusal(r: httpx.Response) -> tuple[str, str]:
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    return error["code"], error["message"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_uploads_that_do_not_fit_the_family_are_refused_with_their_reason(
+    stack: Stack, kind: str, tmp_path: Path
+) -> None:
+    family = stack.families[kind]
+    code, message = _refusal(stack.upload(family, "wrong-shape", family.wrong_shape))
+    _, tensor = _wrong_shape(family.good, tmp_path / "again")
+    rows = load_file(str(family.good / "adapter_model.safetensors"))[tensor].shape[0]
+    module = tensor.removesuffix(".lora_B.weight").rsplit(".", 1)[-1]
+    assert code == "ShapeMismatch", message
+    # the layer, the module, what it is and what the family's config makes it
+    assert message.startswith(f"layer 0 {module}: "), message
+    assert f"lora_B {rows // 2}x8, but {family.base_name} needs" in message, message
+    assert message.endswith(f"and B {rows}x8"), message
+
+    code, message = _refusal(stack.upload(family, "embeddings", family.embed_tokens))
+    assert code == "UnsupportedTargetModule", message
+    assert "LoRA on `embed_tokens` (the token embeddings) is not supported" in message
+
+    # the tenant CLI, as a user pushes a folder: the refusal is printed in words
+    pushed = subprocess.run(
+        [sys.executable, "-m", "loraplane", "adapters", "push", str(family.lm_head),
+         "--name", "head", "--base-model", family.base_name],
+        env=_env(LORAPLANE_URL=stack.controlplane, LORAPLANE_API_KEY=stack.key),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert pushed.returncode == 1, (pushed.stdout, pushed.stderr)
+    assert "UnsupportedTargetModule" in pushed.stderr, pushed.stderr
+    assert "LoRA on `lm_head` (the output projection) is not supported" in pushed.stderr
+    assert stack.key not in pushed.stdout + pushed.stderr
+
+    # nothing refused was stored or is served
+    r = httpx.get(stack.controlplane + "/v1/adapters", headers=stack.tenant())
+    names = {a["name"] for a in _items(r.json())}
+    assert not names & {"wrong-shape", "embeddings", "head"}, names
+    with pytest.raises(openai.NotFoundError):
+        stack.client(kind).completions.create(model="wrong-shape", prompt="x", max_tokens=1)
+
+
+def _items(body: Any) -> list[dict[str, Any]]:
+    if isinstance(body, list):
+        return body
+    items: list[dict[str, Any]] = body.get("items", body.get("adapters", []))
+    return items
+
+
+def test_a_pool_of_each_family_reads_its_base_models_config(stack: Stack) -> None:
+    """The catalog's pools hold each base's config.json: what uploads are validated against."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for family in stack.families.values():
+        r = httpx.get(stack.controlplane + f"/v1/pools/{family.pool}", headers=admin)
+        assert r.status_code == 200, r.text
+        config = r.json()["base_model_config"]
+        assert config is not None
+        on_disk = json.loads((family.model_dir / "config.json").read_text())
+        assert config["model_type"] == on_disk["model_type"] == family.kind
