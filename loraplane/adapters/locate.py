@@ -7,6 +7,12 @@ is a decoder layer's linear layer (`model.layers.3.self_attn.q_proj`), one exper
 adapted through `target_parameters`, the experts module itself: with both packed parameters
 targeted PEFT nests its wrappers in the order the experts module registers them, so
 `mlp.experts.base_layer` holds `gate_up_proj`'s factors and `mlp.experts` `down_proj`'s.
+
+Cross-layout modules: a base whose checkpoints fuse q/k/v and gate/up (Phi-3's `qkv_proj`,
+`gate_up_proj`) also accepts an adapter of the split projections (`q_proj`, ..., `up_proj`,
+each with its part's shape), and a base of split projections accepts the fused names (with
+the fused shapes): the data plane converts them to the base's layout when it loads them
+(`packing`, rank-exact). `counterparts` says which of the base's modules serve such a module.
 """
 
 from __future__ import annotations
@@ -37,6 +43,29 @@ _NOT_SERVED_PARTS = ("vision_tower", "vision_model", "multi_modal_projector", "a
 ATTENTION_NAMES = ATTENTION_MODULES + FUSED_ATTENTION_MODULES
 MLP_NAMES = MLP_MODULES
 _ALL_PREFIXES = tuple(dict.fromkeys(p for f in FAMILIES.values() for p in f.prefixes))
+# A fused projection and the split projections it packs, in the order of its output rows
+# (vLLM's packed_modules_mapping): Phi-3's checkpoints fuse them, the other families split.
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+PART_OF = {part: fused for fused, parts in PACKED_MODULES.items() for part in parts}
+
+
+def counterparts(base: BaseModelSpec, layer: int, module: str) -> tuple[str, ...] | None:
+    """The modules of `base`'s own layout that serve `module` in decoder layer `layer` when
+    the base lacks it: a split projection's fused module (`q_proj` -> `qkv_proj` on Phi-3),
+    or a fused name's parts (`qkv_proj` -> q, k, v on Llama). None when the base has
+    `module` itself or no layout of its serves it (an expert's, a sparse layer's MLP)."""
+    if base.has_module(layer, module):
+        return None
+    fused = PART_OF.get(module)
+    if fused is not None:
+        return (fused,) if base.has_module(layer, fused) else None
+    parts = PACKED_MODULES.get(module)
+    if parts is not None and all(base.has_module(layer, p) for p in parts):
+        return parts
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +213,7 @@ def _check_in_base(
             f"tensor {name!r} is for layer {layer} but {base.name} has {base.num_layers} layers "
             f"(0 to {base.num_layers - 1})",
         )
-    if base.has_module(layer, module):
+    if base.has_module(layer, module) or counterparts(base, layer, module) is not None:
         if base.module_block(module) != block:
             raise module_refused(
                 name, f"adapts {block}.{module}, which the base model lacks ({leaf} is not in "

@@ -48,14 +48,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.locate import PACKED_MODULES
 from loraplane.adapters.safetensors_io import SafetensorsFile
 from loraplane.adapters.validate import ValidatedAdapter
-
-# A fused module and the split modules it packs, in the order of its output rows.
-PACKED_MODULES: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,14 @@ the config and the base model: a lora_A or lora_B weight of a module the base mo
 config targets (as vLLM requires); anything else is refused, never stored as dead weight. The
 first failure raises `AdapterRejected` with its reason code and a message naming the tensor or
 field and the numbers.
+
+On a base of the other layout (split q/k/v and gate/up on Phi-3's fused `qkv_proj` and
+`gate_up_proj`, or the fused names on a split base), modules are checked with their own
+shapes (a part's, or the fused module's) and kept as uploaded (the digest and the stored
+files are what the tenant uploaded); `conversions` lists what the data plane builds from them
+when it loads the adapter. Fusing places the parts' A's side by side in the rank, so the fused
+module's rank is the sum of its parts' ranks: that rank is the one checked against the pool's
+`max_rank` (RankTooLarge, naming the module and the parts' ranks).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.families import KNOWN_MODULE_NAMES, refused_module
 from loraplane.adapters.limits import AdapterLimits
-from loraplane.adapters.locate import Located, locate, strip_prefix
+from loraplane.adapters.locate import PACKED_MODULES, Located, counterparts, locate, strip_prefix
 from loraplane.adapters.peft_config import LoraSpec, parse_adapter_config
 from loraplane.adapters.safetensors_io import SafetensorsFile
 from loraplane.adapters.source import AdapterFiles
@@ -89,6 +97,27 @@ class ModuleLoRA:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    """One module of the base's own layout that serving builds from modules of the other
+    layout (`packing.fuse` / `packing.split`, rank-exact).
+
+    Fusing (split parts onto a fused base): `module` is the fused module (`qkv_proj`),
+    `parts` the adapter's modules it is made of (the ones the adapter has: a part left out is
+    zero rows of B), `rank` the sum of their ranks (at most: parts sharing one A fuse at that
+    A's rank). Splitting (a fused name onto a split base): `module` is one part (`k_proj`),
+    `parts` the one fused module it comes from, `rank` the fused module's."""
+
+    layer: int
+    module: str
+    parts: tuple[ModuleLoRA, ...]
+    rank: int
+
+    @property
+    def fuses(self) -> bool:
+        return self.module in PACKED_MODULES
+
+
 @dataclass(slots=True)
 class ValidatedAdapter:
     """An adapter that passed every check; its weights file stays open (memory-mapped)."""
@@ -101,10 +130,21 @@ class ValidatedAdapter:
     base_model: str | None = None
     warnings: list[str] = field(default_factory=list)
     config_bytes: bytes = b""  # the config file as read and checked
+    # modules of the base's layout serving builds from the other layout's (empty: none)
+    conversions: tuple[Conversion, ...] = ()
 
     @property
     def rank(self) -> int:
+        """The largest rank of the modules as uploaded."""
         return max(m.rank for m in self.modules)
+
+    @property
+    def served_rank(self) -> int:
+        """The largest rank of a module as the base serves it (a fused module built from
+        parts: the sum of their ranks)."""
+        converted = {(p.layer, p.module) for c in self.conversions for p in c.parts}
+        kept = [m.rank for m in self.modules if (m.layer, m.module) not in converted]
+        return max(kept + [c.rank for c in self.conversions])
 
     @property
     def target_modules(self) -> list[str]:
@@ -123,7 +163,7 @@ class ValidatedAdapter:
         """A JSON-ready description (ranks, alpha, scales, modules, sizes)."""
         ranks = sorted({m.rank for m in self.modules})
         scales = sorted({round(m.scale, 6) for m in self.modules})
-        return {
+        out: dict[str, Any] = {
             "rank": self.rank,
             "ranks": ranks,
             "alpha": self.spec.lora_alpha,
@@ -138,6 +178,11 @@ class ValidatedAdapter:
             "base_model": self.base_model,
             "base_model_name_or_path": self.spec.base_model_name_or_path,
         }
+        if self.conversions:  # served in the base's other layout
+            out["served_rank"] = self.served_rank
+            out["served_modules"] = sorted({c.module for c in self.conversions},
+                                           key=_module_order)  # fmt: skip
+        return out
 
     def close(self) -> None:
         self.weights.close()
@@ -258,7 +303,8 @@ def _check_module(
             raise AdapterRejected(
                 ReasonCode.SHAPE_MISMATCH,
                 f"{where}: lora_A is {rank_a}x{in_f} and lora_B {out_f}x{rank_b}, but "
-                f"{base.name} needs A {rank_a}x{base_in} and B {base_out}x{rank_a}",
+                f"{base.name} needs A {rank_a}x{base_in} and B {base_out}x{rank_a}"
+                + _layout_hint(base, layer, module),
             )
     elif seen_shapes.setdefault(generic_module(module), (in_f, out_f)) != (in_f, out_f):
         first = seen_shapes[generic_module(module)]
@@ -281,6 +327,62 @@ def _check_module(
         stem=place.stem,
         experts=experts,
     )
+
+
+def _layout_hint(base: BaseModelSpec, layer: int, module: str) -> str:
+    """For a module of the other layout, what it is on this base (for a shape refusal)."""
+    served = counterparts(base, layer, module)
+    if served is None:
+        return ""
+    if module in PACKED_MODULES:
+        return (f" ({module} is split into {', '.join(served)} on {base.model_type}: "
+                "its B's rows are theirs, in that order)")  # fmt: skip
+    fused = served[0]
+    rows = base.module_shape(module)[1]
+    return (f" ({module} is served as {rows} of the {base.module_shape(fused)[1]} rows of "
+            f"{base.model_type}'s fused {fused})")  # fmt: skip
+
+
+def conversions(modules: list[ModuleLoRA], base: BaseModelSpec | None) -> tuple[Conversion, ...]:
+    """The modules of `base`'s own layout that serving builds from `modules` of the other
+    layout, in module order (empty when every module is the base's own)."""
+    if base is None:
+        return ()
+    out: list[Conversion] = []
+    fused: dict[tuple[int, str], list[ModuleLoRA]] = {}
+    for m in modules:
+        served = counterparts(base, m.layer, m.module)
+        if served is None:
+            continue
+        if m.module in PACKED_MODULES:  # a fused name on a split base: each part its rows
+            out += [Conversion(m.layer, part, (m,), m.rank) for part in served]
+        else:
+            fused.setdefault((m.layer, served[0]), []).append(m)
+    for (layer, name), parts in fused.items():
+        order = PACKED_MODULES[name]
+        parts.sort(key=lambda p: order.index(p.module))
+        out.append(Conversion(layer, name, tuple(parts), sum(p.rank for p in parts)))
+    return tuple(sorted(out, key=lambda c: (c.layer, *_module_order(c.module))))
+
+
+def check_served_rank(
+    found: tuple[Conversion, ...], base: BaseModelSpec, limits: AdapterLimits
+) -> None:
+    """RankTooLarge when a fused module built from parts needs a rank over the limit."""
+    if limits.max_rank is None:
+        return
+    for c in found:
+        if c.fuses and c.rank > limits.max_rank:
+            names = [p.module for p in c.parts]
+            raise AdapterRejected(
+                ReasonCode.RANK_TOO_LARGE,
+                f"layer {c.layer} {c.module}: {base.name} ({base.model_type}) fuses "
+                f"{', '.join(PACKED_MODULES[c.module])} into one {c.module}, so the adapter's "
+                f"{' + '.join(names)} of ranks {' + '.join(str(p.rank) for p in c.parts)} "
+                f"are served as one module of rank {c.rank}, which exceeds "
+                f"{limits.rank_limit_text()}: train them with ranks adding up to at most "
+                f"{limits.max_rank}, or train on the fused {c.module}",
+            )
 
 
 def check_finite(weights: SafetensorsFile, name: str) -> None:
@@ -324,6 +426,9 @@ def validate_adapter(
     weights = SafetensorsFile(files.weights_path, max_tensors=limits.max_tensors)
     try:
         modules = _check_modules(spec, weights, base)
+        found = conversions(modules, base)
+        if base is not None:
+            check_served_rank(found, base, limits)
         if scan_weights:
             for name in sorted(weights.tensors):
                 check_finite(weights, name)
@@ -333,7 +438,7 @@ def validate_adapter(
     dtypes = tuple(sorted({t.dtype for t in weights.tensors.values()}))
     return ValidatedAdapter(
         spec, modules, weights, files, dtypes, base.name if base else None,
-        config_bytes=config_bytes,
+        config_bytes=config_bytes, conversions=found,
     )  # fmt: skip
 
 
@@ -347,8 +452,29 @@ def _check_modules(
             f"{base.name} ({base.model_type}) has none: PEFT would adapt nothing there",
         )
     pairs = _pair_tensors(weights, spec, base)
+    if base is not None:
+        _refuse_both_layouts(pairs, base)
     seen: dict[str, tuple[int, int]] = {}
     return [
         _check_module(spec, weights, *pairs[where], base, seen)
         for where in sorted(pairs, key=lambda lm: (lm[0], *_module_order(lm[1])))
     ]
+
+
+def _refuse_both_layouts(pairs: dict[tuple[int, str], Any], base: BaseModelSpec) -> None:
+    """A layer may adapt a fused projection or its parts, not both (no model has both)."""
+    for layer, module in sorted(pairs, key=lambda lm: (lm[0], *_module_order(lm[1]))):
+        served = counterparts(base, layer, module)
+        if served is None:
+            continue
+        fused, parts = (module, served) if module in PACKED_MODULES else (served[0], (module,))
+        clash = [p for p in (fused, *parts) if p != module and (layer, p) in pairs]
+        if clash:
+            family = base.family
+            raise AdapterRejected(
+                ReasonCode.UNSUPPORTED_TARGET_MODULE,
+                f"layer {layer} is adapted on both the fused {fused} and its part "
+                f"{next(p for p in (module, *clash) if p != fused)}: {base.model_type} "
+                f"layers have {', '.join(family.attention + family.mlp)}, and an adapter "
+                f"targets either the fused {fused} or its parts {', '.join(PACKED_MODULES[fused])}",
+            )

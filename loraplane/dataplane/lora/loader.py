@@ -3,6 +3,11 @@
 Adapter files come from tenants: they are opened and checked by `loraplane.adapters` (the same
 code the control plane and operator run), never by a trusting loader. The scales honour
 lora_alpha, use_rslora, rank_pattern and alpha_pattern as validation computed them.
+
+An adapter of the other layout than its base's (split q/k/v and gate/up on Phi-3's fused
+`qkv_proj` / `gate_up_proj`, or the fused names on a split base) is converted to the base's
+layout as it is loaded (`base_layout`), so the pool, the LoRA layers and the kernels only ever
+see the base's own modules.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.canonical import canonical_digest, start_digest, stored_digest_start
 from loraplane.adapters.errors import IntegrityError
 from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.locate import PACKED_MODULES, counterparts
+from loraplane.adapters.packing import LoRAFactors, fuse, part_sizes, split
 from loraplane.adapters.safetensors_io import (
     DTYPES,
     MAX_HEADER_BYTES,
@@ -270,14 +277,66 @@ def load_lora(
     limits: AdapterLimits | None = None,
     expected_digest: str | None = None,
 ) -> LoadedAdapter:
-    """Validate and read the adapter at `path` (see `_load_lora`); on a mixture-of-experts
-    base, packed experts' factors are split per expert (`lora/experts.py`)."""
-    loaded = _load_lora(path, base, limits, expected_digest)
+    """Validate and read the adapter at `path` (see `_load_lora`), in the base's layout
+    (`base_layout`); on a mixture-of-experts base, packed experts' factors are split per
+    expert (`lora/experts.py`)."""
+    loaded = base_layout(_load_lora(path, base, limits, expected_digest), base)
     if not base.num_experts:
         return loaded
     from loraplane.dataplane.lora.experts import per_expert_modules  # it imports this module
 
     return per_expert_modules(loaded, base)
+
+
+def _factors(w: LoRAWeights) -> LoRAFactors:
+    """`w` as numpy factors (fp32 for 16-bit tensors; fp32 ones shared, not copied)."""
+    return LoRAFactors(w.a.float().numpy(), w.b.float().numpy(), w.scale)
+
+
+def _from_factors(f: LoRAFactors, dtype: torch.dtype) -> LoRAWeights:
+    a = torch.from_numpy(np.ascontiguousarray(f.a)).to(dtype)
+    b = torch.from_numpy(np.ascontiguousarray(f.b)).to(dtype)
+    return LoRAWeights(a=a, b=b, scale=f.scale)
+
+
+def base_layout(adapter: LoadedAdapter, base: BaseModelSpec) -> LoadedAdapter:
+    """`adapter` with its modules of the other layout converted to `base`'s own, rank-exact
+    (`loraplane.adapters.packing`, as vLLM's packed-modules mapping places slices); returned
+    as is when it has none.
+
+    - split parts on a fused base (q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`): the
+      parts' A's side by side along the rank, their B's block-diagonal, so the fused
+      module's rank is the sum of the parts' ranks (one rank when they share one A); a part
+      the adapter leaves out is zero rows of B. Validation refused a sum over the pool's
+      max rank (`validate.check_served_rank`).
+    - a fused name on a split base: each part keeps A and its rows of B (columns that are
+      zero in those rows dropped, with A's matching rows); a part with no update is left out.
+
+    The factors are converted in fp32 and back to the adapter's dtype: placing slices is
+    exact; only a part's scale differing from the first part's is folded into its B."""
+    moving = {key: counterparts(base, *key) for key in adapter.modules}
+    if all(served is None for served in moving.values()):
+        return adapter
+    modules: dict[tuple[int, str], LoRAWeights] = {}
+    groups: dict[tuple[int, str], dict[str, LoRAWeights]] = {}
+    for (layer, module), w in adapter.modules.items():
+        served = moving[(layer, module)]
+        if served is None:
+            modules[(layer, module)] = w
+        elif module in PACKED_MODULES:  # fused name, split base
+            pieces = split(_factors(w), part_sizes(base, module))
+            for part, piece in zip(served, pieces, strict=True):
+                if piece is not None:
+                    modules[(layer, part)] = _from_factors(piece, w.a.dtype)
+        else:
+            groups.setdefault((layer, served[0]), {})[module] = w
+    for (layer, fused), parts in groups.items():
+        names = PACKED_MODULES[fused]
+        dtype = next(iter(parts.values())).a.dtype
+        whole = fuse([_factors(parts[n]) if n in parts else None for n in names],
+                     part_sizes(base, fused))  # fmt: skip
+        modules[(layer, fused)] = _from_factors(whole, dtype)
+    return LoadedAdapter(adapter.source, modules, adapter.digest)
 
 
 def _load_lora(
