@@ -368,9 +368,11 @@ def test_shape_mismatches_are_refused_with_ShapeMismatch(
         assert fragment in error.message, (family, error.message)
 
 
-def test_split_names_on_a_fused_base_are_refused_naming_its_fused_layers(
+def test_a_split_part_beside_its_fused_module_is_refused_naming_the_fused_layers(
     built: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
+    # q_proj alone would be served fused (tests/adapters/test_cross_layout.py); beside the
+    # layer's own qkv_proj it adapts one projection twice
     model_dir, adapter_dir = built["phi3"]
     q = "base_model.model.model.layers.0.self_attn.q_proj"
     add = {q + ".lora_A.weight": np.zeros((8, 64), np.float32),
