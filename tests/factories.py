@@ -225,3 +225,31 @@ def build_trainer_checkpoint(model_dir: Path, out: Path, seed: int = 0) -> Path:
     )
     trainer.train()
     return out / "checkpoint-1"
+
+
+def shrink_projection(adapter: Path, out: Path) -> tuple[Path, str]:
+    """A copy of `adapter` whose layer-0 q_proj (or fused qkv_proj) lora_B has half the rows the
+    base model's config makes it (as if head_dim were hidden / heads, or qkv_proj held q only):
+    an adapter that does not fit. Returns the copy and the shrunk tensor's name."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(adapter, out)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    name = next(
+        k for k in sorted(tensors)
+        if ".layers.0." in k and k.endswith(("q_proj.lora_B.weight", "qkv_proj.lora_B.weight"))
+    )  # fmt: skip
+    tensors[name] = tensors[name][: tensors[name].shape[0] // 2].copy()
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out, name
+
+
+def build_family_adapter(model_dir: Path, out: Path, kind: str, seed: int = 0, r: int = 8) -> Path:
+    """A PEFT adapter on every linear layer of a `kind` model (its packed experts through
+    target_parameters for a mixture of experts), alpha 2r."""
+    experts = FAMILY_TARGET_PARAMETERS.get(kind)
+    extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
+    return build_peft_adapter(model_dir, out, seed=seed, r=r, lora_alpha=2 * r,
+                              target_modules=FAMILY_TARGETS[kind], **extra)  # fmt: skip

@@ -25,10 +25,17 @@ import httpx
 import openai
 import pytest
 import torch
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from tests.controlplane.conftest import ADMIN, SERVICE
 from tests.dataplane.server.conftest import wait_ready
+from tests.factories import (
+    FAMILY_TARGETS,
+    build_family_adapter,
+    build_model,
+    build_peft_adapter,
+    shrink_projection,
+)
 from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,41 +67,15 @@ class Family:
         return f"pool-{self.kind.replace('_', '-')}"
 
 
-def _wrong_shape(good: Path, out: Path) -> tuple[Path, str]:
-    """`good` with layer 0's first attention projection's B half as tall as the family's config
-    makes it (as if head_dim were hidden / heads, or qkv_proj held q only); the tensor's name."""
-    import shutil
-
-    shutil.copytree(good, out)
-    tensors = load_file(str(good / "adapter_model.safetensors"))
-    name = next(
-        k for k in sorted(tensors)
-        if ".layers.0." in k and k.endswith(("q_proj.lora_B.weight", "qkv_proj.lora_B.weight"))
-    )  # fmt: skip
-    tensors[name] = tensors[name][: tensors[name].shape[0] // 2].copy()
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    return out, name
-
-
 def _build_family(kind: str, root: Path) -> Family:
-    from tests.factories import (
-        FAMILY_TARGET_PARAMETERS,
-        FAMILY_TARGETS,
-        build_model,
-        build_peft_adapter,
-    )
-
     model_dir = build_model(root / kind, kind, seed=11, spread=True)
-    experts = FAMILY_TARGET_PARAMETERS.get(kind)
-    extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
-    good = build_peft_adapter(model_dir, root / f"{kind}-good", seed=21, r=8, lora_alpha=16,
-                              target_modules=FAMILY_TARGETS[kind], **extra)  # fmt: skip
+    good = build_family_adapter(model_dir, root / f"{kind}-good", kind, seed=21)
     first = FAMILY_TARGETS[kind][0]
     lm_head = build_peft_adapter(model_dir, root / f"{kind}-lm-head", seed=22, r=4,
                                  lora_alpha=8, target_modules=[first, "lm_head"])  # fmt: skip
     embed = build_peft_adapter(model_dir, root / f"{kind}-embed", seed=23, r=4, lora_alpha=8,
                                target_modules=[first, "embed_tokens"])  # fmt: skip
-    wrong, _ = _wrong_shape(good, root / f"{kind}-wrong-shape")
+    wrong, _ = shrink_projection(good, root / f"{kind}-wrong-shape")
     return Family(kind, model_dir, good, wrong, lm_head, embed)
 
 
@@ -319,7 +300,7 @@ def test_uploads_that_do_not_fit_the_family_are_refused_with_their_reason(
 ) -> None:
     family = stack.families[kind]
     code, message = _refusal(stack.upload(family, "wrong-shape", family.wrong_shape))
-    _, tensor = _wrong_shape(family.good, tmp_path / "again")
+    _, tensor = shrink_projection(family.good, tmp_path / "again")
     rows = load_file(str(family.good / "adapter_model.safetensors"))[tensor].shape[0]
     module = tensor.removesuffix(".lora_B.weight").rsplit(".", 1)[-1]
     assert code == "ShapeMismatch", message
