@@ -231,7 +231,7 @@ def _check_in_base(
                 f"adapts {block}.{module}, which {base.name} lacks (its experts are 0 to "
                 f"{base.num_experts - 1}, each with {', '.join(family.experts)})"
             )
-    elif module in family.mlp or (family.moe and module in MLP_NAMES):
+    elif module in family.mlp or (family.moe and (module in MLP_NAMES or module == "gate_up_proj")):
         why = (
             f"adapts {block}.{module}, but layer {layer} of {base.name} is a mixture-of-experts "
             "layer (adapt its experts)"

@@ -264,3 +264,68 @@ def test_a_peft_adapter_of_a_llama_model_validates_on_the_phi3_config(tmp_path: 
         assert all(m.scale == 2.0 for m in adapter.modules)
     finally:
         adapter.close()
+
+
+QWEN3_MOE = BaseModelSpec.from_config(
+    {"model_type": "qwen3_moe", **SHAPE, "head_dim": 16, "moe_intermediate_size": 32,
+     "num_experts": 4, "mlp_only_layers": [1]}, "qwen3-moe-base",
+)  # fmt: skip
+
+
+def _fused_tensors(spec: BaseModelSpec, where: list[tuple[int, str, str]], r: int = 8
+                   ) -> dict[str, np.ndarray]:  # fmt: skip
+    """A and B of each (layer, block, module), shaped as `spec` gives the module."""
+    rng = np.random.default_rng(2)
+    out = {}
+    for layer, block, module in where:
+        fan_in, fan_out = spec.module_shape(module)
+        stem = f"{PREFIX}model.layers.{layer}.{block}.{module}"
+        out[f"{stem}.lora_A.weight"] = rng.standard_normal((r, fan_in), np.float32)
+        out[f"{stem}.lora_B.weight"] = rng.standard_normal((fan_out, r), np.float32)
+    return out
+
+
+def test_fused_names_on_a_mixture_of_experts_base_split_where_it_has_the_parts(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-MoE: attention split in every layer, the MLP split in its dense layer (1); a
+    sparse layer's MLP is its experts, so gate_up_proj there stays refused."""
+    where = [(0, "self_attn", "qkv_proj"), (1, "self_attn", "qkv_proj"), (1, "mlp", "gate_up_proj")]
+    config = lora_config(8, target_modules=["qkv_proj", "gate_up_proj"])
+    src = write_adapter(tmp_path / "a", config, _fused_tensors(QWEN3_MOE, where))
+    adapter = _validate(src, QWEN3_MOE)
+    try:
+        assert adapter.target_modules == ["qkv_proj", "gate_up_proj"]
+        assert {(c.layer, c.module) for c in adapter.conversions} == {
+            (0, "q_proj"), (0, "k_proj"), (0, "v_proj"), (1, "q_proj"), (1, "k_proj"),
+            (1, "v_proj"), (1, "gate_proj"), (1, "up_proj"),
+        }  # fmt: skip
+    finally:
+        adapter.close()
+    sparse = _fused_tensors(QWEN3_MOE, [*where, (0, "mlp", "gate_up_proj")])
+    error = _refused(write_adapter(tmp_path / "b", config, sparse), QWEN3_MOE)
+    assert error.code == ReasonCode.UNSUPPORTED_TARGET_MODULE
+    assert (
+        "adapts mlp.gate_up_proj, but layer 0 of qwen3-moe-base is a mixture-of-experts "
+        "layer (adapt its experts)" in error.message
+    )
+
+
+def test_ingest_stores_the_upload_and_records_the_served_layout(tmp_path: Path) -> None:
+    """A Llama-layout upload to a Phi-3 pool: stored as uploaded (q_proj ... in the store, the
+    uploaded rank), the manifest telling the rank it is served at; over the pool's rank
+    limit nothing is stored."""
+    from loraplane.adapters.ingest import ingest
+    from loraplane.adapters.store import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    src = _adapter(tmp_path / "a", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    version = ingest(src, "acme", "split", PHI3, AdapterLimits(max_rank=24), store)
+    manifest = json.loads(store.get_bytes(version.path + "manifest.json"))
+    assert manifest["rank"] == 8 and manifest["served_rank"] == 24
+    assert manifest["target_modules"] == ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    assert manifest["served_modules"] == ["qkv_proj", "gate_up_proj"]
+    with pytest.raises(AdapterRejected) as info:
+        ingest(src, "acme", "narrow", PHI3, AdapterLimits(max_rank=16), store)
+    assert info.value.code == ReasonCode.RANK_TOO_LARGE
+    assert not [k for k in store.list_keys("adapters/acme/narrow/") if k.endswith(".json")]

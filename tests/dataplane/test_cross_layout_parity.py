@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
@@ -230,7 +231,7 @@ def test_loading_splits_fused_modules_on_the_llama_base(bases: Bases) -> None:
 
 
 def test_a_bf16_adapter_is_converted_in_its_own_dtype_exactly(bases: Bases, tmp_path: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     src = bases.adapters["llama-all"]
     out = tmp_path / "bf16"
@@ -315,3 +316,31 @@ def test_a_fused_rank_over_the_engines_max_lora_rank_is_refused_at_load_in_words
     with pytest.raises(AdapterRejected):  # and load_lora itself refuses it too
         load_lora(bases.adapters["llama-all"], bases.phi3, AdapterLimits(max_rank=23))
     assert load_lora(bases.adapters["llama-all"], bases.phi3, AdapterLimits(max_rank=24)).rank == 24
+
+
+def test_on_a_mixture_of_experts_base_fused_names_split_beside_per_expert_modules(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-MoE: a Phi-3-style qkv_proj in every layer and gate_up_proj in the dense layer
+    load as the pool's q/k/v and gate/up, beside an expert's own modules; the pool takes it."""
+    from tests.adapters.crafting import lora_config, write_adapter
+    from tests.adapters.test_cross_layout import QWEN3_MOE, _fused_tensors
+
+    where = [(0, "self_attn", "qkv_proj"), (1, "self_attn", "qkv_proj"),
+             (1, "mlp", "gate_up_proj"), (0, "mlp", "experts.2.down_proj")]  # fmt: skip
+    config = lora_config(8, target_modules=["qkv_proj", "gate_up_proj", "down_proj"])
+    src = write_adapter(tmp_path / "a", config, _fused_tensors(QWEN3_MOE, where))
+    loaded = load_lora(src, QWEN3_MOE)
+    assert set(loaded.modules) == {
+        (0, "q_proj"), (0, "k_proj"), (0, "v_proj"), (1, "q_proj"), (1, "k_proj"),
+        (1, "v_proj"), (1, "gate_proj"), (1, "up_proj"), (0, "experts.2.down_proj"),
+    }  # fmt: skip
+    tensors = load_file(src / "adapter_model.safetensors")
+    stem = "base_model.model.model.layers.1.mlp.gate_up_proj"
+    a, b = tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"]
+    gate, up = loaded.modules[(1, "gate_proj")], loaded.modules[(1, "up_proj")]
+    assert torch.equal(gate.a, a) and torch.equal(up.a, a)
+    assert torch.equal(gate.b, b[:96]) and torch.equal(up.b, b[96:])
+    pool = LoRAPool(1, QWEN3_MOE, torch.float32, "cpu")
+    assert pool.load(0, pool.host_form(loaded))
+    assert pool.modules[(1, "up_proj")].lora_a[0] is not None
