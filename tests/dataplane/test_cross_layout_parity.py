@@ -250,6 +250,34 @@ def test_a_bf16_adapter_is_converted_in_its_own_dtype_exactly(bases: Bases, tmp_
     assert not qkv.b[:64, 8:].any() and not qkv.b[96:, :16].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_parts_scale_ratio_is_folded_into_its_b_rounded_as_torch_rounds(
+    dtype: torch.dtype, bases: Bases, tmp_path: Path
+) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    src = bases.adapters["llama-qv-up"]  # q rank 16, v rank 4
+    out = tmp_path / "a"
+    out.mkdir()
+    config = json.loads((src / "adapter_config.json").read_text())
+    config["alpha_pattern"] = {"v_proj": 3}  # v's scale 3 / 4 against q's 8 / 16: ratio 1.5
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(src / "adapter_model.safetensors")
+    save_file({k: t.to(dtype) for k, t in tensors.items()}, out / "adapter_model.safetensors")
+    fused, split = load_lora(out, bases.phi3), load_lora(out, bases.llama)
+    qkv, q, v = (
+        fused.modules[(1, "qkv_proj")],
+        split.modules[(1, "q_proj")],
+        split.modules[(1, "v_proj")],
+    )
+    assert qkv.b.dtype == dtype and qkv.scale == q.scale == 0.5 and v.scale == 0.75
+    assert torch.equal(qkv.b[:64, :16], q.b) and torch.equal(qkv.a[16:], v.a)
+    assert torch.equal(qkv.b[96:, 16:], (v.b.float() * 1.5).to(dtype))
+    assert not torch.equal(qkv.b[96:, 16:], v.b)  # negative control: the ratio is applied
+
+
 def test_llama_adapters_on_the_phi3_base_mixed_batch_match_peft_on_llama(
     on_phi3: Served,
 ) -> None:

@@ -288,15 +288,35 @@ def load_lora(
     return per_expert_modules(loaded, base)
 
 
+def _as_float(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """`t` as a float32 numpy array (an fp32 tensor's own memory, not copied). In numpy, not
+    torch: a torch cast of a large tensor on a loader thread would start an OpenMP team that
+    competes with the engine's step for its cores (see `pool.copy_serial`)."""
+    if t.dtype == torch.bfloat16:  # the high half of an f32
+        bits = t.view(torch.int16).numpy().view(np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    array: np.ndarray[Any, Any] = t.numpy()
+    return array if array.dtype == np.float32 else array.astype(np.float32)
+
+
+def _as_tensor(array: np.ndarray[Any, Any], dtype: torch.dtype) -> torch.Tensor:
+    """A float32 array back in `dtype` (bf16: rounded to nearest even, as torch casts)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if dtype == torch.bfloat16:
+        bits = array.view(np.uint32)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16  # no NaN: validated finite
+        return torch.from_numpy(rounded.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    if dtype == torch.float16:
+        return torch.from_numpy(array.astype(np.float16))
+    return torch.from_numpy(array)
+
+
 def _factors(w: LoRAWeights) -> LoRAFactors:
-    """`w` as numpy factors (fp32 for 16-bit tensors; fp32 ones shared, not copied)."""
-    return LoRAFactors(w.a.float().numpy(), w.b.float().numpy(), w.scale)
+    return LoRAFactors(_as_float(w.a), _as_float(w.b), w.scale)
 
 
 def _from_factors(f: LoRAFactors, dtype: torch.dtype) -> LoRAWeights:
-    a = torch.from_numpy(np.ascontiguousarray(f.a)).to(dtype)
-    b = torch.from_numpy(np.ascontiguousarray(f.b)).to(dtype)
-    return LoRAWeights(a=a, b=b, scale=f.scale)
+    return LoRAWeights(a=_as_tensor(f.a, dtype), b=_as_tensor(f.b, dtype), scale=f.scale)
 
 
 def base_layout(adapter: LoadedAdapter, base: BaseModelSpec) -> LoadedAdapter:
@@ -312,8 +332,8 @@ def base_layout(adapter: LoadedAdapter, base: BaseModelSpec) -> LoadedAdapter:
     - a fused name on a split base: each part keeps A and its rows of B (columns that are
       zero in those rows dropped, with A's matching rows); a part with no update is left out.
 
-    The factors are converted in fp32 and back to the adapter's dtype: placing slices is
-    exact; only a part's scale differing from the first part's is folded into its B."""
+    The factors are converted in fp32 (numpy) and back to the adapter's dtype: placing slices
+    is exact; only a part's scale differing from the first part's is folded into its B."""
     moving = {key: counterparts(base, *key) for key in adapter.modules}
     if all(served is None for served in moving.values()):
         return adapter
