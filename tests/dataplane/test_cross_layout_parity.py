@@ -372,3 +372,37 @@ def test_on_a_mixture_of_experts_base_fused_names_split_beside_per_expert_module
     pool = LoRAPool(1, QWEN3_MOE, torch.float32, "cpu")
     assert pool.load(0, pool.host_form(loaded))
     assert pool.modules[(1, "up_proj")].lora_a[0] is not None
+
+
+def test_a_stored_version_loads_converted_on_every_path_and_the_memo_keeps_the_rank_check(
+    bases: Bases, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catalog serving reads stored versions: the one-pass read and the remembered-layout
+    read both convert; a remembered layout is remembered per limits, so a lower max rank
+    validates (and refuses) again."""
+    from loraplane.adapters.ingest import ingest
+    from loraplane.adapters.store import LocalStore
+    from loraplane.dataplane.lora import loader
+
+    store = LocalStore(tmp_path / "store")
+    limits = AdapterLimits(max_rank=24)
+    version = ingest(bases.adapters["llama-all"], "acme", "split", bases.phi3, limits, store)
+    stored = tmp_path / "store" / version.path
+    expected = load_lora(bases.adapters["llama-all"], bases.phi3)
+    first = load_lora(stored, bases.phi3, limits, version.digest)  # validated, then remembered
+    real_validate = loader.validate_adapter
+
+    def validate_again(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(loader, "validate_adapter", validate_again)
+    again = load_lora(stored, bases.phi3, limits, version.digest)  # the remembered layout
+    for got in (first, again):
+        assert got.digest == version.digest and got.modules.keys() == expected.modules.keys()
+        for key, w in got.modules.items():
+            assert torch.equal(w.a, expected.modules[key].a)
+            assert torch.equal(w.b, expected.modules[key].b)
+    monkeypatch.setattr(loader, "validate_adapter", real_validate)
+    with pytest.raises(AdapterRejected) as info:
+        load_lora(stored, bases.phi3, AdapterLimits(max_rank=23), version.digest)
+    assert info.value.code == ReasonCode.RANK_TOO_LARGE and "rank 24" in info.value.message
