@@ -390,7 +390,7 @@ def test_a_stored_version_loads_converted_on_every_path_and_the_memo_keeps_the_r
     stored = tmp_path / "store" / version.path
     expected = load_lora(bases.adapters["llama-all"], bases.phi3)
     first = load_lora(stored, bases.phi3, limits, version.digest)  # validated, then remembered
-    real_validate = loader.validate_adapter
+    from loraplane.adapters.validate import validate_adapter as real_validate
 
     def validate_again(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("validated again")
