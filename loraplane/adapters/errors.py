@@ -36,7 +36,9 @@ EXPLANATIONS: dict[ReasonCode, str] = {
     "weights (.bin, .pt), another PEFT method than LoRA, or an option that changes how the "
     "adapter computes.",
     ReasonCode.RANK_TOO_LARGE: "The adapter's rank r is above the serving pool's maximum rank or "
-    "your tenant's rank quota: train it again with a smaller r.",
+    "your tenant's rank quota: train it again with a smaller r. On a base that fuses q/k/v "
+    "or gate/up (Phi-3), an adapter of the split projections is served at the sum of their "
+    "ranks.",
     ReasonCode.BIAS_NOT_SUPPORTED: 'The adapter trains bias terms (bias other than "none", '
     "lora_bias, or bias tensors); only bias-free LoRA adapters are served.",
     ReasonCode.DORA_NOT_SUPPORTED: "This is a DoRA adapter (use_dora is true, or it carries "
