@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -93,7 +93,7 @@ def decode_step_seconds(
 
 
 def paired_decode_seconds(
-    engines: dict[str, Engine], loras: dict[str, Sequence[LoRARef | None]], steps: int
+    engines: Mapping[str, Engine], loras: Mapping[str, Sequence[LoRARef | None]], steps: int
 ) -> dict[str, float]:
     """Median decode step time of each engine, their steps taken in turn (one of each, again
     and again), so load from other processes on a shared machine falls on all of them alike."""
