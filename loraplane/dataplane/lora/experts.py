@@ -6,6 +6,12 @@ are contiguous (its base linears run once over them, as transformers runs them) 
 each adapter's rows are a segment: that adapter's A and B of that expert are read once per
 segment. Rows of the base model (slot -1) sort first in each expert and get no delta.
 
+Given the pool's slot count S, `route_rows` also gives every expert's adapter rows as one
+LoRABatch over the layer's routed rows (`RoutedRows.batch`), segment (expert e, slot k) with
+the stacked slot e * S + k; `ExpertLoRA.stacked` lays the E experts' slot tables of one linear
+end to end in that order, so one SGMV call per linear does every expert of the layer (one C
+call or one Triton launch, not one per expert), as the base rows of every expert skip it.
+
 The pool keeps one slot table per (layer, `experts.N.NAME`), the names 4.x checkpoints and
 adapters use; a transformers 5 adapter of the packed experts (PEFT `target_parameters` on
 `experts.gate_up_proj` / `experts.down_proj`) is split into those per-expert factors when it
@@ -15,6 +21,8 @@ A, its B the columns e, e + E, ... of the packed B, as PEFT's ParamWrapper reads
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +45,7 @@ class RoutedRows:
     """A sparse layer's routed rows, sorted by (expert, slot).
 
     Row n is (token `tokens[n]`, its `pairs[n] % k`-th choice); rows of expert e are
-    `expert_bounds[e]:expert_bounds[e + 1]`, and `by_expert[e]` holds their adapter segments
+    `expert_bounds[e]:expert_bounds[e + 1]`, and `segments(e)` gives their adapter segments
     (slot >= 0 only), offsets relative to the expert's first row.
     """
 
@@ -45,7 +53,26 @@ class RoutedRows:
     pairs: torch.Tensor  # [T * k] int64: each row's index into the router's [T, k] choices
     expert_bounds: tuple[int, ...]  # [E + 1]
     experts_hit: tuple[int, ...]  # experts with at least one row, ascending
-    by_expert: dict[int, tuple[Segment, ...]]
+    # the runs of equal (expert, slot) in row order: key expert * width + slot + 1, row count
+    keys: tuple[int, ...] = ()
+    key_counts: tuple[int, ...] = ()
+    width: int = 1
+    # every expert's adapter rows as one batch over these rows, slot e * num_slots + k for
+    # slot k's rows of expert e (route_rows with num_slots, and adapter rows; else None)
+    batch: LoRABatch | None = None
+
+    @property
+    def by_expert(self) -> dict[int, tuple[Segment, ...]]:
+        """expert -> its adapter segments (experts with none left out)."""
+        found: dict[int, list[Segment]] = {}
+        pos = 0
+        for key, count in zip(self.keys, self.key_counts, strict=True):
+            expert, slot = divmod(key, self.width)
+            if slot > 0:
+                start = pos - self.expert_bounds[expert]
+                found.setdefault(expert, []).append((slot - 1, start, start + count))
+            pos += count
+        return {e: tuple(segs) for e, segs in found.items()}
 
     def segments(self, expert: int) -> tuple[Segment, ...]:
         """The adapter segments of one expert's rows (empty: base rows only)."""
@@ -56,49 +83,66 @@ def route_rows(
     experts: torch.Tensor,  # [T, k] int64: each token's experts
     batch: LoRABatch | None,
     num_experts: int | None = None,
+    num_slots: int | None = None,
 ) -> RoutedRows:
-    """Sort the routed rows by (expert, adapter slot); `batch` None: all rows are base rows."""
+    """Sort the routed rows by (expert, adapter slot); `batch` None: all rows are base rows.
+
+    With `num_slots` (the pool's slot count), `RoutedRows.batch` holds the adapter rows of
+    every expert as one LoRABatch (see `ExpertLoRA.stacked`). The host work is one sort and
+    one copy of the runs' keys to the host, whatever the experts and adapters."""
     tokens_n, k = experts.shape
     device = experts.device
     flat = experts.reshape(-1)
-    pairs = torch.arange(tokens_n * k, device=device)
-    token_of = torch.div(pairs, k, rounding_mode="floor")
     num = num_experts if num_experts is not None else int(flat.max()) + 1 if flat.numel() else 0
+    counts_t = torch.bincount(flat, minlength=num)
     if batch is None or batch.is_empty:
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num).tolist()
-        slot_keys: list[int] = []
+        counts = counts_t.tolist()
+        keys: list[int] = []
         key_counts: list[int] = []
         width = 1
     else:
-        token_slot = torch.full((tokens_n,), BASE_SLOT, dtype=torch.int64, device=device)
-        token_slot[batch.token_order] = batch.token_slots
-        row_slot = token_slot[token_of]  # [T * k]
         if batch.static_max_seg_len is not None:
             raise ValueError("expert LoRA needs the batch's segments on the host (no CUDA graph)")
-        width = max(batch.seg_slots) + 2  # slot + 1 in 0..width-1
-        key = flat * width + (row_slot + 1)
+        top = max(batch.seg_slots)
+        if num_slots is not None and top >= num_slots:
+            raise ValueError(f"slot {top} is not below the {num_slots} slots")
+        width = (num_slots if num_slots is not None else top + 1) + 1  # slot + 1 in 0..width-1
+        token_slot = torch.full((tokens_n,), BASE_SLOT, dtype=torch.int64, device=device)
+        token_slot[batch.token_order] = batch.token_slots
+        key = flat * width + (token_slot + 1).repeat_interleave(k)
         order = torch.argsort(key, stable=True)
-        keys, kcounts = torch.unique_consecutive(key[order], return_counts=True)
-        slot_keys, key_counts = keys.tolist(), kcounts.tolist()
-        counts = torch.bincount(flat, minlength=num).tolist()
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + int(c))
-    by_expert: dict[int, list[Segment]] = {}
-    pos = 0
-    for key_value, count in zip(slot_keys, key_counts, strict=True):
-        expert, slot = divmod(int(key_value), width)
-        start = pos - bounds[expert]
-        if slot > 0:
-            by_expert.setdefault(expert, []).append((slot - 1, start, start + int(count)))
-        pos += int(count)
+        sorted_key = key[order]
+        runs, run_counts = torch.unique_consecutive(sorted_key, return_counts=True)
+        host = torch.cat((counts_t, runs, run_counts)).tolist()  # one copy to the host
+        counts, keys, key_counts = host[:num], host[num : num + len(runs)], host[num + len(runs) :]
+    bounds = list(itertools.accumulate(counts, initial=0))
+    layer_batch = None
+    if num_slots is not None and keys:
+        adapter = [(key, count) for key, count in zip(keys, key_counts, strict=True) if key % width]
+        if adapter:
+            seg_slots = [key // width * num_slots + key % width - 1 for key, _ in adapter]
+            seg_bounds = list(itertools.accumulate((count for _, count in adapter), initial=0))
+            adapter_rows = torch.nonzero(sorted_key % width).squeeze(1)  # ascending
+            row_keys = sorted_key[adapter_rows]
+            layer_batch = LoRABatch(
+                num_tokens=tokens_n * k,
+                token_order=adapter_rows,
+                seg_slots=tuple(seg_slots),
+                seg_bounds=tuple(seg_bounds),
+                seg_slots_t=torch.tensor(seg_slots, dtype=torch.int32, device=device),
+                seg_bounds_t=torch.tensor(seg_bounds, dtype=torch.int32, device=device),
+                token_slots=row_keys // width * num_slots + row_keys % width - 1,
+            )
     return RoutedRows(
-        tokens=token_of[order],
-        pairs=pairs[order],
+        tokens=torch.div(order, k, rounding_mode="floor"),
+        pairs=order,
         expert_bounds=tuple(bounds),
         experts_hit=tuple(e for e, c in enumerate(counts) if c),
-        by_expert={e: tuple(s) for e, s in by_expert.items()},
+        keys=tuple(keys),
+        key_counts=tuple(key_counts),
+        width=width,
+        batch=layer_batch,
     )
 
 
@@ -160,10 +204,25 @@ def expert_lora_apply(
 
 
 class ExpertLoRA:
-    """The pool's slot tables of one sparse layer: [expert][gate, up, down]."""
+    """The pool's slot tables of one sparse layer: [expert][gate, up, down]; and per linear,
+    the experts' tables stacked end to end (`stacked`) for a whole layer's SGMV call."""
 
-    def __init__(self, tables: list[tuple[ModuleSlots, ModuleSlots, ModuleSlots]]) -> None:
+    def __init__(
+        self,
+        tables: list[tuple[ModuleSlots, ModuleSlots, ModuleSlots]],
+        generation: list[int] | None = None,
+    ) -> None:
         self.tables = tables
+        self.num_slots = len(tables[0][0].lora_a) if tables else 0
+        device = tables[0][0].scales.device if tables else torch.device("cpu")
+        size = len(tables) * self.num_slots
+        # kept between steps: their kernels' memos (checked shapes, the native slot table,
+        # the Triton pointer table) stay valid while the pool's tensors stay the same
+        self._stacked = tuple(ModuleSlots(size, device) for _ in range(3))
+        # the pool's per-slot load/free counts (LoRAPool.slot_generation), and what they
+        # were when the stacked tables were last filled; None: refilled at every call
+        self._generation = generation
+        self._filled: list[int] | None = None
 
     @classmethod
     def from_pool(
@@ -179,7 +238,7 @@ class ExpertLoRA:
             )
             for e in range(num_experts)
         ]
-        return cls(tables)
+        return cls(tables, pool.slot_generation)
 
     def apply(
         self,
@@ -193,6 +252,42 @@ class ExpertLoRA:
         """Add the adapters' deltas of one expert's linear to its rows (`batch`: the
         segments as `expert_batch` gives them, shared by the expert's three linears)."""
         expert_lora_apply(y, x, segments, self.tables[expert][proj], batch)
+
+    def stacked(self, proj: int) -> ModuleSlots:
+        """Linear `proj`'s (0 gate, 1 up, 2 down) slot tables of every expert, end to end:
+        entry e * num_slots + k is expert e's slot k, as the pool holds it now (refilled when
+        a slot was loaded or freed since the last call)."""
+        generation = self._generation
+        if generation is None or self._filled != generation:
+            for p in range(3):
+                self._fill(p)
+            self._filled = list(generation) if generation is not None else None
+        return self._stacked[proj]
+
+    def _fill(self, proj: int) -> None:
+        table = self._stacked[proj]
+        parts = [t[proj] for t in self.tables]
+        lora_a = list(itertools.chain.from_iterable(p.lora_a for p in parts))
+        lora_b = list(itertools.chain.from_iterable(p.lora_b for p in parts))
+        same = operator.is_
+        if not (all(map(same, lora_a, table.lora_a)) and all(map(same, lora_b, table.lora_b))):
+            for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
+                if a is not table.lora_a[i] or b is not table.lora_b[i]:
+                    table.clear(i)  # drops its memos (and the old tensors they hold)
+            table.lora_a[:], table.lora_b[:] = lora_a, lora_b
+        if parts:
+            torch.cat([p.scales for p in parts], out=table.scales)
+
+    def apply_layer(
+        self,
+        y: torch.Tensor,  # [R, out]: the layer's routed rows, sorted by (expert, slot)
+        x: torch.Tensor,  # [R, in]
+        proj: int,  # 0 gate, 1 up, 2 down
+        batch: LoRABatch,  # RoutedRows.batch (route_rows with num_slots=self.num_slots)
+    ) -> None:
+        """Add every expert's adapter deltas of one linear to the layer's rows, in one SGMV
+        call: the meaning of `apply` for each expert's rows and segments."""
+        dispatch.lora_apply(y, x, batch, self.stacked(proj))
 
 
 def per_expert_modules(adapter: LoadedAdapter, spec: BaseModelSpec) -> LoadedAdapter:

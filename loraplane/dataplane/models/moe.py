@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from loraplane.dataplane.attention import AttentionMetadata
-from loraplane.dataplane.lora.experts import ExpertLoRA, RoutedRows, expert_batch, route_rows
+from loraplane.dataplane.lora.experts import ExpertLoRA, RoutedRows, route_rows
 from loraplane.dataplane.lora.layers import LoRAContext
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
@@ -143,7 +143,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.fp32_weights = config.fp32_routing_weights
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        inter = config.moe_intermediate_size
+        inter = self.inter = config.moe_intermediate_size
         self.experts = nn.ModuleList(
             Expert(config.hidden_size, inter, names) for _ in range(config.num_experts)
         )
@@ -166,27 +166,57 @@ class SparseMoeBlock(nn.Module):
         batch = self.context.batch if self.context is not None else None
         lora = self.lora if batch is not None and not batch.is_empty else None
         rows: RoutedRows = route_rows(
-            experts, batch if lora is not None else None, self.num_experts
+            experts,
+            batch if lora is not None else None,
+            self.num_experts,
+            lora.num_slots if lora is not None else None,
         )
+        lora_rows = rows.batch if lora is not None else None
         xs = x[rows.tokens]  # [T * k, hidden]: routed rows, sorted by (expert, slot)
+        n = xs.shape[0]
+        hits = [(e, rows.expert_bounds[e], rows.expert_bounds[e + 1]) for e in rows.experts_hit]
+        linears = [self.expert_list[e].linears() for e, _, _ in hits]
+        # each expert's linears over its rows, written into the layer's row buffers; the
+        # adapters' deltas of every expert then in one call per linear (lora/experts.py)
+        gate = xs.new_empty(n, self.inter)
+        up = xs.new_empty(n, self.inter)
+        for (_, start, end), (gate_l, up_l, _) in zip(hits, linears, strict=True):
+            torch.mm(xs[start:end], gate_l.weight.t(), out=gate[start:end])
+            torch.mm(xs[start:end], up_l.weight.t(), out=up[start:end])
+        if lora is not None and lora_rows is not None:
+            lora.apply_layer(gate, xs, 0, lora_rows)
+            lora.apply_layer(up, xs, 1, lora_rows)
+        h = F.silu(gate, inplace=True).mul_(up)  # silu(gate) * up
+        y = xs.new_empty(n, x.shape[1])
+        for (_, start, end), (_, _, down_l) in zip(hits, linears, strict=True):
+            torch.mm(h[start:end], down_l.weight.t(), out=y[start:end])
+        if lora is not None and lora_rows is not None:
+            lora.apply_layer(y, h, 2, lora_rows)
+        return self._combine(x, y, weights, experts, rows)
+
+    def _combine(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        y: torch.Tensor,  # [T * k, hidden]: the routed rows' expert outputs
+        weights: torch.Tensor,  # [T, k]
+        experts: torch.Tensor,  # [T, k]
+        rows: RoutedRows,
+    ) -> torch.Tensor:  # [T, hidden]
+        """sum_j w_j * y_j per token, added as transformers adds them (from zeros, in
+        ascending expert order) on any device: each row is put at its token's place in that
+        order, then the k places are summed one after another (no scatter-add, whose order
+        a GPU does not keep)."""
+        tokens_n, k = experts.shape
+        w = weights.reshape(-1)[rows.pairs]  # [T * k]: each row's routing weight
+        weighted = (y * w[:, None]).to(x.dtype)
+        # the place of choice c of token t among t's choices sorted by expert
+        rank = torch.argsort(torch.argsort(experts, dim=1), dim=1)  # [T, k]
+        base = torch.arange(tokens_n, device=x.device)[:, None] * k
+        place = (base + rank).reshape(-1)[rows.pairs]  # [T * k]
+        ordered = torch.empty_like(weighted).index_copy_(0, place, weighted).view(tokens_n, k, -1)
         out = torch.zeros_like(x)
-        for e in rows.experts_hit:
-            start, end = rows.expert_bounds[e], rows.expert_bounds[e + 1]
-            gate_l, up_l, down_l = self.expert_list[e].linears()
-            xe = xs[start:end]
-            gate, up = gate_l(xe), up_l(xe)
-            segments = rows.segments(e)  # (slot, start, end) within this expert's rows
-            ebatch = expert_batch(segments, x.device) if lora is not None and segments else None
-            if lora is not None and ebatch is not None:
-                lora.apply(gate, xe, e, 0, segments, ebatch)
-                lora.apply(up, xe, e, 1, segments, ebatch)
-            h = F.silu(gate) * up
-            y = down_l(h)
-            if lora is not None and ebatch is not None:
-                lora.apply(y, h, e, 2, segments, ebatch)
-            tokens = rows.tokens[start:end]
-            w = weights.reshape(-1)[rows.pairs[start:end]]  # [rows] this expert's weights
-            out.index_add_(0, tokens, (y * w[:, None]).to(out.dtype))
+        for j in range(k):
+            out += ordered[:, j]
         return out
 
 
