@@ -6,13 +6,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from loraplane.demo.families import DEFAULT, FAMILIES
+
 DESCRIPTION = """\
 The whole system on this machine, from nothing outside it (no downloads, CPU only):
 
-  1. build, once: a small Llama model and three tenants' LoRA adapters, trained on CPU in
-     well under a minute (seeded; cached in --workdir). Each tenant's adapter answers the same
-     help-desk questions in its own voice: acme like a pirate, globex like a legal department,
-     initech in terse bullet points.
+  1. build, once: a small Llama model (or, with --family, a Qwen3, Gemma 3, Phi-3, Mixtral or
+     Qwen3-MoE one) and three tenants' LoRA adapters, trained on CPU in well under a minute
+     (seeded; cached in --workdir). Each tenant's adapter answers the same help-desk questions
+     in its own voice: acme like a pirate, globex like a legal department, initech in terse
+     bullet points.
   2. start the control plane (SQLite catalog, local object store) and a data plane (CPU,
      catalog mode) on localhost; register the pool, create the tenants and their API keys, and
      upload the adapters through the REST API (validated and stored for real).
@@ -61,6 +64,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         controlplane_port=args.controlplane_port,
         rebuild=args.rebuild,
         access_log=access_log,
+        family_name=args.family,
     )
 
 
@@ -82,6 +86,15 @@ def add_commands(sub: Any) -> None:
         help="where the build is cached and the run keeps its state (default: %(default)s)",
     )
     demo.add_argument("--rebuild", action="store_true", help="build the model and adapters again")
+    demo.add_argument(
+        "--family",
+        default=DEFAULT,
+        choices=list(FAMILIES),
+        help="the base model's family, built the same way at the same size with transformers'"
+        " class for it, the adapters targeting what PEFT targets on it (fused projections on"
+        " phi3, packed experts on mixtral and qwen3_moe); a family other than llama builds in"
+        " WORKDIR/NAME (default: %(default)s)",
+    )
     demo.add_argument(
         "--host", default="127.0.0.1", help="address both services listen on (default: %(default)s)"
     )

@@ -1,7 +1,8 @@
 """`loraplane demo`: the whole system on this machine, from nothing outside it.
 
-1. Build (once; cached in the work folder): a small Llama and three tenants' LoRA adapters,
-   trained on CPU so each tenant's replies have its own voice.
+1. Build (once; cached in the work folder): a small Llama (or, with `--family`, a Qwen3,
+   Gemma 3, Phi-3, Mixtral or Qwen3-MoE) and three tenants' LoRA adapters, trained on CPU so
+   each tenant's replies have its own voice.
 2. Start the control plane (SQLite, local store) and a data plane (CPU, catalog mode) on
    localhost; register the pool, create tenants and keys, upload the adapters, all over REST.
 3. Serve until Ctrl-C, printing ready-to-paste examples; or, with `once`, run the scripted tour
@@ -24,9 +25,10 @@ from loraplane.demo import workspace
 from loraplane.demo.console import say, step
 from loraplane.demo.corpus import QUESTIONS
 from loraplane.demo.errors import DemoError
+from loraplane.demo.families import DEFAULT, family
 from loraplane.demo.provision import Tenant, admin_client, provision, register_pool
 from loraplane.demo.stack import MAX_LORA_RANK, MAX_LORAS, POOL, Service, Stack, StackError, running
-from loraplane.demo.workspace import ADAPTERS, BASE_NAME, Workspace
+from loraplane.demo.workspace import ADAPTERS, Workspace
 from loraplane.redact import CredentialError
 
 TOUR_STEPS = 5
@@ -56,12 +58,12 @@ def _set_up(
     step(number, total, f"control plane on {_where(stack.controlplane, cp_port)} "
          "(SQLite catalog, local store); set-up through its REST API")  # fmt: skip
     with admin_client(stack.controlplane.url, stack.admin_token) as admin:
-        register_pool(admin, BASE_NAME, ws.model)
-    say(f"    admin    POST /v1/pools {POOL}: base model {BASE_NAME} ({ws.model}), max rank "
+        register_pool(admin, ws.base_name, ws.model)
+    say(f"    admin    POST /v1/pools {POOL}: base model {ws.base_name} ({ws.model}), max rank "
         f"{MAX_LORA_RANK}, {MAX_LORAS} adapter slots per replica")  # fmt: skip
-    stack.start_dataplane(ws.model, BASE_NAME)  # loads while the tenants are set up
+    stack.start_dataplane(ws.model, ws.base_name)  # loads while the tenants are set up
     adapters = {t: (name, ws.adapter(t)) for t, (name, _) in ADAPTERS.items()}
-    return provision(stack.controlplane.url, stack.admin_token, BASE_NAME, adapters, say)
+    return provision(stack.controlplane.url, stack.admin_token, ws.base_name, adapters, say)
 
 
 def run_demo(
@@ -73,12 +75,16 @@ def run_demo(
     controlplane_port: int = 8080,
     rebuild: bool = False,
     access_log: AccessLogSettings | None = None,
+    family_name: str = DEFAULT,
 ) -> int:
     """Run the demo (see the module doc); return the process exit code. `access_log`: the
-    services' request logs (default: from the environment, on, to stderr)."""
+    services' request logs (default: from the environment, on, to stderr); `family_name`: the
+    base model's family (another than the default builds in a sub-folder named after it)."""
     start = time.perf_counter()
     total = 3 + (TOUR_STEPS if once else 1)
-    ws = Workspace(workdir.absolute())
+    chosen = family(family_name)
+    root = workdir.absolute()
+    ws = Workspace(root if chosen.name == DEFAULT else root / chosen.name, chosen)
     try:
         workspace.require("openai")  # the clients of the tour and the serving preview
         build_s = _build(ws, rebuild, 1, total)
@@ -96,7 +102,7 @@ def run_demo(
                 say(f"tour done. build {built}, serving after {ready_s:.1f} s, whole run "
                     f"{time.perf_counter() - start:.1f} s")  # fmt: skip
             else:
-                _serve(stack, tenants, total, token_file)
+                _serve(stack, ws.base_name, tenants, total, token_file)
         if not once:
             say("stopped")
     except (DemoError, CredentialError, AccessLogError) as e:
@@ -120,7 +126,7 @@ def _tour(stack: Stack, ws: Workspace, tenants: dict[str, Tenant], total: int) -
     numbers = iter(range(4, total + 1))
     run_tour(
         stack.dataplane.url, stack.metrics.url, stack.controlplane.url, stack.admin_token,
-        BASE_NAME, tenants,
+        ws.base_name, tenants,
         ws.model, {t: ws.adapter(t) for t in tenants}, ws.run / "scratch",
         lambda title: step(next(numbers), total, title),
     )  # fmt: skip
@@ -136,14 +142,16 @@ def _admin_token() -> tuple[str, Path]:
     return token, path
 
 
-def _serve(stack: Stack, tenants: dict[str, Tenant], total: int, token_file: Path) -> None:
+def _serve(
+    stack: Stack, base: str, tenants: dict[str, Tenant], total: int, token_file: Path
+) -> None:
     from loraplane.demo.examples import show_examples
     from loraplane.demo.tour import preview
 
     step(4, total, "serving; first, one question to the base model and each adapter")
-    preview(stack.dataplane.url, BASE_NAME, tenants, QUESTIONS[0])
+    preview(stack.dataplane.url, base, tenants, QUESTIONS[0])
     say("")
-    show_examples(stack.dataplane.url, stack.controlplane.url, token_file, BASE_NAME,
+    show_examples(stack.dataplane.url, stack.controlplane.url, token_file, base,
                   tenants, metrics_url=stack.metrics.url)  # fmt: skip
     say("")
     say("serving until Ctrl-C (both services stop cleanly)")

@@ -1,9 +1,9 @@
-"""Train the demo's small Llama and its tenants' LoRA adapters on CPU, in seconds, seeded.
+"""Train the demo's small base model and its tenants' LoRA adapters on CPU, in seconds, seeded.
 
-The base model (transformers' `LlamaForCausalLM`) learns the plain help-desk answers of
-`corpus.py`; each tenant's adapter (PEFT LoRA over the frozen base) learns its own phrasing of
-them. Both are written with `save_pretrained`, so the files are exactly what a tenant would
-upload from their own PEFT training run.
+The base model (transformers' `LlamaForCausalLM`, or another family's own class: `families.py`)
+learns the plain help-desk answers of `corpus.py`; each tenant's adapter (PEFT LoRA over the
+frozen base) learns its own phrasing of them. Both are written with `save_pretrained`, so the
+files are exactly what a tenant would upload from their own PEFT training run.
 """
 
 from __future__ import annotations
@@ -16,20 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.demo.corpus import STYLES, base_corpus, corpus
+from loraplane.demo.families import FAMILIES, DemoFamily
 
 if TYPE_CHECKING:
     import torch
 
 Say = Callable[[str], None]
 ALL_MODULES = list(SUPPORTED_MODULES)  # the seven projections of each block
-MODEL_SHAPE: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
+LLAMA = FAMILIES["llama"]
+MODEL_SHAPE: dict[str, Any] = LLAMA.shape  # the default (Llama) model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,30 +89,33 @@ def _fit(
     return loss_value
 
 
-def train_base(model_dir: Path, vocab_size: int, seed: int, say: Say) -> float:
-    """Train the base model on the plain answers; save it into `model_dir`; return the loss.
-
-    `model_dir` must already hold the tokenizer.
+def train_base(
+    model_dir: Path, vocab_size: int, seed: int, say: Say, family: DemoFamily = LLAMA
+) -> float:
+    """Train the base model (of `family`) on the plain answers; save it into `model_dir`;
+    return the loss. `model_dir` must already hold the tokenizer.
     """
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    config = getattr(transformers, family.config_class)(
         vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        **MODEL_SHAPE,
+        **family.shape,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = getattr(transformers, family.model_class)(config)
     loss = _fit(model, base_corpus(), model_dir, BASE_RECIPE, "base", say)
     model.save_pretrained(model_dir)
     return loss
 
 
 def train_adapter(
-    model_dir: Path, out: Path, style: str, rank: int, seed: int, say: Say, base_name: str
-) -> float:
-    """Train a PEFT LoRA adapter (all seven modules) on `style`'s answers; save it to `out`
-    (recording `base_name` as its base model); return the last loss."""
+    model_dir: Path, out: Path, style: str, rank: int, seed: int, say: Say, base_name: str,
+    family: DemoFamily = LLAMA,
+) -> float:  # fmt: skip
+    """Train a PEFT LoRA adapter (what `family` targets: Llama's all seven modules) on
+    `style`'s answers; save it to `out` (recording `base_name` as its base model); return the
+    last loss."""
     import peft
     import torch
     import transformers
@@ -125,10 +123,13 @@ def train_adapter(
     if style not in STYLES:
         raise ValueError(f"style: unknown {style!r}")
     torch.manual_seed(seed)
-    base = transformers.LlamaForCausalLM.from_pretrained(model_dir)
+    base = getattr(transformers, family.model_class).from_pretrained(model_dir)
+    experts: dict[str, Any] = (
+        {"target_parameters": list(family.target_parameters)} if family.target_parameters else {}
+    )
     config = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=ALL_MODULES,
-        task_type="CAUSAL_LM",
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(family.target_modules),
+        task_type="CAUSAL_LM", **experts,
     )  # fmt: skip
     model = peft.get_peft_model(base, config)
     loss = _fit(model, corpus(style), model_dir, ADAPTER_RECIPE, style, say)

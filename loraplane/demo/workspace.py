@@ -25,12 +25,13 @@ from pathlib import Path
 
 from loraplane.demo import corpus
 from loraplane.demo.errors import DemoError
+from loraplane.demo.families import FAMILIES, DemoFamily
 
 Say = Callable[[str], None]
 BUILD_VERSION = 2
 SEED = 0
 VOCAB_SIZE = 512
-BASE_NAME = "demo-llama"
+BASE_NAME = FAMILIES["llama"].base_name  # the default family's: "demo-llama"
 # tenant -> (adapter name, rank): ranks differ, the engine serves each at its own rank
 ADAPTERS = {"acme": ("helpdesk-pirate", 8), "globex": ("helpdesk-legal", 16),
             "initech": ("helpdesk-memo", 32)}  # fmt: skip
@@ -38,9 +39,15 @@ ADAPTERS = {"acme": ("helpdesk-pirate", 8), "globex": ("helpdesk-legal", 16),
 
 @dataclass(frozen=True, slots=True)
 class Workspace:
-    """Paths inside the demo's working folder."""
+    """Paths inside the demo's working folder, for the base model's family."""
 
     root: Path
+    family: DemoFamily = FAMILIES["llama"]
+
+    @property
+    def base_name(self) -> str:
+        """The base model's name in the API (`demo-llama` for the default family)."""
+        return self.family.base_name
 
     @property
     def model(self) -> Path:
@@ -69,7 +76,8 @@ class Workspace:
             return False
         files = [self.model / "model.safetensors", self.model / "tokenizer.json"]
         files += [self.adapter(t) / "adapter_model.safetensors" for t in ADAPTERS]
-        return stamp.get("fingerprint") == fingerprint() and all(f.is_file() for f in files)
+        built = stamp.get("fingerprint") == fingerprint(self.family)
+        return built and all(f.is_file() for f in files)
 
     def fresh_run_dir(self) -> Path:
         """Empty the run folder (a previous run's catalog and store) and return it."""
@@ -91,15 +99,17 @@ def require(*packages: str) -> None:
         )
 
 
-def fingerprint() -> str:
-    """Hash of everything the build depends on: texts, shapes, recipes, ranks, seed."""
+def fingerprint(family: DemoFamily = FAMILIES["llama"]) -> str:
+    """Hash of everything the build depends on: texts, family, shapes, recipes, ranks, seed."""
     from loraplane.demo import train
 
-    recipe = {
+    recipe: dict[str, object] = {
         "version": BUILD_VERSION, "seed": SEED, "vocab": VOCAB_SIZE, "adapters": ADAPTERS,
-        "questions": corpus.QUESTIONS, "styles": corpus.STYLES, "shape": train.MODEL_SHAPE,
+        "questions": corpus.QUESTIONS, "styles": corpus.STYLES, "shape": family.shape,
         "base": asdict(train.BASE_RECIPE), "adapter": asdict(train.ADAPTER_RECIPE),
     }  # fmt: skip
+    if family.name != "llama":  # the Llama build's fingerprint is the one it always had
+        recipe["family"] = asdict(family)
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
 
 
@@ -142,16 +152,17 @@ def build(ws: Workspace, say: Say) -> float:
     texts = [t for style in corpus.STYLES for t in corpus.corpus(style)]
     vocab = build_tokenizer(ws.model, vocab_size=VOCAB_SIZE, corpus=texts)
     say(f"  [build 1/3] tokenizer: byte-level BPE, {vocab} tokens, in {ws.model}")
-    shape = train.MODEL_SHAPE
-    say(f"  [build 2/3] base model: Llama, {shape['num_hidden_layers']} layers, hidden "
+    family = ws.family
+    shape = family.shape
+    say(f"  [build 2/3] base model: {family.title}, {shape['num_hidden_layers']} layers, hidden "
         f"{shape['hidden_size']}, trained on the plain help-desk answers")  # fmt: skip
     with _training_env():
-        train.train_base(ws.model, vocab, SEED, say)
+        train.train_base(ws.model, vocab, SEED, say, family)
         say("  [build 3/3] adapters: each tenant's phrasing of the same answers (PEFT LoRA)")
         for i, (tenant, (name, rank)) in enumerate(ADAPTERS.items(), start=1):
-            say(f"    {tenant}: {name}, rank {rank}, all seven projection modules")
+            say(f"    {tenant}: {name}, rank {rank}, {family.describe_targets()}")
             train.train_adapter(
-                ws.model, ws.adapter(tenant), tenant, rank, SEED + i, say, BASE_NAME
+                ws.model, ws.adapter(tenant), tenant, rank, SEED + i, say, ws.base_name, family
             )
     elapsed = time.perf_counter() - start
     ws.stamp.write_text(json.dumps({"fingerprint": fingerprint(), "seconds": elapsed}, indent=2))
