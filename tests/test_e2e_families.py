@@ -6,7 +6,9 @@ PEFT adapter of that family through the REST API and gets, from the `openai` cli
 greedy tokens for it and the base model's for a base request (sent together, so they share
 engine steps). Uploads that do not fit the family's config are refused with their reason in
 words: a projection shaped for the wrong head layout (ShapeMismatch), LoRA on `lm_head` (pushed
-with `loraplane adapters push`) and on `embed_tokens` (UnsupportedTargetModule)."""
+with `loraplane adapters push`) and on `embed_tokens` (UnsupportedTargetModule). Adapters of the
+other layout serve as their deltas merged into HF's weights: a split q/k/v, gate/up adapter on
+the fused Phi-3 base, and a 4.x per-expert (`experts.N.w1`) adapter on the packed Mixtral."""
 
 from __future__ import annotations
 
@@ -212,29 +214,49 @@ def _selected(request: pytest.FixtureRequest, kind: str) -> bool:
     )
 
 
+def _greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """`model`'s greedy continuation of `prompt` (fp32, a full forward per token), with each
+    chosen token's log-probability."""
+    tokens, logprobs = list(prompt), []
+    for _ in range(MAX_TOKENS):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+        chosen = int(logits.argmax())
+        logprobs.append(float(torch.log_softmax(logits, -1)[chosen]))
+        tokens.append(chosen)
+    return tokens[len(prompt) :], logprobs
+
+
 def _hf_greedy(family: Family, prompt: list[int]) -> dict[str, tuple[list[int], list[float]]]:
-    """HF + PEFT's greedy continuation of `prompt` (fp32, full forwards), with each chosen
-    token's log-probability: for the adapter ("adapter") and the base model ("base")."""
+    """HF + PEFT's greedy continuation of `prompt` for the adapter ("adapter") and the base
+    model ("base")."""
     import peft
     import transformers
 
     base = transformers.AutoModelForCausalLM.from_pretrained(family.model_dir, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, family.good, adapter_name="adapter").eval()
-    out = {}
-    for which in ("adapter", "base"):
-        tokens, logprobs = list(prompt), []
-        for _ in range(MAX_TOKENS):
-            with torch.no_grad():
-                if which == "base":
-                    with model.disable_adapter():
-                        logits = model(torch.tensor([tokens])).logits[0, -1].float()
-                else:
-                    logits = model(torch.tensor([tokens])).logits[0, -1].float()
-            chosen = int(logits.argmax())
-            logprobs.append(float(torch.log_softmax(logits, -1)[chosen]))
-            tokens.append(chosen)
-        out[which] = (tokens[len(prompt) :], logprobs)
-    return out
+    adapted = _greedy(model, prompt)
+    with model.disable_adapter():
+        return {"adapter": adapted, "base": _greedy(model, prompt)}
+
+
+# (parameter of the HF model, index into it, LoRA delta B @ A * scale to add there)
+Update = tuple[str, tuple[int | slice, ...], torch.Tensor]
+
+
+def _hf_merged_greedy(
+    model_dir: Path, updates: list[Update], prompt: list[int]
+) -> tuple[list[int], list[float]]:
+    """The greedy continuation of HF's model with the adapter's deltas merged into its weights:
+    the reference for adapters whose layout PEFT cannot load on this model."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, index, delta in updates:
+            params[name][index] += delta
+    return _greedy(model, prompt)  # from_pretrained leaves it in eval mode
 
 
 def _token_texts(model_dir: Path) -> tuple[Any, list[str]]:
@@ -244,6 +266,35 @@ def _token_texts(model_dir: Path) -> tuple[Any, list[str]]:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     texts = [str(tokenizer.decode([i], skip_special_tokens=False)) for i in range(len(tokenizer))]
     return tokenizer, texts
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: list[int]) -> Any:
+    """A greedy completion of `prompt` (token ids) with each token's log-probability."""
+    return client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+
+def _assert_served(
+    answer: Any, expected: tuple[list[int], list[float]], tokenizer: Any, texts: list[str],
+    what: str,
+) -> None:  # fmt: skip
+    """The completion is `expected`'s tokens, token for token (each token's text alone and
+    the whole text), with its log-probabilities."""
+    ids, logprobs = expected
+    choice = answer.choices[0]
+    assert choice.logprobs is not None
+    assert choice.logprobs.tokens == [texts[t] for t in ids], what
+    assert choice.text == tokenizer.decode(ids, skip_special_tokens=True), what
+    assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=LOGPROB_ATOL), what
+    assert answer.usage is not None and answer.usage.completion_tokens == MAX_TOKENS
+
+
+def _prompt(tokenizer: Any) -> list[int]:
+    prompt: list[int] = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert len(prompt) > 6  # Gemma 3's sliding layer sees only part of it
+    return prompt
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -258,31 +309,16 @@ def test_an_uploaded_adapter_of_the_family_serves_hf_peft_greedy_tokens(
     assert (stored["created"], version["version"], version["rank"]) == (True, 1, 8), stored
 
     tokenizer, texts = _token_texts(family.model_dir)
-    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    assert len(prompt) > 6  # Gemma 3's sliding layer sees only part of it
+    prompt = _prompt(tokenizer)
     expected = _hf_greedy(family, prompt)
     assert expected["adapter"][0] != expected["base"][0], "the adapter must change the output"
 
     client = stack.client(kind)
     models = {"adapter": stored["name"], "base": family.base_name}
-
-    def complete(which: str) -> Any:
-        return client.completions.create(
-            model=models[which], prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-            logprobs=0, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-
     with ThreadPoolExecutor(2) as pool:  # adapter and base rows in the same engine steps
-        answers = dict(zip(models, pool.map(complete, models), strict=True))
-    for which, answer in answers.items():
-        ids, logprobs = expected[which]
-        choice = answer.choices[0]
-        assert choice.logprobs is not None
-        # token for token: each generated token's text alone, and the whole text
-        assert choice.logprobs.tokens == [texts[t] for t in ids], (kind, which)
-        assert choice.text == tokenizer.decode(ids, skip_special_tokens=True), (kind, which)
-        assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=LOGPROB_ATOL)
-        assert answer.usage is not None and answer.usage.completion_tokens == MAX_TOKENS
+        answers = pool.map(lambda which: _complete(client, models[which], prompt), models)
+        for which, answer in zip(models, answers, strict=True):
+            _assert_served(answer, expected[which], tokenizer, texts, f"{kind} {which}")
     listed = {m.id: m for m in client.models.list().data}
     assert set(listed) == {family.base_name, stored["name"]}
     assert listed[stored["name"]].parent == family.base_name  # type: ignore[attr-defined]
@@ -350,3 +386,104 @@ def test_a_pool_of_each_family_reads_its_base_models_config(stack: Stack) -> Non
         assert config is not None
         on_disk = json.loads((family.model_dir / "config.json").read_text())
         assert config["model_type"] == on_disk["model_type"] == family.kind
+
+
+def _serves_merged(
+    stack: Stack, kind: str, name: str, folder: Path, updates: list[Update]
+) -> dict[str, Any]:
+    """Upload `folder` as `name` (201), then its greedy completion is HF's with `updates`
+    merged, and not the base model's; the upload's answer."""
+    family = stack.families[kind]
+    r = stack.upload(family, name, folder)
+    assert r.status_code == 201, r.text
+    tokenizer, texts = _token_texts(family.model_dir)
+    prompt = _prompt(tokenizer)
+    expected = _hf_merged_greedy(family.model_dir, updates, prompt)
+    assert expected[0] != _hf_merged_greedy(family.model_dir, [], prompt)[0]
+    answer = _complete(stack.client(kind), name, prompt)
+    _assert_served(answer, expected, tokenizer, texts, f"{kind} {name}")
+    uploaded: dict[str, Any] = r.json()
+    return uploaded
+
+
+@pytest.mark.parametrize("kind", ["phi3"])
+def test_a_split_qkv_and_gate_up_adapter_serves_on_the_fused_phi3_base(
+    stack: Stack, kind: str, tmp_path: Path
+) -> None:
+    """A PEFT adapter trained on a Llama of Phi-3's shape (q/k/v and gate/up apart) is served
+    on the fused base as the merged deltas of its parts in qkv_proj's and gate_up_proj's rows."""
+    import numpy as np
+
+    family = stack.families[kind]
+    config = json.loads((family.model_dir / "config.json").read_text())
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads")  # fmt: skip
+    llama = build_model(tmp_path / "llama", "llama", seed=5, **{f: config[f] for f in fields})
+    split = build_peft_adapter(llama, tmp_path / "split", seed=31, r=8, lora_alpha=16)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    inter = config["intermediate_size"]
+    rows = {
+        "q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
+        "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)), "o_proj": ("o_proj", slice(None)),
+        "gate_proj": ("gate_up_proj", slice(0, inter)),
+        "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        "down_proj": ("down_proj", slice(None)),
+    }  # fmt: skip
+    tensors = load_file(str(split / "adapter_model.safetensors"))
+    updates: list[Update] = []
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        stem = key.removesuffix(".lora_A.weight")
+        block, module = stem.removeprefix("base_model.model.").rsplit(".", 1)
+        fused, index = rows[module]
+        delta = 2.0 * np.matmul(tensors[f"{stem}.lora_B.weight"], a)  # alpha / r = 2
+        updates.append((f"{block}.{fused}.weight", (index,), torch.from_numpy(delta)))
+    assert len(updates) == 7 * config["num_hidden_layers"]
+    _serves_merged(stack, kind, "split-bot", split, updates)
+
+
+@pytest.mark.parametrize("kind", ["mixtral"])
+def test_a_per_expert_mixtral_adapter_in_the_4x_layout_serves_as_its_merged_deltas(
+    stack: Stack, kind: str, tmp_path: Path
+) -> None:
+    """An adapter naming each expert's linears as transformers 4.x and its PEFT wrote them
+    (`block_sparse_moe.experts.N.w1` gate, `w3` up, `w2` down) on the packed base: each
+    expert's delta lands in its rows of `experts.gate_up_proj` / `experts.down_proj`."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    family = stack.families[kind]
+    config = json.loads((family.model_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    r, rng = 8, np.random.default_rng(7)
+    tensors: dict[str, Any] = {}
+    updates: list[Update] = []
+
+    def lora(
+        stem: str, fan_in: int, fan_out: int, param: str, index: tuple[int | slice, ...]
+    ) -> None:
+        a = rng.normal(0.0, 0.2, (r, fan_in)).astype(np.float32)
+        b = rng.normal(0.0, 0.2, (fan_out, r)).astype(np.float32)
+        tensors[f"base_model.model.{stem}.lora_A.weight"] = a
+        tensors[f"base_model.model.{stem}.lora_B.weight"] = b
+        updates.append((param, index, torch.from_numpy(2.0 * (b @ a))))  # alpha / r = 2
+
+    for layer in range(config["num_hidden_layers"]):
+        at = f"model.layers.{layer}"
+        lora(f"{at}.self_attn.q_proj", hidden, hidden, f"{at}.self_attn.q_proj.weight", ())
+        for e in range(config["num_local_experts"]):
+            expert, packed = f"{at}.block_sparse_moe.experts.{e}", f"{at}.mlp.experts"
+            lora(f"{expert}.w1", hidden, inter, f"{packed}.gate_up_proj", (e, slice(0, inter)))
+            lora(f"{expert}.w3", hidden, inter, f"{packed}.gate_up_proj",
+                 (e, slice(inter, 2 * inter)))  # fmt: skip
+            lora(f"{expert}.w2", inter, hidden, f"{packed}.down_proj", (e,))
+    out = tmp_path / "per-expert"
+    out.mkdir()
+    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 16,
+                      "target_modules": ["q_proj", "w1", "w2", "w3"], "bias": "none",
+                      "base_model_name_or_path": "mistralai/Mixtral-8x7B-v0.1"}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _serves_merged(stack, kind, "experts-bot", out, updates)
