@@ -60,6 +60,20 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"],
         "pad_token_id": 0,
     },
+    # Gemma 3 as Google publishes it (Gemma3ForConditionalGeneration): this text stack under
+    # model.language_model, its numbers in text_config, beside a vision tower (GEMMA3_VISION)
+    "gemma3": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "pad_token_id": 0,
+    },
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, partial rotary (half of each head)
     "phi3": {
         "hidden_size": 64,
@@ -102,12 +116,24 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 FAMILY_TARGETS: dict[str, list[str]] = {
     **{
         kind: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        for kind in ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+        for kind in ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3")
     },
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
+# A tiny SigLIP tower for the "gemma3" kind (never run: the text stack is what is served)
+GEMMA3_VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
+# LoraConfig arguments an adapter of the kind needs besides its targets: the vision tower of a
+# Gemma 3 checkpoint has q/k/v projections too, which the names alone would adapt
+FAMILY_LORA_EXTRA: dict[str, dict[str, Any]] = {"gemma3": {"exclude_modules": ".*vision_tower.*"}}
 FAMILY_TARGET_PARAMETERS: dict[str, list[str]] = {
     "mixtral": ["experts.gate_up_proj", "experts.down_proj"],
     "qwen3_moe": ["experts.gate_up_proj", "experts.down_proj"],
@@ -135,11 +161,18 @@ def build_model(
         "phi3": transformers.Phi3Config,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma3": transformers.Gemma3TextConfig,
     }[kind]
     shape = {**MODEL_SHAPES[kind], **overrides}
     config = config_cls(
         vocab_size=vocab, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, **shape
     )
+    if kind == "gemma3":  # the text config inside a vision-language one (tokens never sent)
+        config = transformers.Gemma3Config(
+            text_config=config.to_dict(), vision_config=GEMMA3_VISION, mm_tokens_per_image=4,
+            image_token_index=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     if spread:
@@ -251,5 +284,6 @@ def build_family_adapter(model_dir: Path, out: Path, kind: str, seed: int = 0, r
     target_parameters for a mixture of experts), alpha 2r."""
     experts = FAMILY_TARGET_PARAMETERS.get(kind)
     extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
+    extra.update(FAMILY_LORA_EXTRA.get(kind, {}))
     return build_peft_adapter(model_dir, out, seed=seed, r=r, lora_alpha=2 * r,
                               target_modules=FAMILY_TARGETS[kind], **extra)  # fmt: skip

@@ -1,12 +1,13 @@
 """The families beyond Llama, end to end as a platform team runs them: `loraplane controlplane`
 (SQLite catalog, local store) and one `loraplane serve` per base model (catalog mode), real
-processes over real HTTP. Per family (Qwen3, Gemma 3 text, Phi-3, Mixtral, Qwen3-MoE) a tiny
-seeded HF model with a tokenizer is registered as a pool; a tenant uploads a real
-PEFT adapter of that family through the REST API and gets, from the `openai` client, HF+PEFT's
-greedy tokens for it and the base model's for a base request (sent together, so they share
-engine steps). Uploads that do not fit the family's config are refused with their reason in
-words: a projection shaped for the wrong head layout (ShapeMismatch), LoRA on `lm_head` (pushed
-with `loraplane adapters push`) and on `embed_tokens` (UnsupportedTargetModule). Adapters of the
+processes over real HTTP. Per family (Qwen3, Gemma 3 as text-only and as the vision-language
+checkpoint Google publishes, Phi-3, Mixtral, Qwen3-MoE) a tiny seeded HF model with a
+tokenizer is registered as a pool; a tenant uploads a real PEFT adapter of that family through
+the REST API and gets, from the `openai` client, HF+PEFT's greedy tokens for it and the base
+model's for a base request (sent together, so they share engine steps). Uploads that do not
+fit the family's config are refused with their reason in words: a projection shaped for the
+wrong head layout (ShapeMismatch), LoRA on `lm_head` (pushed with `loraplane adapters push`),
+on `embed_tokens` and on Gemma 3's vision tower (UnsupportedTargetModule). Adapters of the
 other layout serve as their deltas merged into HF's weights: a split q/k/v, gate/up adapter on
 the fused Phi-3 base, and a 4.x per-expert (`experts.N.w1`) adapter on the packed Mixtral."""
 
@@ -32,6 +33,7 @@ from safetensors.numpy import load_file
 from tests.controlplane.conftest import ADMIN, SERVICE
 from tests.dataplane.server.conftest import wait_ready
 from tests.factories import (
+    FAMILY_LORA_EXTRA,
     FAMILY_TARGETS,
     build_family_adapter,
     build_model,
@@ -41,7 +43,7 @@ from tests.factories import (
 from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ["qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe"]
+KINDS = ["qwen3", "gemma3_text", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 TENANT = "acme"
 # 17 tokens with the tiny tokenizer: longer than Gemma 3's 6-token sliding window
 PROMPT = "Many tenants share one base model; each brings a small LoRA adapter."
@@ -72,11 +74,11 @@ class Family:
 def _build_family(kind: str, root: Path) -> Family:
     model_dir = build_model(root / kind, kind, seed=11, spread=True)
     good = build_family_adapter(model_dir, root / f"{kind}-good", kind, seed=21)
-    first = FAMILY_TARGETS[kind][0]
-    lm_head = build_peft_adapter(model_dir, root / f"{kind}-lm-head", seed=22, r=4,
-                                 lora_alpha=8, target_modules=[first, "lm_head"])  # fmt: skip
+    first, extra = FAMILY_TARGETS[kind][0], FAMILY_LORA_EXTRA.get(kind, {})
+    lm_head = build_peft_adapter(model_dir, root / f"{kind}-lm-head", seed=22, r=4, lora_alpha=8,
+                                 target_modules=[first, "lm_head"], **extra)  # fmt: skip
     embed = build_peft_adapter(model_dir, root / f"{kind}-embed", seed=23, r=4, lora_alpha=8,
-                               target_modules=[first, "embed_tokens"])  # fmt: skip
+                               target_modules=[first, "embed_tokens"], **extra)  # fmt: skip
     wrong, _ = shrink_projection(good, root / f"{kind}-wrong-shape")
     return Family(kind, model_dir, good, wrong, lm_head, embed)
 
@@ -487,3 +489,17 @@ def test_a_per_expert_mixtral_adapter_in_the_4x_layout_serves_as_its_merged_delt
     (out / "adapter_config.json").write_text(json.dumps(adapter_config))
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     _serves_merged(stack, kind, "experts-bot", out, updates)
+
+
+@pytest.mark.parametrize("kind", ["gemma3"])
+def test_lora_on_a_gemma3_checkpoints_vision_tower_is_refused_saying_how_to_train_it(
+    stack: Stack, kind: str, tmp_path: Path
+) -> None:
+    """PEFT's target names alone also adapt the vision tower's q/v projections: refused, and
+    the message says what to train instead (the served adapter excluded the tower)."""
+    family = stack.families[kind]
+    both = build_peft_adapter(family.model_dir, tmp_path / "both", seed=24, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "v_proj"])  # fmt: skip
+    code, message = _refusal(stack.upload(family, "with-vision", both))
+    assert code == "UnsupportedTargetModule", message
+    assert "vision_tower" in message and "exclude_modules '.*vision_tower.*'" in message, message

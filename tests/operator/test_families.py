@@ -1,9 +1,9 @@
 """ServingPools of the families beyond Llama, through the operator (Kopf) against the emulated
 API server, moto S3 and the control plane on SQLite: a pool's base model is a tiny Qwen3 (or
-Gemma 3, Phi-3, Mixtral, Qwen3-MoE) in HF format; LoRAAdapter CRs whose source is a PEFT
-adapter folder of that family, as `save_pretrained` leaves it, are validated against the
-family's config.json and stored; those that do not fit it are Rejected with their reason and a
-message naming what is wrong."""
+Gemma 3, text-only or the vision-language checkpoint, Phi-3, Mixtral, Qwen3-MoE) in HF
+format; LoRAAdapter CRs whose source is a PEFT adapter folder of that family, as
+`save_pretrained` leaves it, are validated against the family's config.json and stored; those
+that do not fit it are Rejected with their reason and a message naming what is wrong."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 from loraplane.adapters.ingest import list_versions
 from loraplane.adapters.store import LocalStore
 from tests.factories import (
+    FAMILY_LORA_EXTRA,
     FAMILY_TARGET_PARAMETERS,
     FAMILY_TARGETS,
     build_family_adapter,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
 pytestmark = pytest.mark.k8s
-KINDS = ["qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe"]
+KINDS = ["qwen3", "gemma3_text", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 
 
 def _dashed(kind: str) -> str:
@@ -72,7 +73,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Built]:
         good = build_family_adapter(model, root / f"{kind}-good", kind, seed=60 + i)
         wrong, shrunk = shrink_projection(good, root / f"{kind}-wrong")
         head = build_peft_adapter(model, root / f"{kind}-head", seed=70 + i, r=4, lora_alpha=8,
-                                  target_modules=[FAMILY_TARGETS[kind][0], "lm_head"])  # fmt: skip
+                                  target_modules=[FAMILY_TARGETS[kind][0], "lm_head"],
+                                  **FAMILY_LORA_EXTRA.get(kind, {}))  # fmt: skip
         out[kind] = Built(model, good, wrong, shrunk, head)
     return out
 
