@@ -21,9 +21,13 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_PATTERNS = 1024
 MAX_PATTERN_LEN = 256
 MAX_QUANTIFIERS = 4
-# Letters, digits and a few regex tokens, but no groups or counted repetition: with at most
+# Letters, digits and a few regex tokens, but no counted repetition: with at most
 # MAX_QUANTIFIERS quantifiers over module names of ~40 characters, matching stays cheap.
 _SAFE_PATTERN = re.compile(r"^[A-Za-z0-9_.\-|*+?^$\\\[\]]+$")
+# A group of plain alternatives, as PEFT's docs write targets (`.*\.(q_proj|v_proj)`), capturing
+# or not: nothing quantified inside it, nothing nested, and the group itself not quantified, so
+# it adds no backtracking beyond its alternatives.
+_PLAIN_GROUP = re.compile(r"\((?:\?:)?[A-Za-z0-9_.\-|\\\[\]]+\)(?![*+?{])")
 ALL_LINEAR = "all-linear"
 
 _REJECTED_FLAGS = {
@@ -59,11 +63,13 @@ def _invalid(message: str) -> AdapterRejected:
 def _compile_pattern(what: str, pattern: object) -> re.Pattern[str]:
     if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_LEN:
         raise _invalid(f"{what} {str(pattern)[:60]!r} must be a string of 1 to {MAX_PATTERN_LEN}")
-    quantifiers = sum(pattern.count(c) for c in "*+?")
-    if not _SAFE_PATTERN.match(pattern) or quantifiers > MAX_QUANTIFIERS:
+    ungrouped = _PLAIN_GROUP.sub("_", pattern)
+    quantifiers = sum(ungrouped.count(c) for c in "*+?")
+    if not _SAFE_PATTERN.match(ungrouped) or quantifiers > MAX_QUANTIFIERS:
         raise _invalid(
             f"{what} {pattern!r} uses regex features that are not accepted (allowed: names, '.', "
-            f"'|', classes, ^ $ and at most {MAX_QUANTIFIERS} of * + ?; no groups or braces)"
+            f"'|', classes, ^ $, groups of plain alternatives such as (q_proj|v_proj), and at "
+            f"most {MAX_QUANTIFIERS} of * + ?; no nested or quantified groups, no braces)"
         )
     try:
         return re.compile(pattern)

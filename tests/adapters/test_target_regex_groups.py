@@ -1,9 +1,6 @@
-"""Finding (issue 29 end-to-end work): `target_modules` given as a regex with a group, as PEFT's
-own documentation writes them (`r".*\\.(q_proj|v_proj)"`; the MoE parity tests' all-linears
-adapter uses one too), is refused at upload with InvalidConfig, though PEFT trains it and the
-engine serves it. A group of plain alternatives cannot backtrack badly; the equivalent class
-form (`.*\\.[qv]_proj`) is accepted. Strict xfail until the adapter core accepts such groups:
-when it does, this fails and the marker goes."""
+"""`target_modules` given as a regex with a group of alternatives, as PEFT's own documentation
+writes them (`r".*\\.(q_proj|v_proj)"`), is accepted; a group that could backtrack badly (nested,
+quantified, or with a quantifier inside) stays refused with InvalidConfig naming what is allowed."""
 
 from __future__ import annotations
 
@@ -34,10 +31,24 @@ def test_a_class_pattern_for_q_and_v_is_accepted(tmp_path: Path) -> None:
     assert sorted(_validate(tmp_path, r".*\.[qv]_proj")) == ["q_proj", "v_proj"]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AdapterRejected, reason="groups in target_modules: InvalidConfig"
+@pytest.mark.parametrize(
+    "pattern",
+    [r".*\.(q_proj|v_proj)", r".*\.(?:q|v)_proj", r"model\.layers\.[0-9]\.self_attn\.(q|v)_proj"],
 )
 def test_a_pattern_with_a_group_of_alternatives_as_peft_documents_is_accepted(
-    tmp_path: Path,
+    tmp_path: Path, pattern: str
 ) -> None:
-    assert sorted(_validate(tmp_path, r".*\.(q_proj|v_proj)")) == ["q_proj", "v_proj"]
+    assert sorted(_validate(tmp_path, pattern)) == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r".*\.(q_proj|v_proj)+", r".*\.((q|v)_proj)", r".*\.(q.*|v_proj)", r".*\.(q|v){1}_proj"],
+)
+def test_a_group_that_could_backtrack_is_refused_naming_what_is_allowed(
+    tmp_path: Path, pattern: str
+) -> None:
+    with pytest.raises(AdapterRejected) as info:
+        _validate(tmp_path, pattern)
+    assert info.value.code == "InvalidConfig"
+    assert "groups of plain alternatives such as (q_proj|v_proj)" in str(info.value)
