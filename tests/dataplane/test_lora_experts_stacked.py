@@ -258,6 +258,8 @@ def test_the_base_block_equals_transformers_loop(dtype: torch.dtype) -> None:
     assert UNROUTED not in set(block.route(x)[1].reshape(-1).tolist())
     tol = 1e-6 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    with torch.no_grad():  # no token at all: no row, zeros of the right shape
+        assert block(x[:0]).shape == (0, HIDDEN)
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])

@@ -22,7 +22,6 @@ A, its B the columns e, e + E, ... of the packed B, as PEFT's ParamWrapper reads
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -255,26 +254,31 @@ class ExpertLoRA:
 
     def stacked(self, proj: int) -> ModuleSlots:
         """Linear `proj`'s (0 gate, 1 up, 2 down) slot tables of every expert, end to end:
-        entry e * num_slots + k is expert e's slot k, as the pool holds it now (refilled when
-        a slot was loaded or freed since the last call)."""
-        generation = self._generation
-        if generation is None or self._filled != generation:
+        entry e * num_slots + k is expert e's slot k, as the pool holds it now (the entries of
+        a slot loaded or freed since the last call are refilled, E per linear)."""
+        generation, filled = self._generation, self._filled
+        if generation is None or filled is None:
+            changed: Sequence[int] = range(self.num_slots)
+        elif filled != generation:
+            changed = [k for k, (g, f) in enumerate(zip(generation, filled, strict=True)) if g != f]
+        else:
+            changed = ()
+        if changed:
             for p in range(3):
-                self._fill(p)
+                self._fill(p, changed)
             self._filled = list(generation) if generation is not None else None
         return self._stacked[proj]
 
-    def _fill(self, proj: int) -> None:
-        table = self._stacked[proj]
+    def _fill(self, proj: int, slots: Sequence[int]) -> None:
+        table, size = self._stacked[proj], self.num_slots
         parts = [t[proj] for t in self.tables]
-        lora_a = list(itertools.chain.from_iterable(p.lora_a for p in parts))
-        lora_b = list(itertools.chain.from_iterable(p.lora_b for p in parts))
-        same = operator.is_
-        if not (all(map(same, lora_a, table.lora_a)) and all(map(same, lora_b, table.lora_b))):
-            for i, (a, b) in enumerate(zip(lora_a, lora_b, strict=True)):
+        for e, part in enumerate(parts):
+            for k in slots:
+                i = e * size + k
+                a, b = part.lora_a[k], part.lora_b[k]
                 if a is not table.lora_a[i] or b is not table.lora_b[i]:
                     table.clear(i)  # drops its memos (and the old tensors they hold)
-            table.lora_a[:], table.lora_b[:] = lora_a, lora_b
+                    table.lora_a[i], table.lora_b[i] = a, b
         if parts:
             torch.cat([p.scales for p in parts], out=table.scales)
 

@@ -213,7 +213,9 @@ class SparseMoeBlock(nn.Module):
         rank = torch.argsort(torch.argsort(experts, dim=1), dim=1)  # [T, k]
         base = torch.arange(tokens_n, device=x.device)[:, None] * k
         place = (base + rank).reshape(-1)[rows.pairs]  # [T * k]
-        ordered = torch.empty_like(weighted).index_copy_(0, place, weighted).view(tokens_n, k, -1)
+        ordered = (
+            torch.empty_like(weighted).index_copy_(0, place, weighted).view(tokens_n, k, x.shape[1])
+        )
         out = torch.zeros_like(x)
         for j in range(k):
             out += ordered[:, j]
