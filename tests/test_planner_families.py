@@ -165,3 +165,27 @@ def test_plan_reads_a_model_folder_of_each_family(
     assert out["adapter_bytes"] == adapter_elements(preset, AdapterProfile(1, 16)) * 2
     assert out["memory"]["weights_bytes"] == preset.num_params() * 2
     assert out["model"]["params"] == preset.num_params()
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_reach_and_computes_with_top_k() -> None:
+    """The roofline of a mixture of experts: one decode token reads and computes with its top-k
+    experts only (the step costs about what a dense model of the active parameters costs), a
+    long prefill chunk reaches every expert but still computes with k per token."""
+    from loraplane.planner.cost import GPUS, Roofline, StepShape, streamed_linear_params
+
+    moe, dense = named_shape("qwen3-30b-a3b"), named_shape("qwen3-32b")
+    assert streamed_linear_params(moe, 1) == pytest.approx(moe.active_linear_params())
+    assert streamed_linear_params(moe, 4096) == pytest.approx(moe.linear_params(), rel=1e-6)
+    assert streamed_linear_params(dense, 1) == dense.linear_params()
+
+    def seconds(shape: ModelShape, tokens: int, seqs: int) -> float:
+        cost = Roofline(GPUS["h100"], shape, "bfloat16", AdapterProfile(count=1))
+        step = StepShape(tokens, seqs, context=tokens, attention=tokens, adapters=0,
+                         adapter_bytes=0)  # fmt: skip
+        return cost.step_seconds(step) - cost.step_overhead_s
+
+    # decode, one sequence: memory-bound on the ~3.3 B active parameters, not all 30.5 B
+    assert seconds(moe, 1, 1) / seconds(dense, 1, 1) < 0.25
+    # prefill, 8192 tokens: compute-bound on the active parameters (every expert is read)
+    assert seconds(moe, 8192, 1) / seconds(dense, 8192, 1) < 0.2
+    assert seconds(moe, 8192, 1) > seconds(moe, 1, 1)

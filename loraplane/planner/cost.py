@@ -4,9 +4,10 @@ Two sources:
 - `Roofline`: a GPU spec (memory bandwidth, dense peak flop/s, host link). A step moves the
   streamed weights, the K/V it attends over and the step's distinct adapters (SGMV reads each
   adapter's A and B once per step), and computes 2 flops per parameter per token plus
-  attention and the LoRA side path; it takes the longer of the two at the given efficiencies,
-  plus a fixed launch overhead. An adapter placed on the device for a step is copied over the
-  host link inside that step.
+  attention and the LoRA side path (on a mixture of experts a token computes with its top-k
+  experts only, and a step reads the experts its tokens can reach: `expert_reach`); it takes
+  the longer of the two at the given efficiencies, plus a fixed launch overhead. An adapter
+  placed on the device for a step is copied over the host link inside that step.
 - `LinearCost`: coefficients measured on this engine (`calibrate.py`): a step costs
   `base + per_token * tokens + per_seq * rows + per_context * context + per_adapter * adapters`
   seconds, fitted to timed `Engine.step()` calls; a cold load the measured time per byte. How
@@ -86,6 +87,26 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+def expert_reach(shape: ModelShape, tokens: int) -> float:
+    """The expected share of a sparse layer's experts that `tokens` tokens route to (each
+    choosing `experts_per_tok` of `num_experts` as if at random): 1 - (1 - k/E)^tokens. One
+    token reaches k/E of them; a prefill chunk of hundreds, all of them. 1.0 for a dense model."""
+    if not shape.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - shape.experts_per_tok / shape.num_experts) ** max(tokens, 1)
+
+
+def streamed_linear_params(shape: ModelShape, tokens: int) -> float:
+    """The decoder's linear parameters a step of `tokens` tokens reads: every dense one, and
+    of the experts the share its tokens reach."""
+    total, active = shape.linear_params(), shape.active_linear_params()
+    if total == active:
+        return float(total)
+    k, n = shape.experts_per_tok, shape.num_experts
+    experts = (total - active) * n / (n - k)  # every expert of every sparse layer
+    return total - experts + experts * expert_reach(shape, tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class Roofline:
     """A step at the roofline of `gpu` for `shape` in `dtype` (see the module docstring)."""
@@ -106,12 +127,14 @@ class Roofline:
         shape = self.shape
         embed = shape.vocab_size * shape.hidden_size
         # a step gathers a few embedding rows; the LM head (the embedding, if tied) is read
-        streamed = (shape.num_params() - (0 if shape.tie_word_embeddings else embed)) * elt
+        others = shape.num_params() - shape.linear_params()  # embedding, norms, LM head
+        streamed_params = others + streamed_linear_params(shape, step.tokens)
+        streamed = (streamed_params - (0 if shape.tie_word_embeddings else embed)) * elt
         per_token_kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elt
         moved = streamed + per_token_kv * (step.context + step.tokens) + step.adapter_bytes
         q_dim = shape.num_heads * shape.head_dim
         flops = (
-            2 * shape.linear_params() * step.tokens
+            2 * shape.active_linear_params() * step.tokens  # top-k experts per token
             + 2 * embed * step.seqs  # the LM head, for the rows that sample
             + 4 * shape.num_layers * q_dim * step.attention
             + 2 * adapter_elements(shape, self.profile) * step.tokens
