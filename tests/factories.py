@@ -62,18 +62,7 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     },
     # Gemma 3 as Google publishes it (Gemma3ForConditionalGeneration): this text stack under
     # model.language_model, its numbers in text_config, beside a vision tower (GEMMA3_VISION)
-    "gemma3": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "query_pre_attn_scalar": 32,
-        "sliding_window": 6,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "pad_token_id": 0,
-    },
+    "gemma3": {},  # the gemma3_text shape (set below the table)
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, partial rotary (half of each head)
     "phi3": {
         "hidden_size": 64,
@@ -111,6 +100,7 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         "pad_token_id": 0,
     },
 }
+MODEL_SHAPES["gemma3"] = dict(MODEL_SHAPES["gemma3_text"])  # its text_config
 # The target modules of an adapter on every linear layer of each kind (PEFT's names); the
 # mixture-of-experts kinds adapt their packed experts through FAMILY_TARGET_PARAMETERS.
 FAMILY_TARGETS: dict[str, list[str]] = {
