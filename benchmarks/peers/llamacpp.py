@@ -1,8 +1,13 @@
 """loraplane's server side by side with llama.cpp's own `llama-server` on this CPU.
 
-A peer benchmark, not part of `make bench` or CI: it needs a llama.cpp tree built here (see
-../shared/TESTING.md, "A CPU peer": the source vendored in the llama-cpp-python sdist, `cmake
---build BUILD --target llama-server`) and takes minutes.
+A peer benchmark, not part of `make bench` or CI: it needs a llama.cpp tree built here and
+takes minutes. One way (about 7 min on 2 cores): `pip download --no-binary :all: --no-deps
+llama-cpp-python==0.3.36`, unpack it, and in its `vendor/llama.cpp`: `cmake -S . -B BUILD
+-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
+-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_NATIVE=ON` then
+`cmake --build BUILD --target llama-server -j2`. The converters need `sentencepiece`: install it
+into a folder of its own (`pip install --target DIR sentencepiece`) and set
+`LLAMACPP_PYTHONPATH=DIR`.
 
 Workload: one SmolLM-135M-shaped Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, MLP 1536,
 vocabulary 49152; seeded random weights, built here, fp32) and 8 rank-16 PEFT adapters on every
