@@ -125,7 +125,8 @@ class Engine:
         )
         if config.cuda_graphs:
             self.enable_cuda_graphs()
-        self.sampler = Sampler(seed=config.seed)
+        # on the logits' device, sharing the runner's counted device->host copy
+        self.sampler = Sampler(config.seed, self.runner.device, self.runner.host_copy)
         self.loras = self.runner.loras
         self.stats = EngineStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -190,7 +191,7 @@ class Engine:
             raise ValueError("the grammar was compiled for another vocabulary")
         seq = Sequence(request_id, tokens, params, lora, tenant or (lora.tenant if lora else ""))
         if params.seed is not None:
-            seq.generator = make_generator(params.seed)
+            seq.generator = make_generator(params.seed, self.runner.device)
         if params.grammar is not None:
             seq.matcher = Matcher(params.grammar)
         self.scheduler.add(seq)

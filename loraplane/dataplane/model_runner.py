@@ -4,8 +4,9 @@ The adapter pool gets `lora_memory` bytes (or that share of the device memory th
 free; on CUDA the KV cache is sized from what remains after it). Per step it puts the step's
 adapters into device slots, lays the rows end to end as one flat
 batch (input ids, positions, KV slot mapping, per-token adapter slot), runs the model once and
-returns the logits of the rows that sample, in `SchedulerOutput.sampled` order, and the
-prompt log-probabilities of scoring requests, reduced on the device (prompt_logprobs.py).
+returns the logits of the rows that sample, in `SchedulerOutput.sampled` order, on the device
+(the sampler runs there), and the prompt log-probabilities of scoring requests, reduced on the
+device (prompt_logprobs.py). What crosses to the host goes through its `host_copy`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loraplane.dataplane.cuda_graphs import (
     GraphShape,
     capture_decode_graphs,
 )
+from loraplane.dataplane.host_copy import HostCopy, to_device
 from loraplane.dataplane.lora.layers import install_lora
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
@@ -63,7 +65,7 @@ def lora_budget_bytes(lora_memory: int | float, device: torch.device) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StepLogits:
-    """A step's logits, fp32 on the host."""
+    """A step's logits, fp32 on the model's device (the sampler reads them there)."""
 
     sampled: torch.Tensor  # [len(out.sampled), vocab]: the rows that sample, in order
     # request id -> the step's scores of its prompt tokens (reduced on the device), for
@@ -109,6 +111,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor = self.model.kv_cache  # [2, layers, blocks, bs, kv, dim]
         self.config = config
         self.cuda_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        # the step's device->host copies, counted (the engine's sampler shares it)
+        self.host_copy = HostCopy()
 
     def enable_cuda_graphs(self, pad_block: int, capture: Capture | None = None) -> bool:
         """Capture decode graphs (cuda_graphs.py) whose padding rows write into KV block
@@ -148,15 +152,17 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, in_use: set[str], wanted: set[str] | None = None
     ) -> StepLogits:
-        """Run one step; return fp32 logits [len(out.sampled), vocab], and the prompt scores
-        (prompt_logprobs.py) of the rows whose request wants prompt log-probabilities.
+        """Run one step; return fp32 logits [len(out.sampled), vocab] on the device, and the
+        prompt scores (prompt_logprobs.py) of the rows whose request wants prompt
+        log-probabilities, already on the host (one copy through `host_copy`).
 
         `in_use` holds the adapter keys of running sequences (never evicted from their slots),
         `wanted` those of waiting ones (evicted only after every other idle adapter).
         """
         rows = out.scheduled
         if not rows:
-            return StepLogits(torch.empty(0, self.vocab_size, dtype=torch.float32), {})
+            empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return StepLogits(empty, {})
         self.loras.make_resident(out.lora_keys, in_use, wanted or ())
         slot_of = self.loras.slot_of
         step_rows = [
@@ -191,10 +197,12 @@ class ModelRunner:
                 tokens = r.seq.prompt_token_ids[r.start + 1 : stop + 1]
                 spans.append(PromptSpan(r.seq.request_id, r.start + 1, cu[i], tokens, top))
         # reduced on the device, in bounded slices of rows: no full prompt logits reach the host
-        prompt = score_prompts(spans, hidden, self.model.compute_logits)
+        prompt = score_prompts(spans, hidden, self.model.compute_logits, self.host_copy)
         last = [cu[i + 1] - 1 for i, r in enumerate(rows) if r.sample]
         if not last:
-            sampled = torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
+            sampled = torch.empty(0, self.vocab_size, dtype=torch.float32, device=dev)
+        elif len(last) == hidden.shape[0]:  # a decode step: every row samples
+            sampled = self.model.compute_logits(hidden).float()
         else:
-            sampled = self.model.compute_logits(hidden[torch.tensor(last, device=dev)]).float()
-        return StepLogits(sampled.cpu(), prompt)
+            sampled = self.model.compute_logits(hidden[to_device(last, torch.long, dev)]).float()
+        return StepLogits(sampled, prompt)  # on the device: the sampler reads it there

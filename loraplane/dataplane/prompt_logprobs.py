@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplane.dataplane.host_copy import to_device, to_host
 from loraplane.dataplane.sequence import PromptLogprob
 
 # Prompt positions whose full-vocabulary fp32 logits exist at once (read at each call, so a
@@ -113,10 +114,11 @@ def score_prompts(
     spans: list[PromptSpan],
     hidden: torch.Tensor,  # [T, hidden]: the step's final hidden states
     compute_logits: Callable[[torch.Tensor], torch.Tensor],  # [N, hidden] -> [N, V] fp32
+    copy: Callable[[torch.Tensor], torch.Tensor] = to_host,  # device -> host (a HostCopy)
 ) -> dict[str, PromptScores]:
     """Score every span's prompt tokens: the LM head and the reduction run over at most
     `ROW_SLICE` rows at a time, on the hidden states' device; the step's reductions come to
-    the host in one copy (into pinned memory, without blocking the stream, on CUDA)."""
+    the host in one `copy` (host_copy.py: pinned, non-blocking, then an event, on CUDA)."""
     if not spans:
         return {}
     device = hidden.device
@@ -130,7 +132,7 @@ def score_prompts(
     for top, group in by_top.items():
         rows = torch.cat([torch.arange(s.start, s.start + len(s.tokens)) for s in group])
         tokens = torch.tensor([t for s in group for t in s.tokens], dtype=torch.long)
-        rows, tokens = rows.to(device), tokens.to(device)
+        rows, tokens = to_device(rows, torch.long, device), to_device(tokens, torch.long, device)
         for a in range(0, rows.shape[0], limit):
             logits = compute_logits(hidden.index_select(0, rows[a : a + limit]))  # [<=limit, V]
             packed = _pack(*reduce_logits(logits.float(), tokens[a : a + limit], top))
@@ -138,12 +140,7 @@ def score_prompts(
             widths[top] = packed.shape[1]
             pieces.append(packed.flatten())
     flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    if device.type == "cuda":
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        torch.cuda.current_stream(device).synchronize()  # the copy is the stream's last work
-    else:
-        host = flat.cpu()
+    host = copy(flat)
     scores: dict[str, PromptScores] = {}
     offset = 0
     for top, group in by_top.items():

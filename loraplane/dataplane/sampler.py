@@ -1,17 +1,25 @@
 """Turn a step's logits into tokens: logit bias, min_tokens, repetition / frequency /
 presence penalties, then greedy or temperature, min-p, top-k, top-p, per-request seeds.
 
-Every transform is batched over the rows that need it: one tensor op per transform per step,
-whatever the number of requests (the token histories that penalties need become one padded
-tensor). Rows that need none of them are read as they are.
+Everything runs on the logits' device. Every transform is batched over the rows that need it:
+one tensor op per transform per step, whatever the number of requests (the token histories that
+penalties need become one padded tensor, the grammars' bitmasks one int32 tensor filled on the
+host); what the host knows about the rows reaches the device without a stream sync
+(`host_copy.to_device`). Rows that need no transform are read as they are.
 
 Sampling draws with the exponential race: for probabilities p and independent E_i ~ Exp(1),
 argmax_i p_i / E_i is distributed as p. The noise of a seeded request comes from its own
-`torch.Generator`, one full-vocabulary draw per step, so its tokens do not depend on what else
-is in the batch or where its row is; requests without a seed share the sampler's generator.
+`torch.Generator` (on the logits' device), one full-vocabulary draw per step, so its tokens do
+not depend on what else is in the batch or where its row is; requests without a seed share the
+sampler's generator.
 Log-probabilities (of the chosen token, and the best `top_logprobs` alternatives) are of the
 model's own distribution (log_softmax of the raw logits, before any transform), as vLLM returns
 them by default.
+
+Only the results cross to the host, packed into one int32 tensor and copied once
+(`host_copy.HostCopy`): per row its token id; per row that asked for log-probabilities the
+chosen token's (fp32 bits); per alternative a row asked for, its id and log-probability. So
+4 bytes per row, 4 per chosen log-probability and 8 per alternative, never a logits row.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from typing import Protocol
 
 import torch
 
+from loraplane.dataplane.host_copy import HostCopy, to_device
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.structured import Matcher, allocate_bitmask, apply_bitmask, fill_bitmasks
 
 TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), best first
+_LONG, _INT = torch.long, torch.int32
 
 
 class History(Protocol):
@@ -56,10 +66,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Chooses one token per row of fp32 logits, following each row's SamplingParams."""
+    """Chooses one token per row of fp32 logits, following each row's SamplingParams, on the
+    logits' device (`device`: where its shared generator draws, the logits' device)."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        host_copy: HostCopy | None = None,
+    ):
         self.generator = make_generator(seed, device)
+        self.host_copy = host_copy if host_copy is not None else HostCopy()
 
     def __call__(
         self,
@@ -80,6 +97,8 @@ class Sampler:
         gens = list(generators) if generators is not None else [None] * batch
         if len(gens) != batch:
             raise ValueError(f"expected {batch} generators, got {len(gens)}")
+        if batch == 0:
+            return SamplerOutput([], [], None)
         device = logits.device
         raw = logits
         changed = [
@@ -92,29 +111,35 @@ class Sampler:
             logits = logits.clone()
         if constrained:  # first: what the grammars forbid is never chosen, whatever follows
             assert matchers is not None
-            bitmask = allocate_bitmask(len(constrained), vocab)
+            # filled on the host (pinned on CUDA), copied to the device once
+            bitmask = allocate_bitmask(len(constrained), vocab, pin=device.type == "cuda")
             fill_bitmasks(
                 [(m, r) for r, i in enumerate(constrained) if (m := matchers[i])], bitmask
             )
-            apply_bitmask(logits, bitmask, torch.tensor(constrained))
+            apply_bitmask(logits, bitmask, to_device(constrained, _LONG, device))
         if changed:
             if histories is None or len(histories) != batch:
                 raise ValueError("penalties and min_tokens need one history per row")
-            rows = torch.tensor(changed, device=device)
-            logits[rows] = transform_logits(
-                logits[rows], [params[i] for i in changed], [histories[i] for i in changed]
-            )
-        tokens = torch.empty(batch, dtype=torch.long, device=device)  # [B]
+            sub = [params[i] for i in changed]
+            if len(changed) == batch:
+                logits = transform_logits(logits, sub, list(histories))
+            else:
+                rows = to_device(changed, _LONG, device)
+                logits[rows] = transform_logits(logits[rows], sub, [histories[i] for i in changed])
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
-            rows = torch.tensor(greedy, device=device)
-            tokens[rows] = logits[rows].argmax(dim=-1)
         random = [i for i, p in enumerate(params) if not p.greedy]
-        if random:
-            rows = torch.tensor(random, device=device)
-            temps = torch.tensor([params[i].temperature for i in random], device=device)
-            scaled = logits[rows] / temps.unsqueeze(1)  # [R, V]
+        if not random:
+            tokens = logits.argmax(dim=-1)  # [B]
+        else:
+            tokens = torch.empty(batch, dtype=_LONG, device=device)  # [B]
+            if greedy:
+                rows = to_device(greedy, _LONG, device)
+                tokens[rows] = logits[rows].argmax(dim=-1)
+            whole = len(random) == batch
+            rows = to_device(random, _LONG, device)
+            temps = to_device([params[i].temperature for i in random], torch.float32, device)
+            scaled = (logits if whole else logits[rows]) / temps.unsqueeze(1)  # [R, V]
             min_ps = [params[i].min_p for i in random]
             if any(min_ps):
                 scaled = min_p_filter(scaled, min_ps)
@@ -124,25 +149,62 @@ class Sampler:
                 scaled = _top_k_top_p(scaled, top_ks, top_ps)
             probs = torch.softmax(scaled, dim=-1)  # [R, V]
             noise = self._noise([gens[i] for i in random], vocab, device)  # [R, V]
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            chosen = (probs / noise).argmax(dim=-1)  # [R]
+            if whole:
+                tokens = chosen
+            else:
+                tokens[rows] = chosen
+        return self._results(raw, tokens, params)
 
-        token_ids: list[int] = tokens.tolist()
+    def _results(
+        self,
+        raw: torch.Tensor,  # [B, V] fp32: the logits before any transform
+        tokens: torch.Tensor,  # [B] long: the chosen tokens
+        params: Sequence[SamplingParams],
+    ) -> SamplerOutput:
+        """Pack the tokens and the log-probabilities asked for into one int32 tensor, copy it to
+        the host once, and unpack it there (layout: the module docstring)."""
+        batch, vocab = raw.shape
+        device = raw.device
+        wanted = [i for i, p in enumerate(params) if p.wants_logprobs]
+        pieces = [tokens.to(_INT)]  # [B]
+        counts: list[int] = []  # alternatives per wanted row, as sent
+        if wanted:
+            whole = len(wanted) == batch
+            rows = None if whole else to_device(wanted, _LONG, device)
+            logp = torch.log_softmax(raw if rows is None else raw[rows], dim=-1)  # [W, V]
+            mine = tokens if rows is None else tokens[rows]
+            pieces.append(logp.gather(1, mine.unsqueeze(1)).view(_INT).flatten())  # [W]
+            most = min(max(params[i].top_logprobs for i in wanted), vocab)
+            counts = [min(params[i].top_logprobs, most) for i in wanted]
+            if most:
+                values, ids = logp.topk(most, dim=-1)  # [W, most] each, best first
+                values, ids = values.flatten(), ids.flatten()
+                if any(n != most for n in counts):  # only the alternatives each row asked for
+                    take = [r * most + c for r, n in enumerate(counts) for c in range(n)]
+                    index = to_device(take, _LONG, device)
+                    values, ids = values.index_select(0, index), ids.index_select(0, index)
+                pieces += [ids.to(_INT), values.view(_INT)]
+        host = self.host_copy(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+        token_ids: list[int] = host[:batch].tolist()
         chosen: list[float | None] = [None] * batch
         top: list[TopLogprobs | None] | None = None
-        wanted = [i for i, p in enumerate(params) if p.wants_logprobs]
         if wanted:
-            rows = torch.tensor(wanted, device=device)
-            logp = torch.log_softmax(raw[rows], dim=-1)  # [W, V]
-            picked = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)  # [W]
-            for i, value in zip(wanted, picked.tolist(), strict=True):
+            w = len(wanted)
+            picked = host[batch : batch + w].view(torch.float32).tolist()
+            for i, value in zip(wanted, picked, strict=True):
                 chosen[i] = value
-            most = max(params[i].top_logprobs for i in wanted)
-            if most:
+            sent = sum(counts)
+            if sent:
                 top = [None] * batch
-                values, ids = logp.topk(min(most, vocab), dim=-1)  # [W, most], best first
-                for i, vs, ts in zip(wanted, values.tolist(), ids.tolist(), strict=True):
-                    n = params[i].top_logprobs
-                    top[i] = list(zip(ts[:n], vs[:n], strict=True))
+                at = batch + w
+                ids_list: list[int] = host[at : at + sent].tolist()
+                values_list: list[float] = host[at + sent :].view(torch.float32).tolist()
+                offset = 0
+                for i, n in zip(wanted, counts, strict=True):
+                    end = offset + n
+                    top[i] = list(zip(ids_list[offset:end], values_list[offset:end], strict=True))
+                    offset = end
         return SamplerOutput(token_ids, chosen, top)
 
     def _noise(
@@ -151,10 +213,12 @@ class Sampler:
         """Exp(1) noise [R, V]: seeded rows from their own generator, the rest from ours."""
         noise = torch.empty(len(gens), vocab, device=device)
         shared = [r for r, g in enumerate(gens) if g is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(
-                generator=self.generator
-            )
+        if len(shared) == len(gens):
+            noise.exponential_(generator=self.generator)
+        elif shared:
+            noise[to_device(shared, _LONG, device)] = torch.empty(
+                len(shared), vocab, device=device
+            ).exponential_(generator=self.generator)
         for r, g in enumerate(gens):
             if g is not None:
                 noise[r].exponential_(generator=g)
@@ -190,14 +254,16 @@ def transform_logits(
             ban_r += [r] * len(ban)
             ban_t += ban
     if bias_r:
-        index = (torch.tensor(bias_r, device=device), torch.tensor(bias_t, device=device))
-        logits.index_put_(index, torch.tensor(bias_v, device=device), accumulate=True)
+        index = (to_device(bias_r, _LONG, device), to_device(bias_t, _LONG, device))
+        logits.index_put_(index, to_device(bias_v, logits.dtype, device), accumulate=True)
     if ban_r:
-        index = (torch.tensor(ban_r, device=device), torch.tensor(ban_t, device=device))
-        logits.index_put_(index, torch.tensor(float("-inf"), device=device))
+        index = (to_device(ban_r, _LONG, device), to_device(ban_t, _LONG, device))
+        logits.index_put_(index, torch.full((), float("-inf"), dtype=logits.dtype, device=device))
     penalised = [r for r, p in enumerate(params) if p.penalised]
-    if penalised:
-        sub = torch.tensor(penalised, device=device)
+    if len(penalised) == len(params):
+        logits = _penalties(logits, params, histories)
+    elif penalised:
+        sub = to_device(penalised, _LONG, device)
         logits[sub] = _penalties(
             logits[sub], [params[r] for r in penalised], [histories[r] for r in penalised]
         )
@@ -219,25 +285,25 @@ def _penalties(
     def counts(lists: list[list[int]]) -> torch.Tensor:  # [P, V] occurrences per token
         width = max(1, max(len(t) for t in lists))
         padded = torch.tensor([ids + [vocab] * (width - len(ids)) for ids in lists])
-        padded = padded.clamp_(0, vocab).to(device)
+        padded = to_device(padded.clamp_(0, vocab), _LONG, device)
         out = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=device)
         return out.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))[:, :vocab]
 
     outputs = counts([h.token_ids[len(h.prompt_token_ids) :] for h in histories])
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = counts([h.prompt_token_ids for h in histories]).gt(0) | outputs.gt(0)
-        rp = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        rp = to_device([p.repetition_penalty for p in params], logits.dtype, device).unsqueeze(1)
         logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    freq = to_device([p.frequency_penalty for p in params], logits.dtype, device).unsqueeze(1)
+    pres = to_device([p.presence_penalty for p in params], logits.dtype, device).unsqueeze(1)
     return logits - freq * outputs - pres * outputs.gt(0).to(logits.dtype)
 
 
 def min_p_filter(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """Mask to -inf every token whose probability is under min_p times the best one's."""
     probs = torch.softmax(logits, dim=-1)  # [R, V]
-    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
-        min_ps, device=logits.device, dtype=probs.dtype
+    floor = probs.amax(dim=-1, keepdim=True) * to_device(
+        min_ps, probs.dtype, logits.device
     ).unsqueeze(1)
     return logits.masked_fill(probs < floor, float("-inf"))
 
@@ -251,14 +317,14 @@ def _top_k_top_p(
     rows, vocab = logits.shape
     device = logits.device
     ordered, order = logits.sort(dim=-1, descending=True)  # [R, V] each
-    ks = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks], device=device)
+    ks = to_device([vocab if k == -1 else min(k, vocab) for k in top_ks], _LONG, device)
     ranks = torch.arange(vocab, device=device).expand(rows, vocab)  # [R, V]
     drop = ranks >= ks.unsqueeze(1)  # [R, V] in sorted order
     ordered = ordered.masked_fill(drop, float("-inf"))
     probs = torch.softmax(ordered, dim=-1)  # the top-k distribution, renormalised
     before = probs.cumsum(dim=-1) - probs  # mass of the better tokens; 0 for the best
     # top_p=1 keeps everything, even where rounding pushes the mass before a token to 1
-    ps = torch.tensor([p if p < 1 else 2.0 for p in top_ps], device=device, dtype=probs.dtype)
+    ps = to_device([p if p < 1 else 2.0 for p in top_ps], probs.dtype, device)
     drop |= before >= ps.unsqueeze(1)  # keeps at least the best token: top_p > 0
     mask = torch.zeros_like(drop).scatter_(1, order, drop)  # back to vocabulary order
     return logits.masked_fill(mask, float("-inf"))

@@ -312,9 +312,11 @@ def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) ->
     _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, batch)
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """A CPU bitmask [rows, ceil(vocab_size/32)] int32 with every token allowed."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """A CPU bitmask [rows, ceil(vocab_size/32)] int32 with every token allowed; `pin` puts it
+    in pinned memory (the sampler's, on CUDA), so `apply_bitmask` copies it without a sync."""
+    shape = (rows, (vocab_size + 31) // 32)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
 
 
 def apply_bitmask(
@@ -329,7 +331,8 @@ def apply_bitmask(
                 if t >= 32 * W or not allowed(r, t): logits[row, t] = -inf
 
     Allowed logits and the rows not in `rows` keep their values bit for bit. One copy of the
-    bitmask to the logits' device, no loop over rows.
+    bitmask to the logits' device (non-blocking from a pinned bitmask), no loop over rows;
+    the masking itself runs on that device.
     """
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be [B, V] float, got {logits.dtype} {tuple(logits.shape)}")
@@ -340,8 +343,8 @@ def apply_bitmask(
     if rows.numel() == 0:
         return
     device, vocab = logits.device, logits.shape[1]
-    mask = bitmask.to(device)  # [R, W]
-    index = rows.to(device=device, dtype=torch.long)  # [R]
+    mask = bitmask.to(device, non_blocking=True)  # [R, W]
+    index = rows.to(device=device, dtype=torch.long, non_blocking=True)  # [R]
     # bit j moved to the sign and spread over the word: -1 where allowed, 0 where not
     shifts = 31 - torch.arange(32, device=device, dtype=torch.int32)  # [32]
     keep = (mask.unsqueeze(-1) << shifts).bitwise_right_shift_(31).flatten(1)  # [R, 32W]
