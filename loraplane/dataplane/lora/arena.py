@@ -11,6 +11,16 @@ So memory is shared both ways: blocks no adapter holds are KV cache, and idle re
 are a cache that sequences take back (`LoRAManager.reclaim_blocks`) before anyone is
 preempted, while the adapters of running requests are held within `--lora-memory`. An adapter
 takes whole blocks, in every layer: the rounding is what it costs (`blocks_for`).
+
+Alignment: every view starts on `ALIGN_BYTES` (16). The Triton SGMV kernels take their
+pointer hints from the gcd of the slots' addresses (`SlotWeights.ptr_align`), and a CUDA
+graph's slot tables promise 16 bytes outright (`cuda_graphs.PTR_ALIGN`; a slot breaking that
+replays eagerly): so each tensor's offset in its region is rounded up to 16 bytes (free for
+real models, whose r * features elements are already a multiple of 8), and a region that does
+not itself start on 16 bytes (a cache whose blocks are not a multiple of 16 bytes, or whose
+base is not aligned) refuses the placement with `ArenaAlignmentError`, naming the adapter, the
+tensor and the offset, before any view is handed out. Ranks stay the adapters' own: one that
+is not a multiple of 8 keeps its steps out of the graphs (`DecodeGraphs._unfit`), never wrong.
 """
 
 from __future__ import annotations
@@ -23,6 +33,12 @@ from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.lora.loader import LoadedAdapter
 
 Key = tuple[int, str]  # (layer, module)
+ALIGN_BYTES = 16  # every view's first byte: the kernels' widest vector load, the graphs' promise
+
+
+class ArenaAlignmentError(ValueError):
+    """An adapter's view in the KV cache would not start on ALIGN_BYTES (see the module
+    docstring): the placement is refused and its blocks given back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +65,8 @@ class KVArena:
         self.num_layers = kv_cache.shape[1]
         self.chunk = int(kv_cache[0, 0, 0].numel())  # elements of one block in one region
         self.block_bytes = 2 * self.num_layers * self.chunk * kv_cache.element_size()
+        # elements per ALIGN_BYTES: each tensor's offset in its region is a multiple of this
+        self.align = max(1, ALIGN_BYTES // kv_cache.element_size())
 
     def blocks_for(self, adapter: LoadedAdapter) -> int:
         """Blocks the adapter takes: the fewest n that pack every layer's tensors into its two
@@ -67,7 +85,6 @@ class KVArena:
         first = self.blocks.reserve(n)
         if first is None:
             return None
-        views: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
         regions = {
             layer: (
                 self.cache[0, layer, first : first + n].view(-1),
@@ -75,19 +92,38 @@ class KVArena:
             )
             for layer in range(self.num_layers)
         }
+        # where each tensor goes, all checked before anything is copied or handed out
+        plan: list[tuple[Key, str, torch.Tensor, torch.Tensor]] = []
         for layer, items in self._items_by_layer(adapter).items():
             offsets = self._pack([t.numel() for _, _, t in items], n)
             if offsets is None:  # pragma: no cover - blocks_for guarantees a packing
                 self.blocks.release(first, n)
                 raise RuntimeError(f"layer {layer} does not pack into {n} blocks")
-            placed: dict[Key, dict[str, torch.Tensor]] = {}
             for (key, role, tensor), (region, offset) in zip(items, offsets, strict=True):
                 view = regions[layer][region][offset : offset + tensor.numel()].view(tensor.shape)
-                view.copy_(tensor, non_blocking=True)  # pinned host copy: no host stall
-                placed.setdefault(key, {})[role] = view
-            for key, pair in placed.items():
-                views[key] = (pair["a"], pair["b"])
+                if view.data_ptr() % ALIGN_BYTES:  # offsets are aligned: the region is not
+                    self.blocks.release(first, n)
+                    why = self._misaligned(adapter, key, role, region, offset, first, n, view)
+                    raise ArenaAlignmentError(why)
+                plan.append((key, role, tensor, view))
+        placed: dict[Key, dict[str, torch.Tensor]] = {}
+        for key, role, tensor, view in plan:
+            view.copy_(tensor, non_blocking=True)  # pinned host copy: no host stall
+            placed.setdefault(key, {})[role] = view
+        views = {key: (pair["a"], pair["b"]) for key, pair in placed.items()}
         return Placement(first, n, views)
+
+    def _misaligned(
+        self, adapter: LoadedAdapter, key: Key, role: str, region: int, offset: int,
+        first: int, n: int, view: torch.Tensor,
+    ) -> str:  # fmt: skip
+        return (
+            f"adapter {adapter.source!r}: layer {key[0]} {key[1]} {role.upper()} would sit at "
+            f"element {offset} of the {'KV'[region]} region of blocks {first}..{first + n - 1}, "
+            f"address {view.data_ptr():#x}, not on {ALIGN_BYTES} bytes (KV blocks of "
+            f"{self.chunk} elements of {self.cache.element_size()} bytes per layer, the cache "
+            f"at {self.cache.data_ptr():#x}): the Triton kernels need aligned views"
+        )
 
     def free(self, placement: Placement) -> None:
         """Give the run back to the KV cache."""
@@ -141,7 +177,7 @@ class KVArena:
 
     def _pack(self, sizes: list[int], n: int) -> list[tuple[int, int]] | None:
         """First-fit of `sizes` (largest first) into two regions of n blocks: (region, offset)
-        per size, or None."""
+        per size, each offset a multiple of `align` elements (ALIGN_BYTES), or None."""
         room = n * self.chunk
         used = [0, 0]
         out = []
@@ -149,7 +185,7 @@ class KVArena:
             for region in (0, 1):
                 if used[region] + size <= room:
                     out.append((region, used[region]))
-                    used[region] += size
+                    used[region] += -(-size // self.align) * self.align  # the next one aligned
                     break
             else:
                 return None
