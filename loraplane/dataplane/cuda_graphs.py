@@ -9,10 +9,18 @@ replay.
 What a graph reads lives in static buffers, refilled before each replay:
 - input ids, positions, KV slot mapping, context lengths, block tables (`max_model_len` wide)
   and query offsets (always 0..b: every row is one decode token);
-- the LoRA segments (token order, per-segment slot and bounds), laid out for up to b segments of
-  up to b tokens: the SGMV launches are sized for that, segments past the step's own are empty;
+- the LoRA tokens (token order and each token's slot), b entries: the graph's LoRA launches are
+  the BGMV kernels (`kernels/bgmv_triton.py`, one program per token per column block), sized
+  for b tokens, so a layer's launched blocks grow linearly with b (SGMV sized for b segments
+  of up to b tokens grew as b^2: at b = 256 about 11M mostly empty blocks per step on an 8B
+  model); entries past the step's own tokens have slot -1 and exit at once;
 - one slot table per (layer, module) (`ModuleSlots.graph_table`): each slot's A and B pointers
   and rank, rewritten for a step's slots whose adapter changed since (`LoRAPool.slot_generation`).
+The host writes these through pinned staging buffers and copies them with non-blocking
+copies; before it writes them again for the next step it waits on a CUDA event recorded after
+the previous step's copies, so the staging is safe whatever the caller does after a replay (no
+blocking read of the logits needed). On the CPU (and with `replay_eagerly`) the copies are
+synchronous and there is no event: a no-op.
 A step of B rows runs in the graph of the smallest ladder size b >= B. The b - B padding rows
 decode token 0 at position 0 of a one-token context in a KV block reserved for them (taken
 from the block manager at start, never given to a sequence), use no adapter, and their outputs
@@ -22,7 +30,7 @@ adapter, and without, for base-model steps.
 A step runs eagerly instead when a row is not a single decode token, when it has more rows than
 the largest graph, or when a slot it uses breaks the table's alignment promise (pointers on 16
 bytes, ranks a multiple of 8: what the kernels were compiled for). Graphs need the Triton
-attention and SGMV paths (the CUDA defaults); a capture error leaves the runner eager, with a
+attention and LoRA paths (the CUDA defaults); a capture error leaves the runner eager, with a
 log line.
 
 Capture is pluggable (`Capture`): `cuda_capture` records CUDA graphs; `replay_eagerly`, for
@@ -45,7 +53,7 @@ from loraplane.dataplane.attention import AttentionMetadata
 from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 from loraplane.dataplane.lora.layers import LinearWithLoRA
-from loraplane.dataplane.lora.metadata import LoRABatch
+from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
 from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
 from loraplane.dataplane.models.llama import LlamaForCausalLM
 from loraplane.dataplane.step_metadata import HostStep, StepRow, host_step
@@ -54,7 +62,7 @@ log = logging.getLogger(__name__)
 
 SMALL_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 LARGE_STEP = 32  # past 64 rows, a graph every this many
-PTR_ALIGN = 16  # bytes: what the graph's slot tables promise the SGMV kernels
+PTR_ALIGN = 16  # bytes: what the graph's slot tables promise the LoRA kernels
 RANK_MULTIPLE = 8
 
 Forward = Callable[[], torch.Tensor]
@@ -106,7 +114,7 @@ def replay_eagerly(forward: Forward) -> Forward:
 class GraphShape:
     """What the graphs are sized for: the largest batch (the ladder's top), the longest
     context (block tables' width), the KV block size, the KV block padding rows write into,
-    and the largest adapter rank (the SGMV launches' rank space)."""
+    and the largest adapter rank (the LoRA launches' rank space)."""
 
     max_batch: int
     max_model_len: int
@@ -176,6 +184,9 @@ class DecodeGraphs:
                 ptr_align=PTR_ALIGN, rank_multiple=RANK_MULTIPLE,
             )  # fmt: skip
         self._seen = [-1] * slots  # slot -> the pool generation its table entries show
+        # recorded after each step's staging copies (CUDA only): the host waits on it before
+        # writing the pinned staging buffers again
+        self._copied: torch.cuda.Event | None = None
         self._unfit: set[int] = set()  # slots whose tensors break PTR_ALIGN / RANK_MULTIPLE
         self._graphs: dict[tuple[int, bool], Forward] = {}
         for b in reversed(self.batch_sizes):  # the largest first: smaller ones reuse its memory
@@ -188,7 +199,8 @@ class DecodeGraphs:
         i64[:, :] = 0
         i64[2, :] = self.pad_slot  # slot mapping
         i32[1, :] = 1  # context lengths
-        i32[2:, :] = 0  # segment slots and bounds
+        i32[2:, :] = 0  # segment slots and bounds (the BGMV launches do not read them)
+        i64[4, :] = BASE_SLOT  # token slots: no adapter
         tables[:, 0] = pad_block
         self._i64.copy_(i64)
         self._i32[1:].copy_(i32[1:])
@@ -213,7 +225,7 @@ class DecodeGraphs:
             seg_slots_t=i32[2, :b],
             seg_bounds_t=i32[3, : b + 1],
             token_slots=i64[4, :b],
-            static_max_seg_len=b,
+            static_max_seg_len=b,  # launches: BGMV over these b tokens
         )
         return _Static(i64[0, :b], i64[1, :b], attn, lora)
 
@@ -247,7 +259,10 @@ class DecodeGraphs:
         return hidden[:count]
 
     def _fill(self, host: HostStep, count: int, b: int) -> None:
-        """Write the step's arrays into the static buffers (rows count..b-1: padding)."""
+        """Write the step's arrays into the static buffers (rows count..b-1: padding), once the
+        previous step's copies out of the staging buffers are done."""
+        if self._copied is not None:
+            self._copied.synchronize()
         p = host.parts
         i64, i32, tables = self._i64_host, self._i32_host, self._tables_host
         i64[0, :count] = torch.from_numpy(p["ids"])
@@ -261,16 +276,18 @@ class DecodeGraphs:
         tables[:count, :width] = torch.from_numpy(p["tables"].reshape(count, width))
         tables[count:b, 0] = self.pad_slot // self.block_size  # (other columns: never read)
         if "order" in p:
-            n, s = len(p["order"]), len(p["seg_slots"])
+            n = len(p["order"])
             i64[3, :n] = torch.from_numpy(p["order"])
             i64[4, :n] = torch.from_numpy(p["sorted_slots"])
-            i32[2, :s] = torch.from_numpy(p["seg_slots"])
-            i32[2, s:b] = int(p["seg_slots"][-1])  # empty segments past the step's own
-            i32[3, : s + 1] = torch.from_numpy(p["bounds"])
-            i32[3, s + 1 : b + 1] = n
+            i64[3, n:b] = 0
+            i64[4, n:b] = BASE_SLOT  # base and padding rows: their programs exit at once
         self._i64[:, :b].copy_(i64[:, :b], non_blocking=True)
-        self._i32[1:, : b + 1].copy_(i32[1:, : b + 1], non_blocking=True)
+        self._i32[1, :b].copy_(i32[1, :b], non_blocking=True)
         self._tables[:b, :width].copy_(tables[:b, :width], non_blocking=True)
+        if self._i64.is_cuda:
+            if self._copied is None:
+                self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._copied.record()
 
     def _refresh(self, used: list[int]) -> bool:
         """Bring the slot tables' entries for `used` up to date with the pool; False when one of

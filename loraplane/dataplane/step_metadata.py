@@ -7,7 +7,15 @@ offsets, context lengths, block tables, the cache slot of each new token) and th
 (tokens grouped by adapter slot). All the integer arrays are packed into one host buffer
 (pinned on CUDA) and sent with a single non-blocking copy; the device tensors are views of it.
 The host-side numbers the torch paths need travel as Python values beside the tensors, so no
-layer ever reads a device tensor back (`.tolist()`, `.item()`).
+layer ever reads a device tensor back (`.tolist()`, `.item()`); the LoRA launch metadata (the
+longest segment, SGMV or BGMV, the `LORAPLANE_SGMV` choice) is computed when the step's
+`LoRABatch` is built, once per step.
+
+The pinned host buffer is a new one each step, from torch's caching host allocator, which
+records an event on the stream of the non-blocking copy out of it and hands the block out
+again only once that copy is done: the next step never writes into memory a copy still reads,
+with or without a blocking read of the logits at the end of the step. (The CUDA graph path's
+persistent staging buffers wait on an event of their own: `cuda_graphs.DecodeGraphs`.)
 """
 
 from __future__ import annotations

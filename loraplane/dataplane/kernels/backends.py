@@ -1,7 +1,10 @@
 """Choosing a kernel implementation from an environment variable (`LORAPLANE_SGMV`,
-`LORAPLANE_ATTENTION`), read at each call so tests can set it: `auto` is Triton for CUDA
-tensors when Triton is installed, the caller's CPU choice (else torch) for the rest; any other
-listed value is taken as is."""
+`LORAPLANE_ATTENTION`), read where a step is prepared, so tests can set it between steps:
+`auto` is Triton for CUDA tensors when Triton is installed, the caller's CPU choice (else
+torch) for the rest; any other listed value is taken as is.
+
+The LoRA layers read `LORAPLANE_SGMV` once per step: `read_choice` when the step's `LoRABatch`
+is built, `resolve` per layer (attribute checks, no environment read)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,31 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+SGMV_ENV = "LORAPLANE_SGMV"
+SGMV_BACKENDS = ("auto", "native", "torch", "triton", "triton-fused")
+
+
+def read_choice(env: str, backends: Sequence[str]) -> str:
+    """The value of `env` (one of `backends`, `auto` when unset); ValueError naming `env`
+    for any other."""
+    choice = os.environ.get(env, "auto").strip().lower() or "auto"
+    if choice not in backends:
+        raise ValueError(f"{env} must be one of {', '.join(backends)}, got {choice!r}")
+    return choice
+
+
+def resolve(
+    choice: str, x: torch.Tensor, cpu_auto: Callable[[torch.Tensor], str] | None = None
+) -> str:
+    """`choice` (from `read_choice`) for tensors like `x`: `auto` on a CUDA tensor is Triton
+    (torch without Triton), on any other `cpu_auto(x)` when given, else torch."""
+    if choice != "auto":
+        return choice
+    if x.is_cuda:
+        return "triton" if has_triton() else "torch"
+    return cpu_auto(x) if cpu_auto is not None else "torch"
+
+
 def choose(
     env: str,
     backends: Sequence[str],
@@ -27,11 +55,4 @@ def choose(
 ) -> str:
     """The implementation `env` asks for (one of `backends`) for tensors like `x`; `auto` on a
     tensor that is not CUDA is `cpu_auto(x)` when given, else torch."""
-    choice = os.environ.get(env, "auto").strip().lower() or "auto"
-    if choice not in backends:
-        raise ValueError(f"{env} must be one of {', '.join(backends)}, got {choice!r}")
-    if choice == "auto":
-        if x.is_cuda:
-            return "triton" if has_triton() else "torch"
-        return cpu_auto(x) if cpu_auto is not None else "torch"
-    return choice
+    return resolve(read_choice(env, backends), x, cpu_auto)

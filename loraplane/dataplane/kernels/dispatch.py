@@ -1,40 +1,62 @@
-"""Pick the SGMV implementation per call: Triton on CUDA tensors, the native C kernel or torch
-on the CPU.
+"""Pick the LoRA implementation per call: Triton on CUDA tensors, the native C kernel or torch
+on the CPU; and for Triton, the SGMV or the BGMV kernels.
 
-`LORAPLANE_SGMV` overrides the choice (read at each call, so tests can set it):
-`native` (the C kernel of `sgmv_cpu`, CPU fp32 only), `torch`, `triton` (the unfused shrink +
-expand pair), `triton-fused` (one launch), or `auto` (the default: Triton on CUDA, the native
-kernel on CPU fp32 where it builds, torch otherwise). `triton` on CPU tensors needs
-`TRITON_INTERPRET=1` set before Triton is first imported; this module imports Triton only when
-a Triton path is taken.
+`LORAPLANE_SGMV` overrides the choice: `native` (the C kernel of `sgmv_cpu`, CPU fp32 only),
+`torch`, `triton` (the unfused shrink + expand pairs), `triton-fused` (one launch), or `auto`
+(the default: Triton on CUDA, the native kernel on CPU fp32 where it builds, torch otherwise).
+It is read once per step, when the step's `LoRABatch` is built (`LoRABatch.backend`), so tests
+can set it between steps; `backend(x)` reads it now (for start-up decisions). `triton` on CPU
+tensors needs `TRITON_INTERPRET=1` set before Triton is first imported; this module imports
+Triton only when a Triton path is taken.
 
-The Triton launchers read per-slot pointer tables (`SlotWeights`) instead of the pool's Python
-lists; `slot_weights` builds one per `ModuleSlots` and caches it until a slot the batch uses
-has changed (a load or free in the pool gives the slot new tensors).
+Launch rule (`kernels/launch.py`, decided once per step as `LoRABatch.launch`): BGMV (one
+program per token, `bgmv_triton`) when that grid has no more programs than SGMV's (segments x
+token blocks of the longest segment, `sgmv_triton`), SGMV otherwise; a batch captured in a CUDA
+graph always launches BGMV over its rows, so its launches grow linearly with the batch.
+
+Per call the work is O(1) in the step's segments when the caller passes the pool's `stamp`
+(the sum of `LoRAPool.slot_generation`, taken once per step by `LoRAContext.activate`): each
+module remembers, per stamp, the bit mask of slots its adapters target and whether its
+pointer table (`SlotWeights`, what the Triton launchers read) was checked against the pool's
+tensors; a stamp that moved (a load or free since) re-checks every slot once. Without a stamp
+(direct callers, the experts' per-layer batches) the check runs over the batch's slots.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from loraplane.dataplane.kernels import sgmv_cpu, sgmv_torch
-from loraplane.dataplane.kernels.backends import choose
+from loraplane.dataplane.kernels.backends import SGMV_BACKENDS, SGMV_ENV, choose, resolve
+from loraplane.dataplane.kernels.launch import BGMV
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 
 if TYPE_CHECKING:  # annotations only: `lora.layers` imports this module
     from loraplane.dataplane.lora.metadata import LoRABatch
     from loraplane.dataplane.lora.pool import ModuleSlots
 
-ENV = "LORAPLANE_SGMV"
-BACKENDS = ("auto", "native", "torch", "triton", "triton-fused")
+ENV = SGMV_ENV
+BACKENDS = SGMV_BACKENDS
 
 _tables: weakref.WeakKeyDictionary[ModuleSlots, SlotWeights] = weakref.WeakKeyDictionary()
+
+
+@dataclass(slots=True)
+class _Memo:
+    """What one module knows about the pool as of a stamp (see the module docstring)."""
+
+    stamp: int = -1  # the pool stamp `targeted` was computed at
+    targeted: int = 0  # bit k set when slot k's adapter adapts this module
+    table_stamp: int = -1  # the stamp at which every entry of _tables[slots] was checked
+
+
+_memos: weakref.WeakKeyDictionary[ModuleSlots, _Memo] = weakref.WeakKeyDictionary()
 
 
 def backend(x: torch.Tensor) -> str:
@@ -98,22 +120,59 @@ def slot_weights(
     return table
 
 
+def _memo(slots: ModuleSlots, stamp: int) -> _Memo:
+    """The module's memo, its targeted mask brought up to `stamp` (O(L) when it moved)."""
+    memo = _memos.get(slots)
+    if memo is None:
+        memo = _memos[slots] = _Memo()
+    if memo.stamp != stamp:
+        mask = 0
+        for k, a in enumerate(slots.lora_a):
+            if a is not None:
+                mask |= 1 << k
+        memo.stamp, memo.targeted, memo.table_stamp = stamp, mask, -1
+    return memo
+
+
+def _step_table(slots: ModuleSlots, memo: _Memo, x: torch.Tensor) -> SlotWeights:
+    """The pointer table for a stamped step: checked in full once per stamp, then trusted."""
+    table = _tables.get(slots)
+    if (
+        table is not None
+        and memo.table_stamp == memo.stamp
+        and table.dtype == x.dtype
+        and table.device == x.device
+    ):
+        return table
+    table = slot_weights(slots, range(len(slots.lora_a)), x.dtype, x.device)
+    memo.table_stamp = memo.stamp
+    return table
+
+
 def lora_apply(
     y: torch.Tensor,  # [T, out], the base layer's output; updated in place
     x: torch.Tensor,  # [T, in], the base layer's input
     batch: LoRABatch,  # the step's segments, tensors on x's device
     slots: ModuleSlots,  # this (layer, module)'s per-slot A, B and scales
+    stamp: int | None = None,  # the pool's stamp for this step (LoRAContext.stamp), if known
 ) -> torch.Tensor:  # y
     """y[t] += scales[k] * B_k (A_k x[t]) for every adapter token t of slot k, on any device.
 
     Same meaning as `sgmv_torch.lora_apply`; returns y untouched, launching nothing, when no
-    token uses a slot whose adapter targets this module.
+    token uses a slot whose adapter targets this module. With `stamp`, the caller promises
+    the slots' tensors changed only through the pool (which moves the stamp).
     """
     if batch.static_max_seg_len is not None:
         return _lora_apply_static(y, x, batch, slots)
-    if batch.is_empty or not any(slots.lora_a[k] is not None for k in batch.seg_slots):
+    if batch.is_empty:
         return y
-    name = backend(x)
+    memo = _memo(slots, stamp) if stamp is not None else None
+    if memo is not None:
+        if not memo.targeted & batch.slot_mask:
+            return y
+    elif not any(slots.lora_a[k] is not None for k in batch.seg_slots):
+        return y
+    name = resolve(batch.backend, x, _cpu_auto)
     if name == "native" and sgmv_cpu.lora_apply(y, x, batch, slots):
         return y
     if name in ("torch", "native"):  # native: tensors the kernel does not take
@@ -129,11 +188,20 @@ def lora_apply(
             slots.scales,
             slots.checked,
         )
+    if memo is not None:
+        weights = _step_table(slots, memo, x)
+    else:
+        weights = slot_weights(slots, batch.seg_slots, x.dtype, x.device)
+    fused = name == "triton-fused"
+    if batch.launch == BGMV:
+        from loraplane.dataplane.kernels import bgmv_triton
+
+        return bgmv_triton.lora_apply(
+            y, x.contiguous(), batch.token_order, batch.token_slots, weights, slots.scales,
+            fused=fused,
+        )  # fmt: skip
     from loraplane.dataplane.kernels import sgmv_triton
 
-    weights = slot_weights(slots, batch.seg_slots, x.dtype, x.device)
-    bounds = batch.seg_bounds
-    max_seg_len = max(end - start for start, end in itertools.pairwise(bounds))
     return sgmv_triton.lora_apply(
         y,
         x.contiguous(),
@@ -142,34 +210,32 @@ def lora_apply(
         batch.seg_bounds_t,
         weights,
         slots.scales,
-        max_seg_len,
-        fused=name == "triton-fused",
+        batch.max_seg_len,
+        fused=fused,
     )
 
 
 def _lora_apply_static(
     y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots
 ) -> torch.Tensor:
-    """`lora_apply` for a batch captured in a CUDA graph: always the Triton kernels, reading
-    the slot table the graph owner keeps current (`slots.graph_table`), launched for
-    `batch.static_max_seg_len`-token segments whatever the segments hold at replay."""
-    name = backend(x)
+    """`lora_apply` for a batch captured in a CUDA graph: always the Triton BGMV kernels, one
+    program per row of the graph (`batch.static_max_seg_len` rows; rows past the step's own
+    have slot -1 and exit at once), reading the slot table the graph owner keeps current
+    (`slots.graph_table`)."""
+    name = resolve(batch.backend, x, _cpu_auto)
     if name in ("torch", "native") or slots.graph_table is None:
         raise RuntimeError(
             "a static (CUDA graph) LoRA batch needs the Triton SGMV kernels and a graph slot "
             f"table; backend {name!r}, table {'set' if slots.graph_table else 'missing'}"
         )
-    from loraplane.dataplane.kernels import sgmv_triton
+    from loraplane.dataplane.kernels import bgmv_triton
 
-    assert batch.static_max_seg_len is not None
-    return sgmv_triton.lora_apply(
+    return bgmv_triton.lora_apply(
         y,
         x.contiguous(),
         batch.token_order,
-        batch.seg_slots_t,
-        batch.seg_bounds_t,
+        batch.token_slots,
         slots.graph_table,
         slots.scales,
-        batch.static_max_seg_len,
         fused=name == "triton-fused",
     )

@@ -30,6 +30,7 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane.kernels.launch import sgmv_block_m
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,7 +64,7 @@ def default_config(
     num_segments: int, max_seg_len: int, in_features: int, max_rank: int
 ) -> KernelConfig:
     """Tiles for a launch: small token blocks at decode, a k split to fill the GPU."""
-    block_m = min(64, max(16, triton.next_power_of_2(max_seg_len)))
+    block_m = sgmv_block_m(max_seg_len)
     block_k = 128
     block_r = 16
     programs = num_segments * triton.cdiv(max_seg_len, block_m) * triton.cdiv(max_rank, block_r)
@@ -311,7 +312,9 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_features(name: str, t: torch.Tensor, weights: SlotWeights, features: int) -> None:
+def check_features(name: str, t: torch.Tensor, weights: SlotWeights, features: int) -> None:
+    """ValueError naming `name` unless `t` is a contiguous 2-D tensor of the weights' dtype
+    and device with `features` columns (shared with `bgmv_triton`)."""
     if t.dim() != 2 or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 2-D tensor, got shape {tuple(t.shape)}")
     if t.dtype != weights.dtype:
@@ -346,7 +349,8 @@ def _check_segments(
         raise ValueError(f"max_seg_len must be in 0..{token_order.numel()}, got {max_seg_len}")
 
 
-def _check_scales(scales: torch.Tensor, weights: SlotWeights) -> None:
+def check_scales(scales: torch.Tensor, weights: SlotWeights) -> None:
+    """ValueError unless `scales` is a contiguous fp32 [L] tensor on the weights' device."""
     if (
         scales.dim() != 1
         or scales.dtype != torch.float32
@@ -458,7 +462,7 @@ def sgmv_shrink(
     R is the table's largest rank, not the batch's; columns past a slot's rank stay zero.
     Returns without launching when there is nothing to compute.
     """
-    _check_features("x", x, weights, weights.in_features)
+    check_features("x", x, weights, weights.in_features)
     _check_segments(token_order, seg_slots, seg_bounds, max_seg_len, weights)
     h = torch.zeros(token_order.numel(), weights.max_rank, dtype=torch.float32, device=x.device)
     if not _nothing_to_do(token_order, seg_slots, weights, max_seg_len):
@@ -487,9 +491,9 @@ def sgmv_expand(
     h is rounded to the weights' dtype before the product (as the torch path's h is).
     Returns y without launching when there is nothing to compute.
     """
-    _check_features("y", y, weights, weights.out_features)
+    check_features("y", y, weights, weights.out_features)
     _check_segments(token_order, seg_slots, seg_bounds, max_seg_len, weights)
-    _check_scales(scales, weights)
+    check_scales(scales, weights)
     if (
         h.dim() != 2
         or h.dtype != torch.float32
@@ -530,10 +534,10 @@ def lora_apply(
     Returns y without launching when no token uses a slot that targets this module (as far
     as the host can tell: slots untargeted on the device exit in the kernel).
     """
-    _check_features("x", x, weights, weights.in_features)
-    _check_features("y", y, weights, weights.out_features)
+    check_features("x", x, weights, weights.in_features)
+    check_features("y", y, weights, weights.out_features)
     _check_segments(token_order, seg_slots, seg_bounds, max_seg_len, weights)
-    _check_scales(scales, weights)
+    check_scales(scales, weights)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows, y has {y.shape[0]}")
     if _nothing_to_do(token_order, seg_slots, weights, max_seg_len):

@@ -2,7 +2,9 @@
 
 `install_lora` walks the model once and wraps every q/k/v/o/gate/up/down projection. The
 wrappers share one `LoRAContext`, which the model sets to the step's `LoRABatch` for the
-duration of a forward, so the segment metadata is built once per step, not once per layer.
+duration of a forward, so the segment metadata is built once per step, not once per layer;
+`activate` also takes the pool's stamp (the sum of its per-slot generations) once per step,
+which lets each layer skip re-checking its slot tables against the pool (kernels/dispatch.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class LoRAContext:
     def __init__(self, pool: LoRAPool) -> None:
         self.pool = pool
         self.batch: LoRABatch | None = None
+        # the pool's slot_generation summed when the batch was activated: every load and free
+        # moves it, so a layer's memo taken at the same stamp is still true
+        self.stamp = -1
 
     def activate(self, batch: LoRABatch | None) -> None:
         """Use `batch` for the following forward (None: base model only)."""
@@ -40,6 +45,7 @@ class LoRAContext:
             for slot in batch.seg_slots:
                 if not self.pool.is_loaded(slot):
                     raise ValueError(f"tokens use LoRA slot {slot}, which holds no adapter")
+            self.stamp = sum(self.pool.slot_generation)
         self.batch = batch
 
 
@@ -79,11 +85,12 @@ class LinearWithLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         y: torch.Tensor = self.base_layer(x)
-        batch = self.context.batch if self.context is not None else None
-        if batch is None or batch.is_empty or self.slots is None:
+        context = self.context
+        batch = context.batch if context is not None else None
+        if context is None or batch is None or batch.is_empty or self.slots is None:
             return y
-        # Triton SGMV kernels on CUDA, the torch reference elsewhere (kernels/dispatch.py)
-        return dispatch.lora_apply(y, x, batch, self.slots)
+        # Triton SGMV/BGMV kernels on CUDA, the native or torch path elsewhere (dispatch.py)
+        return dispatch.lora_apply(y, x, batch, self.slots, context.stamp)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, module={self.module_name}"

@@ -3,14 +3,23 @@
 Tokens are stably sorted by slot and cut into segments of equal slot, so each adapter's A and B
 are read once per segment (SGMV), not once per token. Base-model tokens (slot -1) are left out
 entirely. Built once per step on the host and shared by every LoRA layer of the model.
+
+Everything a LoRA launch needs beyond the segments is computed here, once per step, so the
+layers do no per-call work that grows with the segments and read no environment: the longest
+segment, the launch rule (SGMV or BGMV, `kernels/launch.py`), the `LORAPLANE_SGMV` choice and
+a bit mask of the slots the step uses (checked against a module's targeted slots in O(1)).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from loraplane.dataplane.kernels.backends import SGMV_BACKENDS, SGMV_ENV, read_choice
+from loraplane.dataplane.kernels.launch import BGMV, choose_launch
 
 BASE_SLOT = -1
 
@@ -31,10 +40,31 @@ class LoRABatch:
     seg_slots_t: torch.Tensor  # [S] int32
     seg_bounds_t: torch.Tensor  # [S + 1] int32
     token_slots: torch.Tensor  # [N] int64: the slot of each token of token_order
-    # Set only for a batch a CUDA graph is captured with (cuda_graphs.py): its segments live
+    # Set only for a batch a CUDA graph is captured with (cuda_graphs.py): its tokens live
     # on the device alone (the tensors are static buffers refilled before each replay, the
-    # host tuples are empty) and every launch is sized for segments of up to this many tokens
+    # host tuples are empty; token_slots -1 past the step's own tokens) and every launch is a
+    # BGMV one sized for this many tokens (the graph's rows)
     static_max_seg_len: int | None = None
+    # computed when the batch is built (once per step), read by every LoRA layer:
+    max_seg_len: int = field(init=False)  # the longest segment (a static batch: its rows)
+    launch: str = field(init=False)  # "sgmv" or "bgmv" (kernels/launch.py; static: bgmv)
+    backend: str = field(init=False)  # LORAPLANE_SGMV, read here: auto, native, torch, ...
+    slot_mask: int = field(init=False)  # bit k set when a segment uses slot k
+
+    def __post_init__(self) -> None:
+        bounds = self.seg_bounds
+        if self.static_max_seg_len is not None:
+            longest, launch = self.static_max_seg_len, BGMV
+        else:
+            longest = int(max(map(operator.sub, bounds[1:], bounds[:-1]), default=0))
+            launch = choose_launch(len(self.seg_slots), bounds[-1], longest)
+        mask = 0
+        for slot in self.seg_slots:
+            mask |= 1 << slot
+        object.__setattr__(self, "max_seg_len", longest)
+        object.__setattr__(self, "launch", launch)
+        object.__setattr__(self, "backend", read_choice(SGMV_ENV, SGMV_BACKENDS))
+        object.__setattr__(self, "slot_mask", mask)
 
     @classmethod
     def from_token_slots(
