@@ -57,6 +57,12 @@ def add_commands(subparsers: Any) -> None:
         help="decode steps replay CUDA graphs captured at start for a ladder of batch sizes"
         " (cuda only; falls back to eager, with a log line, if capture fails)",
     )
+    serve.add_argument(
+        "--engine-process",
+        choices=["on", "off"],
+        help="on (default): the engine loop runs in a child process, this one keeps HTTP,"
+        " tokenizing and SSE (no contention for the GIL); off: on a thread of this process",
+    )
     serve.add_argument("--device", choices=["cpu", "cuda"])
     serve.add_argument("--host")
     serve.add_argument("--port", type=int, help="the OpenAI API's port (default 8000)")
@@ -119,7 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
     flags = {
         k: getattr(args, k, None)
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
-                  "max_lora_rank", "cuda_graphs",
+                  "max_lora_rank", "cuda_graphs", "engine_process",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
                   "metrics_port", "gateway_metrics_port", "api_metrics_adapters",
                   "controlplane_url", "usage_spool_dir",

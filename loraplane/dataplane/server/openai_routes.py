@@ -93,8 +93,8 @@ async def completions(
     """Text completion of one or more prompts."""
     body.check_supported()
     resolved = await catalog.resolve(key, body.model)
-    engine = runtime.require_engine().engine
-    tokenizer, vocab = engine.tokenizer, engine.runner.model.config.vocab_size
+    engine = runtime.require_engine()
+    tokenizer, vocab = engine.tokenizer, engine.vocab_size
     texts = body.prompts()
     cap = runtime.settings.max_prompts_per_request
     if len(texts) > cap:
@@ -138,8 +138,8 @@ async def chat_completions(
 def chat_intake(runtime: Runtime, body: ChatCompletionRequest, tools: ToolPlan | None) -> Intake:
     """A chat's Intake: its messages (and tools) rendered with the chat template and tokenized
     (on a tokenizing worker), "messages" named in a template's error."""
-    engine = runtime.require_engine().engine
-    tokenizer, vocab = engine.tokenizer, engine.runner.model.config.vocab_size
+    engine = runtime.require_engine()
+    tokenizer, vocab = engine.tokenizer, engine.vocab_size
     messages = [m.to_template() for m in body.messages]
     listed = tools.template_tools if tools is not None else None
 
@@ -348,7 +348,7 @@ async def _grammar(
     or the engine thread); 400 with the reason when it cannot be compiled."""
     if constraint is None:
         return None
-    engine = runtime.require_engine().engine
+    engine = runtime.require_engine()
     try:
         return await runtime.compile_grammar(tenant, lambda: engine.grammars().compile(constraint))
     except GrammarError as e:
@@ -358,7 +358,7 @@ async def _grammar(
 def _token_text(runtime: Runtime, texts: Sequence[str] = ()) -> fmt.TokenText:
     """Each token's text from the table `texts` (Runtime.token_texts); ids past it (no table,
     or the model's padding past the tokenizer's ids) are decoded."""
-    tokenizer = runtime.require_engine().engine.tokenizer
+    tokenizer = runtime.require_engine().tokenizer
 
     def text(token_id: int) -> str:
         if 0 <= token_id < len(texts):

@@ -1,10 +1,14 @@
-"""The live server: the engine on its thread, the catalog, limits, metrics, adapter leases.
+"""The live server: the engine (in a process of its own, or on a thread), the catalog, limits,
+metrics, adapter leases.
 
 `Runtime.start()` builds the engine off the event loop (so /health answers while the model
-loads), registers the static `--lora-modules` (an invalid one fails start with
-`adapter NAME rejected: <ReasonCode>: <message>`), and starts the pressure reporter in catalog
-mode. Requests hold a `Lease` on their adapter while they run; unloading an adapter first stops
-new requests from resolving it, waits for its leases, then frees it on the engine thread.
+loads): in a child process (engine_process.py, `LORAPLANE_ENGINE_PROCESS`, the default) or on a
+thread of this one (async_engine.py). Either way it registers the static `--lora-modules` (an
+invalid one fails start with `adapter NAME rejected: <ReasonCode>: <message>`), and starts the
+pressure reporter in catalog mode. Requests hold a `Lease` on their adapter while they run;
+unloading an adapter first stops new requests from resolving it, waits for its leases, then
+frees it on the engine's loop. Every call into the engine is a named command
+(engine_commands.py), so that either front takes it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from loraplane.adapters.base_model import BaseModelError, read_config
 from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import AsyncEngine, EngineHealth
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.engine_process import EngineGone, ProcessEngine, StartupError, build_engine
 from loraplane.dataplane.heap import freeze_startup_heap
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.admission import QueueLimits
@@ -46,10 +51,8 @@ from loraplane.dataplane.server.settings import ServerSettings
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SNAPSHOT_TIMEOUT_S = 2.0
-
-
-class StartupError(RuntimeError):
-    """The server cannot serve (bad model, rejected static adapter)."""
+EngineFront = AsyncEngine | ProcessEngine  # the engine as the routes see it
+__all__ = ["EngineFront", "Lease", "Runtime", "StartupError"]
 
 
 @dataclass(slots=True)
@@ -95,7 +98,8 @@ class Runtime:
         self.base_model = settings.served_model_name or os.path.basename(
             os.path.normpath(settings.model)
         )
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineFront | None = None
+        self._starting: ProcessEngine | None = None  # a child loading the model
         self.catalog: Catalog | None = None
         self.static: StaticCatalog | None = None
         self.max_model_len = 0
@@ -112,11 +116,25 @@ class Runtime:
 
     async def start(self) -> None:
         """Load the model and static adapters, then serve. Raises StartupError."""
-        engine = await asyncio.to_thread(self._build_engine)
-        self.max_model_len = engine.config.max_model_len or 0
-        self.engine = AsyncEngine(engine)
-        self.metrics.watch_engine(self.engine_health)
         s = self.settings
+        front: EngineFront
+        if s.engine_process:
+            self._starting = front = ProcessEngine(s)
+            try:
+                await asyncio.to_thread(front.wait_ready)
+            except BaseException:
+                await asyncio.to_thread(front.shutdown)
+                raise
+            finally:
+                self._starting = None
+            self._observe_loads(front.start_loads)
+            front.on_loads = self._observe_loads
+        else:
+            front = AsyncEngine(await asyncio.to_thread(self._build_engine))
+        self.metrics.cpu_loads["ok"] += len(s.adapter_dirs())
+        self.max_model_len = front.max_model_len
+        self.engine = front
+        self.metrics.watch_engine(self.engine_health)
         if s.controlplane_url:
             self.catalog = HttpCatalog(
                 s.controlplane_url, s.service_token, self.base_model, ttl=s.resolve_ttl_s,
@@ -134,7 +152,7 @@ class Runtime:
             self.static = StaticCatalog(
                 self.base_model, s.api_key, s.requests_per_minute, s.tokens_per_minute
             )
-            for ref in engine.loras.registered:
+            for ref in front.registered:
                 self.static.add(ref.name, ref.digest)
             self.catalog = self.static
             self.metrics.add_tenant(DEFAULT_TENANT)
@@ -152,61 +170,33 @@ class Runtime:
             return None
 
     def _build_engine(self) -> Engine:
-        disk = None
-        if self.settings.controlplane_url:  # catalog mode: stored versions, through the tiers
-            from loraplane.adapters.store import open_store
-            from loraplane.dataplane.tiers.disk import DiskTier
+        """The engine of this process (LORAPLANE_ENGINE_PROCESS=0), load times observed."""
+        return build_engine(self.settings, self._observe_load)
 
-            try:
-                disk = DiskTier(open_store(self.settings.store))
-                if disk.local:  # read in place: a folder this user cannot read fails at start
-                    with contextlib.suppress(FileNotFoundError):  # the control plane makes it
-                        fileaccess.check_readable(disk.store.url())
-            except (ValueError, OSError) as e:
-                raise StartupError(f"LORAPLANE_STORE: {fileaccess.message(e, 'write')}") from e
-            if self.settings.usage_spool_dir is not None:
-                try:
-                    fileaccess.check_writable_dir(self.settings.usage_spool_dir)
-                except OSError as e:
-                    raise StartupError(f"LORAPLANE_USAGE_SPOOL_DIR: {e}") from e
-        try:
-            engine = Engine(self.settings.engine_config(), disk=disk)
-        except (ValueError, OSError) as e:
-            reason = fileaccess.message(e)
-            raise StartupError(f"cannot load model {self.settings.model}: {reason}") from e
-        self._observe_load_times(engine)
-        for name, path in self.settings.adapter_dirs().items():
-            start = time.perf_counter()
-            try:
-                engine.register_lora(name, path, DEFAULT_TENANT)
-            except AdapterRejected as e:
-                raise StartupError(f"adapter {name} rejected: {e.code.value}: {e.message}") from e
-            except OSError as e:
-                raise StartupError(f"adapter {name}: {fileaccess.message(e)}") from e
-            self.metrics.cpu_loads["ok"] += 1
-            self.metrics.load_seconds.labels(tier="cpu").observe(time.perf_counter() - start)
-        return engine
-
-    def _observe_load_times(self, engine: Engine) -> None:
-        """Feed each adapter load's time (host tier: from disk; gpu: into a device slot) to
+    def _observe_load(self, tier: str, seconds: float) -> None:
+        """Feed an adapter load's time (cpu: into host memory; gpu: into a device slot) to
         loraplane_adapter_load_seconds."""
-        histogram = self.metrics.load_seconds
-        engine.loras.device_stats.load_seconds = histogram.labels(tier="gpu").observe
-        engine.loras.host_stats.load_seconds = histogram.labels(tier="cpu").observe
+        self.metrics.load_seconds.labels(tier=tier).observe(seconds)
+
+    def _observe_loads(self, loads: list[tuple[str, float]]) -> None:
+        for tier, seconds in loads:
+            self._observe_load(tier, seconds)
 
     async def stop(self) -> None:
-        """Stop reporting and stop the engine thread."""
+        """Stop reporting and stop the engine (its process, or its thread)."""
         self.draining, self.ready = True, False
         if self._reporter is not None:
             await self._reporter.stop()
         if self.catalog is not None:
             await self.catalog.aclose()
+        if self._starting is not None:  # stopped while loading: no orphan child
+            await asyncio.to_thread(self._starting.shutdown)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
         self.tokenizing.shutdown()
         self.compiling.shutdown()
 
-    # -- the engine thread ------------------------------------------------------------------
+    # -- the engine -------------------------------------------------------------------------
 
     def engine_health(self) -> EngineHealth | None:
         """The engine loop's verdict under LORAPLANE_READY_*; None before it exists."""
@@ -215,7 +205,7 @@ class Runtime:
         s = self.settings
         return self.engine.health(stall_s=s.ready_stall_s, max_failed_steps=s.ready_failed_steps)
 
-    def require_engine(self) -> AsyncEngine:
+    def require_engine(self) -> EngineFront:
         """The engine, or 503 while loading or shutting down."""
         if self.engine is None or not self.ready or self.draining:
             raise Unavailable("the server is not ready", retry_after=1)
@@ -223,48 +213,36 @@ class Runtime:
             raise Unavailable("the engine has stopped", retry_after=1)
         return self.engine
 
-    async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps; return its result."""
+    async def command(self, name: str, *args: Any) -> Any:
+        """Run the named engine command (engine_commands.py) between steps; its result."""
         engine = self.engine
         if engine is None:
             raise Unavailable("the server is not ready", retry_after=1)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-
-        def settle(result: T | None, error: BaseException | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)  # type: ignore[arg-type]
-
-        def run(e: Engine) -> None:
-            try:
-                result = fn(e)
-            except Exception as error:
-                loop.call_soon_threadsafe(settle, None, error)
-            else:
-                loop.call_soon_threadsafe(settle, result, None)
-
-        engine.call(run)
-        return await future
+        try:
+            return await engine.command(name, *args)
+        except EngineGone as e:
+            raise Unavailable(str(e), retry_after=1) from None
 
     async def gateway_snapshot(self) -> EngineSnapshot:
         """The inference gateway's reading (EngineSnapshot.gateway), on the engine thread."""
         try:
-            snap = await asyncio.wait_for(self.call(EngineSnapshot.gateway), SNAPSHOT_TIMEOUT_S)
+            snap: EngineSnapshot = await asyncio.wait_for(
+                self.command("gateway_snapshot"), SNAPSHOT_TIMEOUT_S
+            )
         except (TimeoutError, Unavailable):
             return self.metrics.gateway_snapshot
         self.metrics.gateway_snapshot = snap
         return snap
 
     async def snapshot(self) -> EngineSnapshot:
-        """The engine state, read on its thread (racy read if the thread does not answer)."""
+        """The engine state, read on its loop (when it does not answer: a racy read of a
+        thread's engine, the last reading of a process's)."""
         try:
-            snap = await asyncio.wait_for(self.call(EngineSnapshot.of), SNAPSHOT_TIMEOUT_S)
+            snap: EngineSnapshot = await asyncio.wait_for(
+                self.command("snapshot"), SNAPSHOT_TIMEOUT_S
+            )
         except (TimeoutError, Unavailable):
-            if self.engine is None:
+            if not isinstance(self.engine, AsyncEngine):
                 return self.metrics.snapshot
             with contextlib.suppress(RuntimeError):  # a queue changed size while read
                 snap = EngineSnapshot.of(self.engine.engine)
@@ -295,7 +273,7 @@ class Runtime:
         """The text of each token id alone (what log-probabilities show), built once on a
         tokenizing worker: a list lookup per token instead of a decode call."""
         if self._token_texts is None:
-            tokenizer = self.require_engine().engine.tokenizer
+            tokenizer = self.require_engine().tokenizer
             self._token_texts = await self.tokenize(
                 tenant,
                 lambda: [
@@ -323,7 +301,7 @@ class Runtime:
         if self._weights.get(tenant) == weight or self.engine is None:
             return
         self._weights[tenant] = weight
-        self.engine.call(lambda e: e.scheduler.set_weight(tenant, weight))
+        self.engine.post("set_weight", tenant, weight)
 
     async def _hold(self, resolved: Resolved, model: str) -> LoRARef | None:
         if resolved.adapter is None:
@@ -354,8 +332,7 @@ class Runtime:
             await self._released.wait_for(lambda: not any(self._inflight[k] for k in keys()))
 
     async def _ensure_loaded(self, ref: LoRARef, resolved: Resolved) -> None:
-        engine = self.require_engine().engine
-        if engine.loras.is_registered(ref):  # a dict lookup: safe from this thread
+        if self.require_engine().is_registered(ref):  # a dict lookup: safe from this thread
             self.metrics.cpu_hits += 1
             return
         pending = self._loading.get(ref.key)
@@ -371,9 +348,10 @@ class Runtime:
         if not resolved.path:
             raise UpstreamError("the catalog resolved an adapter without a store path")
         try:
-            return await self.call(lambda e: e.loras.register_stored(ref, resolved.path or ""))
+            registered: LoRARef = await self.command("register_stored", ref, resolved.path)
         except ValueError as e:  # an unsafe path (object keys are checked by the store)
             raise UpstreamError(f"the catalog resolved an unusable store path: {e}") from e
+        return registered
 
     async def load_static(self, name: str) -> bool:
         """Register static adapter `name` again; False if it is already served."""
@@ -386,7 +364,7 @@ class Runtime:
             return False
         start = time.perf_counter()
         try:
-            ref = await self.call(lambda e: e.register_lora(name, path, DEFAULT_TENANT))
+            ref = await self.command("register_lora", name, path, DEFAULT_TENANT)
         except AdapterRejected as e:
             self.metrics.cpu_loads["rejected"] += 1
             raise InvalidRequest(f"adapter {name} rejected: {e.message}", code=e.code.value) from e
@@ -417,7 +395,7 @@ class Runtime:
             return [k for k in self._inflight if k.startswith(f"{tenant}/{name}@")]
 
         await self._wait_idle(keys)
-        gone = await self.call(lambda e: e.loras.unregister(name, tenant))
+        gone = await self.command("unregister", name, tenant)
         if not gone and self.static is None:
             raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
         self.metrics.cpu_evictions += len(gone)

@@ -45,6 +45,9 @@ class ServerSettings(BaseSettings):
     max_lora_rank: int = Field(default=64, ge=1)
     # decode steps replay CUDA graphs (cuda only; off until verified on your GPU)
     cuda_graphs: bool = False
+    # the engine loop in a child process of its own (engine_process.py), this process keeping
+    # HTTP, tokenizing and SSE: neither waits for the other's turn at the GIL. Off: a thread
+    engine_process: bool = True
     max_cpu_loras: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: by device
@@ -229,6 +232,8 @@ SETTINGS_HELP: dict[str, str] = {
     "max_lora_rank": "largest adapter rank accepted",
     "cuda_graphs": "decode steps replay CUDA graphs captured at start (cuda only; eager on a"
     " capture error)",
+    "engine_process": "the engine loop in a process of its own (on), or on a thread of the API"
+    " server's (off)",
     "max_cpu_loras": "adapters kept in host memory (unset: twice the device slots)",
     "max_num_seqs": "requests per batch at most",
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",

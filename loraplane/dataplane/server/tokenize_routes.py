@@ -56,7 +56,7 @@ async def tokenize(
     tenant = (await catalog.resolve(key, body.model)).tenant
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("send exactly one of prompt and messages", param="prompt")
-    tokenizer = runtime.require_engine().engine.tokenizer
+    tokenizer = runtime.require_engine().tokenizer
     if body.messages is not None:
         messages = [m.to_template() for m in body.messages]
         try:
@@ -88,8 +88,8 @@ async def detokenize(
 ) -> dict[str, Any]:
     """The text of these token ids (special tokens included, as vLLM answers)."""
     tenant = (await catalog.resolve(key, body.model)).tenant
-    engine = runtime.require_engine().engine
-    vocab, tokenizer, tokens = engine.runner.vocab_size, engine.tokenizer, body.tokens
+    engine = runtime.require_engine()
+    vocab, tokenizer, tokens = engine.vocab_size, engine.tokenizer, body.tokens
 
     def decode() -> str:  # on a worker: a million ids are checked and decoded off the loop
         if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
@@ -105,7 +105,7 @@ async def tokenizer_info(
 ) -> dict[str, Any]:
     """The base model's tokenizer: its special tokens, chat template and limits."""
     await catalog.resolve(key, runtime.base_model)  # any valid key may read it
-    tokenizer = runtime.require_engine().engine.tokenizer
+    tokenizer = runtime.require_engine().tokenizer
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **{name: text for name, text in tokenizer.special_tokens.items() if text is not None},

@@ -41,6 +41,7 @@ def test_an_adapter_that_does_not_load_in_time_answers_504_naming_it_and_no_path
         max_loras=1,
         max_cpu_loras=1,  # registering fastbot evicts slowbot's host copy
         adapter_load_timeout_s=1.0,
+        engine_process=False,  # the patched loader is this process's: the engine on a thread
     )
     try:
         with start_server(settings) as (url, _):

@@ -55,7 +55,7 @@ def test_echo_scores_the_prompt_under_each_adapter_like_peft(
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         answers = dict(zip(PROMPTS, pool.map(score, PROMPTS), strict=True))
     reference = hf_reference("llama")
-    tokenizer = server.runtime.require_engine().engine.tokenizer
+    tokenizer = server.runtime.require_engine().tokenizer
     for model, out in answers.items():
         ids = PROMPTS[model]
         choice = out.choices[0]

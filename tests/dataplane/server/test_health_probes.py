@@ -3,7 +3,9 @@ whose step hangs, answers /health and /ready as a kubelet needs (docs/operations
 
 Faults are injected into the running server's engine: its step raising a BaseException (which
 ends the loop thread), its scheduler raising (every step fails before its batch is formed), its
-step blocking on an event (a hung kernel or driver call)."""
+step blocking on an event (a hung kernel or driver call). The engine runs on a thread of this
+process here (LORAPLANE_ENGINE_PROCESS=0), where a test can reach it; the same faults in the
+engine's own process: test_engine_process.py."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def serve(tiny_llama_dir: Path) -> Iterator[Callable[..., tuple[str, Runtime]]]:
     with contextlib.ExitStack() as stack:
 
         def start(**overrides: object) -> tuple[str, Runtime]:
-            settings = server_settings(tiny_llama_dir, {}, **overrides)
+            settings = server_settings(tiny_llama_dir, {}, engine_process=False, **overrides)
             return stack.enter_context(start_server(settings))
 
         yield start
@@ -73,7 +75,7 @@ def gauge(runtime: Runtime, name: str) -> float:
 
 
 def engine_of(runtime: Runtime) -> Engine:
-    assert runtime.engine is not None
+    assert isinstance(runtime.engine, AsyncEngine)
     return runtime.engine.engine
 
 

@@ -114,7 +114,7 @@ def test_answers_written_in_slices_are_the_same_json_as_one_call() -> None:
 @contextlib.contextmanager
 def counting(runtime: Runtime) -> Iterator[dict[str, int]]:
     """Count the tokenizer's encode calls and the grammar compiler's compiles."""
-    engine = runtime.require_engine().engine
+    engine = runtime.require_engine()
     tokenizer, compiler = engine.tokenizer, engine.grammars()
     encode, compile_ = tokenizer.encode, compiler.compile
     calls = {"encode": 0, "compile": 0}
@@ -161,7 +161,7 @@ def test_the_queue_place_is_given_back_on_every_failure_after_the_lease(
 ) -> None:
     settings = server_settings(tiny_llama_dir, {}, max_queued_requests_per_tenant=1)
     with start_server(settings) as (url, runtime):
-        engine = runtime.require_engine().engine
+        engine = runtime.require_engine()
         bad = [
             ({"model": "tiny-llama", "prompt": [10**6]}, "token ids must be in"),
             ({"model": "tiny-llama", "prompt": "x " * 400}, "maximum context length"),
@@ -222,7 +222,7 @@ def test_a_tenant_waiting_behind_another_tenants_slow_prompts_is_tokenized_next(
             num_kv_blocks=128, tokenize_workers=2,
         )  # fmt: skip
         with start_server(settings) as (url, runtime):
-            tokenizer = runtime.require_engine().engine.tokenizer
+            tokenizer = runtime.require_engine().tokenizer
             encode, starts, lock = tokenizer.encode, [], threading.Lock()
 
             def slow_encode(text: str, *args: Any, **kw: Any) -> list[int]:

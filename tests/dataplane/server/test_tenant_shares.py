@@ -83,7 +83,8 @@ def test_a_base_model_prompt_another_tenant_sent_is_no_cache_hit_but_ones_own_re
     token) on a prompt another tenant just sent. The negative control shares one base salt
     across tenants, as the code before did, and the same probe sees the other tenant's blocks."""
     rng = random.Random(time.time_ns())
-    with replica(tiny_llama_dir, tmp_path, {"acme": 1, "globex": 1}) as r:
+    # the negative control patches the engine's classes: the engine on a thread of this process
+    with replica(tiny_llama_dir, tmp_path, {"acme": 1, "globex": 1}, engine_process=False) as r:
         a, b = r.client("acme"), r.client("globex")
         sent = [rng.randrange(3, 300) for _ in range(96)]  # six blocks of 16
         assert cached(a, sent) == 0

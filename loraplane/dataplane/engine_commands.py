@@ -1,0 +1,47 @@
+"""The calls the API server makes into its engine between steps, by name.
+
+A lambda cannot cross into the engine's process (engine_process.py), so the server names what
+it wants and passes arguments that pickle; the engine's side runs `run_command`, on its loop,
+between steps, whichever process that loop is in. Results pickle too (refs, snapshots).
+
+    register_stored(ref, store_path) -> LoRARef   a stored version, loaded on first use
+    register_lora(name, path, tenant) -> LoRARef  a local adapter directory (AdapterRejected)
+    unregister(name, tenant) -> list[LoRARef]     every version of (tenant, name), freed
+    set_weight(tenant, weight) -> None            the tenant's share weight in the scheduler
+    snapshot() -> EngineSnapshot                  the metrics port's reading
+    gateway_snapshot() -> EngineSnapshot          the inference gateway's (cheap) reading
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraplane.dataplane.engine import Engine
+
+COMMANDS = (
+    "register_stored",
+    "register_lora",
+    "unregister",
+    "set_weight",
+    "snapshot",
+    "gateway_snapshot",
+)
+
+
+def run_command(engine: Engine, name: str, args: tuple[Any, ...]) -> Any:
+    """Run command `name` on `engine` (on its loop, between steps); its result."""
+    from loraplane.dataplane.server.metrics import EngineSnapshot  # metrics imports the loop
+
+    if name == "register_stored":
+        return engine.loras.register_stored(*args)
+    if name == "register_lora":
+        return engine.register_lora(*args)
+    if name == "unregister":
+        return engine.loras.unregister(*args)
+    if name == "set_weight":
+        return engine.scheduler.set_weight(*args)
+    if name == "snapshot":
+        return EngineSnapshot.of(engine)
+    if name == "gateway_snapshot":
+        return EngineSnapshot.gateway(engine)
+    raise ValueError(f"unknown engine command {name!r} (known: {', '.join(COMMANDS)})")

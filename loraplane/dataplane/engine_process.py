@@ -1,0 +1,630 @@
+"""The engine in a process of its own: the API server's process tokenizes, renders chat
+templates, compiles grammars and streams SSE; a child process runs the engine loop (scheduler,
+model, sampler, detokenizer).
+
+Why: in one interpreter the event loop's per-token work (JSON, SSE, the HTTP stack) and the
+engine's step take turns at the GIL, so each slows the other. Here they share nothing but a pipe
+(`multiprocessing` spawn context, pickled plain dataclasses between two processes of one replica):
+
+    server -> engine   ("add", id, prompt, params, constraint, lora, tenant) | ("abort", id)
+                       ("cmd", call id | None, name, args)  (engine_commands.py) | ("stop",)
+    engine -> server   Ready | Failed  (once, after the model loaded or failed to)
+                       Step            (ONE per step: every request's new tokens and text of
+                                        that step, errors, adapter load times, health fields)
+                       Reply           (a command's result) | Died (the loop ended: why)
+
+`ProcessEngine` is the server's side, with AsyncEngine's interface (generate, abort, post,
+command, health, alive, has_work, shutdown, tokenizer, vocab_size, grammars, is_registered):
+the runtime uses either (`LORAPLANE_ENGINE_PROCESS`). Text is still decoded on the engine's side
+(its stop strings end a sequence inside the step that produced them); only per-step batches of
+ids and text cross. Compiled grammars do not pickle: the server compiles a request's constraint
+(to answer 400 at once) and sends the constraint, which the engine compiles again (cached).
+
+Failure semantics as the thread's: a dead engine process (killed, crashed, out of memory) makes
+the replica not ready and not alive (`health()` says why: "the engine process is gone (killed
+by SIGKILL)"), every stream in flight gets an error at once and later requests a 503. The child
+exits when the server does: it reads the pipe on a thread of its own and stops at end of file
+(the server's process gone), and is a daemon of the server's `multiprocessing` (terminated at
+exit); `shutdown` asks it to stop, then terminates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from loraplane import fileaccess
+from loraplane.adapters.errors import AdapterRejected
+from loraplane.dataplane.async_engine import EngineHealth, EngineLoop, judge
+from loraplane.dataplane.engine import Engine, RequestOutput
+from loraplane.dataplane.engine_commands import run_command
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.structured import Constraint, GrammarCompiler
+from loraplane.dataplane.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+DEFAULT_TENANT = "default"  # the standalone server's one tenant (server/catalog.py)
+EXIT_GRACE_S = 10.0  # the child's wait for its step to end once the server is gone
+
+
+class StartupError(RuntimeError):
+    """The server cannot serve (bad model, rejected static adapter)."""
+
+
+class EngineGone(RuntimeError):
+    """The engine process has exited: nothing will answer."""
+
+
+def build_engine(settings: ServerSettings, observe: Callable[[str, float], None]) -> Engine:
+    """The engine `settings` describe, with the static `--lora-modules` registered; each
+    adapter load's seconds go to `observe(tier, seconds)` (tier "cpu": into host memory,
+    "gpu": into a device slot). Raises StartupError. Runs in the server's process or in the
+    engine's."""
+    disk = None
+    if settings.controlplane_url:  # catalog mode: stored versions, through the tiers
+        from loraplane.adapters.store import open_store
+        from loraplane.dataplane.tiers.disk import DiskTier
+
+        try:
+            disk = DiskTier(open_store(settings.store))
+            if disk.local:  # read in place: a folder this user cannot read fails at start
+                with contextlib.suppress(FileNotFoundError):  # the control plane makes it
+                    fileaccess.check_readable(disk.store.url())
+        except (ValueError, OSError) as e:
+            raise StartupError(f"LORAPLANE_STORE: {fileaccess.message(e, 'write')}") from e
+        if settings.usage_spool_dir is not None:
+            try:
+                fileaccess.check_writable_dir(settings.usage_spool_dir)
+            except OSError as e:
+                raise StartupError(f"LORAPLANE_USAGE_SPOOL_DIR: {e}") from e
+    try:
+        engine = Engine(settings.engine_config(), disk=disk)
+    except (ValueError, OSError) as e:
+        reason = fileaccess.message(e)
+        raise StartupError(f"cannot load model {settings.model}: {reason}") from e
+    engine.loras.device_stats.load_seconds = lambda s: observe("gpu", s)
+    engine.loras.host_stats.load_seconds = lambda s: observe("cpu", s)
+    for name, path in settings.adapter_dirs().items():
+        start = time.perf_counter()
+        try:
+            engine.register_lora(name, path, DEFAULT_TENANT)
+        except AdapterRejected as e:
+            raise StartupError(f"adapter {name} rejected: {e.code.value}: {e.message}") from e
+        except OSError as e:
+            raise StartupError(f"adapter {name}: {fileaccess.message(e)}") from e
+        observe("cpu", time.perf_counter() - start)
+    return engine
+
+
+# -- messages ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The engine loaded: what the server needs of it."""
+
+    max_model_len: int
+    vocab_size: int
+    registered: list[LoRARef]
+    loads: list[tuple[str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The engine could not be built (the StartupError's message)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step's outputs, every request's in one message, and the loop's health fields."""
+
+    outputs: list[RequestOutput]
+    errors: list[tuple[str, Any]]  # (request id, a portable error)
+    loads: list[tuple[str, float]]  # adapter loads since the last message: (tier, seconds)
+    progress_at: float
+    failed_in_a_row: int
+    failed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A command's result, or its portable error."""
+
+    call: int
+    ok: bool
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Died:
+    """The engine loop ended on an exception (its type only: a message may name a request)."""
+
+    reason: str
+
+
+def portable(error: BaseException) -> Any:
+    """`error` in a form that pickles and rebuilds (`rebuild`): itself when it round-trips,
+    AdapterRejected as its code and message, anything else as a RuntimeError naming its type."""
+    if isinstance(error, AdapterRejected):
+        return ("AdapterRejected", error.code, error.message)
+    try:
+        copy = pickle.loads(pickle.dumps(error))  # noqa: S301 (our own bytes, just made)
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return copy if type(copy) is type(error) else RuntimeError(str(error))
+
+
+def rebuild(value: Any) -> BaseException:
+    """The exception `portable` made of an error."""
+    if isinstance(value, tuple) and value[0] == "AdapterRejected":
+        return AdapterRejected(value[1], value[2])
+    assert isinstance(value, BaseException)
+    return value
+
+
+# -- the engine's side --------------------------------------------------------------------------
+
+
+def _child_main(conn: Connection, settings: ServerSettings) -> None:
+    """The engine process: build the engine, report, serve the pipe until told to stop or the
+    server goes away."""
+    loads: deque[tuple[str, float]] = deque()
+    try:
+        engine = build_engine(settings, lambda tier, s: loads.append((tier, s)))
+    except StartupError as e:
+        conn.send(Failed(str(e)))
+        return
+    except Exception as e:
+        conn.send(Failed(f"start failed: {type(e).__name__}: {e}"))
+        return
+    conn.send(Ready(engine.config.max_model_len or 0, engine.runner.vocab_size,
+                    engine.loras.registered, _drain(loads)))  # fmt: skip
+    _EngineServer(engine, conn, loads).run()
+
+
+def _drain(loads: deque[tuple[str, float]]) -> list[tuple[str, float]]:
+    out = []
+    while loads:  # appended to by loader threads: popleft is atomic
+        out.append(loads.popleft())
+    return out
+
+
+class _EngineServer(EngineLoop):
+    """The engine loop of the child: actions come from the pipe (read on a thread), each step
+    goes back as one Step message."""
+
+    def __init__(self, engine: Engine, conn: Connection, loads: deque[tuple[str, float]]):
+        super().__init__(engine)
+        self._conn = conn
+        self._loads = loads
+        self._errors: list[tuple[str, Any]] = []
+        self._stored: dict[str, tuple[LoRARef, str]] = {}  # key -> (ref, store path)
+
+    def run(self) -> None:
+        threading.Thread(target=self._read, name="engine-pipe", daemon=True).start()
+        try:
+            self._loop()
+        except (EOFError, OSError):  # the server is gone: nobody to answer
+            return
+        except BaseException as e:
+            log.critical("the engine loop died; no request can run", exc_info=e)
+            with contextlib.suppress(Exception):
+                self._conn.send(Died(type(e).__name__))
+            raise
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "stop":
+                    break
+                self._actions.put(self._action(message))
+        except (EOFError, OSError):  # the server's process is gone: stop, then exit anyway
+            threading.Timer(EXIT_GRACE_S, os._exit, (0,)).start()
+        self._stop.set()
+        self._actions.put(lambda: None)
+
+    def _action(self, message: tuple[Any, ...]) -> Callable[[], None]:
+        kind = message[0]
+        if kind == "add":
+            return lambda: self._add(*message[1:])
+        if kind == "abort":
+            return lambda: self._abort(message[1])
+        if kind == "cmd":
+            return lambda: self._command(*message[1:])
+        raise ValueError(f"unknown message {kind!r}")
+
+    def _add(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        constraint: Constraint | None,
+        lora: LoRARef | None,
+        tenant: str | None,
+    ) -> None:
+        engine = self.engine
+        try:
+            if params is not None and constraint is not None:
+                params = dataclasses.replace(params, grammar=engine.grammars().compile(constraint))
+            stored = self._stored.get(lora.key) if lora is not None else None
+            if stored is not None and not engine.loras.is_registered(stored[0]):
+                engine.loras.register_stored(*stored)  # forgotten as idle since the server's
+            engine.add_request(request_id, prompt, params, lora, tenant)
+        except Exception as e:  # delivered to the caller, not fatal to the loop
+            self._deliver(request_id, e)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def _command(self, call: int | None, name: str, args: tuple[Any, ...]) -> None:
+        try:
+            result = run_command(self.engine, name, args)
+        except Exception as e:
+            reply = Reply(call or 0, False, portable(e))
+        else:
+            if name == "register_stored":
+                self._stored[result.key] = (result, args[1])
+            elif name == "unregister":
+                for ref in result:
+                    self._stored.pop(ref.key, None)
+            reply = Reply(call or 0, True, result)
+        if call is not None:
+            self._conn.send(reply)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._errors.append((request_id, portable(item)))
+
+    def _stepped(self, outputs: list[RequestOutput]) -> None:
+        self._send_step(outputs)
+
+    def _idle(self) -> None:
+        if self._errors or self._loads:
+            self._send_step([])
+
+    def _send_step(self, outputs: list[RequestOutput]) -> None:
+        errors, self._errors = self._errors, []
+        self._conn.send(Step(outputs, errors, _drain(self._loads), self._progress_at,
+                             self._failed_in_a_row, self._failed_at))  # fmt: skip
+
+
+# -- the server's side --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass(slots=True)
+class _Call:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    name: str
+    args: tuple[Any, ...] = field(default_factory=tuple)
+
+
+class ProcessEngine:
+    """The server's front for an engine in a child process (AsyncEngine's interface).
+
+    `ProcessEngine(settings)` starts the child; `wait_ready()` (blocking: call it on a worker
+    thread) loads the tokenizer here while the child loads the model, and raises StartupError
+    when the child cannot serve."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._proc = context.Process(
+            target=_child_main, args=(child, settings), name="loraplane-engine", daemon=True
+        )
+        self._proc.start()
+        child.close()  # the child's end lives in the child only: its exit means end of file
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._registered: dict[str, LoRARef] = {}
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self.on_loads: Callable[[list[tuple[str, float]]], None] | None = None
+        self.start_loads: list[tuple[str, float]] = []
+        self._tokenizer: Tokenizer | None = None
+        self.vocab_size = 0
+        self.max_model_len = 0
+        # health: fields the child reports with each step (monotonic clock: one per machine)
+        self._progress_at = time.monotonic()
+        self._failed_in_a_row = 0
+        self._failed_at = 0.0
+        self._died: str | None = None  # why the child is gone, once it is
+        self._died_of: str | None = None  # what ended its loop, as it said before exiting
+        self._stopping = False
+
+    def wait_ready(self) -> None:
+        """Block until the child has loaded the model (StartupError if it cannot)."""
+        tokenizer = Tokenizer.from_dir(self.settings.model)  # meanwhile, the child loads
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            why = self._exit()
+            raise StartupError(f"the engine process exited while loading ({why})") from None
+        if isinstance(message, Failed):
+            self._proc.join(10)
+            raise StartupError(message.message)
+        assert isinstance(message, Ready)
+        self._tokenizer = tokenizer
+        self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
+        self._registered = {ref.key: ref for ref in message.registered}
+        self.start_loads = message.loads
+        self._progress_at = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name="engine-pipe", daemon=True)
+        self._reader.start()
+
+    # -- what the server reads of the engine --------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The base model's tokenizer, loaded in this process (once ready)."""
+        if self._tokenizer is None:
+            raise EngineGone("the engine is not ready")
+        return self._tokenizer
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._proc.pid
+
+    @property
+    def registered(self) -> list[LoRARef]:
+        """Every adapter version registered through this front (and the static ones)."""
+        return list(self._registered.values())
+
+    def is_registered(self, ref: LoRARef) -> bool:
+        """Whether `ref` was registered (the engine re-registers a stored version it forgot
+        as idle when a request for it comes)."""
+        return ref.key in self._registered
+
+    def grammars(self) -> GrammarCompiler:
+        """A grammar compiler of the base model's tokenizer, in this process (to refuse a bad
+        constraint before the request is queued)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._grammars
+
+    # -- requests and commands ---------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        lora: LoRARef | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until it finishes (AsyncEngine.generate)."""
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already running")
+        constraint = None
+        if params is not None and params.grammar is not None:
+            constraint = params.grammar.constraint
+            params = dataclasses.replace(params, grammar=None)
+        self._mark_busy()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._check_alive()  # after the stream is in: a death from now on reaches it
+            self._send(("add", request_id, prompt, params, constraint, lora, tenant))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps (its blocks are freed)."""
+        with contextlib.suppress(EngineGone):
+            self._send(("abort", request_id))
+
+    def post(self, name: str, *args: Any) -> None:
+        """Send the named command (engine_commands.py); its result is dropped."""
+        with contextlib.suppress(EngineGone):
+            self._send(("cmd", None, name, args))
+
+    async def command(self, name: str, *args: Any) -> Any:
+        """Run the named command (engine_commands.py) between steps; its result or error."""
+        call = next(self._ids)
+        loop = asyncio.get_running_loop()
+        self._mark_busy()
+        pending = _Call(loop, loop.create_future(), name, args)
+        self._calls[call] = pending
+        try:
+            self._check_alive()
+            self._send(("cmd", call, name, args))
+            result = await pending.future
+        finally:
+            self._calls.pop(call, None)
+        if name in ("register_stored", "register_lora"):
+            self._registered[result.key] = result
+        elif name == "unregister":
+            for ref in result:
+                self._registered.pop(ref.key, None)
+        return result
+
+    def _mark_busy(self) -> None:
+        """Work arrives: an idle loop had made progress until now (as the thread's notes)."""
+        if not self.has_work:
+            self._progress_at = max(self._progress_at, time.monotonic())
+
+    def _check_alive(self) -> None:
+        if self._died is not None:
+            raise EngineGone(f"the engine stopped: {self._died}")
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as e:  # a closed pipe: the child is gone
+            raise EngineGone(f"the engine stopped: {self._died or 'its pipe closed'}") from e
+
+    # -- the pipe's reader ---------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if isinstance(message, Step):
+                    self._on_step(message)
+                elif isinstance(message, Reply):
+                    self._on_reply(message)
+                elif isinstance(message, Died):
+                    self._died_of = message.reason
+        except (EOFError, OSError):
+            pass
+        except Exception:  # a message that does not unpickle: the pipe cannot be trusted
+            log.exception("the engine's pipe failed")
+        self._gone()
+
+    def _on_step(self, step: Step) -> None:
+        self._progress_at = max(self._progress_at, step.progress_at)
+        self._failed_in_a_row, self._failed_at = step.failed_in_a_row, step.failed_at
+        if step.loads and self.on_loads is not None:
+            self.on_loads(step.loads)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        for out in step.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for request_id, error in step.errors:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, rebuild(error)))
+        for loop, items in by_loop.items():  # one wake-up of each event loop per step
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _on_reply(self, reply: Reply) -> None:
+        pending = self._calls.get(reply.call)
+        if pending is None:
+            return
+        value = reply.value if reply.ok else rebuild(reply.value)
+        with contextlib.suppress(RuntimeError):
+            pending.loop.call_soon_threadsafe(_settle, pending.future, reply.ok, value)
+
+    def _gone(self) -> None:
+        """The pipe closed: the child exited (or is about to). Fail everything waiting."""
+        self._proc.join(5)
+        reason = "stopped" if self._stopping else self._exit()
+        self._died = reason
+        if not self._stopping:
+            log.critical("the engine process is gone (%s); no request can run", reason)
+        error = f"the engine stopped: {reason}"
+        for stream in list(self._streams.values()):
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineGone(error))
+        for pending in list(self._calls.values()):
+            with contextlib.suppress(RuntimeError):
+                pending.loop.call_soon_threadsafe(_settle, pending.future, False, EngineGone(error))
+
+    def _exit(self) -> str:
+        """Why the child ended, in words."""
+        if self._died_of is not None:
+            return self._died_of
+        code = self._proc.exitcode
+        if code is None:
+            return "its pipe closed"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    # -- life cycle and health -----------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the child (asked first, then terminated); requests still running are
+        abandoned."""
+        self._stopping = True
+        with contextlib.suppress(EngineGone):
+            self._send(("stop",))
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
+        if self._reader is not None:
+            self._reader.join(5)
+        self._died = self._died or "stopped"
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine process runs (False once it died, or after `shutdown`)."""
+        return self._died is None and self._proc.is_alive()
+
+    @property
+    def has_work(self) -> bool:
+        """Requests streaming, or commands waiting for their answer."""
+        return bool(self._streams) or bool(self._calls)
+
+    def health(
+        self, *, stall_s: float, max_failed_steps: int, now: float | None = None
+    ) -> EngineHealth:
+        """The loop's verdict (async_engine.judge) from the fields its last step reported;
+        it never waits for the child: a probe must answer while a step hangs."""
+        gone = None
+        if not self.alive:
+            reason = self._died or self._exit()
+            gone = f"the engine process is gone ({reason})"
+        return judge(
+            gone=gone, busy=self.has_work, progress_at=self._progress_at,
+            failed=self._failed_in_a_row, failed_at=self._failed_at, stall_s=stall_s,
+            max_failed_steps=max_failed_steps, now=time.monotonic() if now is None else now,
+        )  # fmt: skip
+
+
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
