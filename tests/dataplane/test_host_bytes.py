@@ -10,8 +10,10 @@ The budget of a step, in bytes, over the rows that sample in it:
 (the sampler packs int32 words, so it sends 4 + 4 + 8 * top_logprobs; the budget is the issue's
 ceiling). The count is `HostCopy.bytes`, the counter of the one helper every device->host copy
 of the step goes through; besides it, no `.cpu()` / `.tolist()` / `.item()` / `.numpy()` of a
-logits-shaped tensor (last dimension the vocabulary) may happen during a step. The negative
-controls put back the old path (the full logits to the host) and show both checks catch it.
+logits-shaped tensor (last dimension the vocabulary) may happen during a step, and inside the
+sampler none of any tensor but what its one copy brought back (on a GPU, each would be a sync).
+The negative controls put back main's paths (the full logits to the host, the tokens read back
+on their own) and show that the checks catch them.
 """
 
 from __future__ import annotations
@@ -53,11 +55,16 @@ class Step:
 
 @dataclass
 class Watch:
-    """Records every host read of a logits-shaped tensor while armed."""
+    """Records every host read of a logits-shaped tensor while armed, and inside the sampler
+    every read of a tensor other than what its one copy brought back (on a GPU each such read
+    would be a sync of its own)."""
 
     vocab: int
     armed: bool = False
     reads: list[str] = field(default_factory=list)
+    in_sampler: bool = False  # inside Sampler.__call__, outside its HostCopy
+    copied: set[int] = field(default_factory=set)  # storages the HostCopy returned
+    sampler_reads: list[str] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -71,6 +78,8 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
         ) -> Any:
             if w.armed and self.dim() >= 1 and self.shape[-1] == w.vocab:
                 w.reads.append(f"{_n} of {tuple(self.shape)}")
+            if w.in_sampler and self.untyped_storage().data_ptr() not in w.copied:
+                w.sampler_reads.append(f"{_n} of {tuple(self.shape)}")
             return _f(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, hooked)
@@ -97,7 +106,27 @@ def run_steps(engine: Engine, params: list[SamplingParams], watch: Watch) -> lis
                           sum(budget(p) for p in rows)))  # fmt: skip
         return execute(out, *args, **kwargs)
 
+    sampler = engine.sampler
+    copy = sampler.host_copy
+
+    def watched_copy(packed: torch.Tensor) -> torch.Tensor:
+        watch.in_sampler = False
+        host = copy(packed)
+        watch.copied.add(host.untyped_storage().data_ptr())
+        watch.in_sampler = True
+        return host
+
+    def watched_sampler(*args: Any, **kwargs: Any) -> Any:
+        watch.in_sampler = True
+        try:
+            return sampler(*args, **kwargs)
+        finally:
+            watch.in_sampler = False
+            watch.copied.clear()
+
     engine.runner.execute = measured  # type: ignore[method-assign]
+    sampler.host_copy = watched_copy  # type: ignore[assignment]
+    engine.sampler = watched_sampler  # type: ignore[assignment]
     watch.vocab = engine.runner.vocab_size
     try:
         for i, p in enumerate(params):
@@ -112,6 +141,7 @@ def run_steps(engine: Engine, params: list[SamplingParams], watch: Watch) -> lis
     finally:
         watch.armed = False
         engine.runner.execute = execute  # type: ignore[method-assign]
+        sampler.host_copy, engine.sampler = copy, sampler
     return steps
 
 
@@ -161,6 +191,7 @@ def test_a_step_moves_only_the_tokens_and_the_logprobs_asked_for(
         assert s.copies == (1 if s.rows else 0), s  # one copy per step, not per request
     assert all(d.rows == ROWS and d.moved >= 4 * ROWS for d in decodes)
     assert watch.reads == []  # no logits row was read on the host
+    assert watch.sampler_reads == []  # the sampler read back only its one copy
 
 
 def test_prompt_logprobs_of_several_requests_take_one_copy_per_step(
@@ -208,6 +239,21 @@ def test_the_checks_catch_the_full_logits_crossing_to_the_host(
     monkeypatch.setattr(engine.runner, "execute", counted)
     steps = run_steps(engine, params, watch)
     assert all(s.moved > s.budget for s in steps if s.rows)
+
+
+def test_the_checks_catch_a_read_back_inside_the_sampler(
+    engine: Engine, watch: Watch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As main's sampler did: the chosen tokens read back with their own `.tolist()`."""
+    results = Sampler._results
+
+    def old(self: Sampler, raw: torch.Tensor, tokens: torch.Tensor, params: Any) -> Any:
+        tokens.tolist()
+        return results(self, raw, tokens, params)
+
+    monkeypatch.setattr(Sampler, "_results", old)
+    run_steps(engine, _settings(engine)["greedy"], watch)
+    assert watch.sampler_reads and watch.reads == []
 
 
 # --- the helper itself ---
