@@ -450,6 +450,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from loraplane.dataplane.kernels import bgmv_triton as bt
     from loraplane.dataplane.kernels import sgmv_triton as st
 
     COMMON = {"token_order_ptr": "*i64", "seg_slots_ptr": "*i32", "seg_bounds_ptr": "*i32",
@@ -470,11 +471,26 @@ _COMPILE_SCRIPT = textwrap.dedent(
               "RANK_MULTIPLE": 8}),
         ]
 
+    TOKENS = {"token_order_ptr": "*i64", "token_slots_ptr": "*i64", "ranks_ptr": "*i32",
+              "a_ptrs_ptr": "*i64", "b_ptrs_ptr": "*i64", "scales_ptr": "*fp32",
+              "in_features": "i32", "out_features": "i32", "h_stride": "i32", "h_ptr": "*fp32"}
+    def bgmv_kernels(dt):  # the decode kernels: one program per token
+        return [
+            (bt._bgmv_shrink_kernel, {"x_ptr": dt},
+             {"BLOCK_K": 128, "BLOCK_R": 16, "SPLIT_K": 2, "PTR_ALIGN": 16}),
+            (bt._bgmv_expand_kernel, {"y_ptr": dt},
+             {"BLOCK_N": 128, "BLOCK_R": 16, "PTR_ALIGN": 16, "RANK_MULTIPLE": 8}),
+            (bt._bgmv_fused_kernel, {"x_ptr": dt, "y_ptr": dt},
+             {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_R": 16, "PTR_ALIGN": 16,
+              "RANK_MULTIPLE": 8}),
+        ]
+
     count = 0
     for dt, precision in (("*bf16", "tf32"), ("*fp16", "tf32"), ("*fp32", "ieee")):
-        for kernel, types, consts in kernels(dt):
-            consts = {"PTR_ALIGN": 16, "PRECISION": precision, **consts}
-            types = {**COMMON, **types}
+        launches = [(k, {**COMMON, **t}, {"PTR_ALIGN": 16, "PRECISION": precision, **c})
+                    for k, t, c in kernels(dt)]
+        launches += [(k, {**TOKENS, **t}, c) for k, t, c in bgmv_kernels(dt)]
+        for kernel, types, consts in launches:
             sig = {n: "constexpr" if n in consts else types[n] for n in kernel.arg_names}
             src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -486,8 +502,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 def test_kernels_compile_to_sm90_cubin_in_every_dtype_without_a_gpu() -> None:
-    """The interpreter does not lower kernels; compile them for an H100/H200 target here."""
-    assert "compiled 9" in compile_without_gpu(_COMPILE_SCRIPT, timeout=120)
+    """The interpreter does not lower kernels; compile them (SGMV and BGMV) for an H100/H200
+    target here."""
+    assert "compiled 18" in compile_without_gpu(_COMPILE_SCRIPT, timeout=240)
 
 
 @pytest.mark.gpu
