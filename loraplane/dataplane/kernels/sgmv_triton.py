@@ -17,6 +17,11 @@ Grid and tiling (S segments, m = token block within a segment):
 Rank-exact: programs whose rank block starts at or past their slot's rank exit at once, and rank
 loops run to the slot's own rank; a rank-8 slot never touches rank-64 padding. Slots with rank
 0 (the module is not targeted) exit at once. Programs past their segment's end exit at once.
+
+These kernels serve steps with long segments (prefill chunks, decodes of adapters with several
+rows each); steps whose segments are a token or so, and every captured decode graph, launch the
+per-token BGMV kernels of `bgmv_triton` instead, whose grid is the tokens rather than segments
+x token blocks of the longest segment (`kernels/launch.py` has the rule, decided once per step).
 """
 
 # Triton's convention: compile-time (tl.constexpr) kernel parameters are in capitals.
