@@ -45,19 +45,29 @@ Figures:
 - also: checkpoint_gib, checkpoint_shards, build_s (writing the model and the adapters),
   host_anon_before_load_gib, register_adapters_s, the roofline's parts (weight_bytes_read_gib,
   adapter_mib, kv_bytes_read_gib), load_s_graphs, hf_peft_load_s.
+- the decode matrix (_decode_matrix.py, whose docstring defines each figure): on the eager
+  engine and again on the one with graphs, decode steps of 64 and 256 rows over 8 and 64
+  adapters, greedy and temperature 0.8 / top-p 0.9: decode_step_ms_<case>, device_ms_<case>,
+  host_ms_<case>, host_fraction_<case>, roofline_ms_<case> (logits included) and
+  decode_over_roofline_<case>, <case> = <rows>r_<adapters>a_<greedy|sampled>_<eager|graphs>;
+  graph_replays_matrix. Goals (the issue's, at 256 rows and 64 adapters with graphs):
+  decode_over_roofline <= 1.5, host_fraction <= 0.10. Both engines hold 256 rows
+  (max_num_seqs), so the graphs are captured up to 256.
 - failed_phases: phases that raised (engine, graphs, hf+peft; each prints its traceback, and
   the ones after a failed engine phase are skipped) or were interrupted: the figures measured
   so far are still written, and the exit status is 1 (124 after a SIGTERM, which gpu_check.sh's
   time limit sends).
 Needs only torch, transformers, peft, safetensors, numpy and the source tree (the lent GPU
-has no package registry). Estimated at about 2 minutes on an H200 (not measured yet;
-gpu_check.sh gives it 170 s), most of it writing the 16 GB checkpoint and loading it three
-times (eager engine, engine with graphs, HF); progress lines carry the elapsed time.
+has no package registry). Estimated at about 3 minutes on an H200 (not measured yet;
+gpu_check.sh gives it 220 s), most of it writing the 16 GB checkpoint and loading it three
+times (eager engine, engine with graphs, HF), then the decode matrix's 256-row prefills and
+the graphs' capture up to 256 rows; progress lines carry the elapsed time.
 Run: python benchmarks/engine_gpu.py [--hbm-tbps 4.8] [--workdir DIR] (exits 0 with a message
 when there is no CUDA device)
 (--smoke: the same path on a hidden-64, 2-layer, vocab-512 model in several shards, 4 rank-8
 adapters (graphs replay ranks that are multiples of 8), 4 sequences (the "8 adapters" case
-over 2) of 8 prompt tokens, 2 timed steps and 2 tokens; without CUDA it runs on CPU in fp32,
+over 2) of 8 prompt tokens, 2 timed steps and 2 tokens, the decode matrix at 1 and 2 rows over
+1 and 2 adapters; without CUDA it runs on CPU in fp32,
 where the engine's greedy tokens must equal HF + PEFT's exactly, and runs the graph phase with
 Triton's interpreter and an emulated capture: that checks the script's graph path, not graphs)
 """
@@ -67,6 +77,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import random
@@ -82,6 +93,7 @@ from typing import Any, TypeVar
 
 import torch
 from _common import add_smoke_flag, goal, report
+from _decode_matrix import MATRIX_GOALS, Matrix, matrix_phase
 from _gpu_model import (
     HostMemoryPeak,
     adapter_bytes,
@@ -122,12 +134,20 @@ class Sizes:
     steps: int  # timed decode steps per case
     gen_tokens: int
     shard_bytes: int  # checkpoint shards of about this size
+    matrix: Matrix  # the decode matrix's cases (_decode_matrix.py)
+
+    @property
+    def max_rows(self) -> int:
+        """The most sequences one step holds (the engines' max_num_seqs)."""
+        return max(self.batch, *self.matrix.rows)
 
 
 FULL = Sizes(SHAPE, adapters=64, few=8, rank=16, batch=64, prompt_len=128, steps=8,
-             gen_tokens=32, shard_bytes=2 << 30)  # fmt: skip
+             gen_tokens=32, shard_bytes=2 << 30,
+             matrix=Matrix(rows=(64, 256), adapters=(8, 64), steps=6, prompt_len=128))  # fmt: skip
 SMOKE = Sizes(SMOKE_SHAPE, adapters=4, few=2, rank=8, batch=4, prompt_len=8, steps=2,
-              gen_tokens=2, shard_bytes=64 << 10)  # fmt: skip
+              gen_tokens=2, shard_bytes=64 << 10,
+              matrix=Matrix(rows=(1, 2), adapters=(1, 2), steps=2, prompt_len=8))  # fmt: skip
 
 
 class Clock:
@@ -143,19 +163,23 @@ class Clock:
 # -- the engine ----------------------------------------------------------------------------
 
 
-def prompts(sizes: Sizes, vocab: int, seed: int = 0) -> list[list[int]]:
+def prompts(sizes: Sizes, vocab: int, seed: int = 0, count: int | None = None) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(sizes.prompt_len)] for _ in range(sizes.batch)]
+    count = sizes.batch if count is None else count
+    return [[rng.randrange(3, vocab) for _ in range(sizes.prompt_len)] for _ in range(count)]
 
 
 def make_engine(model: Path, sizes: Sizes, device: Device, dtype: Dtype, graphs: bool) -> Engine:
-    # every sequence's longest run (decode_step_seconds or generate), a spare block each, and
-    # one the CUDA graphs keep for their padding rows
-    per_seq = -(-(sizes.prompt_len + max(sizes.steps + 4, sizes.gen_tokens)) // BLOCK_SIZE) + 1
+    # every sequence's longest run (decode_step_seconds, generate, or a decode matrix case
+    # behind its prefill steps), a spare block each, and one the CUDA graphs keep for their
+    # padding rows
+    prefill_steps = -(-sizes.max_rows * sizes.prompt_len // 4096) + 1  # max_num_batched_tokens
+    longest = max(sizes.steps + 4, sizes.gen_tokens, sizes.matrix.steps + prefill_steps + 2)
+    per_seq = -(-(sizes.prompt_len + longest) // BLOCK_SIZE) + 1
     config = EngineConfig(model=str(model), device=device, dtype=dtype, max_loras=sizes.adapters,
-                          max_num_seqs=sizes.batch, block_size=BLOCK_SIZE,
-                          num_kv_blocks=sizes.batch * per_seq + 1, enable_prefix_caching=False,
-                          cuda_graphs=graphs)  # fmt: skip
+                          max_num_seqs=sizes.max_rows, block_size=BLOCK_SIZE,
+                          num_kv_blocks=sizes.max_rows * per_seq + 1,
+                          enable_prefix_caching=False, cuda_graphs=graphs)  # fmt: skip
     return Engine(config)
 
 
@@ -201,6 +225,7 @@ def engine_generate(
 def engine_phase(
     figures: dict[str, float], model: Path, adapters: list[Path], sizes: Sizes,
     prompt_ids: list[list[int]], checkpoint: int, device: Device, dtype: Dtype, clock: Clock,
+    hbm_tbps: float,
 ) -> list[list[int]]:  # fmt: skip
     """Load (timed, host memory watched), register, decode steps per case, generate; each
     figure goes into `figures` as it is measured. Returns each sequence's tokens over the
@@ -234,8 +259,22 @@ def engine_phase(
     clock.log(f"engine: generate {sizes.gen_tokens} tokens over {sizes.few} adapters")
     tps, tokens = engine_generate(engine, prompt_ids, cases["8"], sizes.gen_tokens)
     figures["engine_tokens_per_s"] = tps
+    run_matrix(figures, engine, refs, sizes, False, hbm_tbps, clock)
     free_engine(engine)
     return tokens
+
+
+def run_matrix(
+    figures: dict[str, float], engine: Engine, refs: list[LoRARef], sizes: Sizes, graphs: bool,
+    hbm_tbps: float, clock: Clock,
+) -> None:  # fmt: skip
+    """The decode matrix (_decode_matrix.py) on `engine`."""
+    config = json.loads((Path(engine.config.model) / "config.json").read_text())
+    item = torch.empty(0, dtype=engine.runner.dtype).element_size()
+    vocab = config["vocab_size"]
+    matrix_phase(figures, engine, refs, sizes.matrix,
+                 lambda rows: prompts(sizes, vocab, seed=5, count=rows), config, sizes.rank,
+                 item, hbm_tbps, graphs, clock.log)  # fmt: skip
 
 
 def roofline_figures(
@@ -268,6 +307,7 @@ def roofline_figures(
 def graphs_phase(
     figures: dict[str, float], model: Path, adapters: list[Path], sizes: Sizes,
     prompt_ids: list[list[int]], eager_tokens: list[list[int]], dtype: Dtype, clock: Clock,
+    hbm_tbps: float,
 ) -> None:  # fmt: skip
     """The mixed case again on an engine with cuda_graphs=True; what its graphs did.
 
@@ -286,7 +326,7 @@ def graphs_phase(
         engine.enable_cuda_graphs(capture=replay_eagerly)
     figures["load_s_graphs"] = time.perf_counter() - start
     refs = [engine.register_lora(f"a{i}", p, "bench") for i, p in enumerate(adapters)]
-    mixed: list[LoRARef | None] = [refs[i % len(refs)] for i in range(sizes.batch)]
+    mixed: list[LoRARef | None] = [refs[i % sizes.few] for i in range(sizes.batch)]
     engine_generate(engine, prompt_ids, mixed, 2)  # warm-up
     clock.log(f"graphs: decode steps with {len(refs)} adapters")
     step = decode_step_seconds(engine, mixed, sizes.steps, prompt_ids)
@@ -306,6 +346,7 @@ def graphs_phase(
     figures["graph_replays"] = float(replays) if isinstance(replays, int) else 0.0
     figures["graph_fallbacks"] = float(fallbacks) if isinstance(fallbacks, int) else 0.0
     figures["graph_batch_sizes"] = float(len(captured))
+    run_matrix(figures, engine, refs, sizes, True, hbm_tbps, clock)
     free_engine(engine)
 
 
@@ -404,7 +445,8 @@ def run_phases(
         release(dev)
         prompt_ids = prompts(sizes, config["vocab_size"])
         tokens = guarded("engine", lambda: engine_phase(
-            figures, model, adapters, sizes, prompt_ids, checkpoint, device, dtype_name, clock
+            figures, model, adapters, sizes, prompt_ids, checkpoint, device, dtype_name, clock,
+            args.hbm_tbps,
         ), failed, clock)  # fmt: skip
         release(dev)
         if tokens is None:
@@ -414,7 +456,8 @@ def run_phases(
         few = adapters[: sizes.few]
         with _graph_kernels(cuda):
             guarded("graphs", lambda: graphs_phase(
-                figures, model, few, sizes, prompt_ids, tokens, dtype_name, clock
+                figures, model, adapters, sizes, prompt_ids, tokens, dtype_name, clock,
+                args.hbm_tbps,
             ), failed, clock)  # fmt: skip
         release(dev)
         guarded("hf+peft", lambda: hf_peft_phase(
@@ -451,7 +494,7 @@ GOALS = (("load_peak_host_over_checkpoint", "<=", 0.25),
          ("lora_cost_over_traffic_bound", "<=", 1.1),
          ("engine_over_hf_peft_tokens_per_s", ">=", 5.0),
          ("greedy_within_tol_fraction", ">=", 0.95),
-         ("graph_replays", ">=", 1))  # fmt: skip
+         ("graph_replays", ">=", 1), *MATRIX_GOALS)  # fmt: skip
 
 
 def main() -> int:

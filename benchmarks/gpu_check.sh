@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh            # logs and results under $OUT (default ./gpu-out)
 #   bash benchmarks/gpu_check.sh --smoke    # the same steps, the benchmarks at --smoke size
 #   bash benchmarks/gpu_check.sh --dry-run  # where there is no GPU: checks this script itself
-# Steps and their time limits (470 s in all, so that the whole run ends within 8 minutes):
+# Steps and their time limits (520 s in all, so that the whole run ends within 9 minutes, one
+# command on the lent machine being 10 at most):
 #   tests-gpu    40 s  the bf16 `gpu` tests of the SGMV and attention kernels (compiled Triton)
 #   tests-cuda   75 s  the rest of the SGMV kernel tests, on CUDA tensors (TRITON_INTERPRET unset)
 #   bench        80 s  the SGMV kernel benchmark (kernels_gpu.py)
@@ -12,9 +13,14 @@
 #                      their own buffers (shared_pool_gpu.py)
 #   attention    55 s  the paged attention kernel against the torch gather + SDPA path and the
 #                      HBM roofline (attention_gpu.py)
-#   engine      170 s  the engine end to end: an 8B-shaped bf16 model from a sharded checkpoint
+#   engine      220 s  the engine end to end: an 8B-shaped bf16 model from a sharded checkpoint
 #                      (load time, host memory), decode steps against the roofline, CUDA
-#                      graphs on and off, HF + PEFT on the same adapters (engine_gpu.py)
+#                      graphs on and off, HF + PEFT on the same adapters (engine_gpu.py), and
+#                      its decode matrix (_decode_matrix.py): 64 and 256 rows, 8 and 64
+#                      adapters, greedy and temperature 0.8 / top-p 0.9, graphs off and on;
+#                      per case the step against its roofline (weights, adapters, KV and the
+#                      logits' fp32 passes) and the host time per step (the step's wall less
+#                      the forward's and lm_head's, from CUDA events), printed as it runs
 # A failing step does not stop the others, but the script exits non-zero if any failed; each
 # benchmark's results JSON is copied to $OUT. Without a CUDA device it says so and exits 0
 # (skipped).
@@ -155,7 +161,7 @@ step tests-cuda 75 "$PYTHON" -m pytest -q -p no:cacheprovider "${select_cuda[@]}
 bench_step bench 80 benchmarks/kernels_gpu.py
 bench_step shared-pool 50 benchmarks/shared_pool_gpu.py
 bench_step attention 55 benchmarks/attention_gpu.py
-bench_step engine 170 benchmarks/engine_gpu.py
+bench_step engine 220 benchmarks/engine_gpu.py
 rm -f "$marker"
 
 echo "== summary ($OUT)"

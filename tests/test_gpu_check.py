@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.sh, the lent GPU's one run: its dry run works where there is no GPU,
-and its steps' time limits fit the machine's 8 minutes."""
+and its steps' time limits fit one 10-minute command on the lent machine, with room."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def _step_limits() -> dict[str, int]:
     return {name: int(seconds) for name, seconds in calls}
 
 
-def test_the_step_limits_add_up_to_at_most_470_s_so_the_run_ends_within_8_minutes() -> None:
+def test_the_step_limits_add_up_to_at_most_520_s_so_the_run_ends_within_9_minutes() -> None:
     limits = _step_limits()
     assert set(limits) == set(STEPS)
-    assert sum(limits.values()) <= 470, limits
-    assert limits["engine"] >= 170, "engine_gpu.py needs about 170 s on an H200"
+    assert sum(limits.values()) <= 520, limits
+    assert limits["engine"] >= 220, "engine_gpu.py with its decode matrix: about 220 s"
 
 
 @pytest.mark.slow
@@ -74,3 +74,13 @@ def test_the_dry_run_runs_each_step_in_its_cpu_form_or_says_why_not(
     # the graph phase ran through the interpreter and an emulated capture, and replayed
     assert figures["graph_replays"] >= 1 and figures["graph_fallbacks"] == 0
     assert figures["graphs_greedy_match_fraction"] == 1.0
+    # the decode matrix: every case in its smoke form (1 and 2 rows over 1 and 2 adapters),
+    # eager and from the graphs, each with its roofline and host time
+    for case in [f"{r}r_{a}a_{s}_{m}" for r in (1, 2) for a in (1, 2)
+                 for s in ("greedy", "sampled") for m in ("eager", "graphs")]:  # fmt: skip
+        for figure in ("decode_step_ms", "host_ms", "host_fraction", "decode_over_roofline"):
+            assert f"{figure}_{case}" in figures, (figure, case)
+        assert 0 <= figures[f"host_fraction_{case}"] <= 1
+        assert figures[f"roofline_ms_{case}"] > 0
+    assert figures["logits_mib_2r_sampled"] == 3 * figures["logits_mib_2r_greedy"]
+    assert figures["graph_replays_matrix"] >= 16, "each graph case's 2 timed steps replayed"
