@@ -13,9 +13,11 @@ Figures: tokens/s of each, their ratio (goal: HTTP at least 0.9 of the engine), 
 first token and inter-token latency p50/p99 as the client sees them. The server runs its engine
 in a process of its own (its default); `--engine-process off` runs it on a thread of the
 server's process instead (the former default), for comparison.
-The client runs on the same machine: the server's torch threads default to cores - 1 so the
-client and the server's event loop keep a core (on 2 cores, 2 torch threads next to a busy client
-make every OpenMP barrier wait, ~0.56 of the engine instead of ~0.8).
+The client runs on the same machine. The server's torch threads default to every core with its
+engine in a process of its own (the engine's threads then share no interpreter with the event
+loop: on 2 cores, 2 threads give ~1.07x of the engine, 1 thread ~0.67x, the thread count
+capping it), and to cores - 1 with `--engine-process off`, so that the client and the event
+loop keep a core (there, 2 threads ~0.94x, 1 thread ~0.66x).
 Rounds alternate engine and HTTP runs; the best of each is kept (the machine may be shared).
 Run: .venv/bin/python benchmarks/server_http.py [--gen-tokens N] [--rounds R]
 (--smoke: engine_cpu.py's smoke model, 4 generated tokens, one round)
@@ -187,8 +189,8 @@ def main() -> int:
     parser.add_argument(
         "--server-threads",
         type=int,
-        default=max(1, (os.cpu_count() or 2) - 1),
-        help="torch threads of the server (default: cores - 1, a core left to the client)",
+        help="torch threads of the server's engine (default: every core with --engine-process"
+        " on, cores - 1 with off: a core left to the client and the event loop)",
     )
     parser.add_argument(
         "--engine-process",
@@ -207,6 +209,9 @@ def main() -> int:
                         "says) instead of starting one: HTTP rounds only")  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.server_threads is None:
+        cores = os.cpu_count() or 2
+        args.server_threads = cores if args.engine_process == "on" else max(1, cores - 1)
     gen_tokens, rounds = (4, 1) if args.smoke else (args.gen_tokens, args.rounds)
     torch.manual_seed(0)
     if (args.url or args.print_serve) and args.workdir is None:

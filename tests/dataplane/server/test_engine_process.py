@@ -110,6 +110,32 @@ def test_a_killed_engine_process_fails_the_stream_at_once_and_the_replica_turns_
     assert later.status_code == 503 and "engine has stopped" in later.json()["error"]["message"]
 
 
+def test_a_stopped_engine_process_is_a_stall_not_a_death_and_recovers(
+    serve: Callable[..., tuple[str, Runtime]],
+) -> None:
+    """A hung step (here: the engine process stopped by SIGSTOP) with work waiting: /ready turns
+    503 once no step has ended for LORAPLANE_READY_STALL_S, /health stays 200 (slow is not
+    dead); the stream resumes and /ready comes back once the process runs again."""
+    url, runtime = serve(ready_stall_s=1.0)
+    pid = front(runtime).pid
+    assert pid is not None
+    with httpx.stream("POST", url + "/v1/completions", json=LONG, headers=TENANT,
+                      timeout=30) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: httpx.get(url + "/ready").status_code == 503, timeout=10)
+            reason = httpx.get(url + "/ready").json()["reason"]
+            assert reason.startswith("the engine has work but no step has ended for"), reason
+            assert httpx.get(url + "/health").status_code == 200
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    wait_until(lambda: httpx.get(url + "/ready").status_code == 200)
+
+
 def test_commands_cross_to_the_engine_process_and_shutdown_leaves_no_child(
     serve: Callable[..., tuple[str, Runtime]], peft_adapters: dict[str, Path]
 ) -> None:
