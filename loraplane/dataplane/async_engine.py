@@ -176,9 +176,27 @@ class EngineLoop:
 
 
 @dataclass(slots=True)
-class _Stream:
+class Stream:
+    """One request's outputs (or the error that ends it) on their way to the coroutine that
+    reads them, on that coroutine's event loop (both engine fronts use it)."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+
+    @classmethod
+    def here(cls) -> Stream:
+        """A stream read on the running event loop."""
+        return cls(asyncio.get_running_loop(), asyncio.Queue())
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The outputs as they arrive, until the finished one; a delivered error is raised."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
 
 
 class AsyncEngine(EngineLoop):
@@ -186,7 +204,7 @@ class AsyncEngine(EngineLoop):
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -235,7 +253,7 @@ class AsyncEngine(EngineLoop):
         """
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Stream.here()
         self._streams[request_id] = stream
 
         def add() -> None:
@@ -247,14 +265,9 @@ class AsyncEngine(EngineLoop):
         self._actions.put(add)
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in stream.outputs():
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
             if not finished:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplane import fileaccess
 from loraplane.adapters.errors import AdapterRejected
-from loraplane.dataplane.async_engine import EngineHealth, EngineLoop, judge
+from loraplane.dataplane.async_engine import EngineHealth, EngineLoop, Stream, judge
 from loraplane.dataplane.engine import Engine, RequestOutput
 from loraplane.dataplane.engine_commands import run_command
 from loraplane.dataplane.sampling import SamplingParams
@@ -313,12 +313,6 @@ class _EngineServer(EngineLoop):
 
 
 @dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-
-
-@dataclass(slots=True)
 class _Call:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
@@ -343,7 +337,7 @@ class ProcessEngine:
         self._proc.start()
         child.close()  # the child's end lives in the child only: its exit means end of file
         self._send_lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
         self._registered: dict[str, LoRARef] = {}
@@ -434,20 +428,15 @@ class ProcessEngine:
             constraint = params.grammar.constraint
             params = dataclasses.replace(params, grammar=None)
         self._mark_busy()
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Stream.here()
         self._streams[request_id] = stream
         finished = False
         try:
             self._check_alive()  # after the stream is in: a death from now on reaches it
             self._send(("add", request_id, prompt, params, constraint, lora, tenant))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in stream.outputs():
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -522,7 +511,7 @@ class ProcessEngine:
         self._failed_in_a_row, self._failed_at = step.failed_in_a_row, step.failed_at
         if step.loads and self.on_loads is not None:
             self.on_loads(step.loads)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
         for out in step.outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -616,7 +605,7 @@ class ProcessEngine:
         )  # fmt: skip
 
 
-def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+def _put_all(items: list[tuple[Stream, Any]]) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)
 
