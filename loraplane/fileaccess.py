@@ -50,6 +50,11 @@ class AccessDenied(PermissionError):
     def __str__(self) -> str:
         return self.message
 
+    def __reduce__(self) -> tuple[type[AccessDenied], tuple[str, str, int]]:
+        # pickles whole (OSError's own reduce would call __init__ with errno, strerror,
+        # filename): it crosses from the engine process to the server's routes as itself
+        return AccessDenied, (str(self.filename), self.message, self.errno or errno.EACCES)
+
 
 def whoami() -> str:
     """'this process runs as uid 10001 (no name), gid 10001', plus its supplementary groups

@@ -359,7 +359,13 @@ class ProcessEngine:
 
     def wait_ready(self) -> None:
         """Block until the child has loaded the model (StartupError if it cannot)."""
-        tokenizer = Tokenizer.from_dir(self.settings.model)  # meanwhile, the child loads
+        problem = None
+        try:
+            tokenizer = Tokenizer.from_dir(self.settings.model)  # meanwhile, the child loads
+        except (ValueError, OSError) as e:  # as the engine's own load says it (the child's
+            # message, if it failed too, comes first: it names the first file it could not read)
+            reason = fileaccess.message(e)
+            problem = StartupError(f"cannot load model {self.settings.model}: {reason}")
         try:
             message = self._conn.recv()
         except (EOFError, OSError):
@@ -370,6 +376,9 @@ class ProcessEngine:
             self._proc.join(10)
             raise StartupError(message.message)
         assert isinstance(message, Ready)
+        if problem is not None:
+            self.shutdown()
+            raise problem
         self._tokenizer = tokenizer
         self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
         self._registered = {ref.key: ref for ref in message.registered}
