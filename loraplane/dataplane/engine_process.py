@@ -56,6 +56,7 @@ from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.structured import Constraint, GrammarCompiler
 from loraplane.dataplane.tokenizer import Tokenizer
+from loraplane.redact import env_secrets, install_log_redaction
 
 if TYPE_CHECKING:
     from loraplane.dataplane.server.settings import ServerSettings
@@ -185,9 +186,23 @@ def rebuild(value: Any) -> BaseException:
 # -- the engine's side --------------------------------------------------------------------------
 
 
-def _child_main(conn: Connection, settings: ServerSettings) -> None:
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's and the engine's
+
+
+def _child_logging(level: int, settings: ServerSettings) -> None:
+    """Log as the server does (its level and format, keys and tokens redacted) to the stderr
+    both share: the engine's lines (the LoRA kernel it loaded, adapter loads) stay in the log."""
+    if level == logging.NOTSET:  # the server configured no logging: neither does its engine
+        return
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    keys = [settings.api_key, settings.admin_token, settings.service_token]
+    install_log_redaction([*keys, *env_secrets()])
+
+
+def _child_main(conn: Connection, settings: ServerSettings, log_level: int) -> None:
     """The engine process: build the engine, report, serve the pipe until told to stop or the
     server goes away."""
+    _child_logging(log_level, settings)
     loads: deque[tuple[str, float]] = deque()
     try:
         engine = build_engine(settings, lambda tier, s: loads.append((tier, s)))
@@ -312,6 +327,12 @@ class _EngineServer(EngineLoop):
 # -- the server's side --------------------------------------------------------------------------
 
 
+def _server_log_level() -> int:
+    """The root logger's level when logging is configured (handlers on the root), else NOTSET."""
+    root = logging.getLogger()
+    return root.getEffectiveLevel() if root.handlers else logging.NOTSET
+
+
 @dataclass(slots=True)
 class _Call:
     loop: asyncio.AbstractEventLoop
@@ -332,8 +353,9 @@ class ProcessEngine:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._proc = context.Process(
-            target=_child_main, args=(child, settings), name="loraplane-engine", daemon=True
-        )
+            target=_child_main, name="loraplane-engine", daemon=True,
+            args=(child, settings, _server_log_level()),
+        )  # fmt: skip
         self._proc.start()
         child.close()  # the child's end lives in the child only: its exit means end of file
         self._send_lock = threading.Lock()

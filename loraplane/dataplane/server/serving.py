@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from loraplane.accesslog import AccessLogError, AccessLogSettings, make_logger, wrap
+from loraplane.dataplane.engine_process import LOG_FORMAT
 from loraplane.dataplane.server.app import create_app
 from loraplane.dataplane.server.metrics_port import (
     create_gateway_metrics_app,
@@ -96,9 +97,7 @@ class DrainingServer(uvicorn.Server):
 def serve(settings: ServerSettings, access_log: AccessLogSettings | None = None) -> int:
     """Serve until told to stop; the process exit code. `access_log`: the request log's
     settings (default: from the environment, on, to stderr)."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     failures: list[str] = []
     holder: list[DrainingServer] = []
 
