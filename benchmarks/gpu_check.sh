@@ -4,16 +4,16 @@
 #   bash benchmarks/gpu_check.sh            # logs and results under $OUT (default ./gpu-out)
 #   bash benchmarks/gpu_check.sh --smoke    # the same steps, the benchmarks at --smoke size
 #   bash benchmarks/gpu_check.sh --dry-run  # where there is no GPU: checks this script itself
-# Steps and their time limits (520 s in all, so that the whole run ends within 9 minutes, one
-# command on the lent machine being 10 at most):
-#   tests-gpu    40 s  the bf16 `gpu` tests of the SGMV and attention kernels (compiled Triton)
-#   tests-cuda   75 s  the rest of the SGMV kernel tests, on CUDA tensors (TRITON_INTERPRET unset)
-#   bench        80 s  the SGMV kernel benchmark (kernels_gpu.py)
-#   shared-pool  50 s  adapters inside the KV cache (the CUDA default) against adapters in
-#                      their own buffers (shared_pool_gpu.py)
-#   attention    55 s  the paged attention kernel against the torch gather + SDPA path and the
-#                      HBM roofline (attention_gpu.py)
-#   engine      220 s  the engine end to end: an 8B-shaped bf16 model from a sharded checkpoint
+# Steps and their time limits, in the order they run (520 s in all; --budget, 540 s by default,
+# caps the whole run: a step gets at most what is left, and one with under 20 s left is skipped,
+# so that the run ends within 9 minutes, one command on the lent machine being 10 at most):
+#   tests-gpu    60 s  the `gpu` tests: compiled SGMV and attention kernels in bf16, the sampler
+#                      on the device, structured bitmasks, and the CUDA defaults together (the
+#                      tiny model in fp32 with arena + Triton SGMV/BGMV + Triton attention, eager
+#                      and from real CUDA graphs, against the CPU torch path and HF + PEFT)
+#   tests-cuda   90 s  the SGMV, BGMV and MoE-expert kernel tests on CUDA tensors (TRITON_INTERPRET
+#                      unset; pytest-xdist spreads the compiles over 8 workers where it is there)
+#   engine      230 s  the engine end to end: an 8B-shaped bf16 model from a sharded checkpoint
 #                      (load time, host memory), decode steps against the roofline, CUDA
 #                      graphs on and off, HF + PEFT on the same adapters (engine_gpu.py), and
 #                      its decode matrix (_decode_matrix.py): 64 and 256 rows, 8 and 64
@@ -21,6 +21,12 @@
 #                      per case the step against its roofline (weights, adapters, KV and the
 #                      logits' fp32 passes) and the host time per step (the step's wall less
 #                      the forward's and lm_head's, from CUDA events), printed as it runs
+#   bench        60 s  the SGMV kernel benchmark (kernels_gpu.py)
+#   shared-pool  40 s  adapters inside the KV cache (the CUDA default) against adapters in
+#                      their own buffers (shared_pool_gpu.py)
+#   attention    40 s  the paged attention kernel against the torch gather + SDPA path and the
+#                      HBM roofline (attention_gpu.py)
+# --steps a,b,...: only those steps (e.g. a second call for what the first had no time for).
 # A failing step does not stop the others, but the script exits non-zero if any failed; each
 # benchmark's results JSON is copied to $OUT. Without a CUDA device it says so and exits 0
 # (skipped).
@@ -37,14 +43,25 @@ PYTHON="${PYTHON:-python}"
 DRY_RUN_TESTS="reject or without_launching or mixed"
 smoke=()
 dry_run=0
-for arg in "$@"; do
+only=""
+budget=540
+while [ "$#" -gt 0 ]; do
+    arg="$1"
+    shift
     case "$arg" in
+        --steps) only=",${1:?--steps needs a list},"; shift ;;
+        --steps=*) only=",${arg#--steps=}," ;;
+        --budget) budget="${1:?--budget needs seconds}"; shift ;;
+        --budget=*) budget="${arg#--budget=}" ;;
         --smoke) smoke=(--smoke) ;;
         --dry-run) dry_run=1 smoke=(--smoke) ;;
         -h | --help)
-            echo "usage: bash benchmarks/gpu_check.sh [--smoke | --dry-run]  (OUT=dir PYTHON=python)"
+            echo "usage: bash benchmarks/gpu_check.sh [--smoke | --dry-run] [--steps a,b] [--budget S]"
+            echo "       (OUT=dir PYTHON=python)"
             echo "  --smoke    the benchmarks at tiny sizes (seconds): checks they run, not speed"
             echo "  --dry-run  without a GPU: each step's CPU form at smoke size, or skipped"
+            echo "  --steps    only these steps: tests-gpu,tests-cuda,engine,bench,shared-pool,attention"
+            echo "  --budget   seconds for the whole run (540): a step gets at most what is left"
             exit 0
             ;;
         *)
@@ -78,10 +95,24 @@ failed=()
 summary=()
 note=""  # said after a step's time in the summary (what form it ran in)
 
+selected() {  # selected NAME: whether --steps (if given) names NAME
+    [ -z "$only" ] || [[ "$only" == *",$1,"* ]]
+}
+
 step() {  # step NAME SECONDS COMMAND... : run with a time limit, log to $OUT/NAME.log
     local name="$1" limit="$2"
     shift 2
-    local start=$SECONDS rc
+    local start=$SECONDS rc left=$((budget - SECONDS))
+    if ! selected "$name"; then
+        note=""
+        return
+    fi
+    if [ "$left" -lt 20 ]; then
+        skip "$name" "no time left in the ${budget} s budget"
+        note=""
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
     echo "== $name: $*"
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
@@ -114,6 +145,7 @@ sys.exit(1) if args is None else print(*args)' "$1"
 bench_step() {  # bench_step NAME SECONDS SCRIPT: a benchmark, its results JSON copied to $OUT
     local name="$1" limit="$2" script="$3"
     local result args cpu
+    selected "$name" || return 0
     result=$(basename "$script" .py)
     args=(${smoke[@]+"${smoke[@]}"})
     if [ "$dry_run" = 1 ]; then
@@ -145,6 +177,9 @@ bench_step() {  # bench_step NAME SECONDS SCRIPT: a benchmark, its results JSON 
 } | tee "$OUT/env.log"
 
 kernel_tests=(tests/dataplane/test_kernels_triton.py)
+gpu_tests=("${kernel_tests[@]}" tests/dataplane/test_attention_triton.py)
+cuda_tests=("${kernel_tests[@]}")
+workers=()
 if [ "$dry_run" = 1 ]; then
     select_gpu=(-m "not gpu" -k "$DRY_RUN_TESTS")
     select_cuda=(-m "not gpu" -k "$DRY_RUN_TESTS")
@@ -152,16 +187,22 @@ if [ "$dry_run" = 1 ]; then
 else
     select_gpu=(-m gpu)
     select_cuda=(-m "not gpu")
+    gpu_tests+=(tests/dataplane/test_host_bytes.py tests/dataplane/test_structured.py
+        tests/dataplane/test_cuda_defaults.py)
+    cuda_tests+=(tests/dataplane/test_kernels_bgmv.py tests/dataplane/test_lora_experts_triton.py)
+    if "$PYTHON" -c 'import xdist' >/dev/null 2>&1; then
+        workers=(-n 8)  # the kernels' compiles, side by side
+    fi
 fi
-step tests-gpu 40 "$PYTHON" -m pytest -q -p no:cacheprovider "${select_gpu[@]}" \
-    --junitxml="$OUT/tests-gpu.xml" "${kernel_tests[@]}" tests/dataplane/test_attention_triton.py
+step tests-gpu 60 "$PYTHON" -m pytest -q -p no:cacheprovider "${select_gpu[@]}" \
+    --junitxml="$OUT/tests-gpu.xml" "${gpu_tests[@]}"
 [ "$dry_run" = 1 ] && note=", CPU: Triton's interpreter, -k subset"
-step tests-cuda 75 "$PYTHON" -m pytest -q -p no:cacheprovider "${select_cuda[@]}" \
-    --junitxml="$OUT/tests-cuda.xml" "${kernel_tests[@]}"
-bench_step bench 80 benchmarks/kernels_gpu.py
-bench_step shared-pool 50 benchmarks/shared_pool_gpu.py
-bench_step attention 55 benchmarks/attention_gpu.py
-bench_step engine 220 benchmarks/engine_gpu.py
+step tests-cuda 90 "$PYTHON" -m pytest -q -p no:cacheprovider "${select_cuda[@]}" \
+    ${workers[@]+"${workers[@]}"} --junitxml="$OUT/tests-cuda.xml" "${cuda_tests[@]}"
+bench_step engine 230 benchmarks/engine_gpu.py
+bench_step bench 60 benchmarks/kernels_gpu.py
+bench_step shared-pool 40 benchmarks/shared_pool_gpu.py
+bench_step attention 40 benchmarks/attention_gpu.py
 rm -f "$marker"
 
 echo "== summary ($OUT)"

@@ -84,3 +84,22 @@ def test_the_dry_run_runs_each_step_in_its_cpu_form_or_says_why_not(
         assert figures[f"roofline_ms_{case}"] > 0
     assert figures["logits_mib_2r_sampled"] == 3 * figures["logits_mib_2r_greedy"]
     assert figures["graph_replays_matrix"] >= 16, "each graph case's 2 timed steps replayed"
+
+
+def test_steps_and_budget_pick_what_runs_and_a_step_without_time_is_skipped_by_name(
+    tmp_path: Path,
+) -> None:
+    """--steps runs only the steps it names; --budget leaves a step with under 20 s unrun,
+    said in the summary (a second call on the lent GPU for what the first had no time for)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--steps", "tests-gpu,attention", "--budget", "5"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [ln.strip() for ln in (out / "summary.txt").read_text().splitlines()[1:]]
+    assert lines == [
+        "skipped tests-gpu: no time left in the 5 s budget",
+        "skipped attention: no time left in the 5 s budget",
+    ], lines

@@ -160,6 +160,29 @@ def test_arena_triton_sgmv_and_attention_give_torch_and_peft_tokens_eager_and_fr
             assert decode is not None and decode.replays > 0 and decode.fallbacks == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_on_cuda_the_defaults_give_torch_and_peft_tokens_eager_and_from_captured_graphs(
+    family: Family, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch, graphs: bool
+) -> None:
+    """The same workload on a GPU with nothing forced: fp32 (IEEE dots, no TF32), the
+    backends' own choice (compiled Triton SGMV/BGMV and attention), adapters in the arena, and
+    real CUDA graphs captured and replayed; the tokens of the CPU torch path and HF + PEFT."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)  # set to torch by the reference fixture
+    monkeypatch.delenv(attention.ENV, raising=False)
+    probe = torch.empty(0, device="cuda")
+    assert (dispatch.backend(probe), attention.backend(probe)) == ("triton", "triton")
+    engine = _shared(family, device="cuda", cuda_graphs=graphs)
+    assert engine.runner.pool.arena is not None
+    assert _run(engine, family) == reference
+    assert engine.stats.preemptions > 0 and engine.block_manager.cache_hit_tokens > 0
+    _in_arena(engine)
+    if graphs:
+        decode = engine.runner.cuda_graphs
+        assert decode is not None and decode.replays > 0 and decode.fallbacks == 0
+
+
 # -- alignment ----------------------------------------------------------------------------
 
 
