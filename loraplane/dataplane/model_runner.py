@@ -25,6 +25,7 @@ from loraplane.dataplane.cuda_graphs import (
     GraphShape,
     capture_decode_graphs,
 )
+from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.host_copy import HostCopy, to_device
 from loraplane.dataplane.lora.layers import install_lora
 from loraplane.dataplane.lora.manager import LoRAManager
@@ -77,9 +78,7 @@ class ModelRunner:
     """The model on its device, its KV cache, and the adapters in its LoRA slots."""
 
     def __init__(self, config: EngineConfig, disk: DiskTier | None = None) -> None:
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device is 'cuda' but torch sees no CUDA device; use --device cpu")
+        self.device = torch_device(config.device)  # ValueError without CUDA
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model = load_model(config.model, self.dtype, self.device)
         spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from loraplane.dataplane.attention import AttentionMetadata
+from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
 
 
@@ -132,7 +133,7 @@ def build_step(
 ) -> StepInputs:
     """The step's inputs from its rows (see the module docstring); ValueError for a row whose
     block table does not cover its context or holds a negative block id."""
-    device = torch.device(device)
+    device = torch_device(device)
     host = host_step(rows, block_size, with_lora)
     parts, cu, ctx = host.parts, host.cu, host.ctx
     num_tokens = int(cu[-1])

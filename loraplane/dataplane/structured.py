@@ -356,4 +356,7 @@ def apply_bitmask(
         bias_f = bias_f[:, :vocab]
     else:  # logits wider than the mask: the extra ids are not in the grammar's vocabulary
         bias_f = torch.nn.functional.pad(bias_f, (0, vocab - bias_f.shape[1]), value=-math.inf)
-    logits.index_add_(0, index, bias_f)
+    if device.type == "cpu":
+        logits.index_add_(0, index, bias_f)
+    else:  # CUDA's index_add_ adds atomically, which flushes subnormal logits to zero
+        logits.index_copy_(0, index, logits.index_select(0, index).add_(bias_f))

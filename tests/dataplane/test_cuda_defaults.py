@@ -63,7 +63,7 @@ def _engine(family: Family, **overrides: Any) -> Engine:
 def _shared(family: Family, **overrides: Any) -> Engine:
     """The engine with adapters in the arena, whose adapter memory holds exactly the
     workload's adapters: blocks they do not hold are all the KV there is."""
-    probe = _engine(family, kv_lora_shared=True)
+    probe = _engine(family, kv_lora_shared=True, device=overrides.get("device", "cpu"))
     names = {n for _, n, _, _ in REQUESTS if n}
     need = sum(probe.loras.device_bytes(probe.register_lora(n, family.adapters[n])) for n in names)
     return _engine(family, kv_lora_shared=True, lora_memory=need, **overrides)
@@ -75,6 +75,7 @@ def _run(engine: Engine, family: Family) -> list[list[int]]:
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(REQUESTS))}
     step = 0
     while step == 0 or engine.has_unfinished:
+        assert step < 500, "the workload did not finish in 500 steps (a stuck request?)"
         for i, (prompt, name, n, at) in enumerate(REQUESTS):
             if at == step:
                 params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

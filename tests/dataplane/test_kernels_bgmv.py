@@ -254,7 +254,7 @@ def test_stamped_layers_check_the_slot_tables_once_per_pool_change_not_per_call(
             layer.base_layer(x), x, batch, layer.slots.lora_a, layer.slots.lora_b,
             layer.slots.scales,
         )  # fmt: skip
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
     for _ in range(3):
         step()

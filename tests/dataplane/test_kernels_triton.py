@@ -335,10 +335,12 @@ def test_dispatch_picks_triton_for_cuda_and_native_or_torch_for_cpu_unless_overr
     native = "native" if sgmv_cpu.library() is not None else "torch"
     assert dispatch.backend(torch.zeros(1)) == native
     assert dispatch.backend(torch.zeros(1, dtype=torch.bfloat16)) == "torch"  # fp32 only
-    monkeypatch.setenv(dispatch.ENV, "torch")
-    assert dispatch.backend(torch.zeros(1)) == "torch"
     if torch.cuda.is_available():
         assert dispatch.backend(torch.zeros(1, device="cuda")) == "triton"
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    assert dispatch.backend(torch.zeros(1)) == "torch"
+    if torch.cuda.is_available():  # forced, as the setting says
+        assert dispatch.backend(torch.zeros(1, device="cuda")) == "torch"
     monkeypatch.setenv(dispatch.ENV, "cuda-please")
     with pytest.raises(ValueError, match=dispatch.ENV):
         dispatch.backend(torch.zeros(1))

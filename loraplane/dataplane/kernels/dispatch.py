@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplane.dataplane.devices import same_device
 from loraplane.dataplane.kernels import sgmv_cpu, sgmv_torch
 from loraplane.dataplane.kernels.backends import SGMV_BACKENDS, SGMV_ENV, choose, resolve
 from loraplane.dataplane.kernels.launch import BGMV
@@ -99,12 +100,13 @@ def slot_weights(
     if (
         table is None
         or table.dtype != dtype
-        or table.device != device
+        or not same_device(table.device, device)
         or table.num_slots != len(slots.lora_a)
         or not _is_current(table, slots, used)
     ):
         fresh = SlotWeights.build(slots.lora_a, slots.lora_b, dtype, device)
-        if table is not None and table.num_slots == fresh.num_slots and table.device == device:
+        same_shape = table is not None and table.num_slots == fresh.num_slots
+        if table is not None and same_shape and table.device == fresh.device:
             # refill the old device tensors in place: their addresses stay valid for anything
             # captured against them (a CUDA graph), and nothing is allocated per reload
             for old, new in (

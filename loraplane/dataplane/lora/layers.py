@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
+from loraplane.dataplane.devices import same_device
 from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.lora.pool import FUSED_MODULES, LoRAPool, ModuleSlots
@@ -113,7 +114,7 @@ def install_lora(model: LoRAHost, pool: LoRAPool) -> LoRAContext:
     if not targets:
         raise ValueError("the model has no q/k/v/o/gate/up/down projections to wrap")
     weight = targets[0][3].weight
-    if weight.dtype != pool.dtype or weight.device != pool.device:
+    if weight.dtype != pool.dtype or not same_device(weight.device, pool.device):
         raise ValueError(
             f"pool dtype/device {pool.dtype}/{pool.device} differ from the model's "
             f"{weight.dtype}/{weight.device}"

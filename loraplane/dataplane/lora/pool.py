@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.kernels import sgmv_cpu
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
@@ -149,7 +150,7 @@ class LoRAPool:
         self.max_loras = max_loras
         self.spec = model_spec
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = torch_device(device)
         if b_transposed is None:
             from loraplane.dataplane.kernels import dispatch
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from loraplane import fileaccess
 from loraplane.adapters import base_model
+from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.models.config import ModelConfig
 from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
 from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
@@ -90,7 +91,7 @@ def load_model(
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
-    device = torch.device(device)
+    device = torch_device(device)
     root = Path(model_dir)
     config = read_config(root)
     with torch.device("meta"):
