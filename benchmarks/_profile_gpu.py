@@ -63,7 +63,8 @@ def profile_steps(args: argparse.Namespace, device: torch.device, shape: dict[st
             write_adapter(path, config, 16, seed=1000 + i, dtype=dtype, device=device)
         config_ = EngineConfig(model=str(root / "model"), device=device.type,
                                dtype="bfloat16" if cuda else "float32",
-                               max_num_seqs=args.rows, enable_prefix_caching=False)  # fmt: skip
+                               max_num_seqs=args.rows, enable_prefix_caching=False,
+                               cuda_graphs=False)  # fmt: skip
         engine = Engine(config_)
         refs = [engine.register_lora(f"a{i}", p, "bench") for i, p in enumerate(paths)]
         ids = prompts_for(args.rows, config["vocab_size"])

@@ -251,9 +251,8 @@ def pool_schema() -> Schema:
             "device": {"type": "string", "enum": ["cpu", "cuda"], "default": s.DEFAULT_DEVICE},
             "cudaGraphs": {
                 "type": "boolean",
-                "default": False,
-                "description": "decode steps replay CUDA graphs (--cuda-graphs; cuda only, off"
-                " until verified on your GPU with benchmarks/gpu_check.sh)",
+                "description": "decode steps replay CUDA graphs (--cuda-graphs /"
+                " --no-cuda-graphs; unset: the data plane's default, on for device cuda)",
             },
             "replicas": replicas,
             "lora": lora,

@@ -70,7 +70,7 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
         *([] if spec.lora_memory is None else ["--lora-memory", spec.lora_memory]),
         "--device",
         spec.device,
-        *(["--cuda-graphs"] if spec.cuda_graphs else []),
+        *({None: [], True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}[spec.cuda_graphs]),
         "--host",
         "0.0.0.0",  # noqa: S104 - a pod serves on its own address
         "--port",

@@ -184,7 +184,7 @@ class PoolSpec:
     lora_memory: str | None  # None: the data plane's default
     device: str
     resources: dict[str, Any]
-    cuda_graphs: bool
+    cuda_graphs: bool | None  # None: the data plane's default (on for cuda)
     autoscaling: Autoscaling
     routing: Routing
     service_token: SecretKeyRef | None
@@ -215,8 +215,8 @@ class PoolSpec:
         device = spec.get("device", DEFAULT_DEVICE)
         if device not in ("cpu", "cuda"):
             raise SpecError(f"spec.device must be cpu or cuda, got {device!r}")
-        cuda_graphs = spec.get("cudaGraphs", False)
-        if not isinstance(cuda_graphs, bool):
+        cuda_graphs = spec.get("cudaGraphs")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise SpecError(f"spec.cudaGraphs must be true or false, got {cuda_graphs!r}")
         if cuda_graphs and device != "cuda":
             raise SpecError("spec.cudaGraphs needs spec.device cuda")

@@ -63,7 +63,8 @@ def _engine(family: Family, **overrides: Any) -> Engine:
 def _shared(family: Family, **overrides: Any) -> Engine:
     """The engine with adapters in the arena, whose adapter memory holds exactly the
     workload's adapters: blocks they do not hold are all the KV there is."""
-    probe = _engine(family, kv_lora_shared=True, device=overrides.get("device", "cpu"))
+    device = overrides.get("device", "cpu")
+    probe = _engine(family, kv_lora_shared=True, device=device, cuda_graphs=False)
     names = {n for _, n, _, _ in REQUESTS if n}
     need = sum(probe.loras.device_bytes(probe.register_lora(n, family.adapters[n])) for n in names)
     return _engine(family, kv_lora_shared=True, lora_memory=need, **overrides)

@@ -64,9 +64,12 @@ def test_pool_lora_memory_reaches_serve_as_given_and_auto_max_loras_stays_auto()
 
 
 def test_pool_cuda_graphs_reach_serve_only_when_asked_and_only_on_cuda() -> None:
-    assert "--cuda-graphs" not in manifests.serve_args(PoolSpec.parse(POOL), "http://cp:8080")
+    unset = manifests.serve_args(PoolSpec.parse(POOL), "http://cp:8080")
+    assert "--cuda-graphs" not in unset and "--no-cuda-graphs" not in unset  # the server's default
+    off = manifests.serve_args(PoolSpec.parse({**POOL, "cudaGraphs": False}), "http://cp:8080")
+    assert "--no-cuda-graphs" in off and "--cuda-graphs" not in off
     crd_spec = crds.pool_schema()["properties"]["spec"]["properties"]
-    assert crd_spec["cudaGraphs"]["default"] is False
+    assert "default" not in crd_spec["cudaGraphs"]
     args = manifests.serve_args(PoolSpec.parse({**POOL, "cudaGraphs": True}), "http://cp:8080")
     assert "--cuda-graphs" in args and args[args.index("--device") + 1] == "cuda"
     with pytest.raises(SpecError, match=r"spec\.cudaGraphs needs spec\.device cuda"):

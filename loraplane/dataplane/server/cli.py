@@ -52,10 +52,11 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     serve.add_argument(
         "--cuda-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="decode steps replay CUDA graphs captured at start for a ladder of batch sizes"
-        " (cuda only; falls back to eager, with a log line, if capture fails)",
+        " (default: on for cuda, ignored on cpu; falls back to eager, with a log line, if"
+        " capture fails); --no-cuda-graphs: every step eager",
     )
     serve.add_argument(
         "--engine-process",

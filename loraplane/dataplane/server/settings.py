@@ -43,8 +43,8 @@ class ServerSettings(BaseSettings):
     # adapters inside the KV cache (one device pool); None: on for cuda, off for cpu
     kv_lora_shared: bool | None = None
     max_lora_rank: int = Field(default=64, ge=1)
-    # decode steps replay CUDA graphs (cuda only; off until verified on your GPU)
-    cuda_graphs: bool = False
+    # decode steps replay CUDA graphs (cuda only); None: on for cuda
+    cuda_graphs: bool | None = None
     # the engine loop in a child process of its own (engine_process.py), this process keeping
     # HTTP, tokenizing and SSE: neither waits for the other's turn at the GIL. Off: a thread
     engine_process: bool = True
@@ -230,8 +230,8 @@ SETTINGS_HELP: dict[str, str] = {
     " leave free",
     "kv_lora_shared": "adapters inside the KV cache, one device pool (unset: on for cuda)",
     "max_lora_rank": "largest adapter rank accepted",
-    "cuda_graphs": "decode steps replay CUDA graphs captured at start (cuda only; eager on a"
-    " capture error)",
+    "cuda_graphs": "decode steps replay CUDA graphs captured at start (unset: on for cuda; eager"
+    " on a capture error)",
     "engine_process": "the engine loop in a process of its own (on), or on a thread of the API"
     " server's (off)",
     "max_cpu_loras": "adapters kept in host memory (unset: twice the device slots)",
