@@ -213,6 +213,8 @@ class BlockManager:
         `num_new_tokens` counts tokens to compute beyond what is computed (for a sequence with
         no blocks yet: beyond its cached prefix, see `num_cached_prefix_tokens`).
         """
+        if self._fits(seq, num_new_tokens):  # most decode steps: the last block has room
+            return True
         hit = self._prefix_hit(seq)
         computed = len(hit) * self.block_size if hit else seq.num_computed_tokens
         have = len(hit) if hit else len(seq.block_table)
@@ -225,6 +227,14 @@ class BlockManager:
             short = need + revived - self.num_free_blocks
         return short <= 0
 
+    def _fits(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether a sequence with blocks holds `num_new_tokens` more without a new block (a
+        decode step's usual case, checked for every row of every step: kept to one sum)."""
+        table = seq.block_table
+        return bool(table) and (
+            seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+        )
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq.block_table to hold its computed tokens plus `num_new_tokens`.
 
@@ -234,6 +244,8 @@ class BlockManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if self._fits(seq, num_new_tokens):
+            return
         if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError(f"not enough free KV blocks for request {seq.request_id!r}")
         if not seq.block_table:

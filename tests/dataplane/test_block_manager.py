@@ -241,3 +241,25 @@ def test_block_hash_is_stable_and_covers_parent_salt_and_tokens() -> None:
     assert h != block_hash(None, BASE_SALT, [1, 2, 3, 5])
     # a known value: the hash is the same in every process (not Python's salted hash())
     assert h.hex() == "166af79a005a1dd36e3c78ec2fd7df0b"
+
+
+def test_a_row_whose_last_block_has_room_is_checked_without_the_prefix_or_free_lists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every decode row of every step asks can_allocate and allocate: where the last block has
+    room the answer is one sum (no prefix walk, no free count), and a full block still takes
+    the long way and a new block."""
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    seq = seq_of("a", list(range(6)))
+    compute_all(bm, seq)  # 6 tokens: blocks of 4 + 2, room for 2 more
+    walks: list[int] = []
+    real = bm._prefix_hit
+    monkeypatch.setattr(bm, "_prefix_hit", lambda s: walks.append(1) or real(s))
+    for _ in range(2):
+        assert bm.can_allocate(seq, 1)
+        bm.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+    assert walks == [] and len(seq.block_table) == 2
+    assert bm.can_allocate(seq, 1) and walks == [1]  # the block is full: the long way
+    bm.allocate(seq, 1)
+    assert len(seq.block_table) == 3
