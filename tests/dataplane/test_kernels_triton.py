@@ -176,6 +176,39 @@ def test_lora_apply_matches_torch_for_mixed_ranks_base_tokens_and_untargeted_slo
     assert torch.equal(got[untouched], before[untouched])
 
 
+def test_lora_apply_reads_no_intermediate_it_did_not_write_when_it_skips_the_memset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a split k the pair's intermediate is not zeroed (one launch less per layer
+    call): every torch.empty inside the call comes back poisoned with NaN, and the result
+    must still be the reference, untouched rows included (ranks below the table's largest,
+    base tokens and untargeted slots leave columns and rows unwritten)."""
+    lora_a, lora_b, scales = _pool_like(RANKS, FAN_IN, FAN_OUT, torch.float32, seed=4)
+    token_slots, batch = _batch(4, tokens=72)
+    x = torch.randn(len(token_slots), FAN_IN, device=DEVICE)
+    y = torch.randn(len(token_slots), FAN_OUT, device=DEVICE)
+    expected = _reference(
+        y, x, batch.token_order, batch.seg_slots, batch.seg_bounds, lora_a, lora_b, scales
+    )
+    weights = st.SlotWeights.build(lora_a, lora_b, torch.float32, DEVICE)
+    segs = _segments(batch.seg_slots, batch.seg_bounds, batch.token_order)
+    real = torch.empty
+    poisoned: list[torch.Tensor] = []
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real(*args, **kwargs)
+        t.fill_(float("nan") if t.is_floating_point() else -7)
+        poisoned.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    config = st.KernelConfig(block_m=16, block_n=32, block_k=32, block_r=16, split_k=1)
+    got = st.lora_apply(y, x, **segs, weights=weights, scales=scales, config=config)
+    monkeypatch.undo()
+    assert any(t.shape == (batch.token_order.numel(), 128) for t in poisoned)  # h was empty
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_shrink_writes_each_segment_at_its_own_rank_and_expand_adds_scaled_products(
     dtype: torch.dtype,

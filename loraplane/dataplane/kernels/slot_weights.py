@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplane.dataplane.devices import torch_device
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_ALIGN = 16  # bytes: the widest vector load the kernels' alignment hints can unlock
 
@@ -57,7 +59,7 @@ class SlotWeights:
         device: torch.device | str,
     ) -> SlotWeights:
         """Check every slot's A and B (contiguous, dtype, device, shapes) and tabulate them."""
-        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report
+        device = torch_device(device)  # "cuda" -> "cuda:0", as tensors report
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
         if len(lora_a) != len(lora_b):
