@@ -10,7 +10,7 @@ from enum import StrEnum
 
 
 class ReasonCode(StrEnum):
-    """Why an adapter was rejected (DESIGN.md section 3)."""
+    """Why an adapter was rejected (docs/architecture.md, "Reason codes")."""
 
     INVALID_CONFIG = "InvalidConfig"
     UNSUPPORTED_FORMAT = "UnsupportedFormat"

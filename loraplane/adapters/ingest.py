@@ -1,6 +1,6 @@
 """The ingest pipeline: validate -> canonicalise and digest -> store immutably -> version.
 
-Layout (DESIGN.md section 4), plus one claim object per version number:
+Layout (docs/architecture.md, "Storage layout"), plus one claim object per version number:
 
     adapters/<tenant>/<adapter>/v<N>-<digest[:12]>/adapter_config.json
                                                   adapter_model.safetensors

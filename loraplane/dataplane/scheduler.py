@@ -9,7 +9,7 @@ Then, if nothing was preempted, waiting sequences are admitted while seats (`max
 tokens (`max_num_batched_tokens`) and KV blocks last; the first that does not fit stops
 admission, so a large request is not overtaken forever by small ones.
 
-Adapter rules (DESIGN.md section 8, memory-limited). The running adapter versions must fit in
+Adapter rules (docs/architecture.md, "Data plane engine"; memory-limited). The running adapter versions must fit in
 the adapter memory budget (`Adapters.budget_bytes`, the sum of their `device_bytes`) and be at
 most `max_loras` distinct ones (the pool's slots: by default as many as `max_num_seqs`, so
 memory is the real limit); base model requests never count. A request is admitted only once

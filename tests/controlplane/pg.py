@@ -1,4 +1,5 @@
-"""A private, throwaway PostgreSQL cluster for tests and benchmarks (TESTING.md recipe).
+"""A private, throwaway PostgreSQL cluster for tests and benchmarks (initdb + pg_ctl from
+Debian's PostgreSQL server package, which .ci/run installs).
 
 `initdb` and `pg_ctl` run as the `postgres` user in a temp folder owned by it, listening on
 127.0.0.1 at a free port with fsync off. Start, stop and restart it (the outage test does).

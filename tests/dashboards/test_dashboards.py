@@ -1,5 +1,6 @@
 """The dashboards are well-formed Grafana JSON whose queries use only metrics loraplane's own
-components export (DESIGN.md section 7, the control plane's and the operator's metrics): no
+components export (docs/dataplane.md "Metrics: three views", the control plane's and the
+operator's metrics): no
 kube-state-metrics or other exporter is needed."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A Kubernetes API for the operator's tests: kmock's emulator, with the gaps filled.
 
 kmock's `KubernetesEmulator` keeps objects in memory and serves them over real HTTP with
-watch streams. This subclass adds what Kopf and kubectl rely on (TESTING.md):
+watch streams. This subclass adds what Kopf and kubectl rely on:
 - discovery of the built-in resources and of our two CRDs (with the status subresource);
 - server-filled metadata on create (uid, generation, creationTimestamp, resourceVersion,
   namespace from the URL), a new resourceVersion on every write, and a generation bump when

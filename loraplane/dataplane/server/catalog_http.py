@@ -1,7 +1,7 @@
 """Catalog mode: resolve tenants' keys and model names through the control plane.
 
 `GET {url}/internal/v1/resolve?model=...` with the service token as bearer and the caller's key
-in `X-Tenant-Key` (DESIGN.md section 6); answers are cached for `ttl` seconds per (key, model),
+in `X-Tenant-Key` (docs/controlplane.md, the internal API); answers are cached for `ttl` seconds per (key, model),
 so a revoked key or a deleted adapter stops working within the TTL. Refusals (401/404) are
 cached too, so a flood of bad keys does not become a flood of control plane calls, but in a
 cache of their own (NEGATIVE_ENTRIES, for at most NEGATIVE_TTL_S): random keys can evict only

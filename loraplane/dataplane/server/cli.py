@@ -1,4 +1,4 @@
-"""`loraplane serve`: the data plane server (DESIGN.md section 9's flags, plus --admin-token).
+"""`loraplane serve`: the data plane server (its flags: docs/dataplane.md, "Running").
 
 Flags override `LORAPLANE_*` environment variables. SIGTERM or SIGINT drain the server: it stops
 accepting connections, lets running requests finish for up to LORAPLANE_SHUTDOWN_GRACE_S

@@ -1,10 +1,12 @@
-"""Prometheus metrics of one server (its own registry): DESIGN.md section 7's names and labels.
+"""Prometheus metrics of one server (its own registry): the names and labels of
+docs/dataplane.md, "Metrics: three views".
 
 Engine state (queues, KV usage, adapters resident and waiting, the engine's counters) is read
 as an `EngineSnapshot`, taken on the engine thread when /metrics is scraped, so no scrape
 reads a queue while a step mutates it. Request-side figures (tokens, time to first token,
-inter-token latency, host-tier loads) are fed by the routes as requests run; device-tier load
-times by a wrapper the runtime puts around the adapter manager's `make_resident`.
+inter-token latency) are fed by the routes as requests run; adapter load times (host and
+device tiers) by the engine's tier stats, whose `load_seconds` callbacks `build_engine` points at
+the runtime (in the engine process, carried back with each step's message).
 
 Three views (docs/security.md): `render` is every series, tenant-labelled and per-adapter ones
 included, for the metrics port (`--metrics-port`) that only Prometheus may reach;

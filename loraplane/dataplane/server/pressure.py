@@ -1,7 +1,7 @@
 """Slot pressure and usage reports to the control plane (catalog mode).
 
-Every `interval` seconds the reporter posts `POST {url}/internal/v1/pressure` (DESIGN.md
-sections 6 and 8) with the replica's pressure, read from an engine snapshot: requests deferred
+Every `interval` seconds the reporter posts `POST {url}/internal/v1/pressure`
+(docs/controlplane.md, the internal API) with the replica's pressure, read from an engine snapshot: requests deferred
 now (requests whose adapter does not fit in the adapter memory beside the running ones),
 running and waiting adapters, adapters in the device pool, adapter memory used and total, KV
 usage, waiting requests per adapter, and the tokens used per tenant and adapter since the last

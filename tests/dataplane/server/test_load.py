@@ -1,5 +1,6 @@
 """200 concurrent streams over 20 adapters: no failure, each output equal to the same request
-run alone on a separate engine, and every metric of DESIGN.md section 7 present and moving."""
+run alone on a separate engine, and every metric of docs/dataplane.md "Metrics: three views"
+present and moving."""
 
 from __future__ import annotations
 
