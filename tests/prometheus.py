@@ -1,5 +1,6 @@
 """A real Prometheus for tests: Debian's binary on a free 127.0.0.1 port with a temporary config
-and TSDB, scraping every second, and its instant-query API (.ci/install-prometheus.sh installs the binary)."""
+and TSDB, scraping every second, and its instant-query API (.ci/install-prometheus.sh installs
+the binary)."""
 
 from __future__ import annotations
 

@@ -9,21 +9,21 @@ Then, if nothing was preempted, waiting sequences are admitted while seats (`max
 tokens (`max_num_batched_tokens`) and KV blocks last; the first that does not fit stops
 admission, so a large request is not overtaken forever by small ones.
 
-Adapter rules (docs/architecture.md, "Data plane engine"; memory-limited). The running adapter versions must fit in
-the adapter memory budget (`Adapters.budget_bytes`, the sum of their `device_bytes`) and be at
-most `max_loras` distinct ones (the pool's slots: by default as many as `max_num_seqs`, so
-memory is the real limit); base model requests never count. A request is admitted only once
-its adapter is `ready` (in host memory: the engine loads waiting requests' adapters in the
-background meanwhile). A waiting request whose ready adapter is not running and does not fit
-beside the running ones is *deferred*: it stays waiting, others may pass it, and it is counted
-(`num_deferred` now, `deferred_total` once per request). Among admissible requests: preempted
-ones first, then the tenant with the fewest running sequences (tenants take turns), then age.
-No starvation: once a request has been deferred in more than `max_deferral_steps` steps, the
-oldest such request whose adapter is ready raises a barrier: only its adapter's requests
-(first) and base model requests are admitted, so running adapters drain and it takes the first
-memory that frees up. A request still waiting for its adapter's load never raises the barrier
-(a slow store must not stop every other tenant). With room for one adapter and other adapters'
-requests finishing within M steps of admission, a request waits at most
+Adapter rules (docs/architecture.md, "Data plane engine"; memory-limited). The running adapter
+versions must fit in the adapter memory budget (`Adapters.budget_bytes`, the sum of their
+`device_bytes`) and be at most `max_loras` distinct ones (the pool's slots: by default as many
+as `max_num_seqs`, so memory is the real limit); base model requests never count. A request is
+admitted only once its adapter is `ready` (in host memory: the engine loads waiting requests'
+adapters in the background meanwhile). A waiting request whose ready adapter is not running and
+does not fit beside the running ones is *deferred*: it stays waiting, others may pass it, and it
+is counted (`num_deferred` now, `deferred_total` once per request). Among admissible requests:
+preempted ones first, then the tenant with the fewest running sequences (tenants take turns),
+then age. No starvation: once a request has been deferred in more than `max_deferral_steps`
+steps, the oldest such request whose adapter is ready raises a barrier: only its adapter's
+requests (first) and base model requests are admitted, so running adapters drain and it takes
+the first memory that frees up. A request still waiting for its adapter's load never raises the
+barrier (a slow store must not stop every other tenant). With room for one adapter and other
+adapters' requests finishing within M steps of admission, a request waits at most
 max_deferral_steps + M + 1 steps after its adapter is ready (see test_scheduler.py).
 
 The engine's step:

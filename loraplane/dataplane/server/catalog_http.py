@@ -1,14 +1,14 @@
 """Catalog mode: resolve tenants' keys and model names through the control plane.
 
 `GET {url}/internal/v1/resolve?model=...` with the service token as bearer and the caller's key
-in `X-Tenant-Key` (docs/controlplane.md, the internal API); answers are cached for `ttl` seconds per (key, model),
-so a revoked key or a deleted adapter stops working within the TTL. Refusals (401/404) are
-cached too, so a flood of bad keys does not become a flood of control plane calls, but in a
-cache of their own (NEGATIVE_ENTRIES, for at most NEGATIVE_TTL_S): random keys can evict only
-other refusals, never a tenant's good answer, which an outage may need. /v1/models lists the
-tenant's adapters with `GET {url}/v1/adapters` under its own key.
-Both go through `loraplane.internal_api.AsyncInternalAPIClient`; `_api_error` is the one place
-its errors become OpenAI errors (401, 404, 429 busy, 503 `CatalogDown`, 502 otherwise).
+in `X-Tenant-Key` (docs/controlplane.md, the internal API); answers are cached for `ttl` seconds
+per (key, model), so a revoked key or a deleted adapter stops working within the TTL. Refusals
+(401/404) are cached too, so a flood of bad keys does not become a flood of control plane calls,
+but in a cache of their own (NEGATIVE_ENTRIES, for at most NEGATIVE_TTL_S): random keys can
+evict only other refusals, never a tenant's good answer, which an outage may need. /v1/models
+lists the tenant's adapters with `GET {url}/v1/adapters` under its own key. Both go through
+`loraplane.internal_api.AsyncInternalAPIClient`; `_api_error` is the one place its errors become
+OpenAI errors (401, 404, 429 busy, 503 `CatalogDown`, 502 otherwise).
 
 Serving does not depend on the control plane being up for tenants it already knows: while the
 control plane is unreachable (no connection, a timeout, or a 5xx answer), a (key, model) that

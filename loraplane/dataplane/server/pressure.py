@@ -1,17 +1,17 @@
 """Slot pressure and usage reports to the control plane (catalog mode).
 
 Every `interval` seconds the reporter posts `POST {url}/internal/v1/pressure`
-(docs/controlplane.md, the internal API) with the replica's pressure, read from an engine snapshot: requests deferred
-now (requests whose adapter does not fit in the adapter memory beside the running ones),
-running and waiting adapters, adapters in the device pool, adapter memory used and total, KV
-usage, waiting requests per adapter, and the tokens used per tenant and adapter since the last
-report. Usage is counted once: each report's usage is a batch with an id; a report that got no
-answer (or a 5xx or 429) is sent again with the same batch, which the control plane counts only
-if it has not already (it keeps each replica's last batch), while new usage waits in the log for
-the next batch; a report refused outright (4xx) puts its usage back into the log. A failing
-control plane never stops serving. The body follows the control plane's `PressureReport` schema
-(it forbids unknown fields), so the host cache size, which that schema has no field for yet, is
-not sent.
+(docs/controlplane.md, the internal API) with the replica's pressure, read from an engine
+snapshot: requests deferred now (requests whose adapter does not fit in the adapter memory
+beside the running ones), running and waiting adapters, adapters in the device pool, adapter
+memory used and total, KV usage, waiting requests per adapter, and the tokens used per tenant
+and adapter since the last report. Usage is counted once: each report's usage is a batch with an
+id; a report that got no answer (or a 5xx or 429) is sent again with the same batch, which the
+control plane counts only if it has not already (it keeps each replica's last batch), while new
+usage waits in the log for the next batch; a report refused outright (4xx) puts its usage back
+into the log. A failing control plane never stops serving. The body follows the control plane's
+`PressureReport` schema (it forbids unknown fields), so the host cache size, which that schema
+has no field for yet, is not sent.
 
 The pool is named by its namespace and name (LORAPLANE_POOL_NAMESPACE, LORAPLANE_POOL). Reports
 carry the config.json the replica loaded its base model from until an answer says the pool has
