@@ -17,6 +17,7 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 Device = Literal["cpu", "cuda"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)  # models/quant.py's, kept here without torch
 # Device memory for adapter slots, by default: a tenth of what the weights leave free. On a
 # 24 GiB CPU host that is ~2 GiB: ~1,300 rank-16 q/v adapters of a 1B model, or ~25 rank-16
 # all-module adapters of an 8B one in bf16 (docs/dataplane.md, "Sizing the adapter memory").
@@ -85,6 +86,9 @@ class EngineConfig:
     # None: on for cuda (on an H200 a 64-row decode step of an 8B model over 8 adapters took
     # 15 ms against 86 ms eager), off for cpu; falls back to eager on a capture error
     cuda_graphs: bool | None = None
+    # "fp8": quantize a 16-bit checkpoint's projections to float8 e4m3 at load (per-channel
+    # scales; models/quant.py); None: as the checkpoint is (an FP8 checkpoint loads as FP8)
+    quantization: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -128,6 +132,10 @@ class EngineConfig:
             self.kv_lora_shared = self.device == "cuda"
         if self.cuda_graphs is None:
             self.cuda_graphs = self.device == "cuda"
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         for name in (
             "enable_prefix_caching",
             "enable_chunked_prefill",

@@ -80,7 +80,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, disk: DiskTier | None = None) -> None:
         self.device = torch_device(config.device)  # ValueError without CUDA
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
         spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
         self.pool = LoRAPool(config.lora_slots, spec, self.dtype, self.device)
         install_lora(self.model, self.pool)

@@ -114,10 +114,11 @@ def install_lora(model: LoRAHost, pool: LoRAPool) -> LoRAContext:
     if not targets:
         raise ValueError("the model has no q/k/v/o/gate/up/down projections to wrap")
     weight = targets[0][3].weight
-    if weight.dtype != pool.dtype or not same_device(weight.device, pool.device):
+    dtype = getattr(targets[0][3], "compute_dtype", weight.dtype)  # FP8 weights: models/quant.py
+    if dtype != pool.dtype or not same_device(weight.device, pool.device):
         raise ValueError(
             f"pool dtype/device {pool.dtype}/{pool.device} differ from the model's "
-            f"{weight.dtype}/{weight.device}"
+            f"{dtype}/{weight.device}"
         )
     for name, layer_idx, module_name, linear in targets:
         wrapper = LinearWithLoRA(linear, layer_idx, module_name)

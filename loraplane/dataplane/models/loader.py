@@ -19,7 +19,8 @@ from safetensors import safe_open
 from loraplane import fileaccess
 from loraplane.adapters import base_model
 from loraplane.dataplane.devices import torch_device
-from loraplane.dataplane.models.config import ModelConfig
+from loraplane.dataplane.models import quant
+from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
 from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
 from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
 from loraplane.dataplane.models.llama import LlamaForCausalLM
@@ -71,6 +72,36 @@ def _check_keys(model: LlamaForCausalLM, state: dict[str, torch.Tensor], where: 
         )
 
 
+def _load_fp8(
+    state: dict[str, torch.Tensor], target: str, tensor: torch.Tensor, scheme: quant.FP8Scheme,
+    device: torch.device, dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """One tensor of an FP8 projection into `state`: its weight (quantized here when the
+    checkpoint is 16-bit), its scale (fp32, shaped as the layer's), its bias (as stored);
+    activation scales are read past (activations stay unquantized)."""
+    module, _, part = target.rpartition(".")
+    if part == "weight":
+        if scheme.at_load:
+            weight, scale = quant.quantize(tensor.to(device), scheme.per_channel)
+            state[f"{module}.weight_scale"] = scale
+            state[target] = weight
+            return
+        if tensor.dtype != quant.FP8:
+            raise ValueError(f"{target} is {tensor.dtype}, its quantization_config says fp8 e4m3")
+        state[target] = tensor.to(device)
+    elif part == "weight_scale":
+        want = (-1, 1) if scheme.per_channel else ()
+        if scheme.per_channel and (tensor.dim() > 2 or tensor.shape[-1:] != (1,)):
+            raise ValueError(
+                f"{target} has shape {tuple(tensor.shape)}, per channel needs [out, 1]"
+            )
+        if not scheme.per_channel and tensor.numel() != 1:
+            raise ValueError(f"{target} has {tensor.numel()} values, per tensor needs one")
+        state[target] = tensor.to(device=device, dtype=torch.float32).reshape(want)
+    elif part not in ("input_scale", "weight_zero_point"):
+        state[target] = tensor.to(device=device, dtype=dtype)  # the bias
+
+
 def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
     """The decoder a parsed config describes (Gemma's and the MoE families' are LlamaForCausalLM
     subclasses)."""
@@ -82,9 +113,11 @@ def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
 
 
 def load_model(
-    model_dir: Path | str, dtype: torch.dtype, device: torch.device | str
-) -> LlamaForCausalLM:
-    """Build the decoder from `config.json` and load its weights in `dtype` on `device`.
+    model_dir: Path | str, dtype: torch.dtype, device: torch.device | str,
+    quantization: str | None = None,
+) -> LlamaForCausalLM:  # fmt: skip
+    """Build the decoder from `config.json` and load its weights in `dtype` on `device`; FP8
+    projections (models/quant.py) where the checkpoint holds them or `quantization` is "fp8".
 
     Raises UnsupportedModelError (a ValueError) for an architecture or option not implemented,
     ValueError for missing files or weights that do not fit the config.
@@ -93,9 +126,14 @@ def load_model(
         raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
     device = torch_device(device)
     root = Path(model_dir)
-    config = read_config(root)
+    raw = base_model.read_config(str(root))
+    config = ModelConfig.from_dict(raw)
+    scheme = quant.scheme_for(raw, quantization)
+    if scheme is not None and isinstance(config, MoEConfig):
+        raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
     with torch.device("meta"):
         model = causal_lm(config)
+        fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
     state: dict[str, torch.Tensor] = {}
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
@@ -111,6 +149,9 @@ def load_model(
                     continue  # an image-text Gemma 3's vision tower: only its text is served
                 if config.tie_word_embeddings and target == "lm_head.weight":
                     continue  # tied: the embedding matrix is the output projection
+                if target.rpartition(".")[0] in fp8 and scheme is not None:
+                    _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
+                    continue
                 state[target] = f.get_tensor(name).to(device=device, dtype=dtype)
     _check_keys(model, state, root)
     try:

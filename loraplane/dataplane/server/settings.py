@@ -51,6 +51,8 @@ class ServerSettings(BaseSettings):
     max_cpu_loras: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: by device
+    # "fp8": the base's projections quantized at load (an FP8 checkpoint needs nothing)
+    quantization: Literal["fp8"] | None = None
     device: Literal["cpu", "cuda"] = "cpu"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -212,6 +214,7 @@ class ServerSettings(BaseSettings):
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
             cuda_graphs=self.cuda_graphs,
+            quantization=self.quantization,
             adapter_load_timeout_s=self.adapter_load_timeout_s,
         )
 
@@ -237,6 +240,8 @@ SETTINGS_HELP: dict[str, str] = {
     "max_cpu_loras": "adapters kept in host memory (unset: twice the device slots)",
     "max_num_seqs": "requests per batch at most",
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",
+    "quantization": "fp8: the base's projections quantized to float8 e4m3 at load (unset: as the"
+    " checkpoint is; an FP8 compressed-tensors checkpoint loads as FP8)",
     "device": "cpu or cuda",
     "host": "address to listen on",
     "port": "port to listen on (the OpenAI API; its /metrics: vLLM's protocol gauges, no"

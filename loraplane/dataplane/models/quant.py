@@ -1,0 +1,188 @@
+"""FP8 base weights (issue 31): checkpoints written by llm-compressor / compressed-tensors, or a
+16-bit checkpoint quantized at load (`--quantization fp8`).
+
+A quantized projection keeps its weight in float8 e4m3 with fp32 scales, per tensor (one scale)
+or per output channel (`[out, 1]`), and computes in the activation dtype:
+
+    y = x @ (W8.float() * scale).to(x.dtype).T (+ bias)
+
+which is what transformers computes on the same weights dequantized to that dtype, so the
+reference for every test is HF on the dequantized checkpoint. Activations are never quantized
+here (W8A16: a checkpoint's `input_scale` is read past), and LoRA, applied by the wrapper
+around this layer (lora/layers.py), reads the unquantized activations and keeps the adapters in
+the activation dtype: its delta does not depend on the base's format. The weight takes a byte
+per parameter on the device; the dequantization is the torch path, on CPU and CUDA alike (a
+scaled FP8 matmul on devices that have one is issue 31's CUDA path, not written yet).
+
+What a checkpoint may say (`quantization_config` in config.json), anything else refused by
+name: quant_method "compressed-tensors", format "float-quantized" or "naive-quantized", one
+config group whose weights are 8-bit floats, symmetric, strategy "tensor" or "channel",
+targeting "Linear", and an `ignore` list (the lm_head, typically). 4-bit formats
+(pack-quantized, AWQ, GPTQ) are refused with a clear error until their torch path exists.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from loraplane.dataplane.models.config import UnsupportedModelError
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# --quantization: what a 16-bit checkpoint can be quantized to at load (config.py keeps the
+# same tuple for EngineConfig's check, without importing torch)
+QUANTIZATIONS = ("fp8",)
+# the decoder layers' projections: what is quantized (embeddings, norms and lm_head are not)
+PROJECTION = re.compile(
+    r"^model\.layers\.\d+\.(?:self_attn|mlp)\."
+    r"(?:q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj)$"
+)
+_STRATEGIES = ("tensor", "channel")
+
+
+@dataclass(frozen=True, slots=True)
+class FP8Scheme:
+    """How a model's projections are stored: per-tensor or per-channel scales, from the
+    checkpoint (`from_checkpoint`) or made at load (`at_load`)."""
+
+    per_channel: bool
+    at_load: bool  # the checkpoint is 16-bit: quantize each projection as it is read
+    ignore: tuple[str, ...] = ()  # module names (or "re:" patterns) left unquantized
+
+    def covers(self, name: str) -> bool:
+        """Whether module `name` is quantized."""
+        if PROJECTION.match(name) is None:
+            return False
+        for rule in self.ignore:
+            pattern = rule.removeprefix("re:")
+            if (rule.startswith("re:") and re.match(pattern, name)) or name == rule:
+                return False
+        return True
+
+
+def scheme_for(config: dict[str, Any], quantization: str | None) -> FP8Scheme | None:
+    """The scheme a model loads with: its checkpoint's (`quantization_config`), else
+    `quantization` applied at load, else None (16-bit). UnsupportedModelError names what
+    cannot be served."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise UnsupportedModelError(
+            f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}"
+        )
+    stored = config.get("quantization_config")
+    if stored is None:
+        return None if quantization is None else FP8Scheme(per_channel=True, at_load=True)
+    scheme = _from_checkpoint(stored)
+    if quantization is not None and quantization != "fp8":
+        raise UnsupportedModelError(f"the checkpoint is already quantized (fp8): {quantization}")
+    return scheme
+
+
+def _from_checkpoint(stored: Any) -> FP8Scheme:
+    if not isinstance(stored, dict):
+        raise UnsupportedModelError("quantization_config must be an object")
+    method = stored.get("quant_method")
+    if method in ("awq", "gptq", "bitsandbytes") or stored.get("format") == "pack-quantized":
+        raise UnsupportedModelError(
+            f"4-bit checkpoints ({method}, {stored.get('format')}) are not supported yet;"
+            " supported: FP8 (compressed-tensors float-quantized), or --quantization fp8 on a"
+            " 16-bit checkpoint"
+        )
+    if method != "compressed-tensors":
+        raise UnsupportedModelError(
+            f"quantization_config.quant_method {method!r} is not supported; supported:"
+            " compressed-tensors (FP8)"
+        )
+    fmt = stored.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise UnsupportedModelError(
+            f"compressed-tensors format {fmt!r} is not supported; supported: float-quantized"
+        )
+    groups = stored.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise UnsupportedModelError("quantization_config.config_groups must hold one group")
+    (group,) = groups.values()
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(weights, dict):
+        raise UnsupportedModelError("the config group has no weights scheme")
+    if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
+        raise UnsupportedModelError(
+            f"weights of {weights.get('num_bits')} bits, type {weights.get('type')!r}, are not"
+            " supported; supported: 8-bit float (e4m3)"
+        )
+    strategy = weights.get("strategy")
+    if strategy not in _STRATEGIES or weights.get("symmetric", True) is not True:
+        raise UnsupportedModelError(
+            f"FP8 weights with strategy {strategy!r} (symmetric {weights.get('symmetric')}) are"
+            " not supported; supported: symmetric, per tensor or per channel"
+        )
+    if weights.get("dynamic") is True:
+        raise UnsupportedModelError("dynamically quantized weights are not supported")
+    targets = group.get("targets", ["Linear"])
+    if targets != ["Linear"]:
+        raise UnsupportedModelError(f"config group targets {targets} are not supported: Linear")
+    ignore = stored.get("ignore", [])
+    if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+        raise UnsupportedModelError("quantization_config.ignore must be a list of module names")
+    return FP8Scheme(per_channel=strategy == "channel", at_load=False, ignore=tuple(ignore))
+
+
+def quantize(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W8, scale): `weight` [out, in] in float8 e4m3 with fp32 scales ([out, 1] per channel,
+    [] per tensor) such that W8.float() * scale approximates it; amax / 448 per scale, as
+    llm-compressor's symmetric min-max observer."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class FP8Linear(nn.Linear):
+    """A projection whose weight is float8 e4m3 (one byte per parameter) with fp32 scales,
+    computing in `compute_dtype` (the model's): x @ (W8 * scale)^T, dequantized per call."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, per_channel: bool,
+        compute_dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, bias=bias, dtype=FP8)
+        shape = (out_features, 1) if per_channel else ()
+        self.weight_scale = nn.Parameter(torch.ones(shape), requires_grad=False)
+        self.compute_dtype = compute_dtype
+        if self.bias is not None:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype))
+
+    def reset_parameters(self) -> None:  # built on the meta device, loaded from the file
+        pass
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the model computes with it: (W8.float() * scale) in compute_dtype."""
+        return (self.weight.float() * self.weight_scale).to(self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        per = "channel" if self.weight_scale.dim() else "tensor"
+        return f"{super().extra_repr()}, fp8 e4m3, per {per}"
+
+
+def quantize_projections(model: nn.Module, scheme: FP8Scheme, dtype: torch.dtype) -> list[str]:
+    """Swap every projection `scheme` covers (on the meta device, before loading) for an
+    FP8Linear; returns their names."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and scheme.covers(n)]
+    for name in names:
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        fp8 = FP8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                        scheme.per_channel, dtype)  # fmt: skip
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, fp8)
+    if not names:
+        raise UnsupportedModelError("the model has no projections to quantize")
+    return names
