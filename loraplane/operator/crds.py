@@ -249,6 +249,12 @@ def pool_schema() -> Schema:
             "baseModel": base_model,
             "image": _str(max_length=512, minLength=1),
             "device": {"type": "string", "enum": ["cpu", "cuda"], "default": s.DEFAULT_DEVICE},
+            "quantization": {
+                "type": "string",
+                "enum": list(s.QUANTIZATIONS),
+                "description": "fp8: the base's projections quantized to float8 e4m3 at load"
+                " (--quantization; an FP8 checkpoint needs nothing); unset: as the checkpoint is",
+            },
             "cudaGraphs": {
                 "type": "boolean",
                 "description": "decode steps replay CUDA graphs (--cuda-graphs /"

@@ -71,6 +71,7 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
         "--device",
         spec.device,
         *({None: [], True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}[spec.cuda_graphs]),
+        *([] if spec.quantization is None else ["--quantization", spec.quantization]),
         "--host",
         "0.0.0.0",  # noqa: S104 - a pod serves on its own address
         "--port",

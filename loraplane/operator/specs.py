@@ -55,6 +55,10 @@ DEFAULT_EPP_PORT = 9002
 FAILURE_MODES = ("FailOpen", "FailClose")
 DEFAULT_FAILURE_MODE = "FailOpen"
 
+# what `loraplane serve --quantization` takes (the data plane's config.QUANTIZATIONS, which the
+# operator does not import; tests/operator/test_units.py checks the two agree)
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+
 
 class SpecError(ValueError):
     """A spec the operator can never act on (the CRD schema should have refused it)."""
@@ -185,6 +189,7 @@ class PoolSpec:
     device: str
     resources: dict[str, Any]
     cuda_graphs: bool | None  # None: the data plane's default (on for cuda)
+    quantization: str | None  # "fp8": the base quantized at load (--quantization)
     autoscaling: Autoscaling
     routing: Routing
     service_token: SecretKeyRef | None
@@ -220,6 +225,11 @@ class PoolSpec:
             raise SpecError(f"spec.cudaGraphs must be true or false, got {cuda_graphs!r}")
         if cuda_graphs and device != "cuda":
             raise SpecError("spec.cudaGraphs needs spec.device cuda")
+        quantization = spec.get("quantization")
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise SpecError(
+                f"spec.quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+            )
         claim = base.get("volumeClaim")
         store_claim = spec.get("storeVolumeClaim")
         return cls(
@@ -236,6 +246,7 @@ class PoolSpec:
             device=device,
             resources=dict(_get(spec, "resources")),
             cuda_graphs=cuda_graphs,
+            quantization=quantization,
             autoscaling=Autoscaling(
                 enabled=bool(scaling.get("enabled", True)),
                 mode=_enum(scaling, "mode", AUTOSCALING_MODES, DEFAULT_AUTOSCALING_MODE),

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.ingest import AdapterVersion
 from loraplane.adapters.store import LocalStore
-from loraplane.operator import cli, crds, manifests
+from loraplane.operator import cli, crds, manifests, specs
 from loraplane.operator.autoscaling import Pressure, ScalePolicy
 from loraplane.operator.catalog import CatalogClient, CatalogError
 from loraplane.operator.conditions import Verdict, adapter_status, set_condition
@@ -373,3 +373,16 @@ def test_a_rank_over_a_pools_max_lora_rank_is_refused_naming_the_servingpool(
     assert info.value.code == ReasonCode.RANK_TOO_LARGE
     assert "rank 16 exceeds the ServingPool team-a/narrow's maxLoraRank 8" in str(info.value)
     assert pool_limits(1 << 30, []).max_rank is None
+
+
+def test_pool_quantization_reaches_serve_and_a_format_it_cannot_serve_is_refused() -> None:
+    from loraplane.dataplane.config import QUANTIZATIONS
+
+    assert specs.QUANTIZATIONS == QUANTIZATIONS  # what serve --quantization takes
+    assert "--quantization" not in manifests.serve_args(PoolSpec.parse(POOL), "http://cp:8080")
+    args = manifests.serve_args(PoolSpec.parse({**POOL, "quantization": "fp8"}), "http://cp:8080")
+    assert args[args.index("--quantization") + 1] == "fp8"
+    crd_spec = crds.pool_schema()["properties"]["spec"]["properties"]
+    assert crd_spec["quantization"]["enum"] == ["fp8"]
+    with pytest.raises(SpecError, match=r"spec\.quantization must be one of fp8, got 'awq'"):
+        PoolSpec.parse({**POOL, "quantization": "awq"})
