@@ -94,3 +94,42 @@ def test_help_shows_every_default() -> None:
     text = plan.format_help()
     assert "--warmup SECONDS" in text and "min(10, duration / 5)" in text
     assert "(default: h100)" in text and "(default: 40.0)" in text
+
+
+def test_llama_3_70b_with_2000_adapters_fits_one_h200_in_fp8_and_not_in_bf16(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 31's sizing: 141 GB of bf16 weights fit no H200; FP8 projections (a byte each
+    and a scale per row) leave room for KV and adapters, and the roofline charges the torch
+    path's dequantization, so the FP8 step is no faster than bf16's would be."""
+    args = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h200", "--adapters", "2000"]
+    assert main([*args, "--json"]) == 2  # refused: the plan cannot be made
+    assert "141.1 GB in bfloat16) do not fit in 141.0 GB" in capsys.readouterr().err
+    assert main([*args, "--quantization", "fp8", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    linear = 80 * (8192 * (8192 + 1024 + 1024 + 8192) + 3 * 8192 * 28672)
+    rows = 80 * (8192 + 1024 + 1024 + 8192 + 2 * 28672 + 8192)
+    other = 2 * 128256 * 8192 + (2 * 80 + 1) * 8192  # embedding, LM head, norms: in bf16
+    assert memory["weights_bytes"] == linear + 4 * rows + 2 * other
+    assert memory["kv_blocks"] > 0 and memory["adapters_resident"] >= 1
+
+
+def test_fp8_is_refused_for_a_mixture_of_experts_as_the_engine_refuses_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["plan", "--model-shape", "qwen3-30b-a3b", "--gpu", "h200", "--adapters", "10"]
+    assert main([*args, "--quantization", "fp8"]) == 2
+    assert "FP8 weights of a mixture of experts are not supported yet" in capsys.readouterr().err
+
+
+def test_the_roofline_charges_fp8_s_torch_path_its_dequantization_not_half_the_bytes() -> None:
+    from loraplane.planner.cost import GPUS, Roofline, StepShape
+    from loraplane.planner.memory import AdapterProfile
+    from loraplane.planner.shapes import SHAPES
+
+    shape, profile = SHAPES["llama-3-8b"], AdapterProfile(8)
+    step = StepShape(tokens=64, seqs=64, context=64 * 512, attention=64 * 512, adapters=8,
+                     adapter_bytes=8 * 80 << 20)  # fmt: skip
+    bf16 = Roofline(GPUS["h200"], shape, "bfloat16", profile).step_seconds(step)
+    fp8 = Roofline(GPUS["h200"], shape, "bfloat16", profile, "fp8").step_seconds(step)
+    assert fp8 > 5 * bf16  # 19 more bytes moved per linear weight than bf16's 2

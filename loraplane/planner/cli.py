@@ -112,6 +112,11 @@ def add_commands(subparsers: Any) -> None:
         help="weights' and KV cache's dtype",
     )  # fmt: skip
     model.add_argument(
+        "--quantization", choices=["fp8"], default=None,
+        help="fp8: the base's projections in float8 e4m3, as serve --quantization fp8 (half"
+        " the weights' memory; the roofline counts the torch path's dequantization traffic)",
+    )  # fmt: skip
+    model.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda",
         help="cpu needs --device-memory and a measured cost model (--calibrate or --cost)",
     )  # fmt: skip

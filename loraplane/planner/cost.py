@@ -24,7 +24,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from loraplane.planner.memory import DTYPE_BYTES, AdapterProfile, adapter_elements
+from loraplane.planner.memory import (
+    DTYPE_BYTES,
+    FP8_TORCH_PATH_BYTES,
+    AdapterProfile,
+    adapter_elements,
+)
 from loraplane.planner.shapes import ModelShape
 
 
@@ -115,6 +120,7 @@ class Roofline:
     shape: ModelShape
     dtype: str
     profile: AdapterProfile
+    quantization: str | None = None  # "fp8": the linear weights as the FP8 torch path moves them
     bandwidth_efficiency: float = 0.8
     flops_efficiency: float = 0.5
     step_overhead_s: float = 0.002  # launches, scheduling and sampling on the host
@@ -130,6 +136,8 @@ class Roofline:
         others = shape.num_params() - shape.linear_params()  # embedding, norms, LM head
         streamed_params = others + streamed_linear_params(shape, step.tokens)
         streamed = (streamed_params - (0 if shape.tie_word_embeddings else embed)) * elt
+        if self.quantization is not None:  # the dequantization's traffic, then the matmul's read
+            streamed += streamed_linear_params(shape, step.tokens) * FP8_TORCH_PATH_BYTES
         per_token_kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elt
         moved = streamed + per_token_kv * (step.context + step.tokens) + step.adapter_bytes
         q_dim = shape.num_heads * shape.head_dim

@@ -88,9 +88,26 @@ class MemoryPlan:
         return self.kv_cache_bytes // self.kv_bytes_per_token
 
 
-def weights_bytes(shape: ModelShape, dtype: str) -> int:
-    """Bytes of the model's parameters in `dtype`."""
-    return shape.num_params() * DTYPE_BYTES[dtype]
+def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None) -> int:
+    """Bytes of the model's parameters in `dtype`. With `quantization` "fp8" (models/quant.py,
+    per channel) the decoder's linear weights take a byte each and an fp32 scale per output
+    row; embeddings, norms and the LM head stay in `dtype` (biases, a few per layer, are
+    counted at a byte too). ValueError for a mixture of experts, which the engine refuses."""
+    if quantization is None:
+        return shape.num_params() * DTYPE_BYTES[dtype]
+    if shape.num_experts:
+        raise ValueError("FP8 weights of a mixture of experts are not supported yet")
+    linear = shape.linear_params()
+    rows = sum(out for layer in range(shape.num_layers)
+               for _, out in shape.adapted_shapes(SUPPORTED_MODULES, layer))  # fmt: skip
+    return (shape.num_params() - linear) * DTYPE_BYTES[dtype] + linear + 4 * rows
+
+
+# What the FP8 torch path moves per linear weight in a step, before the matmul reads the
+# 16-bit copy (models/quant.py: the e4m3 byte read, an fp32 copy written and read by the scale,
+# the product written and read by the cast, the 16-bit copy written): until a W8A16 kernel
+# reads the byte alone, an FP8 base on a GPU saves memory, not time
+FP8_TORCH_PATH_BYTES = 1 + 4 + 4 + 4 + 4 + 2
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
@@ -158,11 +175,12 @@ def plan_memory(
     if device_memory < 1:
         raise ValueError(f"device memory must be positive, got {device_memory}")
     dtype = config.dtype
-    weights = weights_bytes(shape, dtype)
+    weights = weights_bytes(shape, dtype, config.quantization)
     free = device_memory - weights - reserved
     if free <= 0:
+        form = f"{dtype}, {config.quantization}" if config.quantization else dtype
         raise ValueError(
-            f"the weights of {shape.name} ({weights / 1e9:.1f} GB in {dtype}) do not fit in"
+            f"the weights of {shape.name} ({weights / 1e9:.1f} GB in {form}) do not fit in"
             f" {device_memory / 1e9:.1f} GB of device memory"
         )
     per_token = kv_bytes_per_token(shape, dtype)

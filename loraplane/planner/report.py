@@ -73,7 +73,8 @@ class PlanReport:
         gb = 1e9
         lines = [
             f"model {s.name} ({s.model_type}, {s.num_layers} layers, hidden {s.hidden_size},"
-            f" {s.num_params() / 1e9:.2f} B parameters) in {cfg.dtype} on {cfg.device},"
+            f" {s.num_params() / 1e9:.2f} B parameters) in {cfg.dtype}"
+            f"{', fp8 weights' if cfg.quantization else ''} on {cfg.device},"
             f" {plan.device_memory / gb:.1f} GB of device memory",
             "memory per replica:",
             f"  weights          {plan.weights_bytes / gb:8.2f} GB",
@@ -170,7 +171,7 @@ def _cost(args: argparse.Namespace, shape: ModelShape, profile: AdapterProfile,
             return LinearCost.load(args.cost)
         except ValueError as e:
             raise PlanError(str(e)) from e
-    return Roofline(gpu, shape, args.dtype, profile)
+    return Roofline(gpu, shape, args.dtype, profile, args.quantization)
 
 
 def _calibrate(args: argparse.Namespace, profile: AdapterProfile,
@@ -216,6 +217,7 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
         config = EngineConfig(
             model=shape.name,
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
