@@ -114,7 +114,8 @@ def add_commands(subparsers: Any) -> None:
     model.add_argument(
         "--quantization", choices=["fp8"], default=None,
         help="fp8: the base's projections in float8 e4m3, as serve --quantization fp8 (half"
-        " the weights' memory; the roofline counts the torch path's dequantization traffic)",
+        " the weights' memory; the roofline counts the torch path's dequantization traffic)"
+        " (default: none, the weights in --dtype)",
     )  # fmt: skip
     model.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda",
