@@ -18,6 +18,7 @@ from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUS, LinearCost, Roofline, StepShape
 from loraplane.planner.fleet import Workload, draw_requests, simulate
 from loraplane.planner.memory import (
+    ARENA_ALIGN_BYTES,
     AdapterProfile,
     arena_blocks,
     kv_bytes_per_token,
@@ -91,6 +92,49 @@ def test_weights_that_do_not_fit_are_refused() -> None:
         plan_memory(named_shape("llama-3-70b"), config, 80 * 10**9, AdapterProfile(1))
 
 
+def test_the_planner_packs_adapters_into_the_kv_cache_as_the_arena_does() -> None:
+    """arena_blocks against `KVArena.blocks_for` on a real arena of the same block geometry:
+    odd shapes (rank 3 over 10 and 6 features, as test_cuda_defaults.py's `_odd_adapter`), a
+    mixture of experts with a dense layer, fp32 and bf16. The arena starts each view on 16
+    bytes (4 fp32 or 8 bf16 elements); packed back to back, as the planner did, some of these
+    take fewer blocks than the arena does."""
+    import torch
+
+    from loraplane.dataplane.block_manager import BlockManager
+    from loraplane.dataplane.lora.arena import ALIGN_BYTES, KVArena
+    from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+
+    assert ARENA_ALIGN_BYTES == ALIGN_BYTES  # the torch-free planner's copy of the rule
+    odd = ModelShape("odd", "llama", 2, 10, 2, 2, 3, 14, 32, 64)  # q, v: 10 -> 6, o: 6 -> 10
+    moe = dataclasses.replace(odd, name="odd-moe", model_type="qwen3_moe", num_layers=3,
+                              num_experts=3, experts_per_tok=2, moe_intermediate_size=6,
+                              moe_layers=(1, 2))  # fmt: skip
+    profiles = [AdapterProfile(1, 3, ("q_proj", "v_proj", "o_proj")), AdapterProfile(1, 3),
+                AdapterProfile(1, 5, ("q_proj",)), AdapterProfile(1, 8)]  # fmt: skip
+    unpadded_differs = set()
+    for shape in (odd, moe):
+        for profile in profiles:
+            modules = {
+                (layer, f"m{j}"): LoRAWeights(torch.zeros(profile.rank, fan_in),
+                                              torch.zeros(fan_out, profile.rank), 1.0)
+                for layer in range(shape.num_layers)
+                for j, (fan_in, fan_out) in enumerate(shape.adapted_shapes(profile.modules, layer))
+            }  # fmt: skip
+            adapter = LoadedAdapter("x", modules)
+            for block_size in (1, 2, 4, 5, 16):
+                for dtype in ("float32", "bfloat16"):
+                    cache = torch.zeros(2, shape.num_layers, 4, block_size, shape.num_kv_heads,
+                                        shape.head_dim, dtype=getattr(torch, dtype))  # fmt: skip
+                    arena = KVArena(cache, BlockManager(4, block_size))
+                    case = (shape.name, profile.rank, profile.modules, block_size, dtype)
+                    needed = arena.blocks_for(adapter)
+                    assert arena_blocks(shape, profile, block_size, dtype) == needed, case
+                    arena.align = 1  # the negative control: views back to back, unpadded
+                    if arena.blocks_for(adapter) != needed:
+                        unpadded_differs.add(dtype)
+    assert unpadded_differs == {"float32", "bfloat16"}
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["own-buffers", "in-kv-cache"])
 def test_memory_plan_matches_the_engine(
     tiny_llama_dir: Path, peft_adapters: dict[str, Path], shared: bool
@@ -120,7 +164,7 @@ def test_memory_plan_matches_the_engine(
         if shared:
             assert runner.num_blocks == shared_pool_blocks(plan)
             assert plan.adapter_device_bytes == (
-                arena_blocks(shape, profile, config.block_size) * plan.block_bytes
+                arena_blocks(shape, profile, config.block_size, config.dtype) * plan.block_bytes
             )
     finally:
         engine.loras.close()

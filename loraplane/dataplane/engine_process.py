@@ -24,8 +24,11 @@ Failure semantics as the thread's: a dead engine process (killed, crashed, out o
 the replica not ready and not alive (`health()` says why: "the engine process is gone (killed
 by SIGKILL)"), every stream in flight gets an error at once and later requests a 503. The child
 exits when the server does: it reads the pipe on a thread of its own and stops at end of file
-(the server's process gone), and is a daemon of the server's `multiprocessing` (terminated at
-exit); `shutdown` asks it to stop, then terminates it.
+(the server's process gone) or on "stop" (`shutdown` sends it, then kills a child that has not
+exited). Stopping is the server's: the child ignores SIGINT and SIGTERM, which Ctrl-C in a
+terminal or a signal to the process group deliver to it as well (the server drains, then stops
+it); SIGKILL still ends it. At exit without `shutdown` (multiprocessing would terminate, then
+join, a daemon child) it is asked to stop first, then killed.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from loraplane import fileaccess
@@ -199,9 +204,18 @@ def _child_logging(level: int, settings: ServerSettings) -> None:
     install_log_redaction([*keys, *env_secrets()])
 
 
+def _leave_stopping_to_the_server() -> None:
+    """Ignore SIGINT and SIGTERM: Ctrl-C in a terminal (SIGINT to the foreground process group)
+    or a SIGTERM to the group reaches this process as well as the server, which drains and then
+    stops it (a "stop" message, or its pipe closing). SIGKILL still ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _child_main(conn: Connection, settings: ServerSettings, log_level: int) -> None:
     """The engine process: build the engine, report, serve the pipe until told to stop or the
     server goes away."""
+    _leave_stopping_to_the_server()  # before anything else: a signal may come while it loads
     _child_logging(log_level, settings)
     loads: deque[tuple[str, float]] = deque()
     try:
@@ -359,6 +373,10 @@ class ProcessEngine:
         self._proc.start()
         child.close()  # the child's end lives in the child only: its exit means end of file
         self._send_lock = threading.Lock()
+        # the child ignores SIGTERM: multiprocessing's exit (terminate, then join) would wait
+        # for it, so at exit (or when this front is collected) without `shutdown`, stop it first
+        mp_util.Finalize(self, _stop_child, (self._conn, self._send_lock, self._proc),
+                         exitpriority=10)  # fmt: skip
         self._streams: dict[str, Stream] = {}
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
@@ -593,15 +611,12 @@ class ProcessEngine:
     # -- life cycle and health -----------------------------------------------------------------
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the child (asked first, then terminated); requests still running are
-        abandoned."""
+        """Stop the child (asked first, then killed: it ignores SIGTERM); requests still
+        running are abandoned."""
         self._stopping = True
         with contextlib.suppress(EngineGone):
             self._send(("stop",))
         self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(5)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
@@ -634,6 +649,18 @@ class ProcessEngine:
             failed=self._failed_in_a_row, failed_at=self._failed_at, stall_s=stall_s,
             max_failed_steps=max_failed_steps, now=time.monotonic() if now is None else now,
         )  # fmt: skip
+
+
+def _stop_child(conn: Connection, lock: threading.Lock, proc: BaseProcess) -> None:
+    """Ask the child to stop, give it EXIT_GRACE_S to end its step, then kill it (nothing when
+    `shutdown` already did)."""
+    with contextlib.suppress(OSError, ValueError), lock:
+        conn.send(("stop",))
+    if proc.is_alive():
+        proc.join(EXIT_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
 
 
 def _put_all(items: list[tuple[Stream, Any]]) -> None:

@@ -9,7 +9,8 @@
   a CPU a quarter of RAM, at most 4 GiB;
 - an adapter's bytes: rank-exact, `r * (in + out) * dtype bytes` per adapted module and layer
   (`LoRAPool.bytes_needed`); with adapters inside the KV cache (`kv_lora_shared`, the CUDA
-  default) whole blocks of every layer, packed first-fit largest first (`KVArena.blocks_for`);
+  default) whole blocks of every layer, packed first-fit largest first, each tensor's offset
+  rounded up to 16 bytes (`KVArena.blocks_for`);
 - adapters running at once: as many as fit in the adapter memory, at most the pool's slots
   (`EngineConfig.lora_slots`: `--max-loras`, or for `auto` `max_num_seqs`);
 - host tier: `max_cpu_loras` copies (auto: twice the slots), each the rank-exact bytes;
@@ -33,6 +34,7 @@ from loraplane.sizes import resolve_memory
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GPU_MEMORY_FRACTION = 0.85  # model_runner.GPU_MEMORY_FRACTION: of free memory, for the KV cache
 CPU_KV_BUDGET = 4 << 30  # model_runner.CPU_KV_BUDGET
+ARENA_ALIGN_BYTES = 16  # arena.ALIGN_BYTES: where each adapter view in the KV cache starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +133,14 @@ def _features(shape: ModelShape, modules: tuple[str, ...]) -> int:
     )
 
 
-def arena_blocks(shape: ModelShape, profile: AdapterProfile, block_size: int) -> int:
-    """KV blocks one adapter takes inside the KV cache: the fewest n such that each layer's A
-    and B tensors, largest first, fit first-fit into that layer's two regions (K and V) of n
-    blocks. The layer that needs the most decides (they differ only where a mixture of experts
-    has dense layers)."""
+def arena_blocks(shape: ModelShape, profile: AdapterProfile, block_size: int, dtype: str) -> int:
+    """KV blocks one adapter takes inside a KV cache of `dtype`: the fewest n such that each
+    layer's A and B tensors, largest first, fit first-fit into that layer's two regions (K and
+    V) of n blocks, each tensor's offset in its region rounded up to ARENA_ALIGN_BYTES (the
+    arena's views all start on it: `KVArena.blocks_for`, `arena.ALIGN_BYTES`). The layer that
+    needs the most decides (they differ only where a mixture of experts has dense layers)."""
     chunk = block_size * shape.num_kv_heads * shape.head_dim  # elements per block and region
+    align = max(1, ARENA_ALIGN_BYTES // DTYPE_BYTES[dtype])  # elements per aligned offset
     needed = 1
     layouts = {tuple(shape.adapted_shapes(profile.modules, i)) for i in range(shape.num_layers)}
     for layout in layouts:
@@ -145,18 +149,20 @@ def arena_blocks(shape: ModelShape, profile: AdapterProfile, block_size: int) ->
         if not sizes:
             continue
         n = max(1, -(-sizes[0] // chunk), -(-sum(sizes) // (2 * chunk)))
-        while not _packs(sizes, n * chunk):
+        while not _packs(sizes, n * chunk, align):
             n += 1
         needed = max(needed, n)
     return needed
 
 
-def _packs(sizes: list[int], room: int) -> bool:
+def _packs(sizes: list[int], room: int, align: int) -> bool:
+    """Whether `sizes` pack first-fit into two regions of `room` elements, each offset a
+    multiple of `align` (the padding after a region's last tensor costs nothing)."""
     used = [0, 0]
     for size in sizes:
         for region in (0, 1):
             if used[region] + size <= room:
-                used[region] += size
+                used[region] += -(-size // align) * align
                 break
         else:
             return False
@@ -197,7 +203,7 @@ def plan_memory(
     exact = elements * DTYPE_BYTES[dtype]
     shared = bool(config.kv_lora_shared)
     device_bytes = (
-        arena_blocks(shape, profile, config.block_size) * block_bytes if shared else exact
+        arena_blocks(shape, profile, config.block_size, dtype) * block_bytes if shared else exact
     )
     stored = elements * DTYPE_BYTES[profile.stored_dtype or dtype]
     cpu_loras = config.max_cpu_loras or config.lora_slots

@@ -11,16 +11,26 @@ CUDA; compiled on a CUDA device).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
-from loraplane.dataplane.lora.experts import ExpertLoRA, expert_lora_torch, route_rows
+from loraplane.dataplane.lora import metadata
+from loraplane.dataplane.lora.experts import (
+    ExpertLoRA,
+    expert_batch,
+    expert_lora_torch,
+    route_rows,
+)
 from loraplane.dataplane.lora.layers import LoRAContext
+from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.lora.metadata import LoRABatch
-from loraplane.dataplane.lora.pool import ModuleSlots
+from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
 from loraplane.dataplane.models.moe import MoEConfig, SparseMoeBlock
 
 NUM_EXPERTS, NUM_SLOTS, TOP_K = 4, 5, 2
@@ -292,3 +302,120 @@ def test_the_adapted_block_equals_the_per_expert_reference(
     assert UNROUTED not in set(block.route(x)[1].reshape(-1).tolist())
     torch.testing.assert_close(base_path, base, atol=1e-6, rtol=1e-6)
     assert torch.equal(base_path[is_base], got[is_base])  # the same rows either way
+
+
+# Once per step, as the dense layers (test_kernels_bgmv.py: the backend read once when the
+# batch is built, stamped layers checking their slot tables once per pool change).
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+    calls: list[int] = []
+    real = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_the_backend_is_read_once_per_step_not_per_sparse_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every sparse layer's batch takes the step batch's LORAPLANE_SGMV choice: an environment
+    changed after the step's batch was built (even to a bad value) does not change that step,
+    whose layers read it no more; the next batch reads it."""
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    block = _block(torch.float32)
+    tables = _tables(transposed=True, device=torch.device("cpu"))
+    block.lora = ExpertLoRA(tables)
+    context = LoRAContext(pool=None)  # type: ignore[arg-type]
+    block.context = context
+    x = _inputs(23, torch.float32)
+    reads = _count_calls(monkeypatch, metadata, "read_choice")
+    batch = context.batch = LoRABatch.from_token_slots(_slots(23, seed=5))
+    assert batch.backend == "torch" and len(reads) == 1
+    monkeypatch.setenv(dispatch.ENV, "cuda-please")
+    with torch.no_grad():
+        got = [block(x) for _ in range(3)]  # three sparse layers of one step
+        want = _reference(block, x, tables, batch)
+    assert len(reads) == 1
+    for out in got:
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    layer = route_rows(block.route(x)[1], batch, NUM_EXPERTS, NUM_SLOTS).batch
+    assert layer is not None and layer.backend == "torch"
+    assert expert_batch([(0, 0, 2)], torch.device("cpu"), batch.backend).backend == "torch"
+    with pytest.raises(ValueError, match=dispatch.ENV):
+        LoRABatch.from_token_slots([0])
+    monkeypatch.setenv(dispatch.ENV, "native")
+    assert LoRABatch.from_token_slots([0]).backend == "native"
+
+
+def _spec() -> BaseModelSpec:
+    """`_block`'s shapes: one sparse Mixtral layer."""
+    return BaseModelSpec("m", "mixtral", 1, HIDDEN, INTER, 4, 2, HIDDEN // 4,
+                         num_experts=NUM_EXPERTS, moe_intermediate_size=INTER,
+                         moe_layers=(0,))  # fmt: skip
+
+
+def _expert_adapter(rank: int, seed: int, experts: Iterable[int]) -> LoadedAdapter:
+    """An adapter of every linear of `experts` in `_spec`'s layer 0."""
+    spec, gen = _spec(), torch.Generator().manual_seed(seed)
+    modules = {}
+    for e in experts:
+        for name in ("w1", "w3", "w2"):
+            fan_in, fan_out = spec.module_shape(f"experts.{e}.{name}")
+            a = torch.randn(rank, fan_in, generator=gen) * 0.3
+            b = torch.randn(fan_out, rank, generator=gen) * 0.3
+            modules[(0, f"experts.{e}.{name}")] = LoRAWeights(a, b, 0.5)
+    return LoadedAdapter(f"r{rank}-{seed}", modules)
+
+
+def test_stamped_sparse_layers_check_the_slot_tables_once_per_pool_change_not_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through a pool and the context's stamp: the stacked tables are compared with the pool,
+    and their kernels' slot tables checked, at the first call after a load or free, then
+    trusted over steps and sparse layers; a reload into a used slot is seen."""
+    pytest.importorskip("triton")
+    if not INTERPRETED and not torch.cuda.is_available():
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    device = torch.device("cpu" if INTERPRETED else "cuda")
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    pool = LoRAPool(NUM_SLOTS, _spec(), torch.float32, device, b_transposed=False)
+    block = _block(torch.float32).to(device)
+    context = LoRAContext(pool)
+    block.lora = ExpertLoRA.from_pool(pool, 0, NUM_EXPERTS, block.expert_list[0].names)
+    block.context = context
+    assert pool.load(0, _expert_adapter(4, seed=1, experts=range(NUM_EXPERTS)))
+    assert pool.load(1, _expert_adapter(8, seed=2, experts=(0, 2)))  # not expert 1
+    checks = _count_calls(monkeypatch, dispatch, "_is_current")
+    fills = _count_calls(monkeypatch, ExpertLoRA, "_fill")
+    token_slots = [1, 0, -1, 1, 0, 0, 1]
+    x = _inputs(len(token_slots), torch.float32).to(device)
+
+    def step() -> None:
+        batch = LoRABatch.from_token_slots(token_slots, device=device)
+        context.activate(batch)
+        with torch.no_grad():
+            got = [block(x) for _ in range(2)]  # two sparse layers of one step
+            assert block.lora is not None
+            want = _reference(block, x, block.lora.tables, batch)
+            context.activate(None)
+            base = block(x)
+        for out in got:
+            torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        assert (got[0] - base).abs().max() > 1e-3
+
+    for _ in range(3):
+        step()
+    assert len(checks) <= 3  # the first step only, a table per linear (fresh: not checked)
+    assert len(fills) == 3  # the first call filled the three linears' stacked tables
+    pool.free(1)
+    assert pool.load(1, _expert_adapter(16, seed=3, experts=(1, 2)))  # new tensors and rank
+    checks.clear()
+    fills.clear()
+    for _ in range(2):
+        step()
+    assert len(checks) == 3 and len(fills) == 3  # once per linear after the change

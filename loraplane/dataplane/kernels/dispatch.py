@@ -18,8 +18,9 @@ Per call the work is O(1) in the step's segments when the caller passes the pool
 (the sum of `LoRAPool.slot_generation`, taken once per step by `LoRAContext.activate`): each
 module remembers, per stamp, the bit mask of slots its adapters target and whether its
 pointer table (`SlotWeights`, what the Triton launchers read) was checked against the pool's
-tensors; a stamp that moved (a load or free since) re-checks every slot once. Without a stamp
-(direct callers, the experts' per-layer batches) the check runs over the batch's slots.
+tensors; a stamp that moved (a load or free since) re-checks every slot once. A sparse
+layer's stacked expert tables take the same stamp (`ExpertLoRA.apply_layer`: they are refilled
+only when it moves). Without a stamp (direct callers) the check runs over the batch's slots.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ the stacked slot e * S + k; `ExpertLoRA.stacked` lays the E experts' slot tables
 end to end in that order, so one SGMV call per linear does every expert of the layer (one C
 call or one Triton launch, not one per expert), as the base rows of every expert skip it.
 
+Per step, as the dense layers: a layer's batch takes the step batch's `LORAPLANE_SGMV` choice
+(read once, when the step's batch was built), and with the pool's stamp (`LoRAContext.stamp`)
+the stacked tables are compared with the pool's slot generations, and the kernels' slot tables
+checked against the pool's tensors (`kernels/dispatch.py`), once per load or free, not at
+every layer's call.
+
 The pool keeps one slot table per (layer, `experts.N.NAME`), the names 4.x checkpoints and
 adapters use; a transformers 5 adapter of the packed experts (PEFT `target_parameters` on
 `experts.gate_up_proj` / `experts.down_proj`) is split into those per-expert factors when it
@@ -100,7 +106,9 @@ def route_rows(
         keys: list[int] = []
         key_counts: list[int] = []
         width = 1
+        backend = ""
     else:
+        backend = batch.backend  # the step's choice, read once when it was built
         if batch.static_max_seg_len is not None:
             raise ValueError("expert LoRA needs the batch's segments on the host (no CUDA graph)")
         top = max(batch.seg_slots)
@@ -132,6 +140,7 @@ def route_rows(
                 seg_slots_t=torch.tensor(seg_slots, dtype=torch.int32, device=device),
                 seg_bounds_t=torch.tensor(seg_bounds, dtype=torch.int32, device=device),
                 token_slots=row_keys // width * num_slots + row_keys % width - 1,
+                backend=backend,
             )
     return RoutedRows(
         tokens=torch.div(order, k, rounding_mode="floor"),
@@ -165,9 +174,10 @@ def expert_lora_torch(
         y[start:end] += delta * table.scales[slot].to(delta.dtype)
 
 
-def expert_batch(segments: Sequence[Segment], device: torch.device) -> LoRABatch:
+def expert_batch(segments: Sequence[Segment], device: torch.device, backend: str = "") -> LoRABatch:
     """One expert's adapter segments as a LoRABatch over its rows (already sorted by slot, so
-    no sort): what the SGMV kernels take, each segment one (expert, adapter) group."""
+    no sort): what the SGMV kernels take, each segment one (expert, adapter) group. `backend`:
+    the step batch's `LORAPLANE_SGMV` choice ("": read it now)."""
     order = [i for _, start, end in segments for i in range(start, end)]
     bounds = [0]
     slots = []
@@ -184,6 +194,7 @@ def expert_batch(segments: Sequence[Segment], device: torch.device) -> LoRABatch
         seg_slots_t=torch.tensor(slots, dtype=torch.int32, device=device),
         seg_bounds_t=torch.tensor(bounds, dtype=torch.int32, device=device),
         token_slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
+        backend=backend,
     )
 
 
@@ -222,6 +233,7 @@ class ExpertLoRA:
         # were when the stacked tables were last filled; None: refilled at every call
         self._generation = generation
         self._filled: list[int] | None = None
+        self._filled_stamp: int | None = None  # the pool's stamp they were last brought to
 
     @classmethod
     def from_pool(
@@ -252,10 +264,14 @@ class ExpertLoRA:
         segments as `expert_batch` gives them, shared by the expert's three linears)."""
         expert_lora_apply(y, x, segments, self.tables[expert][proj], batch)
 
-    def stacked(self, proj: int) -> ModuleSlots:
+    def stacked(self, proj: int, stamp: int | None = None) -> ModuleSlots:
         """Linear `proj`'s (0 gate, 1 up, 2 down) slot tables of every expert, end to end:
         entry e * num_slots + k is expert e's slot k, as the pool holds it now (the entries of
-        a slot loaded or freed since the last call are refilled, E per linear)."""
+        a slot loaded or freed since the last call are refilled, E per linear). With the
+        pool's `stamp` (the sum of its slot generations, `LoRAContext.stamp`), nothing is
+        compared while it stays what it was at the last call."""
+        if stamp is not None and stamp == self._filled_stamp and self._generation is not None:
+            return self._stacked[proj]
         generation, filled = self._generation, self._filled
         if generation is None or filled is None:
             changed: Sequence[int] = range(self.num_slots)
@@ -267,6 +283,7 @@ class ExpertLoRA:
             for p in range(3):
                 self._fill(p, changed)
             self._filled = list(generation) if generation is not None else None
+        self._filled_stamp = stamp
         return self._stacked[proj]
 
     def _fill(self, proj: int, slots: Sequence[int]) -> None:
@@ -288,10 +305,16 @@ class ExpertLoRA:
         x: torch.Tensor,  # [R, in]
         proj: int,  # 0 gate, 1 up, 2 down
         batch: LoRABatch,  # RoutedRows.batch (route_rows with num_slots=self.num_slots)
+        stamp: int | None = None,  # the pool's stamp for this step (LoRAContext.stamp)
     ) -> None:
         """Add every expert's adapter deltas of one linear to the layer's rows, in one SGMV
-        call: the meaning of `apply` for each expert's rows and segments."""
-        dispatch.lora_apply(y, x, batch, self.stacked(proj))
+        call: the meaning of `apply` for each expert's rows and segments. With `stamp` (used
+        only when the tables follow a pool's generations: `from_pool`), the caller promises
+        the pool's slots changed only through the pool (which moves the stamp): the stacked
+        tables and their kernels' slot tables are checked once per stamp."""
+        if stamp is None or stamp < 0 or self._generation is None:
+            stamp = None  # not activated (LoRAContext.stamp -1), or tables of no pool
+        dispatch.lora_apply(y, x, batch, self.stacked(proj, stamp), stamp)
 
 
 def per_expert_modules(adapter: LoadedAdapter, spec: BaseModelSpec) -> LoadedAdapter:

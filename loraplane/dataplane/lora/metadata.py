@@ -8,6 +8,8 @@ Everything a LoRA launch needs beyond the segments is computed here, once per st
 layers do no per-call work that grows with the segments and read no environment: the longest
 segment, the launch rule (SGMV or BGMV, `kernels/launch.py`), the `LORAPLANE_SGMV` choice and
 a bit mask of the slots the step uses (checked against a module's targeted slots in O(1)).
+The batches derived from the step's (each sparse layer's routed rows, `lora/experts.py`) take
+the step's `LORAPLANE_SGMV` choice instead of reading it again.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ class LoRABatch:
     # host tuples are empty; token_slots -1 past the step's own tokens) and every launch is a
     # BGMV one sized for this many tokens (the graph's rows)
     static_max_seg_len: int | None = None
+    # LORAPLANE_SGMV (auto, native, torch, ...): read here when the batch is built, unless
+    # given: a batch made from the step's (a sparse layer's routed rows) takes the step's
+    backend: str = ""
     # computed when the batch is built (once per step), read by every LoRA layer:
     max_seg_len: int = field(init=False)  # the longest segment (a static batch: its rows)
     launch: str = field(init=False)  # "sgmv" or "bgmv" (kernels/launch.py; static: bgmv)
-    backend: str = field(init=False)  # LORAPLANE_SGMV, read here: auto, native, torch, ...
     slot_mask: int = field(init=False)  # bit k set when a segment uses slot k
 
     def __post_init__(self) -> None:
@@ -63,7 +67,8 @@ class LoRABatch:
             mask |= 1 << slot
         object.__setattr__(self, "max_seg_len", longest)
         object.__setattr__(self, "launch", launch)
-        object.__setattr__(self, "backend", read_choice(SGMV_ENV, SGMV_BACKENDS))
+        if not self.backend:
+            object.__setattr__(self, "backend", read_choice(SGMV_ENV, SGMV_BACKENDS))
         object.__setattr__(self, "slot_mask", mask)
 
     @classmethod

@@ -183,15 +183,16 @@ class SparseMoeBlock(nn.Module):
         for (_, start, end), (gate_l, up_l, _) in zip(hits, linears, strict=True):
             torch.mm(xs[start:end], gate_l.weight.t(), out=gate[start:end])
             torch.mm(xs[start:end], up_l.weight.t(), out=up[start:end])
+        stamp = self.context.stamp if self.context is not None else None
         if lora is not None and lora_rows is not None:
-            lora.apply_layer(gate, xs, 0, lora_rows)
-            lora.apply_layer(up, xs, 1, lora_rows)
+            lora.apply_layer(gate, xs, 0, lora_rows, stamp)
+            lora.apply_layer(up, xs, 1, lora_rows, stamp)
         h = F.silu(gate, inplace=True).mul_(up)  # silu(gate) * up
         y = xs.new_empty(n, x.shape[1])
         for (_, start, end), (_, _, down_l) in zip(hits, linears, strict=True):
             torch.mm(h[start:end], down_l.weight.t(), out=y[start:end])
         if lora is not None and lora_rows is not None:
-            lora.apply_layer(y, h, 2, lora_rows)
+            lora.apply_layer(y, h, 2, lora_rows, stamp)
         return self._combine(x, y, weights, experts, rows)
 
     def _combine(

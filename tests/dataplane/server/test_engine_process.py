@@ -7,8 +7,11 @@ injects its faults into an engine on a thread (LORAPLANE_ENGINE_PROCESS=0), wher
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ from loraplane.dataplane.engine_process import EngineGone, ProcessEngine, portab
 from loraplane.dataplane.server.runtime import Runtime
 from tests.dataplane.server.conftest import (
     API_KEY,
+    REPO,
     server_settings,
     spawn,
     start_server,
@@ -173,6 +177,33 @@ def test_commands_cross_to_the_engine_process_and_shutdown_leaves_no_child(
     )
 
 
+def test_sigint_and_sigterm_leave_stopping_the_engine_process_to_the_server(
+    serve: Callable[..., tuple[str, Runtime]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C in a terminal (SIGINT to the foreground process group) or a SIGTERM to the group
+    reaches the engine process too: it ignores both and serves on; the server's shutdown then
+    stops it when asked (no kill after the grace), with no CRITICAL "gone" line."""
+    url, runtime = serve()
+    engine = front(runtime)
+    pid = engine.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)  # a default disposition would have ended it by now
+    assert not gone(pid) and engine.alive
+    body = {**LONG, "stream": False, "max_tokens": 3}
+    done = httpx.post(url + "/v1/completions", json=body, headers=TENANT, timeout=30)
+    assert done.status_code == 200, done.text
+    assert httpx.get(url + "/health").status_code == 200
+    runtime.draining = True
+    start = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - start < 5  # it stopped on "stop", not killed after the timeout
+    assert gone(pid) and pid not in children_of(os.getpid()) and not engine.alive
+    critical = [r.getMessage() for r in caplog.records if r.levelno >= logging.CRITICAL]
+    assert critical == []
+
+
 def test_the_engine_process_exits_when_the_server_process_is_killed(
     tiny_llama_dir: Path,
 ) -> None:
@@ -192,6 +223,27 @@ def test_the_engine_process_exits_when_the_server_process_is_killed(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_server_exiting_without_shutdown_still_stops_the_engine_process(
+    tiny_llama_dir: Path,
+) -> None:
+    """The child ignores SIGTERM, so multiprocessing's exit alone (terminate its daemon
+    children, then join them) would wait for it forever: a process exiting without `shutdown`
+    asks it to stop first."""
+    script = (
+        "import sys\n"
+        "from loraplane.dataplane.engine_process import ProcessEngine\n"
+        "from loraplane.dataplane.server.settings import ServerSettings\n"
+        "engine = ProcessEngine(ServerSettings.load(model=sys.argv[1], num_kv_blocks=64))\n"
+        "engine.wait_ready()\n"
+        "print(engine.pid, flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_llama_dir)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=90)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert gone(int(done.stdout.split()[0]))
 
 
 def test_errors_cross_the_pipe_as_what_the_routes_catch() -> None:
