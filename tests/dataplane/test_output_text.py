@@ -174,7 +174,9 @@ def test_outputs_after_a_stop_string_are_dropped_and_the_abort_frees_the_sequenc
     assert shown[-1].num_output_tokens == len(shown)  # counted up to the stop, as the engine's
 
 
-def test_a_text_that_cannot_be_formed_fails_its_request_alone(tiny_llama_dir: Path) -> None:
+def test_a_text_that_cannot_be_formed_fails_its_request_alone(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = make(tiny_llama_dir, False)
     texts = OutputText(engine.tokenizer)
     for request_id in ("bad", "good"):
@@ -184,7 +186,7 @@ def test_a_text_that_cannot_be_formed_fails_its_request_alone(tiny_llama_dir: Pa
     def undecodable(token: int, check_stop: bool = True) -> DetokenizerDelta:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
 
-    texts._detoks["bad"].add_token = undecodable  # type: ignore[method-assign]
+    monkeypatch.setattr(texts._detoks["bad"], "add_token", undecodable)
     rendered = [texts.render(raw) for raw in engine.step()]
     (bad, abort), (good, _) = sorted(rendered, key=lambda r: r[0].request_id if r[0] else "")
     assert abort and bad is not None and bad.finish_reason == "error" and bad.finished
