@@ -8,13 +8,20 @@ starting at a character boundary), which keeps each step O(window) rather than O
 Stop strings may span tokens too. Text that could be the start of a stop string is held back
 until the next token settles it, so a client never sees any part of a stop string; when one
 appears the text is cut just before it and the detokenizer reports that it stopped.
+
+`add_output` applies the engine's rules on top (min_tokens, a stop token's hidden text, the
+flush at the end): the one place they live, whichever process detokenizes (the engine's on a
+thread, the API server's with the engine in a process of its own, engine_process.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.sampling import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 
@@ -45,6 +52,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must hold non-empty strings, got {list(stop)!r}")
@@ -52,7 +60,8 @@ class IncrementalDetokenizer:
         self._stop = list(stop)
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._skip_special = skip_special_tokens
-        self._include_stop = include_stop  # a matched stop string stays in the text
+        self._include_stop = include_stop  # a matched stop string (or stop token) stays
+        self._min_tokens = min_tokens  # stop strings count from this many output tokens on
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: a character boundary
         self._read_offset = 0  # tokens up to here are released as text
@@ -60,6 +69,18 @@ class IncrementalDetokenizer:
         self._sent = 0  # characters of _text already returned
         self.stopped = False
         self.stop_string: str | None = None
+
+    @classmethod
+    def for_request(cls, tokenizer: Decoder, params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of a request's output: its stop strings, special tokens and
+        min_tokens as `params` set them."""
+        return cls(
+            tokenizer,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
 
     @property
     def output_text(self) -> str:
@@ -82,6 +103,23 @@ class IncrementalDetokenizer:
             return DetokenizerDelta("")  # a partial character (or nothing new) so far
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return self._release(full[len(prefix) :], final=False, check_stop=check_stop)
+
+    def add_output(
+        self, token_id: int, num_output_tokens: int, *, stop_token: bool, finished: bool
+    ) -> DetokenizerDelta:
+        """The text of the engine's output token `token_id`, its `num_output_tokens`-th.
+        `stop_token`: the token is a stop token that ended the output; as vLLM, its text is
+        not output (special or not) unless include_stop_str_in_output. `finished`: the engine
+        ended the output with this token; what was held back is released. The delta says
+        whether a stop string ended the output here (then the engine's sequence must end
+        too, with finish_reason "stop", whatever ended it otherwise)."""
+        if stop_token and not self._include_stop:
+            delta = DetokenizerDelta("")
+        else:
+            delta = self.add_token(token_id, check_stop=num_output_tokens >= self._min_tokens)
+        if finished and not delta.stopped:
+            return DetokenizerDelta(delta.text + self.flush().text)
+        return delta
 
     def flush(self) -> DetokenizerDelta:
         """At the end of the output: release what was held back (a trailing partial character

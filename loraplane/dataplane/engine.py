@@ -9,6 +9,11 @@
 One `step()` is one forward pass over a mixed batch: prefill chunks and decode tokens of many
 requests, each with its own adapter (or none), as many distinct adapters per step as the
 adapter memory (`lora_memory`) holds.
+
+`Engine(config, detokenize=False)` outputs token ids with no text and never checks stop
+strings: the engine process's mode (engine_process.py), where the API server's process turns
+ids into text with the same `IncrementalDetokenizer.add_output` and aborts a sequence whose
+stop string it finds.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import Capture
-from loraplane.dataplane.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from loraplane.dataplane.detokenizer import IncrementalDetokenizer
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
 from loraplane.dataplane.prompt_logprobs import PromptScores
@@ -62,7 +67,8 @@ ADAPTER_LOAD_TIMEOUT = "AdapterLoadTimeout"
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one step produced for one request: the new tokens and text since the last output."""
+    """What one step produced for one request: the new tokens and text since the last output
+    (no text from an engine that does not detokenize: its API server's process adds it)."""
 
     request_id: str
     token_ids: list[int]
@@ -80,6 +86,9 @@ class RequestOutput:
     prompt_logprobs: list[PromptLogprob] | None = None
     # prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details)
     num_cached_tokens: int = 0
+    # the token is a stop token (EOS among them) that ended the output: its text is hidden
+    # unless include_stop_str_in_output (what a detokenizer outside the engine needs to know)
+    stop_token: bool = False
 
 
 @dataclass(slots=True)
@@ -108,7 +117,9 @@ class EngineStats:
 class Engine:
     """One base model on one device, serving many adapters in mixed batches."""
 
-    def __init__(self, config: EngineConfig, disk: DiskTier | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, disk: DiskTier | None = None, *, detokenize: bool = True
+    ) -> None:
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.runner = ModelRunner(config, disk)
         self.config = config = self.runner.config  # max_model_len, num_kv_blocks filled in
@@ -129,6 +140,7 @@ class Engine:
         self.sampler = Sampler(config.seed, self.runner.device, self.runner.host_copy)
         self.loras = self.runner.loras
         self.stats = EngineStats()
+        self.detokenize = detokenize  # text and stop strings here (else: ids only)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent_logprobs: dict[str, int] = {}
         self._step_seconds = 0.0  # moving average of a step's time
@@ -195,12 +207,8 @@ class Engine:
         if params.grammar is not None:
             seq.matcher = Matcher(params.grammar)
         self.scheduler.add(seq)
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            stop=params.stop,
-            skip_special_tokens=params.skip_special_tokens,
-            include_stop=params.include_stop_str_in_output,
-        )
+        if self.detokenize:
+            self._detok[request_id] = IncrementalDetokenizer.for_request(self.tokenizer, params)
         self._sent_logprobs[request_id] = 0
         return seq
 
@@ -296,7 +304,7 @@ class Engine:
                 outputs.append(self._emit(seq))
             except Exception as error:
                 log.warning("the output of request %s failed: %r", seq.request_id, error)
-                outputs.append(self._fail(seq, _failure_message(error)))
+                outputs.append(self._fail(seq, failure_message(error)))
         return outputs
 
     def _advance_grammar(self, seq: Sequence, matcher: Matcher) -> None:
@@ -365,7 +373,7 @@ class Engine:
 
     def _fail_rows(self, rows: list[ScheduledSeq], error: Exception) -> list[RequestOutput]:
         """Finish the rows' requests with an error (their blocks freed)."""
-        message = _failure_message(error)
+        message = failure_message(error)
         return [self._fail(row.seq, message) for row in rows if not row.seq.is_finished]
 
     def _reclaim(self, short: int) -> None:
@@ -436,28 +444,22 @@ class Engine:
         )
 
     def _emit(self, seq: Sequence) -> RequestOutput:
-        detok = self._detok[seq.request_id]
-        params = seq.params
-        if (
-            seq.finish_reason is FinishReason.STOP
-            and seq.token_ids[-1] in params.stop_token_ids  # EOS among them, unless ignore_eos
-            and not params.include_stop_str_in_output
-        ):
-            # stopped by a stop token: as vLLM, its text is not output, special or not (its
-            # id and logprob still are)
-            delta = DetokenizerDelta("")
-        else:
-            delta = detok.add_token(
-                seq.token_ids[-1], check_stop=seq.num_output_tokens >= seq.params.min_tokens
+        token = seq.token_ids[-1]
+        # EOS among the stop token ids, unless ignore_eos (add_request); as vLLM, a stop
+        # token's text is not output (its id and logprob still are)
+        stop_token = seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids
+        text = ""
+        if self.detokenize:
+            delta = self._detok[seq.request_id].add_output(
+                token, seq.num_output_tokens, stop_token=stop_token, finished=seq.is_finished
             )
-        text = delta.text
-        if delta.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP)
-        elif delta.stopped:
-            seq.finish_reason = FinishReason.STOP
-        if seq.is_finished:
-            text += detok.flush().text if not delta.stopped else ""
-            del self._detok[seq.request_id]
+            text = delta.text
+            if delta.stopped and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            elif delta.stopped:
+                seq.finish_reason = FinishReason.STOP
+            if seq.is_finished:
+                del self._detok[seq.request_id]
         sent = self._sent_logprobs.get(seq.request_id, 0)
         logprobs = seq.output_logprobs[sent:] if seq.params.wants_logprobs else None
         top = seq.output_top_logprobs[sent:] if seq.params.top_logprobs else None
@@ -470,7 +472,7 @@ class Engine:
             self._sent_logprobs[seq.request_id] = len(seq.output_logprobs)
         return RequestOutput(
             request_id=seq.request_id,
-            token_ids=[seq.token_ids[-1]],
+            token_ids=[token],
             text=text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
@@ -480,6 +482,7 @@ class Engine:
             top_logprobs=top,
             prompt_logprobs=prompt,
             num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens),
+            stop_token=stop_token,
         )
 
     def generate(
@@ -514,5 +517,6 @@ class Engine:
         return [results[f"{stamp}-{i}"] for i in range(n)]
 
 
-def _failure_message(error: BaseException) -> str:
+def failure_message(error: BaseException) -> str:
+    """A failed request's `error`, from what failed (the step, or forming its output)."""
     return f"the step serving this request failed: {type(error).__name__}: {error}"

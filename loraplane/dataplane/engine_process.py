@@ -1,6 +1,6 @@
 """The engine in a process of its own: the API server's process tokenizes, renders chat
-templates, compiles grammars and streams SSE; a child process runs the engine loop (scheduler,
-model, sampler, detokenizer).
+templates, compiles grammars, detokenizes, checks stop strings and streams SSE; a child process
+runs the engine loop (scheduler, model, sampler): only the model's work.
 
 Why: in one interpreter the event loop's per-token work (JSON, SSE, the HTTP stack) and the
 engine's step take turns at the GIL, so each slows the other. Here they share nothing but a pipe
@@ -9,16 +9,22 @@ engine's step take turns at the GIL, so each slows the other. Here they share no
     server -> engine   ("add", id, prompt, params, constraint, lora, tenant) | ("abort", id)
                        ("cmd", call id | None, name, args)  (engine_commands.py) | ("stop",)
     engine -> server   Ready | Failed  (once, after the model loaded or failed to)
-                       Step            (ONE per step: every request's new tokens and text of
-                                        that step, errors, adapter load times, health fields)
+                       Step            (ONE per step: every request's new token ids of that
+                                        step with their logprobs and finish reasons, no text;
+                                        errors, adapter load times, health fields)
                        Reply           (a command's result) | Died (the loop ended: why)
 
 `ProcessEngine` is the server's side, with AsyncEngine's interface (generate, abort, post,
 command, health, alive, has_work, shutdown, tokenizer, vocab_size, grammars, is_registered):
-the runtime uses either (`LORAPLANE_ENGINE_PROCESS`). Text is still decoded on the engine's side
-(its stop strings end a sequence inside the step that produced them); only per-step batches of
-ids and text cross. Compiled grammars do not pickle: the server compiles a request's constraint
-(to answer 400 at once) and sends the constraint, which the engine compiles again (cached).
+the runtime uses either (`LORAPLANE_ENGINE_PROCESS`). The engine here does not detokenize
+(`Engine(detokenize=False)`): the pipe's reader thread in the server's process turns each Step's
+ids into text (output_text.py, the same `IncrementalDetokenizer.add_output` the engine on a
+thread runs, so the text is the same byte for byte). When a stop string ends a request's text,
+its stream ends at the token that completed it (finish_reason "stop", the same token counts)
+and one ("abort", id) goes to the engine, which frees the sequence's KV blocks and seat; the
+tokens the sequence made meanwhile are dropped. Compiled grammars do not pickle: the server
+compiles a request's constraint (to answer 400 at once) and sends the constraint, which the
+engine compiles again (cached).
 
 Failure semantics as the thread's: a dead engine process (killed, crashed, out of memory) makes
 the replica not ready and not alive (`health()` says why: "the engine process is gone (killed
@@ -57,6 +63,7 @@ from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import EngineHealth, EngineLoop, Stream, judge
 from loraplane.dataplane.engine import Engine, RequestOutput
 from loraplane.dataplane.engine_commands import run_command
+from loraplane.dataplane.output_text import OutputText
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.structured import Constraint, GrammarCompiler
@@ -79,11 +86,13 @@ class EngineGone(RuntimeError):
     """The engine process has exited: nothing will answer."""
 
 
-def build_engine(settings: ServerSettings, observe: Callable[[str, float], None]) -> Engine:
+def build_engine(
+    settings: ServerSettings, observe: Callable[[str, float], None], *, detokenize: bool = True
+) -> Engine:
     """The engine `settings` describe, with the static `--lora-modules` registered; each
     adapter load's seconds go to `observe(tier, seconds)` (tier "cpu": into host memory,
     "gpu": into a device slot). Raises StartupError. Runs in the server's process or in the
-    engine's."""
+    engine's (there with `detokenize` False: the server's process makes the text)."""
     disk = None
     if settings.controlplane_url:  # catalog mode: stored versions, through the tiers
         from loraplane.adapters.store import open_store
@@ -102,7 +111,7 @@ def build_engine(settings: ServerSettings, observe: Callable[[str, float], None]
             except OSError as e:
                 raise StartupError(f"LORAPLANE_USAGE_SPOOL_DIR: {e}") from e
     try:
-        engine = Engine(settings.engine_config(), disk=disk)
+        engine = Engine(settings.engine_config(), disk=disk, detokenize=detokenize)
     except (ValueError, OSError) as e:
         reason = fileaccess.message(e)
         raise StartupError(f"cannot load model {settings.model}: {reason}") from e
@@ -142,7 +151,8 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One step's outputs, every request's in one message, and the loop's health fields."""
+    """One step's outputs, every request's in one message (ids, no text), and the loop's
+    health fields."""
 
     outputs: list[RequestOutput]
     errors: list[tuple[str, Any]]  # (request id, a portable error)
@@ -219,7 +229,7 @@ def _child_main(conn: Connection, settings: ServerSettings, log_level: int) -> N
     _child_logging(log_level, settings)
     loads: deque[tuple[str, float]] = deque()
     try:
-        engine = build_engine(settings, lambda tier, s: loads.append((tier, s)))
+        engine = build_engine(settings, lambda tier, s: loads.append((tier, s)), detokenize=False)
     except StartupError as e:
         conn.send(Failed(str(e)))
         return
@@ -387,6 +397,7 @@ class ProcessEngine:
         self.on_loads: Callable[[list[tuple[str, float]]], None] | None = None
         self.start_loads: list[tuple[str, float]] = []
         self._tokenizer: Tokenizer | None = None
+        self._texts: OutputText | None = None  # the requests' text, made here (once ready)
         self.vocab_size = 0
         self.max_model_len = 0
         # health: fields the child reports with each step (monotonic clock: one per machine)
@@ -420,6 +431,7 @@ class ProcessEngine:
             self.shutdown()
             raise problem
         self._tokenizer = tokenizer
+        self._texts = OutputText(tokenizer)
         self.vocab_size, self.max_model_len = message.vocab_size, message.max_model_len
         self._registered = {ref.key: ref for ref in message.registered}
         self.start_loads = message.loads
@@ -476,8 +488,10 @@ class ProcessEngine:
         if params is not None and params.grammar is not None:
             constraint = params.grammar.constraint
             params = dataclasses.replace(params, grammar=None)
+        texts = self._output_text()
         self._mark_busy()
         stream = Stream.here()
+        texts.start(request_id, params)  # before the add: its first step's ids find it
         self._streams[request_id] = stream
         finished = False
         try:
@@ -488,8 +502,14 @@ class ProcessEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
+            texts.forget(request_id)
             if not finished:
                 self.abort(request_id)
+
+    def _output_text(self) -> OutputText:
+        if self._texts is None:
+            raise EngineGone("the engine is not ready")
+        return self._texts
 
     def abort(self, request_id: str) -> None:
         """Abort a request between steps (its blocks are freed)."""
@@ -561,9 +581,13 @@ class ProcessEngine:
         if step.loads and self.on_loads is not None:
             self.on_loads(step.loads)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
-        for out in step.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
+        texts = self._output_text()
+        for raw in step.outputs:
+            out, abort = texts.render(raw)  # ids to text, here; None once its text ended
+            if abort:  # before its stream ends: a request sent after has its id free
+                self.abort(raw.request_id)
+            stream = self._streams.get(raw.request_id)
+            if out is not None and stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         for request_id, error in step.errors:
             stream = self._streams.get(request_id)
