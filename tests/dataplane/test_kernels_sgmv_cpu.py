@@ -100,7 +100,8 @@ def test_a_call_split_over_threads_gives_the_one_thread_result_bit_for_bit(threa
     slots = _slots(ranks, seed=threads)
     lengths = {k: 1 + k % 9 for k in range(40)}
     lengths[11] = sgmv_cpu.MAX_SEGMENT + 3
-    batch = LoRABatch.from_token_slots(_token_slots(lengths, base=5, seed=threads))
+    token_slots = _token_slots(lengths, base=5, seed=threads)
+    batch = LoRABatch.from_token_slots(token_slots)
     x = torch.randn(batch.num_tokens, IN)
     y0 = torch.randn(batch.num_tokens, OUT)
     before = torch.get_num_threads()
@@ -113,8 +114,12 @@ def test_a_call_split_over_threads_gives_the_one_thread_result_bit_for_bit(threa
             results.append(y)
     finally:
         torch.set_num_threads(before)
-    # every segment is done whole by one thread, with the same arithmetic
-    assert torch.equal(results[0], results[1])
+    # every short segment is done whole by one thread, with the same arithmetic; the long one
+    # goes to torch's GEMM, whose own threads may split its sums differently (seen on an AMD
+    # EPYC with AVX-512: a few ulps at 3 and 5 threads)
+    short = torch.tensor([k != 11 for k in token_slots])
+    assert torch.equal(results[0][short], results[1][short])
+    torch.testing.assert_close(results[0][~short], results[1][~short], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results[1], _expected(slots, x, y0, batch), atol=1e-4, rtol=1e-4)
 
 
