@@ -90,6 +90,16 @@ class RequestOutput:
     # unless include_stop_str_in_output (what a detokenizer outside the engine needs to know)
     stop_token: bool = False
 
+    @classmethod
+    def failed(
+        cls, request_id: str, error: str, num_prompt_tokens: int, num_output_tokens: int,
+        code: str | None = None,
+    ) -> RequestOutput:  # fmt: skip
+        """The last output of a request that failed with `error`: no tokens, no text."""
+        return cls(request_id=request_id, token_ids=[], text="", finished=True,
+                   finish_reason="error", logprobs=None, num_prompt_tokens=num_prompt_tokens,
+                   num_output_tokens=num_output_tokens, error=error, error_code=code)  # fmt: skip
+
 
 @dataclass(slots=True)
 class Completion:
@@ -430,17 +440,8 @@ class Engine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._detok.pop(seq.request_id, None)
         self._sent_logprobs.pop(seq.request_id, None)
-        return RequestOutput(
-            request_id=seq.request_id,
-            token_ids=[],
-            text="",
-            finished=True,
-            finish_reason="error",
-            logprobs=None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            error=error,
-            error_code=code,
+        return RequestOutput.failed(
+            seq.request_id, error, seq.num_prompt_tokens, seq.num_output_tokens, code
         )
 
     def _emit(self, seq: Sequence) -> RequestOutput:

@@ -68,24 +68,11 @@ class OutputText:
         except Exception as error:  # this request's text fails alone, as in the engine
             log.warning("the output of request %s failed: %r", out.request_id, error)
             self.forget(out.request_id)
-            return _failed(out, failure_message(error)), not out.finished
+            failed = RequestOutput.failed(out.request_id, failure_message(error),
+                                          out.num_prompt_tokens, out.num_output_tokens)  # fmt: skip
+            return failed, not out.finished
         if not delta.stopped:
             return dataclasses.replace(out, text=delta.text), False
         self.forget(out.request_id)
         stopped = dataclasses.replace(out, text=delta.text, finished=True, finish_reason="stop")
         return stopped, not out.finished
-
-
-def _failed(out: RequestOutput, error: str) -> RequestOutput:
-    """The output the engine gives a request it fails (Engine._fail)."""
-    return RequestOutput(
-        request_id=out.request_id,
-        token_ids=[],
-        text="",
-        finished=True,
-        finish_reason="error",
-        logprobs=None,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_output_tokens=out.num_output_tokens,
-        error=error,
-    )
