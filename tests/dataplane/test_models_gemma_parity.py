@@ -357,8 +357,11 @@ def test_half_precision_gemma_and_pool_stay_close_to_hf_peft_fp32(
     reference = gemma_reference(kind)
     for seq, name in zip(seqs, names, strict=True):
         expected = hf_logits(reference, seq.tokens, name)
-        # logits of up to ~15 (the Llama test's are < 1): twice its absolute tolerance
-        torch.testing.assert_close(torch.stack(seq.logits), expected, atol=0.1, rtol=0.05)
+        # logits of up to ~15 (the Llama test's are < 1): twice its absolute tolerance in fp16;
+        # bf16 keeps 8 bits, one step being 0.0625 at 8 to 16, and a CPU with native bf16 dot
+        # products (AVX512-BF16: an AMD EPYC here) rounds them otherwise: 0.115 seen there
+        atol = 0.2 if dtype == torch.bfloat16 else 0.1
+        torch.testing.assert_close(torch.stack(seq.logits), expected, atol=atol, rtol=0.05)
 
 
 def test_embedding_scale_is_rounded_to_the_weights_dtype_as_transformers_does() -> None:
