@@ -28,7 +28,8 @@ from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
-from loraplane.dataplane.server.metrics import EngineSnapshot, ServerMetrics
+from loraplane.dataplane.server.metrics import ServerMetrics
+from loraplane.dataplane.snapshot import EngineSnapshot
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.demo.build import build_adapter, build_llama
 

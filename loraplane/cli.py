@@ -15,7 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-EXIT_OK, EXIT_REJECTED, EXIT_USAGE = 0, 1, 2
+from loraplane.exit_codes import EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+
+__all__ = ["EXIT_OK", "EXIT_REJECTED", "EXIT_USAGE", "build_parser", "main"]
 # `validate --base-model` was a folder, `push --base-model` a served name: one meaning per flag
 DEPRECATED_BASE_MODEL = (
     "warning: `adapters validate --base-model DIR` is deprecated: use --base-model-dir DIR"

@@ -56,7 +56,7 @@ def test_each_family_recipe_is_read_as_that_family_with_its_adapter_targets(name
     the engine, and every module the adapters target exists in it."""
     import transformers
 
-    from loraplane.dataplane.models import ModelConfig
+    from loraplane.dataplane.models.loader import parse_config
 
     demo = FAMILIES[name]
     config = getattr(transformers, demo.config_class)(
@@ -68,7 +68,7 @@ def test_each_family_recipe_is_read_as_that_family_with_its_adapter_targets(name
     assert set(demo.target_modules) <= set(spec.modules), spec.modules
     for param in demo.target_parameters:  # the packed experts, on every sparse layer
         assert all(spec.has_module(layer, param) for layer in range(spec.num_layers)), param
-    engine = ModelConfig.from_dict(config)
+    engine = parse_config(config)
     assert (engine.model_type, engine.num_layers, engine.hidden_size) == (name, 4, 128)
 
 

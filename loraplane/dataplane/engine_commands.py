@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.snapshot import EngineSnapshot
 
 COMMANDS = (
     "register_stored",
@@ -30,8 +31,6 @@ COMMANDS = (
 
 def run_command(engine: Engine, name: str, args: tuple[Any, ...]) -> Any:
     """Run command `name` on `engine` (on its loop, between steps); its result."""
-    from loraplane.dataplane.server.metrics import EngineSnapshot  # metrics imports the loop
-
     if name == "register_stored":
         return engine.loras.register_stored(*args)
     if name == "register_lora":

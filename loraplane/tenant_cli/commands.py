@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplane.cli import EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from loraplane.exit_codes import EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from loraplane.tenant_cli.progress import Progress
 
 if TYPE_CHECKING:

@@ -506,10 +506,10 @@ def test_gemma_configs_the_decoder_cannot_serve_are_refused_naming_why(
     change: dict[str, Any], message: str
 ) -> None:
     from loraplane.dataplane.models import UnsupportedModelError
-    from loraplane.dataplane.models.config import ModelConfig
+    from loraplane.dataplane.models.loader import parse_config
 
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
-        ModelConfig.from_dict({**HUB_CONFIGS["gemma-2-9b"], **change})
+        parse_config({**HUB_CONFIGS["gemma-2-9b"], **change})
 
 
 def test_an_image_text_gemma3_config_without_text_config_is_refused() -> None:

@@ -34,7 +34,7 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
-from loraplane.dataplane.attention import AttentionMetadata, check_options
+from loraplane.dataplane.attention_metadata import AttentionMetadata, check_options
 
 __all__ = ["AttentionConfig", "default_config", "paged_attention"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

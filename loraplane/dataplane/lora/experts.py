@@ -21,7 +21,7 @@ every layer's call.
 The pool keeps one slot table per (layer, `experts.N.NAME`), the names 4.x checkpoints and
 adapters use; a transformers 5 adapter of the packed experts (PEFT `target_parameters` on
 `experts.gate_up_proj` / `experts.down_proj`) is split into those per-expert factors when it
-is loaded (`per_expert_modules`), rank-exact: expert e's A is rows e*r..(e+1)*r of the packed
+is loaded (`loader.per_expert_modules`), rank-exact: expert e's A is rows e*r..(e+1)*r of the packed
 A, its B the columns e, e + E, ... of the packed B, as PEFT's ParamWrapper reads them.
 """
 
@@ -33,16 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.kernels import dispatch
-from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
 from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
 
 Segment = tuple[int, int, int]  # (slot, start, end): rows start:end of one expert use slot
-
-# one expert's (gate, up, down) names per family, as its checkpoint names them
-EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,39 +310,3 @@ class ExpertLoRA:
         if stamp is None or stamp < 0 or self._generation is None:
             stamp = None  # not activated (LoRAContext.stamp -1), or tables of no pool
         dispatch.lora_apply(y, x, batch, self.stacked(proj, stamp), stamp)
-
-
-def per_expert_modules(adapter: LoadedAdapter, spec: BaseModelSpec) -> LoadedAdapter:
-    """`adapter` with any packed experts' factors split into per-expert ones, keyed
-    (layer, `experts.N.NAME`) as the pool and 4.x adapters key them; returned as is when it
-    has none. A packed `experts.gate_up_proj` becomes N's gate and up linears, which share
-    its A (gate: the first half of B's rows, up: the second, as the packed parameter's rows)."""
-    names = EXPERT_NAMES.get(spec.model_type)
-    packed = [key for key in adapter.modules if key[1] in ("experts.gate_up_proj",
-                                                           "experts.down_proj")]  # fmt: skip
-    if names is None or not packed:
-        return adapter
-    gate, up, down = names
-    experts = spec.num_experts
-    modules: dict[tuple[int, str], LoRAWeights] = {}
-    for (layer, module), w in adapter.modules.items():
-        if module not in ("experts.gate_up_proj", "experts.down_proj"):
-            modules[(layer, module)] = w
-            continue
-        rank = w.a.shape[0] // experts
-        if rank * experts != w.a.shape[0] or w.b.shape[1] != w.a.shape[0]:
-            raise ValueError(
-                f"layer {layer} {module}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not "
-                f"split into {experts} experts"
-            )
-        for e in range(experts):
-            a = w.a[e * rank : (e + 1) * rank].contiguous()  # [r, in]
-            b = w.b[:, e::experts].contiguous()  # [out, r]
-            if module == "experts.down_proj":
-                modules[(layer, f"experts.{e}.{down}")] = LoRAWeights(a, b, w.scale)
-                continue
-            half = b.shape[0] // 2
-            modules[(layer, f"experts.{e}.{gate}")] = LoRAWeights(a, b[:half].contiguous(),
-                                                                  w.scale)  # fmt: skip
-            modules[(layer, f"experts.{e}.{up}")] = LoRAWeights(a, b[half:].contiguous(), w.scale)
-    return LoadedAdapter(adapter.source, modules, adapter.digest)

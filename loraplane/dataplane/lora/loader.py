@@ -283,8 +283,6 @@ def load_lora(
     loaded = base_layout(_load_lora(path, base, limits, expected_digest), base)
     if not base.num_experts:
         return loaded
-    from loraplane.dataplane.lora.experts import per_expert_modules  # it imports this module
-
     return per_expert_modules(loaded, base)
 
 
@@ -423,3 +421,43 @@ def _load_lora(
     if expected_digest is not None and digest[0] != expected_digest:
         raise IntegrityError(str(path), expected_digest, digest[0])
     return LoadedAdapter(source=str(path), modules=modules, digest=digest[0])
+
+
+# one expert's (gate, up, down) names per family, as its checkpoint names them
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+
+
+def per_expert_modules(adapter: LoadedAdapter, spec: BaseModelSpec) -> LoadedAdapter:
+    """`adapter` with any packed experts' factors split into per-expert ones, keyed
+    (layer, `experts.N.NAME`) as the pool and 4.x adapters key them; returned as is when it
+    has none. A packed `experts.gate_up_proj` becomes N's gate and up linears, which share
+    its A (gate: the first half of B's rows, up: the second, as the packed parameter's rows)."""
+    names = EXPERT_NAMES.get(spec.model_type)
+    packed = [key for key in adapter.modules if key[1] in ("experts.gate_up_proj",
+                                                           "experts.down_proj")]  # fmt: skip
+    if names is None or not packed:
+        return adapter
+    gate, up, down = names
+    experts = spec.num_experts
+    modules: dict[tuple[int, str], LoRAWeights] = {}
+    for (layer, module), w in adapter.modules.items():
+        if module not in ("experts.gate_up_proj", "experts.down_proj"):
+            modules[(layer, module)] = w
+            continue
+        rank = w.a.shape[0] // experts
+        if rank * experts != w.a.shape[0] or w.b.shape[1] != w.a.shape[0]:
+            raise ValueError(
+                f"layer {layer} {module}: A {tuple(w.a.shape)} / B {tuple(w.b.shape)} do not "
+                f"split into {experts} experts"
+            )
+        for e in range(experts):
+            a = w.a[e * rank : (e + 1) * rank].contiguous()  # [r, in]
+            b = w.b[:, e::experts].contiguous()  # [out, r]
+            if module == "experts.down_proj":
+                modules[(layer, f"experts.{e}.{down}")] = LoRAWeights(a, b, w.scale)
+                continue
+            half = b.shape[0] // 2
+            modules[(layer, f"experts.{e}.{gate}")] = LoRAWeights(a, b[:half].contiguous(),
+                                                                  w.scale)  # fmt: skip
+            modules[(layer, f"experts.{e}.{up}")] = LoRAWeights(a, b[half:].contiguous(), w.scale)
+    return LoadedAdapter(adapter.source, modules, adapter.digest)

@@ -31,6 +31,19 @@ SUPPORTED_ARCHITECTURES = (
 )  # fmt: skip
 # parsed by models/gemma.py (GemmaConfig, a ModelConfig with Gemma's own fields)
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text", "gemma3")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
+
+
+def check_supported(config: dict[str, Any]) -> None:
+    """UnsupportedModelError unless config.json's model_type is one the engine builds."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} (architectures {config.get('architectures')}) is not "
+            f"supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -200,21 +213,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelConfig:
-        """Parse an HF config.json; raise UnsupportedModelError naming the problem."""
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        """Parse a dense Llama-family HF config.json (Llama, Mistral, Qwen2, Qwen3, Phi-3;
+        Gemma and the mixtures of experts parse their own, on top of this one: any family
+        goes through `models.loader.parse_config`); raise UnsupportedModelError naming the
+        problem."""
+        check_supported(config)
+        model_type: str = config["model_type"]
+        if model_type in GEMMA_ARCHITECTURES or model_type in MOE_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} (architectures {config.get('architectures')}) is not "
-                f"supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"model_type {model_type!r} is parsed by models.loader.parse_config"
             )
-        if model_type in GEMMA_ARCHITECTURES:  # imported here: gemma.py imports this module
-            from loraplane.dataplane.models.gemma import GemmaConfig
-
-            return GemmaConfig.from_hf(config)
-        if model_type in ("mixtral", "qwen3_moe"):  # models/moe.py (which imports this module)
-            from loraplane.dataplane.models.moe import MoEConfig
-
-            return MoEConfig.from_hf(config)
         if model_type == "phi3":
             config = _phi3_config(config)
         act = config.get("hidden_act", "silu")

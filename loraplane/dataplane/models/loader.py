@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,7 +21,13 @@ from loraplane import fileaccess
 from loraplane.adapters import base_model
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.models import quant
-from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
+from loraplane.dataplane.models.config import (
+    GEMMA_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    ModelConfig,
+    UnsupportedModelError,
+    check_supported,
+)
 from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
 from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
 from loraplane.dataplane.models.llama import LlamaForCausalLM
@@ -36,7 +43,20 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def read_config(model_dir: Path | str) -> ModelConfig:
     """Parse `<model_dir>/config.json` (read by `loraplane.adapters.base_model.read_config`,
     every service's one reader of it); a ValueError says why it cannot be used."""
-    return ModelConfig.from_dict(base_model.read_config(str(model_dir)))
+    return parse_config(base_model.read_config(str(model_dir)))
+
+
+def parse_config(config: dict[str, Any]) -> ModelConfig:
+    """Any family's HF config.json, parsed by its own parser (UnsupportedModelError naming
+    the problem): here, where every family's module is imported, so that models/config.py
+    imports none of them."""
+    check_supported(config)
+    model_type = config["model_type"]
+    if model_type in GEMMA_ARCHITECTURES:
+        return GemmaConfig.from_hf(config)
+    if model_type in MOE_ARCHITECTURES:
+        return MoEConfig.from_hf(config)
+    return ModelConfig.from_dict(config)
 
 
 def checkpoint_files(model_dir: Path | str) -> list[Path]:
@@ -127,7 +147,7 @@ def load_model(
     device = torch_device(device)
     root = Path(model_dir)
     raw = base_model.read_config(str(root))
-    config = ModelConfig.from_dict(raw)
+    config = parse_config(raw)
     scheme = quant.scheme_for(raw, quantization)
     if scheme is not None and isinstance(config, MoEConfig):
         raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")

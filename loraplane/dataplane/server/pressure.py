@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 
 from loraplane import fileaccess
-from loraplane.dataplane.server.metrics import EngineSnapshot
 from loraplane.dataplane.server.usage_spool import Key, UsageSpool
+from loraplane.dataplane.snapshot import EngineSnapshot
 from loraplane.internal_api import AsyncInternalAPIClient, InternalAPIError
 
 log = logging.getLogger(__name__)

@@ -44,9 +44,10 @@ from loraplane.dataplane.server.errors import (
 )
 from loraplane.dataplane.server.intake import FairPool, auto_workers
 from loraplane.dataplane.server.limits import RateLimiter
-from loraplane.dataplane.server.metrics import EngineSnapshot, ServerMetrics
+from loraplane.dataplane.server.metrics import ServerMetrics
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.dataplane.snapshot import EngineSnapshot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from loraplane.dataplane.engine_process import ProcessEngine, Step
-from loraplane.dataplane.server.metrics import EngineSnapshot
 from loraplane.dataplane.server.runtime import Runtime
+from loraplane.dataplane.snapshot import EngineSnapshot
 from tests.dataplane.server.conftest import API_KEY, server_settings, start_server
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}

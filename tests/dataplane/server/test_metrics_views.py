@@ -10,7 +10,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplane.dataplane.server.metrics import EngineSnapshot, ServerMetrics
+from loraplane.dataplane.server.metrics import ServerMetrics
+from loraplane.dataplane.snapshot import EngineSnapshot
 
 GATEWAY = {
     "vllm:num_requests_running",

@@ -27,10 +27,10 @@ from loraplane.dataplane.server.errors import (
     UpstreamError,
 )
 from loraplane.dataplane.server.limits import RateLimiter
-from loraplane.dataplane.server.metrics import EngineSnapshot
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings, SettingsError
+from loraplane.dataplane.snapshot import EngineSnapshot
 
 
 class Clock:

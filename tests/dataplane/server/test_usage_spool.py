@@ -16,9 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.main import create_app as create_controlplane
-from loraplane.dataplane.server.metrics import EngineSnapshot
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
 from loraplane.dataplane.server.usage_spool import Spooled, UsageSpool
+from loraplane.dataplane.snapshot import EngineSnapshot
 from tests.controlplane.conftest import ADMIN, SERVICE, make_settings
 
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
