@@ -445,10 +445,13 @@ class Engine:
         )
 
     def _emit(self, seq: Sequence) -> RequestOutput:
+        """The step's output of one row (called for every row of every step: its host work
+        is kept to what the request asked for)."""
         token = seq.token_ids[-1]
+        params = seq.params
         # EOS among the stop token ids, unless ignore_eos (add_request); as vLLM, a stop
         # token's text is not output (its id and logprob still are)
-        stop_token = seq.finish_reason is FinishReason.STOP and token in seq.params.stop_token_ids
+        stop_token = seq.finish_reason is FinishReason.STOP and token in params.stop_token_ids
         text = ""
         if self.detokenize:
             delta = self._detok[seq.request_id].add_output(
@@ -461,25 +464,32 @@ class Engine:
                 seq.finish_reason = FinishReason.STOP
             if seq.is_finished:
                 del self._detok[seq.request_id]
-        sent = self._sent_logprobs.get(seq.request_id, 0)
-        logprobs = seq.output_logprobs[sent:] if seq.params.wants_logprobs else None
-        top = seq.output_top_logprobs[sent:] if seq.params.top_logprobs else None
-        prompt = None
-        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+        finished = seq.is_finished
+        num_output = seq.num_output_tokens
+        logprobs = top = prompt = None
+        if params.wants_logprobs or params.top_logprobs:  # what was not sent yet
+            rid = seq.request_id
+            sent = self._sent_logprobs.get(rid, 0)
+            if params.wants_logprobs:
+                logprobs = seq.output_logprobs[sent:]
+            if params.top_logprobs:
+                top = seq.output_top_logprobs[sent:]
+            if finished:
+                self._sent_logprobs.pop(rid, None)
+            else:
+                self._sent_logprobs[rid] = len(seq.output_logprobs)
+        if params.prompt_logprobs is not None and num_output == 1:
             prompt = list(seq.prompt_logprobs)
-        if seq.is_finished:
-            self._sent_logprobs.pop(seq.request_id, None)
-        else:
-            self._sent_logprobs[seq.request_id] = len(seq.output_logprobs)
+        reason = seq.finish_reason
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=[token],
             text=text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            finished=finished,
+            finish_reason=reason.value if reason else None,
             logprobs=logprobs,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=num_output,
             top_logprobs=top,
             prompt_logprobs=prompt,
             num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens),
