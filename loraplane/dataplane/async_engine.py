@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplane.dataplane.engine import Engine, RequestOutput
+from loraplane.dataplane.parallel.comm import WorkerLost
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.structured import GrammarCompiler
@@ -149,6 +150,8 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
+            except WorkerLost:  # a tensor-parallel rank is gone: the loop ends (not ready)
+                raise
             except Exception as e:  # a failed step fails the requests in it, not the loop
                 self._failed_at = self._progress_at = time.monotonic()
                 self._failed_in_a_row += 1

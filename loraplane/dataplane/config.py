@@ -89,6 +89,9 @@ class EngineConfig:
     # "fp8": quantize a 16-bit checkpoint's projections to float8 e4m3 at load (per-channel
     # scales; models/quant.py); None: as the checkpoint is (an FP8 checkpoint loads as FP8)
     quantization: str | None = None
+    # processes (one per device) the model is split over (parallel/): its attention heads,
+    # MLP columns and vocabulary, and every adapter's slices; 1: one process
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -128,10 +131,15 @@ class EngineConfig:
                 " every adapter in the GPU pool is also held in the CPU cache"
             )
         self.lora_memory = parse_memory(self.lora_memory)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        split = self.tensor_parallel_size > 1
+        for name in ("kv_lora_shared", "cuda_graphs"):  # not written for split models yet
+            if split and getattr(self, name):
+                raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet")
         if self.kv_lora_shared is None:
-            self.kv_lora_shared = self.device == "cuda"
+            self.kv_lora_shared = self.device == "cuda" and not split
         if self.cuda_graphs is None:
-            self.cuda_graphs = self.device == "cuda"
+            self.cuda_graphs = self.device == "cuda" and not split
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"

@@ -32,6 +32,7 @@ from loraplane.dataplane.cuda_graphs import Capture
 from loraplane.dataplane.detokenizer import IncrementalDetokenizer
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
+from loraplane.dataplane.parallel.comm import WorkerLost
 from loraplane.dataplane.prompt_logprobs import PromptScores
 from loraplane.dataplane.sampler import Sampler, SamplerOutput, make_generator
 from loraplane.dataplane.sampling import SamplingParams
@@ -177,6 +178,12 @@ class Engine:
             return False
         return True
 
+    def close(self) -> None:
+        """Stop the adapter loader threads and the tensor-parallel workers (if any); the
+        engine cannot step afterwards."""
+        self.loras.close()
+        self.runner.close()
+
     # -- adapters ---------------------------------------------------------------------------
 
     def register_lora(self, name: str, path: Path | str, tenant: str = "default") -> LoRARef:
@@ -258,7 +265,12 @@ class Engine:
         self.last_batch = [r.seq.request_id for r in out.scheduled]
         try:
             parts = [(out, self._compute(out))]
+        except WorkerLost:  # the split model lost a rank: no request can step again
+            raise
         except Exception as error:  # one tenant's failure must not end the others' requests
+            if self.runner.workers is not None:  # a rank may have stopped mid-step: the
+                # ranks' collectives are out of step, and rerunning parts would hang them
+                raise WorkerLost(f"a step of the split model failed: {error!r}") from error
             parts, failed_rows = self._compute_isolated(out, error)
             failed += failed_rows
         outputs = [o for part, computed in parts for o in self._record(part, computed)]

@@ -238,7 +238,10 @@ def _child_main(conn: Connection, settings: ServerSettings, log_level: int) -> N
         return
     conn.send(Ready(engine.config.max_model_len or 0, engine.runner.vocab_size,
                     engine.loras.registered, _drain(loads)))  # fmt: skip
-    _EngineServer(engine, conn, loads).run()
+    try:
+        _EngineServer(engine, conn, loads).run()
+    finally:
+        engine.close()  # its tensor-parallel workers, if any, stop with it
 
 
 def _drain(loads: deque[tuple[str, float]]) -> list[tuple[str, float]]:
@@ -376,8 +379,11 @@ class ProcessEngine:
         self.settings = settings
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
+        # a daemon process may not start processes: with tensor parallelism the engine starts
+        # its workers (the finalizer below stops it at exit either way)
         self._proc = context.Process(
-            target=_child_main, name="loraplane-engine", daemon=True,
+            target=_child_main, name="loraplane-engine",
+            daemon=settings.tensor_parallel_size == 1,
             args=(child, settings, _server_log_level()),
         )  # fmt: skip
         self._proc.start()

@@ -11,12 +11,13 @@ device (prompt_logprobs.py). What crosses to the host goes through its `host_cop
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from dataclasses import dataclass, field
+import functools
 
 import torch
 
-from loraplane.adapters.base_model import BaseModelSpec, read_config
+from loraplane.adapters.base_model import read_config
 from loraplane.dataplane import host_memory
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import (
@@ -26,20 +27,27 @@ from loraplane.dataplane.cuda_graphs import (
     capture_decode_graphs,
 )
 from loraplane.dataplane.devices import torch_device
-from loraplane.dataplane.host_copy import HostCopy, to_device
-from loraplane.dataplane.lora.layers import install_lora
+from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
-from loraplane.dataplane.lora.pool import LoRAPool
+from loraplane.dataplane.model_step import (
+    TORCH_DTYPES,
+    PromptRow,
+    StepLogits,
+    StepPlan,
+    build_model,
+    run_plan,
+)
 from loraplane.dataplane.models import gemma
-from loraplane.dataplane.models.loader import load_model
-from loraplane.dataplane.prompt_logprobs import PromptScores, PromptSpan, score_prompts
+from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
+from loraplane.dataplane.parallel.shard import shard_adapter
+from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.scheduler import SchedulerOutput
-from loraplane.dataplane.step_metadata import StepRow, build_step
+from loraplane.dataplane.step_metadata import StepRow
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.sizes import resolve_memory
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+__all__ = ["TORCH_DTYPES", "ModelRunner", "StepLogits", "lora_budget_bytes"]
 CPU_KV_BUDGET = 4 << 30  # bytes of KV cache at most on CPU (or a quarter of RAM, if less)
 GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading, for the KV cache
 
@@ -64,35 +72,40 @@ def lora_budget_bytes(lora_memory: int | float, device: torch.device) -> int:
     return resolve_memory(lora_memory, free)
 
 
-@dataclass(frozen=True, slots=True)
-class StepLogits:
-    """A step's logits, fp32 on the model's device (the sampler reads them there)."""
-
-    sampled: torch.Tensor  # [len(out.sampled), vocab]: the rows that sample, in order
-    # request id -> the step's scores of its prompt tokens (reduced on the device), for
-    # requests that want prompt log-probabilities
-    prompt: dict[str, PromptScores] = field(default_factory=dict)
-
-
 class ModelRunner:
     """The model on its device, its KV cache, and the adapters in its LoRA slots."""
 
     def __init__(self, config: EngineConfig, disk: DiskTier | None = None) -> None:
         self.device = torch_device(config.device)  # ValueError without CUDA
         self.dtype = TORCH_DTYPES[config.dtype]
-        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
-        spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
-        self.pool = LoRAPool(config.lora_slots, spec, self.dtype, self.device)
-        install_lora(self.model, self.pool)
+        # tensor parallelism: this process is rank 0; the workers start (and load their
+        # shards) while it loads its own
+        self.workers: WorkerGroup | None = None
+        shard = None
+        if config.tensor_parallel_size > 1:
+            if self.device.type == "cpu":  # the cores shared out between the ranks
+                torch.set_num_threads(cpu_threads(config.tensor_parallel_size))
+            self.workers = WorkerGroup.start(config, self.device)
+            shard = self.workers.comm.shard
+        try:
+            comm = None if self.workers is None else self.workers.comm
+            built = build_model(config, self.device, shard, comm)
+        except BaseException:
+            self.close()
+            raise
+        self.model, self.pool, self._vocab_size = built.model, built.pool, built.vocab_size
         self.lora_budget_bytes = lora_budget_bytes(config.lora_memory, self.device)
         self.loras = LoRAManager(
             self.pool,
-            spec,
+            built.spec,
             config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
             disk=disk,
             device_budget_bytes=self.lora_budget_bytes,
             prefetch=config.enable_lora_prefetch,
+            shard=None
+            if shard is None
+            else functools.partial(shard_adapter, shard=shard, kv_heads=built.spec.num_kv_heads),
         )
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))
@@ -105,6 +118,9 @@ class ModelRunner:
             block_bytes = self.model.kv_cache_block_bytes(config.block_size)
             self.num_blocks += -(-self.lora_budget_bytes // block_bytes)
         self.model.allocate_kv_cache(self.num_blocks, config.block_size)
+        if self.workers is not None:
+            self.workers.allocate(self.num_blocks, config.block_size)
+        self._mirrored: dict[int, str] = {}  # slot -> adapter key, as the workers hold them
         if self.model.kv_cache is None:  # pragma: no cover - allocate_kv_cache sets it
             raise RuntimeError("the KV cache was not allocated")
         self.kv_cache: torch.Tensor = self.model.kv_cache  # [2, layers, blocks, bs, kv, dim]
@@ -131,7 +147,12 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         """Columns of the logits (the model's vocabulary, padding included)."""
-        return int(self.model.config.vocab_size)
+        return self._vocab_size
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _auto_blocks(self, config: EngineConfig) -> int:
         """KV blocks from free memory: all a full batch of max-length sequences could use,
@@ -173,19 +194,7 @@ class ModelRunner:
             )
             for r in rows
         ]
-        hidden = None
-        if self.cuda_graphs is not None:  # decode rows only, so no prompt log-probabilities
-            hidden = self.cuda_graphs.run(step_rows)
-        if hidden is not None:
-            cu = list(range(len(rows) + 1))
-        else:
-            step = build_step(
-                step_rows, self.config.block_size, self.device, with_lora=bool(out.lora_keys)
-            )
-            hidden = self.model(step.input_ids, step.positions, step.attn, step.lora)
-            cu = step.attn.host_cu_seqlens_q
-        dev = self.device
-        spans = []
+        prompt = []
         for i, r in enumerate(rows):  # rows whose request wants its prompt's log-probabilities
             top = r.seq.params.prompt_logprobs
             if top is None:
@@ -194,14 +203,25 @@ class ModelRunner:
             stop = min(r.start + r.num_new_tokens, r.seq.num_prompt_tokens - 1)
             if stop > r.start:
                 tokens = r.seq.prompt_token_ids[r.start + 1 : stop + 1]
-                spans.append(PromptSpan(r.seq.request_id, r.start + 1, cu[i], tokens, top))
-        # reduced on the device, in bounded slices of rows: no full prompt logits reach the host
-        prompt = score_prompts(spans, hidden, self.model.compute_logits, self.host_copy)
-        last = [cu[i + 1] - 1 for i, r in enumerate(rows) if r.sample]
-        if not last:
-            sampled = torch.empty(0, self.vocab_size, dtype=torch.float32, device=dev)
-        elif len(last) == hidden.shape[0]:  # a decode step: every row samples
-            sampled = self.model.compute_logits(hidden).float()
-        else:
-            sampled = self.model.compute_logits(hidden[to_device(last, torch.long, dev)]).float()
-        return StepLogits(sampled, prompt)  # on the device: the sampler reads it there
+                prompt.append(PromptRow(i, r.seq.request_id, r.start + 1, tokens, top))
+        plan = StepPlan(step_rows, bool(out.lora_keys), [r.sample for r in rows], prompt)
+        if self.workers is None:
+            return run_plan(self.model, plan, self.config.block_size, self.host_copy,
+                            self.cuda_graphs)  # fmt: skip
+        with contextlib.ExitStack() as held:  # adapter files stay on disk while workers read
+            self.workers.send(self._message(plan, held))
+            logits = run_plan(self.model, plan, self.config.block_size, self.host_copy)
+        return logits
+
+    def _message(self, plan: StepPlan, held: contextlib.ExitStack) -> StepMessage:
+        """`plan` with the slot changes since the last step, so the workers' slots hold what
+        this rank's do (each worker reads its part of a new adapter from its files)."""
+        slots = self.loras.slot_keys()
+        frees = [s for s, key in self._mirrored.items() if slots.get(s) != key]
+        loads = []
+        for slot, key in slots.items():
+            if self._mirrored.get(slot) != key:
+                folder, digest = held.enter_context(self.loras.local_copy(key))
+                loads.append(SlotLoad(slot, str(folder), digest))
+        self._mirrored = slots
+        return StepMessage(plan, frees, loads)

@@ -36,7 +36,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,9 +139,13 @@ class LoRAManager:
         retry_after_s: float = 5.0,
         max_loads_in_flight: int = 2,
         prefetch_depth: int | None = None,
+        shard: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
     ) -> None:
         self.pool = pool
         self.base = base
+        # a tensor-parallel rank's part of each adapter read (parallel/shard.py), validated
+        # against the whole `base` first; the pool holds that part
+        self._shard = shard
         self.limits = AdapterLimits(max_rank=max_lora_rank)
         self.max_cpu_loras = max_cpu_loras or pool.max_loras
         if self.max_cpu_loras < pool.max_loras:
@@ -192,7 +196,7 @@ class LoRAManager:
         with self._lock:
             entry = self._entries.setdefault(ref.key, _Entry(ref, local_path=Path(path)))
             if entry.host is None:
-                self._to_host(entry, self.pool.host_form(adapter))
+                self._to_host(entry, self._host_form(adapter))
             self._names[(tenant, name)] = ref.key
             # registering thousands of static adapters must not hold them all in memory: the
             # host tier keeps max_cpu_loras; the others are read again from their folder
@@ -440,7 +444,7 @@ class LoRAManager:
     def _load_once(self, entry: _Entry) -> None:
         start = time.perf_counter()
         try:
-            adapter = self.pool.host_form(self._read(entry))
+            adapter = self._host_form(self._read(entry))
         except Exception as e:  # whatever the cause, the version fails, never stays LOADING
             message = (
                 str(e)
@@ -492,6 +496,29 @@ class LoRAManager:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
+        return self.pool.host_form(adapter if self._shard is None else self._shard(adapter))
+
+    @contextlib.contextmanager
+    def local_copy(self, key: str) -> Iterator[tuple[Path, str]]:
+        """The folder (or archive) of adapter `key`'s files on this machine and its digest,
+        the files kept there while the block runs (a stored version's disk-tier copy, fetched
+        again if it was evicted): what tensor-parallel workers read their part from."""
+        entry = self._entries[key]
+        digest = entry.ref.digest
+        if entry.local_path is not None:
+            yield entry.local_path, digest
+            return
+        if self.disk is None or entry.store_path is None:  # pragma: no cover - register_stored
+            raise StoreError(f"adapter {key} has no source")
+        with self.disk.reading(entry.store_path, digest) as folder:
+            yield folder, digest
+
+    def slot_keys(self) -> dict[int, str]:
+        """Slot -> the key of the adapter in it, for every occupied slot."""
+        with self._lock:
+            return dict(self._slots)
 
     def _to_host(self, entry: _Entry, adapter: LoadedAdapter) -> None:
         entry.host, entry.state, entry.error = adapter, State.HOST, None

@@ -10,6 +10,7 @@ device): host memory holds at most one tensor beyond the model being built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
 from loraplane.dataplane.models.llama import LlamaForCausalLM
 from loraplane.dataplane.models.moe import MoEConfig, MoEForCausalLM
 from loraplane.dataplane.models.rope import RotaryEmbedding
+from loraplane.dataplane.parallel import shard as parallel
+from loraplane.dataplane.parallel.shard import TPShard
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_NAME = "model.safetensors.index.json"
@@ -134,10 +137,13 @@ def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
 
 def load_model(
     model_dir: Path | str, dtype: torch.dtype, device: torch.device | str,
-    quantization: str | None = None,
+    quantization: str | None = None, shard: TPShard | None = None,
 ) -> LlamaForCausalLM:  # fmt: skip
     """Build the decoder from `config.json` and load its weights in `dtype` on `device`; FP8
     projections (models/quant.py) where the checkpoint holds them or `quantization` is "fp8".
+    With `shard`, only that tensor-parallel rank's part (parallel/shard.py): its heads, MLP
+    columns and vocabulary rows, read slice by slice (`parallel.layers.parallelize` then
+    swaps in the collectives).
 
     Raises UnsupportedModelError (a ValueError) for an architecture or option not implemented,
     ValueError for missing files or weights that do not fit the config.
@@ -151,16 +157,26 @@ def load_model(
     scheme = quant.scheme_for(raw, quantization)
     if scheme is not None and isinstance(config, MoEConfig):
         raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
+    tp = shard or TPShard(0, 1)
+    built = config
+    if tp.size > 1:
+        parallel.check_supported(config, tp.size)
+        if scheme is not None:
+            raise UnsupportedModelError(
+                "tensor parallelism over quantized weights is not supported yet"
+            )
+        rows = tp.vocab_part(config.vocab_size)[2]
+        built = dataclasses.replace(parallel.local_config(config, tp), vocab_size=rows)
     with torch.device("meta"):
-        model = causal_lm(config)
+        model = causal_lm(built)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
     state: dict[str, torch.Tensor] = {}
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
     where = str(device) if device.type == "cuda" else "cpu"
-    for shard in checkpoint_files(root):
-        fileaccess.check_readable(shard)  # safetensors calls an unreadable file missing
-        with safe_open(str(shard), framework="pt", device=where) as f:
+    for part in checkpoint_files(root):
+        fileaccess.check_readable(part)  # safetensors calls an unreadable file missing
+        with safe_open(str(part), framework="pt", device=where) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -172,7 +188,11 @@ def load_model(
                 if target.rpartition(".")[0] in fp8 and scheme is not None:
                     _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
                     continue
-                state[target] = f.get_tensor(name).to(device=device, dtype=dtype)
+                tensor = f.get_tensor(name)
+                if tp.size > 1:  # a copy of the slice: the whole tensor is not kept
+                    tensor = parallel.checkpoint_slice(target, tensor, tp, config.num_kv_heads)
+                    tensor = tensor.clone()
+                state[target] = tensor.to(device=device, dtype=dtype)
     _check_keys(model, state, root)
     try:
         model.load_state_dict(state, strict=False, assign=True)
@@ -180,6 +200,7 @@ def load_model(
         raise ValueError(f"checkpoint in {root} does not fit its config.json: {e}") from e
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.config = dataclasses.replace(model.config, vocab_size=config.vocab_size)
     for module in model.modules():  # cos/sin tables: computed on the CPU, not in the file
         if isinstance(module, RotaryEmbedding):
             module.to(device)

@@ -58,6 +58,15 @@ def add_commands(subparsers: Any) -> None:
         " (compressed-tensors) loads as FP8 without it",
     )
     serve.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="split the base model over N processes, one per GPU (cuda:0..N-1; on cpu, the"
+        " cores shared out): attention heads, MLP columns and the vocabulary, and each"
+        " adapter's matching slices, exact; N must divide the attention heads and the MLP"
+        " width. Llama, Mistral, Qwen2 and Qwen3 bases; default 1",
+    )
+    serve.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -134,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         k: getattr(args, k, None)
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
                   "max_lora_rank", "cuda_graphs", "engine_process", "quantization",
+                  "tensor_parallel_size",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
                   "metrics_port", "gateway_metrics_port", "api_metrics_adapters",
                   "controlplane_url", "usage_spool_dir",

@@ -1,0 +1,88 @@
+"""The collectives a tensor-parallel step runs, over torch.distributed.
+
+Tensors go over the default group (NCCL on CUDA, gloo on CPU); rank 0's step messages go over
+a gloo group of their own (pickled objects, whatever the device). Every collective has the
+group's timeout: a rank that stops answering fails the others' step (never a hang forever).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loraplane.dataplane.parallel.shard import TPShard
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the replica cannot step again (its
+    engine gives up and reports not ready; a restart brings the group back)."""
+
+
+@dataclass(slots=True)
+class Collectives:
+    """This process's place in a tensor-parallel group and the operations the model uses."""
+
+    shard: TPShard
+    control: Any  # the gloo group for step messages
+    comm_seconds: float = 0.0  # wall time in all-reduce and all-gather, summed (the benchmark's)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x`, in place."""
+        start = time.perf_counter()
+        try:
+            dist.all_reduce(x)
+        except RuntimeError as e:
+            raise WorkerLost(f"a tensor-parallel rank failed during all-reduce: {e}") from e
+        self.comm_seconds += time.perf_counter() - start
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` side by side along the last dimension (rank order)."""
+        start = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.shard.size)]
+        try:
+            dist.all_gather(parts, x.contiguous())
+        except RuntimeError as e:
+            raise WorkerLost(f"a tensor-parallel rank failed during all-gather: {e}") from e
+        self.comm_seconds += time.perf_counter() - start
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, message: Any) -> Any:
+        """Rank 0's `message`, on every rank (the others pass None)."""
+        box = [message]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        except RuntimeError as e:
+            raise WorkerLost(f"a tensor-parallel rank failed to take a step: {e}") from e
+        return box[0]
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL between CUDA devices, gloo between CPU processes."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join(shard: TPShard, address: str, device: torch.device, timeout_s: float) -> Collectives:
+    """Join the group at `address` (tcp://host:port) as `shard.rank`; blocks until every rank
+    has joined (or `timeout_s` passes: RuntimeError)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend_for(device), init_method=address, rank=shard.rank, world_size=shard.size,
+        timeout=timeout, **kwargs,
+    )  # fmt: skip
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return Collectives(shard, control)
+
+
+def leave() -> None:
+    """Leave the group (nothing when this process is in none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,177 @@
+"""Which slice of every weight and adapter tensor a tensor-parallel rank holds.
+
+Pure functions over shapes and tensors (no process group): the loader asks `checkpoint_slice`
+for each checkpoint tensor, the LoRA manager and the workers `shard_adapter` for each
+adapter, the model runner `local_config` / `local_spec` for the shapes a rank builds.
+
+Column-parallel (output rows split): q_proj, k_proj, v_proj, gate_proj, up_proj and their
+biases. Row-parallel (input columns split, outputs summed across ranks): o_proj, down_proj;
+their bias is held by rank 0 only, so the sum adds it once. Vocabulary-parallel: the
+embedding and lm_head rows, `ceil(vocab / size)` per rank, the last rank's tail zero padding.
+Everything else (norms, Qwen3's per-head q/k norms) is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
+from loraplane.dataplane.models.gemma import GemmaConfig
+from loraplane.dataplane.models.moe import MoEConfig
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """Rank `rank` of a tensor-parallel group of `size` processes."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
+
+    def part(self, length: int) -> slice:
+        """This rank's equal share of `length` (which `size` divides)."""
+        step = length // self.size
+        return slice(self.rank * step, (self.rank + 1) * step)
+
+    def kv_part(self, length: int, kv_heads: int) -> slice:
+        """This rank's rows of a k_proj / v_proj output of `length` rows over `kv_heads` heads:
+        an equal share, or (fewer heads than ranks) the one head its query heads read, each
+        head then held by `size // kv_heads` ranks."""
+        if kv_heads % self.size == 0:
+            return self.part(length)
+        rows = length // kv_heads
+        head = self.rank // (self.size // kv_heads)
+        return slice(head * rows, (head + 1) * rows)
+
+    def vocab_part(self, vocab: int) -> tuple[int, int, int]:
+        """(start, stop, rows): the vocabulary ids this rank holds, and the rows of its padded
+        slice (the same on every rank: the gathered logits are `rows * size` wide)."""
+        rows = -(-vocab // self.size)
+        start = min(vocab, self.rank * rows)
+        return start, min(vocab, start + rows), rows
+
+
+def check_supported(config: ModelConfig, size: int) -> None:
+    """UnsupportedModelError naming why `config` cannot be split over `size` ranks."""
+    if size == 1:
+        return
+    if isinstance(config, GemmaConfig | MoEConfig):
+        raise UnsupportedModelError(
+            f"tensor parallelism serves the Llama family (llama, mistral, qwen2, qwen3) for"
+            f" now, not model_type {config.model_type!r}"
+        )
+    if config.fused_projections:
+        raise UnsupportedModelError(
+            f"tensor parallelism does not split fused projections (model_type"
+            f" {config.model_type!r}: qkv_proj, gate_up_proj) yet"
+        )
+    for name, value in (
+        ("num_attention_heads", config.num_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if value % size:
+            raise UnsupportedModelError(
+                f"--tensor-parallel-size {size} does not divide {name} ({value})"
+            )
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        raise UnsupportedModelError(
+            f"--tensor-parallel-size {size} neither divides num_key_value_heads ({kv}) nor is"
+            " a multiple of it (each rank holds its share of the KV heads, or one of them)"
+        )
+
+
+def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
+    """The shapes rank `shard.rank` builds: its heads and MLP columns (the vocabulary is
+    split by the vocab-parallel layers, not here)."""
+    if shard.size == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // shard.size,
+        num_kv_heads=max(1, config.num_kv_heads // shard.size),
+        intermediate_size=config.intermediate_size // shard.size,
+    )
+
+
+def local_spec(spec: BaseModelSpec, shard: TPShard) -> BaseModelSpec:
+    """The adaptable layers' shapes on one rank: what its LoRA pool's slots hold."""
+    if shard.size == 1:
+        return spec
+    return dataclasses.replace(
+        spec,
+        num_heads=spec.num_heads // shard.size,
+        num_kv_heads=max(1, spec.num_kv_heads // shard.size),
+        intermediate_size=spec.intermediate_size // shard.size,
+    )
+
+
+def _projection(name: str) -> tuple[str, str] | None:
+    """(module, "weight" | "bias") of a decoder projection's tensor, else None."""
+    module, _, part = name.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    if not module.startswith("model.layers.") or leaf not in COLUMN_PARALLEL + ROW_PARALLEL:
+        return None
+    return leaf, part
+
+
+def _rows(module: str, length: int, shard: TPShard, kv_heads: int) -> slice:
+    """A column-parallel module's output rows on this rank."""
+    if module in ("k_proj", "v_proj"):
+        return shard.kv_part(length, kv_heads)
+    return shard.part(length)
+
+
+def checkpoint_slice(
+    name: str, tensor: torch.Tensor, shard: TPShard, kv_heads: int
+) -> torch.Tensor:
+    """Rank `shard.rank`'s part of checkpoint tensor `name` (the tensor itself when whole)
+    of a model with `kv_heads` KV heads."""
+    if shard.size == 1:
+        return tensor
+    if name in VOCAB_PARALLEL:
+        start, stop, rows = shard.vocab_part(tensor.shape[0])
+        if stop - start == rows:
+            return tensor[start:stop]
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: stop - start] = tensor[start:stop]
+        return padded
+    found = _projection(name)
+    if found is None:
+        return tensor
+    leaf, kind = found
+    if leaf in COLUMN_PARALLEL:  # output rows (a bias: its entries)
+        return tensor[_rows(leaf, tensor.shape[0], shard, kv_heads)]
+    if kind == "bias":  # row-parallel: added once, by rank 0, to the summed output
+        return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+    return tensor[:, shard.part(tensor.shape[1])]
+
+
+def shard_adapter(adapter: LoadedAdapter, shard: TPShard, kv_heads: int) -> LoadedAdapter:
+    """`adapter`'s part on this rank (vLLM's default layout): a column-parallel module keeps A
+    whole and its slice of B's rows, a row-parallel one its slice of A's columns and B whole.
+    Slices are copied (contiguous), so the pool's host form reads them as one run each."""
+    if shard.size == 1:
+        return adapter
+    modules = {}
+    for (layer, module), w in adapter.modules.items():
+        if module in COLUMN_PARALLEL:
+            a, b = w.a, w.b[_rows(module, w.b.shape[0], shard, kv_heads)].contiguous()
+        elif module in ROW_PARALLEL:
+            a, b = w.a[:, shard.part(w.a.shape[1])].contiguous(), w.b
+        else:  # pragma: no cover - check_supported refused such models
+            raise UnsupportedModelError(f"module {module!r} cannot be split for tensor parallelism")
+        modules[(layer, module)] = LoRAWeights(a=a, b=b, scale=w.scale)
+    return LoadedAdapter(adapter.source, modules, adapter.digest)

@@ -1,0 +1,87 @@
+"""A tensor-parallel worker: rank 1..N-1 of an engine's group, in a process of its own.
+
+It joins the group, loads its shard of the model (and of every adapter rank 0 puts in a slot),
+allocates the KV cache rank 0 sizes, then runs each step rank 0 broadcasts until it is told to
+stop (a None message), or until a collective fails because rank 0 is gone. An error is
+reported on `errors` (rank 0 names it) before the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import torch
+
+from loraplane.adapters.limits import AdapterLimits
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.devices import torch_device
+from loraplane.dataplane.host_copy import HostCopy
+from loraplane.dataplane.lora.loader import load_lora
+from loraplane.dataplane.model_step import build_model, run_plan
+from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, leave
+from loraplane.dataplane.parallel.shard import TPShard, shard_adapter
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0
+
+
+def device_of(config: EngineConfig, rank: int) -> torch.device:
+    """Rank `rank`'s device: CUDA device `rank`, or the CPU."""
+    base = torch_device(config.device)
+    return torch.device("cuda", rank) if base.type == "cuda" else base
+
+
+def cpu_threads(size: int) -> int:
+    """Threads per rank on the CPU: the cores shared out."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def main(config: EngineConfig, rank: int, address: str, errors: Any) -> None:
+    """The worker process (multiprocessing's target)."""
+    # the engine's process stops it (a None step, a SIGTERM at its exit, or its collectives
+    # failing), not a terminal's Ctrl-C, which reaches the whole process group
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    shard = TPShard(rank, config.tensor_parallel_size)
+    device = device_of(config, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(shard.size))
+    try:
+        comm = join(shard, address, device, JOIN_TIMEOUT_S)
+    except Exception as e:
+        errors.put((rank, f"joining the group failed: {type(e).__name__}: {e}"))
+        return
+    try:
+        _serve(config, comm, device)
+    except WorkerLost:
+        pass  # rank 0 is gone (or stopped answering): nothing to report to
+    except BaseException as e:
+        errors.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        leave()
+
+
+def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> None:
+    with torch.inference_mode():
+        built = build_model(config, device, comm.shard, comm)
+        model, pool = built.model, built.pool
+        limits = AdapterLimits(max_rank=config.max_lora_rank)
+        host_copy = HostCopy()
+        setup = comm.broadcast(None)
+        model.allocate_kv_cache(setup.num_blocks, setup.block_size)
+        while True:
+            message = comm.broadcast(None)
+            if message is None:
+                return
+            for slot in message.frees:
+                pool.free(slot)
+            for load in message.loads:
+                adapter = load_lora(load.folder, built.spec, limits, load.digest)
+                pool.free(load.slot)
+                part = shard_adapter(adapter, comm.shard, built.spec.num_kv_heads)
+                pool.load(load.slot, pool.host_form(part))
+            run_plan(model, message.plan, setup.block_size, host_copy)
