@@ -1,0 +1,93 @@
+"""`serve --tensor-parallel-size 2` on CPU: the OpenAI API over a model split across two
+processes answers as the unsplit engine does, and SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import openai
+
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.sampling import SamplingParams
+from tests.dataplane.server.conftest import spawn, wait_ready
+from tests.servers import free_port
+
+PROMPT = [5, 17, 33, 9, 40, 11]
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def _describe(pid: int) -> str:
+    """`pid`'s state and command line, "" once it is gone (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+    return "" if state == "Z" else f"{state} {cmdline[:120]}"
+
+
+def _reference(model: Path, adapter: Path) -> str:
+    engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                 num_kv_blocks=64))  # fmt: skip
+    ref = engine.register_lora("a", adapter, "default")
+    engine.add_request("x", PROMPT, SamplingParams(temperature=0.0, max_tokens=8,
+                                                   ignore_eos=True), ref)  # fmt: skip
+    tokens: list[int] = []
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens += out.token_ids
+    return engine.tokenizer.decode(tokens)
+
+
+def test_serve_split_over_two_processes_answers_as_one_and_exits_clean(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    port = free_port()
+    proc = spawn(
+        ["--model", str(tiny_llama_dir), "--port", str(port), "--dtype", "float32",
+         "--tensor-parallel-size", "2", "--lora-modules", f"a={peft_adapters['r16']}"],
+        env={"LORAPLANE_NUM_KV_BLOCKS": "64", "LORAPLANE_SHUTDOWN_GRACE_S": "10"},
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, timeout=120, proc=proc)
+        # the server, its engine process, and the engine's one worker
+        assert len(_descendants(proc.pid)) >= 2
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        answer = client.completions.create(
+            model="a", prompt=PROMPT, max_tokens=8, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert answer.choices[0].text == _reference(tiny_llama_dir, peft_adapters["r16"])
+        children = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        deadline = time.monotonic() + 5  # multiprocessing's resource tracker ends on its own
+        while (left := {p: _describe(p) for p in children if _describe(p)}) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        assert not left, f"processes of the split engine outlived the server: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,253 @@
+"""Tensor parallelism (parallel/): the shard rules exact by construction, and TP = 2 on CPU
+(two processes over gloo) giving TP = 1's tokens in mixed adapter batches; a dead worker ends
+the engine with WorkerLost, never a hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loraplane.dataplane.async_engine import AsyncEngine
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+from loraplane.dataplane.models.config import UnsupportedModelError
+from loraplane.dataplane.models.loader import load_model
+from loraplane.dataplane.parallel.comm import WorkerLost
+from loraplane.dataplane.parallel.shard import TPShard, checkpoint_slice, shard_adapter
+from loraplane.dataplane.sampling import SamplingParams
+from tests.dataplane.conftest import Family, hf_logits
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+# -- the rules, on one linear layer with an adapter (no processes) ---------------------------
+
+
+def _layer(out: int, fan_in: int, rank: int = 4) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(out * 7 + fan_in)
+    w = torch.randn(out, fan_in, generator=g, dtype=torch.float64)
+    bias = torch.randn(out, generator=g, dtype=torch.float64)
+    a = torch.randn(rank, fan_in, generator=g, dtype=torch.float64)
+    b = torch.randn(out, rank, generator=g, dtype=torch.float64)
+    x = torch.randn(3, fan_in, generator=g, dtype=torch.float64)
+    return w, bias, a, b, x
+
+
+def _adapter(module: str, a: torch.Tensor, b: torch.Tensor) -> LoadedAdapter:
+    return LoadedAdapter("t", {(0, module): LoRAWeights(a=a, b=b, scale=0.5)})
+
+
+def _with_lora(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, ad: LoadedAdapter) -> Any:
+    lora = next(iter(ad.modules.values()))
+    return x @ w.T + bias + lora.scale * (x @ lora.a.T) @ lora.b.T
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_column_parallel_slices_side_by_side_are_the_whole_layer(size: int) -> None:
+    w, bias, a, b, x = _layer(out=16, fan_in=12)
+    name = "model.layers.0.mlp.up_proj"
+    whole = _with_lora(x, w, bias, _adapter("up_proj", a, b))
+    parts = []
+    for rank in range(size):
+        shard = TPShard(rank, size)
+        ad = shard_adapter(_adapter("up_proj", a, b), shard, kv_heads=4)
+        lora = ad.modules[(0, "up_proj")]
+        assert lora.a.shape == a.shape and lora.b.shape == (16 // size, 4)
+        w_r = checkpoint_slice(name + ".weight", w, shard, 4)
+        b_r = checkpoint_slice(name + ".bias", bias, shard, 4)
+        parts.append(_with_lora(x, w_r, b_r, ad))
+    torch.testing.assert_close(torch.cat(parts, dim=-1), whole)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_row_parallel_partials_sum_to_the_whole_layer_with_the_bias_once(size: int) -> None:
+    w, bias, a, b, x = _layer(out=10, fan_in=16)
+    name = "model.layers.1.self_attn.o_proj"
+    whole = _with_lora(x, w, bias, _adapter("o_proj", a, b))
+    total = torch.zeros_like(whole)
+    for rank in range(size):
+        shard = TPShard(rank, size)
+        cols = shard.part(16)
+        ad = shard_adapter(_adapter("o_proj", a, b), shard, kv_heads=4)
+        assert ad.modules[(0, "o_proj")].a.shape == (4, 16 // size)
+        w_r = checkpoint_slice(name + ".weight", w, shard, 4)
+        b_r = checkpoint_slice(name + ".bias", bias, shard, 4)
+        assert bool(b_r.any()) == (rank == 0)
+        total += _with_lora(x[:, cols], w_r, b_r, ad)
+    torch.testing.assert_close(total, whole)
+
+
+def test_fewer_kv_heads_than_ranks_replicates_the_head_each_rank_reads() -> None:
+    head_dim, kv_heads = 3, 2
+    w = torch.arange(kv_heads * head_dim * 5, dtype=torch.float32).view(-1, 5)
+    rows = [checkpoint_slice("model.layers.0.self_attn.k_proj.weight", w, TPShard(r, 4), 2)
+            for r in range(4)]  # fmt: skip
+    # query heads 0-1 of 4 ranks... ranks 0, 1 read KV head 0; ranks 2, 3 KV head 1
+    assert torch.equal(rows[0], w[:3]) and torch.equal(rows[1], w[:3])
+    assert torch.equal(rows[2], w[3:]) and torch.equal(rows[3], w[3:])
+
+
+def test_the_vocabulary_splits_into_equal_padded_slices() -> None:
+    emb = torch.arange(10, dtype=torch.float32).view(10, 1).expand(10, 2).contiguous()
+    parts = [checkpoint_slice("model.embed_tokens.weight", emb, TPShard(r, 4), 1) for r in range(4)]
+    assert [tuple(p.shape) for p in parts] == [(3, 2)] * 4
+    assert torch.equal(torch.cat(parts)[:10], emb)
+    assert not parts[3][1:].any()  # the last rank's padding rows
+    norm = torch.ones(4)
+    assert checkpoint_slice("model.layers.0.input_layernorm.weight", norm, TPShard(1, 2), 1) is norm
+
+
+def test_models_that_cannot_be_split_are_refused_by_name(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    from tests.factories import build_model
+
+    tiny_gemma_dir = build_model(tmp_path / "gemma", "gemma3_text")
+    llama = families["llama"].model_dir  # 4 heads over 2 KV heads
+    with pytest.raises(UnsupportedModelError, match=r"does not divide num_attention_heads \(4\)"):
+        load_model(llama, torch.float32, "cpu", shard=TPShard(0, 3))
+    with pytest.raises(UnsupportedModelError, match="Llama family"):
+        load_model(tiny_gemma_dir, torch.float32, "cpu", shard=TPShard(0, 2))
+    with pytest.raises(ValueError, match="kv_lora_shared is not supported with tensor_para"):
+        EngineConfig(model=str(llama), device="cpu", tensor_parallel_size=2, kv_lora_shared=True)
+    config = EngineConfig(model=str(llama), device="cuda", tensor_parallel_size=2)
+    assert config.kv_lora_shared is False and config.cuda_graphs is False
+
+
+# -- two processes over gloo -------------------------------------------------------------------
+
+
+def _engine(family: Family, tp: int, **overrides: Any) -> Engine:
+    settings: dict[str, Any] = {
+        "device": "cpu", "dtype": "float32", "block_size": 4, "num_kv_blocks": 256,
+        "max_loras": 3, "tensor_parallel_size": tp,
+    }  # fmt: skip
+    settings.update(overrides)
+    return Engine(EngineConfig(model=str(family.model_dir), **settings))
+
+
+def _run(engine: Engine, family: Family, names: list[str | None]) -> dict[str, Any]:
+    refs = {n: engine.register_lora(n, family.adapters[n], "t") for n in names if n}
+    for i, name in enumerate(names):
+        prompt = [5 + i, 17, 33 + i, 9, 40 + 2 * i, 11][: 3 + i % 4]
+        params = GREEDY
+        if i == 1:  # a scoring request: prompt log-probabilities go through the split head
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                    prompt_logprobs=2, logprobs=2)  # fmt: skip
+        engine.add_request(f"r{i}", prompt, params, refs.get(name) if name else None)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    prompt_lp: dict[str, Any] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
+            if out.prompt_logprobs:
+                prompt_lp[out.request_id] = out.prompt_logprobs
+    return {"tokens": tokens, "logprobs": logprobs, "prompt": prompt_lp}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tp2_gives_tp1s_tokens_in_mixed_adapter_batches(
+    families: dict[str, Family], kind: str
+) -> None:
+    # qwen2: one KV head over two ranks (replicated), tied embeddings, q/k/v biases
+    family = families[kind]
+    names: list[str | None] = ["r4", "r16", None, "r32-mlp", "r8-patterns", "r4", None, "r64"]
+    # three slots for five adapters: slots are emptied and refilled on both ranks
+    # (chunked prefill at 8 tokens a step mixes prefill and decode rows)
+    one = _engine(family, 1, max_num_batched_tokens=8)
+    expected = _run(one, family, names)
+    two = _engine(family, 2, max_num_batched_tokens=8)
+    try:
+        got = _run(two, family, names)
+    finally:
+        two.close()
+    assert got["tokens"] == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+    assert got["prompt"].keys() == expected["prompt"].keys() == {"r1"}
+    assert len(got["prompt"]["r1"]) == len(expected["prompt"]["r1"])
+
+
+def test_tp2_equals_hf_peft(families: dict[str, Family], hf_reference: Any) -> None:
+    family = families["llama"]
+    engine = _engine(family, 2)
+    try:
+        got = _run(engine, family, ["r16", None, "r8-qv"])["tokens"]
+    finally:
+        engine.close()
+    reference = hf_reference("llama")
+    for i, name in enumerate(["r16", None, "r8-qv"]):
+        tokens = [5 + i, 17, 33 + i, 9, 40 + 2 * i, 11][: 3 + i % 4]
+        for _ in range(GREEDY.max_tokens if i != 1 else 4):
+            tokens.append(int(hf_logits(reference, tokens, name)[-1].argmax()))
+        assert got[f"r{i}"] == tokens[-len(got[f"r{i}"]) :], name
+
+
+def _in_thread(fn: Any, timeout: float) -> Any:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"still running after {timeout} s: a hang"
+    return box
+
+
+def test_a_dead_worker_ends_the_engine_with_worker_lost_never_a_hang(
+    families: dict[str, Family],
+) -> None:
+    family = families["llama"]
+    engine = _engine(family, 2)
+    try:
+        loop = AsyncEngine(engine)
+        worker = engine.runner.workers._procs[0]  # type: ignore[union-attr]
+        worker.kill()  # SIGKILL: no goodbye
+        worker.join(10)
+
+        async def ask() -> None:
+            async for _ in loop.generate("x", [5, 6, 7], GREEDY):
+                pass
+
+        import asyncio
+
+        box = _in_thread(lambda: asyncio.run(ask()), timeout=60)
+        assert "error" in box and "engine stopped: WorkerLost" in str(box["error"])
+        deadline = time.monotonic() + 10
+        while loop.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not loop.alive  # the replica's probes report the engine gone
+        health = loop.health(stall_s=60, max_failed_steps=3)
+        assert not health.ready
+    finally:
+        engine.close()
+
+
+def test_a_step_after_the_worker_died_raises_worker_lost_naming_it(
+    families: dict[str, Family],
+) -> None:
+    family = families["llama"]
+    engine = _engine(family, 2)
+    try:
+        worker = engine.runner.workers._procs[0]  # type: ignore[union-attr]
+        worker.kill()
+        worker.join(10)
+        engine.add_request("x", [5, 6, 7], GREEDY)
+        box = _in_thread(engine.step, timeout=60)
+        assert isinstance(box.get("error"), WorkerLost)
+        assert "loraplane-tp1 exited" in str(box["error"])
+    finally:
+        engine.close()
