@@ -120,3 +120,15 @@ def test_signing_command_help_says_what_it_does_an_example_and_exit_codes(
     for text in ("LORAPLANE_API_KEY", f"example:\n  loraplane {' '.join(command)}",
                  "Exit 0: done", "Exit 2: usage error"):  # fmt: skip
         assert text in run.out, text
+
+
+def test_the_admin_sets_a_pools_signature_policy(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = cli(capsys, "pools", "update", "pool-a", "--require-signed-adapters", "--json")
+    assert run.code == 0, run.err
+    assert run.json()["require_signed_adapters"] is True
+    shown = cli(capsys, "pools", "show", "pool-a").out
+    assert "require_signed_adapters  True" in shown
+    run = cli(capsys, "pools", "update", "pool-a", "--no-require-signed-adapters", "--json")
+    assert run.json()["require_signed_adapters"] is False

@@ -412,6 +412,12 @@ def _pool_flags(parser: argparse.ArgumentParser) -> None:
         ("max-cpu-loras", "adapters a replica keeps in CPU memory (default 32)"),
     ):
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
+    parser.add_argument(
+        "--require-signed-adapters",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="uploads for the pool's base model must be signed by a key of their tenant",
+    )
 
 
 def _add_pool_commands(sub: SubParsers) -> None:
