@@ -16,9 +16,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.safetensors_io import canonical_header
-from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME
-from loraplane.adapters.validate import ValidatedAdapter, check_finite
+from loraplane.adapters.source import CONFIG_NAME, WEIGHTS_NAME, open_adapter_source
+from loraplane.adapters.validate import ValidatedAdapter, check_finite, validate_adapter
 
 DIGEST_DOMAIN = b"loraplane-adapter-v1\n"
 
@@ -166,3 +167,18 @@ def digest_files(config_path: Path, weights_path: Path) -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def digest_of_source(source: Path, limits: AdapterLimits | None = None) -> str:
+    """The canonical digest of the adapter at `source` (a folder, its weights file, or an
+    archive), checked as far as it can be without a base model: what a tenant signs before
+    pushing (`loraplane adapters sign`). The control plane computes the same digest for the
+    same files (its refusal names the digest it computed, should they differ)."""
+    limits = limits or AdapterLimits()
+    path = source.parent if source.name in (WEIGHTS_NAME, CONFIG_NAME) else source
+    with open_adapter_source(path, limits) as files:
+        adapter = validate_adapter(files, None, limits, scan_weights=False)
+        try:
+            return canonical_digest(adapter)
+        finally:
+            adapter.close()

@@ -25,6 +25,13 @@ class ReasonCode(StrEnum):
     TOO_LARGE = "TooLarge"
     MODULES_TO_SAVE_NOT_SUPPORTED = "ModulesToSaveNotSupported"
     UNSAFE_ARCHIVE = "UnsafeArchive"
+    # signature policy (adapters/signing.py), not the adapter's content
+    SIGNATURE_REQUIRED = "SignatureRequired"
+    SIGNATURE_INVALID = "SignatureInvalid"
+
+
+# the codes a policy gives rather than the files (no bad-adapter corpus entry can show them)
+SIGNATURE_CODES = frozenset({ReasonCode.SIGNATURE_REQUIRED, ReasonCode.SIGNATURE_INVALID})
 
 
 # What each code means, for the people who upload adapters (the tenant console shows these
@@ -60,6 +67,12 @@ EXPLANATIONS: dict[ReasonCode, str] = {
     "weights (modules_to_save); only low-rank LoRA weights are served.",
     ReasonCode.UNSAFE_ARCHIVE: "The archive is unsafe to unpack: absolute or '..' paths, links "
     "or devices, or too many or too large entries.",
+    ReasonCode.SIGNATURE_REQUIRED: "Your tenant or the serving pool requires signed adapters "
+    "and none was sent: sign the adapter's digest with a registered key (`loraplane adapters "
+    "sign`, or cosign sign-blob) and send the signature with it.",
+    ReasonCode.SIGNATURE_INVALID: "The signature does not verify: wrong key, another "
+    "adapter's digest, a revoked or unknown key id, or not base64 (the message names the key "
+    "id).",
 }
 
 

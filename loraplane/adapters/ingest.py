@@ -19,6 +19,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -207,11 +208,13 @@ def ingest(
     store: ObjectStore,
     *,
     created_by: str | None = None,
+    check_digest: Callable[[str], None] | None = None,
 ) -> AdapterVersion:
     """Validate the adapter at `source` (folder or archive) and store it as a version.
 
     Same content as an existing, complete version returns that version (`created` False); new
-    content becomes the next version (`created` True).
+    content becomes the next version (`created` True). `check_digest` sees the canonical
+    digest before anything is stored and may refuse it (a signature policy) by raising.
     Raises AdapterRejected (nothing stored) or StoreError.
     """
     check_names(tenant, name)
@@ -228,6 +231,8 @@ def ingest(
             finally:
                 adapter.close()
             ignored = files.ignored
+        if check_digest is not None:
+            check_digest(canon.digest)
         stored = publish(store, tenant, name, canon, summary, created_by=created_by)
         return replace(stored, ignored=ignored)
     finally:

@@ -65,8 +65,23 @@ class AppliedAdapter:
         return f"{self.namespace}/{self.name}"
 
 
-def adapter_manifest(namespace: str, name: str, base_model: str, uri: str) -> dict[str, Any]:
+def source_of(uri: str, signature: str | None, key_id: str | None) -> dict[str, Any]:
+    """A LoRAAdapter's `spec.source`: the uri and the upload's signature. As a merge patch
+    the None values delete the fields, so a re-pointed resource never keeps the signature of
+    the source before."""
+    return {"uri": uri, "signature": signature, "signatureKeyId": key_id}
+
+
+def adapter_manifest(
+    namespace: str,
+    name: str,
+    base_model: str,
+    uri: str,
+    signature: str | None = None,
+    key_id: str | None = None,
+) -> dict[str, Any]:
     """A new LoRAAdapter: the tenant's adapter `name` of `base_model`, read from `uri`."""
+    source = {k: v for k, v in source_of(uri, signature, key_id).items() if v is not None}
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
@@ -75,7 +90,7 @@ def adapter_manifest(namespace: str, name: str, base_model: str, uri: str) -> di
             "namespace": namespace,
             "labels": {"app.kubernetes.io/managed-by": "loraplane-controlplane"},
         },
-        "spec": {"baseModel": base_model, "source": {"uri": uri}},
+        "spec": {"baseModel": base_model, "source": source},
     }
 
 
@@ -112,8 +127,18 @@ class AdapterResources:
             raise self._unavailable(f"read {namespace}/{name}", exc) from exc
         return obj if isinstance(obj, dict) else None
 
-    def apply(self, namespace: str, name: str, *, base_model: str, uri: str) -> AppliedAdapter:
-        """Create the LoRAAdapter, or merge-patch only its `spec.source.uri`.
+    def apply(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        base_model: str,
+        uri: str,
+        signature: str | None = None,
+        key_id: str | None = None,
+    ) -> AppliedAdapter:
+        """Create the LoRAAdapter, or merge-patch only its `spec.source` (the uri and the
+        signature fields).
 
         Conflict when the existing resource is for another base model (`baseModel` is
         immutable); KubernetesUnavailable when the API fails.
@@ -127,7 +152,7 @@ class AdapterResources:
                         VERSION,
                         namespace,
                         PLURAL,
-                        adapter_manifest(namespace, name, base_model, uri),
+                        adapter_manifest(namespace, name, base_model, uri, signature, key_id),
                         _request_timeout=REQUEST_TIMEOUT_SECONDS,
                     )
                     return AppliedAdapter(namespace, name, uri, created=True)
@@ -143,7 +168,7 @@ class AdapterResources:
                     namespace,
                     PLURAL,
                     name,
-                    {"spec": {"source": {"uri": uri}}},
+                    {"spec": {"source": source_of(uri, signature, key_id)}},
                     _content_type=MERGE_PATCH,
                     _request_timeout=REQUEST_TIMEOUT_SECONDS,
                 )

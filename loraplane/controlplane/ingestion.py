@@ -36,6 +36,7 @@ from loraplane.controlplane.errors import (
 from loraplane.controlplane.models import Adapter, AdapterVersion, Tenant
 from loraplane.controlplane.schemas.common import RESOURCE_NAME, must_be
 from loraplane.controlplane.settings import Settings
+from loraplane.controlplane.signatures import SignatureClaim, signature_check, signed_fields
 
 ADAPTER_NAME = re.compile(RESOURCE_NAME)
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
@@ -128,14 +129,22 @@ def ingest_adapter(
     base_model: str,
     source: Path,
     actor: str,
+    signature: SignatureClaim | None = None,
 ) -> Ingested:
-    """Validate, store and record one adapter (blocking: run it off the event loop)."""
+    """Validate, store and record one adapter (blocking: run it off the event loop).
+
+    The signature (if any, and required by the tenant's or a pool's policy) is verified
+    against the canonical digest before anything is stored."""
     target = f"tenants/{tenant.name}/adapters/{name}"
     spec, limits = precheck(
         session, tenant=tenant, name=name, base_model=base_model, settings=settings
     )
+    check = signature_check(session, tenant=tenant, base_model=base_model, claim=signature)
+    session.rollback()  # no transaction open while the adapter is read
     try:
-        stored = ingest(source, tenant.name, name, spec, limits, store, created_by=actor)
+        stored = ingest(
+            source, tenant.name, name, spec, limits, store, created_by=actor, check_digest=check
+        )
     except AdapterRejected as raw:
         exc = as_sent(raw, source)
         audit.record_failure(
@@ -159,6 +168,7 @@ def ingest_adapter(
         size_bytes=stored.size_bytes,
         base_model=base_model,
         created_by=actor,
+        **signed_fields(check.verified),
     )
     adapter, row, created = crud_adapters.record_version(
         session, tenant=tenant, name=name, stored=record, actor=actor

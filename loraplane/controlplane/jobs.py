@@ -28,6 +28,7 @@ from loraplane.controlplane.errors import ControlPlaneError, RateLimited
 from loraplane.controlplane.ingestion import fetch_import, ingest_adapter
 from loraplane.controlplane.models import Tenant, UploadJob
 from loraplane.controlplane.settings import Settings
+from loraplane.controlplane.signatures import SignatureClaim
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class JobWork:
     source: Path | str
     workdir: Path
     actor: str
+    signature: SignatureClaim | None = None  # checked by the ingest, like a synchronous one's
 
 
 class UploadJobs:
@@ -74,6 +76,7 @@ class UploadJobs:
         workdir: Path,
         size_bytes: int,
         actor: str,
+        signature: SignatureClaim | None = None,
     ) -> UploadJob:
         """Record a pending job and queue it; it owns `workdir` from here on.
 
@@ -96,7 +99,7 @@ class UploadJobs:
                 size_bytes=size_bytes,
                 actor=actor,
             )
-            work = JobWork(job.id, tenant.id, name, base_model, source, workdir, actor)
+            work = JobWork(job.id, tenant.id, name, base_model, source, workdir, actor, signature)
             self._queued[job.id] = work
         retention = timedelta(days=self.settings.upload_job_retention_days)
         crud.prune_finished(session, older_than=retention)  # the table stays small
@@ -141,6 +144,7 @@ class UploadJobs:
                 base_model=work.base_model,
                 source=source,
                 actor=work.actor,
+                signature=work.signature,
             )
         except AdapterRejected as exc:
             code, message = ReasonCode(exc.code).value, exc.message

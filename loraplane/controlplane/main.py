@@ -26,6 +26,7 @@ from loraplane.controlplane.api.routes import (
     health,
     internal,
     pools,
+    signing_keys,
     tenants,
     uploads,
     usage,
@@ -161,7 +162,17 @@ def create_app(
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     if internal_port is not None:
         app.add_middleware(PublicPortGuard, internal_port=internal_port)
-    for module in (health, tenants, pools, basemodels, adapters, uploads, usage, internal):
+    for module in (
+        health,
+        tenants,
+        signing_keys,
+        pools,
+        basemodels,
+        adapters,
+        uploads,
+        usage,
+        internal,
+    ):
         app.include_router(module.router)
     # the tenant console: static pages that call the routes above with the signed-in key
     app.add_route(CONSOLE_PATH, to_index, include_in_schema=False)

@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     TypeDecorator,
     UniqueConstraint,
+    false,
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -89,9 +90,32 @@ class Tenant(Base):
     # The tenant's share of a contended replica's seats and served tokens, relative to the
     # other tenants' weights (rows from before 0004 have 1: every tenant alike).
     weight: Mapped[float] = mapped_column(Float, default=DEFAULT_WEIGHT, server_default="1")
+    # Every adapter version must carry a valid signature by one of the tenant's signing keys
+    # (the admin sets it, as a quota; docs/security.md, "Signed adapters").
+    require_signature: Mapped[bool] = mapped_column(default=False, server_default=false())
     deleted: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class SigningKey(Base):
+    """A tenant's public key for adapter signatures (loraplane/adapters/signing.py).
+
+    `key_id` is the first 16 hex digits of the SHA-256 of the key's DER SubjectPublicKeyInfo.
+    A revoked key stays (the versions it signed name it) and can never be registered again.
+    """
+
+    __tablename__ = "signing_keys"
+    __table_args__ = (UniqueConstraint("tenant_id", "key_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    key_id: Mapped[str] = mapped_column(String(16))
+    algorithm: Mapped[str] = mapped_column(String(32))
+    public_key: Mapped[str] = mapped_column(String(4096))  # PEM SubjectPublicKeyInfo
+    name: Mapped[str] = mapped_column(String(100), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
 
 
 class ApiKey(Base):
@@ -151,6 +175,11 @@ class AdapterVersion(Base):
     base_model: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     created_by: Mapped[str] = mapped_column(String(200), default="")
+    # a signed version: the key that signed it, the message verified (`sha256:<hex>` of
+    # `digest`) and the signature (base64); None for an unsigned one (and rows before 0006)
+    signing_key_id: Mapped[str | None] = mapped_column(String(16))
+    signed_digest: Mapped[str | None] = mapped_column(String(71))
+    signature: Mapped[str | None] = mapped_column(String(512))
 
 
 class AuditEvent(Base):
@@ -206,6 +235,8 @@ class Pool(Base):
     max_lora_rank: Mapped[int] = mapped_column(Integer)
     max_loras: Mapped[int] = mapped_column(Integer)
     max_cpu_loras: Mapped[int] = mapped_column(Integer)
+    # uploads for this pool's base model must be signed, whatever their tenant's policy
+    require_signed_adapters: Mapped[bool] = mapped_column(default=False, server_default=false())
     pressure: Mapped[dict[str, Any] | None]
     pressure_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

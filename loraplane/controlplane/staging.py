@@ -19,6 +19,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplane.adapters import s3read as s3
+from loraplane.adapters.canonical import canonical_digest
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.ingest import check_names
 from loraplane.adapters.source import (
@@ -36,6 +37,7 @@ from loraplane.controlplane.errors import InvalidRequest, SourceNotAllowed
 from loraplane.controlplane.ingestion import as_sent, check_adapter_name, limits_for
 from loraplane.controlplane.models import Tenant
 from loraplane.controlplane.settings import Settings
+from loraplane.controlplane.signatures import SignatureClaim, signature_check
 
 UPLOAD_PREFIX = "uploads"
 UPLOAD_SCHEME = "upload://"
@@ -65,12 +67,14 @@ def validated_files(
     tenant: Tenant,
     name: str,
     base_model: str,
+    signature: SignatureClaim | None = None,
 ) -> tuple[list[tuple[str, Path]], tuple[str, ...]]:
     """Run every check on the upload; the (staged name, local file) pairs to stage, and the
     upload's files that are ignored.
 
     Raises what embedded mode raises: InvalidRequest, UnknownBaseModel, QuotaExceeded,
-    AdapterRejected (422 with its reason code).
+    AdapterRejected (422 with its reason code; SignatureRequired / SignatureInvalid against
+    the canonical digest, which the operator checks again before it stores the version).
     """
     check_adapter_name(name)
     try:
@@ -79,10 +83,16 @@ def validated_files(
         raise InvalidRequest(str(exc)) from None
     spec, limits = limits_for(session, tenant=tenant, base_model=base_model, settings=settings)
     crud_adapters.check_adapter_quota(session, tenant=tenant, name=name)
+    check = signature_check(session, tenant=tenant, base_model=base_model, claim=signature)
     session.rollback()  # hold no transaction while the adapter is checked
     try:
         with open_adapter_source(source, limits) as files:
-            validate_adapter(files, spec, limits, scan_weights=True).close()
+            adapter = validate_adapter(files, spec, limits, scan_weights=True)
+            try:
+                if check.claim.signature or check.policy.required:
+                    check(canonical_digest(adapter))
+            finally:
+                adapter.close()
             ignored = files.ignored
             if source.is_dir():
                 pairs = [(CONFIG_NAME, files.config_path), (WEIGHTS_NAME, files.weights_path)]
@@ -140,11 +150,15 @@ def point_adapter(
     base_model: str,
     uri: str,
     actor: str,
+    signature: SignatureClaim | None = None,
 ) -> Staged:
-    """Create or re-point the tenant's LoRAAdapter at `uri`, and audit it."""
+    """Create or re-point the tenant's LoRAAdapter at `uri` (with the upload's signature),
+    and audit it."""
+    claim = signature or SignatureClaim()
     applied: AppliedAdapter = resources.apply(
-        tenant.namespace, name, base_model=base_model, uri=uri
-    )
+        tenant.namespace, name, base_model=base_model, uri=uri, signature=claim.signature,
+        key_id=claim.key_id,
+    )  # fmt: skip
     audit.record(
         session,
         actor=actor,
@@ -168,12 +182,14 @@ def stage_upload(
     base_model: str,
     source: Path,
     actor: str,
+    signature: SignatureClaim | None = None,
 ) -> Staged:
     """Validate, stage and hand an uploaded adapter to the operator (blocking)."""
     try:
         files, ignored = validated_files(
-            source, settings, session, tenant=tenant, name=name, base_model=base_model
-        )
+            source, settings, session, tenant=tenant, name=name, base_model=base_model,
+            signature=signature,
+        )  # fmt: skip
     except AdapterRejected as exc:
         audit.record_failure(
             factory,
@@ -194,6 +210,7 @@ def stage_upload(
             base_model=base_model,
             uri=uri,
             actor=actor,
+            signature=signature,
         )
         return replace(staged, ignored=ignored)
     except Exception:
@@ -211,8 +228,10 @@ def stage_import(
     base_model: str,
     source_uri: str,
     actor: str,
+    signature: SignatureClaim | None = None,
 ) -> Staged:
-    """Point the tenant's LoRAAdapter at an allowlisted S3 source (blocking)."""
+    """Point the tenant's LoRAAdapter at an allowlisted S3 source (blocking); its signature,
+    if any, goes with it for the operator to check."""
     check_adapter_name(name)
     uri = check_import(settings, source_uri)
     limits_for(session, tenant=tenant, base_model=base_model, settings=settings)
@@ -225,6 +244,7 @@ def stage_import(
         base_model=base_model,
         uri=uri,
         actor=actor,
+        signature=signature,
     )
 
 

@@ -18,7 +18,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge
 
-TEXT_FIELDS = ("name", "base_model")
+TEXT_FIELDS = ("name", "base_model", "signature", "signature_key_id")
 FILE_FIELD = "files"
 MAX_FILES = 64  # a Trainer's checkpoint-* folder holds a dozen; the extra ones are ignored
 MAX_TEXT_BYTES = 1024

@@ -2,9 +2,11 @@
 
 On create, and when `spec.source` or `spec.servedName` changes: find the pools serving the
 base model and its shapes (from a pool's uri, or from the catalog for a model only the pool's
-pods see: Pending `BaseModelPending` until they report it), fetch the source, validate it
-against the base model and the pools' limits, store it (tenant = namespace), record the
-version in the catalog, and write the status. On delete:
+pods see: Pending `BaseModelPending` until they report it), ask the catalog for the tenant's
+signature policy and signing keys, fetch the source, validate it against the base model and
+the pools' limits, check `spec.source.signature` against its canonical digest (Rejected
+`SignatureRequired` / `SignatureInvalid`, nothing stored), store it (tenant = namespace),
+record the version in the catalog, and write the status. On delete:
 mark the adapter deleted in the catalog (its versions stay). Only status, finalizers and
 events are ever written: never spec.
 """
@@ -131,6 +133,15 @@ async def reconcile_adapter(
         raise await out.wait("Pending", "BaseModelPending", str(exc), wait) from None
     except CatalogError as exc:
         raise await out.wait("Failed", exc.code, exc.message, delay) from None
+    try:
+        policy = await asyncio.to_thread(ctx.catalog.signing_policy, namespace, wanted.base_model)
+    except CatalogError as exc:
+        if exc.status == 404:
+            raise await out.wait(
+                "Pending", "TenantNotRegistered", f"tenant {namespace!r}: {exc.message}", delay
+            ) from None
+        raise await out.wait("Failed", exc.code, exc.message, delay) from None
+    check = ingestion.signature_check(policy, wanted.signature, wanted.signature_key_id)
     await out.write(_verdict("Validating", "Validating", f"fetching {wanted.source_uri}"))
     limits = ingestion.pool_limits(ctx.settings.max_source_bytes, pools)
     try:
@@ -143,6 +154,7 @@ async def reconcile_adapter(
             name=served,
             base=base,
             limits=limits,
+            check_digest=check,
         )
         version = await asyncio.get_running_loop().run_in_executor(ctx.ingest_executor, ingest)
     except AdapterRejected as exc:
@@ -154,7 +166,12 @@ async def reconcile_adapter(
     except StoreError as exc:
         raise await out.wait("Failed", "StoreUnavailable", str(exc), delay) from None
     try:
-        await asyncio.to_thread(ctx.catalog.record_version, namespace, served, version)
+        await asyncio.to_thread(
+            functools.partial(
+                ctx.catalog.record_version, namespace, served, version,
+                signature=wanted.signature, signature_key_id=wanted.signature_key_id,
+            )
+        )  # fmt: skip
     except CatalogError as exc:
         if exc.status == 404:
             raise await out.wait(

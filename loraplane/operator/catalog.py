@@ -1,6 +1,9 @@
 """The operator's client of the control plane (the catalog).
 
-- `POST /internal/v1/versions` (service token): record a version the operator stored.
+- `POST /internal/v1/versions` (service token): record a version the operator stored, with
+  the signature it verified.
+- `GET /internal/v1/tenants/{namespace}/signing-policy?base_model=` (service token): whether
+  an adapter must be signed and the tenant's signing keys (404: no tenant has the namespace).
 - `DELETE /internal/v1/tenants/{tenant}/adapters/{name}` (service token): mark an adapter
   deleted, its versions kept (404: nothing to delete).
 - `PUT/GET/DELETE /internal/v1/pools/{pool}?namespace=` (service token): mirror a ServingPool
@@ -40,8 +43,17 @@ class CatalogClient:
         """Close the connection pool."""
         self._api.close()
 
-    def record_version(self, tenant: str, name: str, version: AdapterVersion) -> bool:
-        """Record a stored version (idempotent); True if the catalog did not have it."""
+    def record_version(
+        self,
+        tenant: str,
+        name: str,
+        version: AdapterVersion,
+        *,
+        signature: str | None = None,
+        signature_key_id: str | None = None,
+    ) -> bool:
+        """Record a stored version (idempotent; the catalog verifies its signature again);
+        True if the catalog did not have it."""
         body = {
             "tenant": tenant,
             "name": name,
@@ -54,9 +66,19 @@ class CatalogClient:
             "size_bytes": version.size_bytes,
             "base_model": version.base_model,
             "created_by": "operator",
+            "signature": signature,
+            "signature_key_id": signature_key_id,
         }
         response = self._api.request("POST", "/internal/v1/versions", json=body)
         return response.status_code == 201
+
+    def signing_policy(self, namespace: str, base_model: str) -> dict[str, Any]:
+        """`{"required", "reason", "keys": [{"key_id", "public_key", "revoked"}]}` for an
+        adapter in `namespace` for `base_model` (CatalogError 404: no such tenant)."""
+        path = f"/internal/v1/tenants/{namespace}/signing-policy"
+        response = self._api.request("GET", path, params={"base_model": base_model})
+        policy: dict[str, Any] = json_of(response)
+        return policy
 
     def delete_adapter(self, tenant: str, name: str) -> bool:
         """Mark an adapter deleted (versions kept); False if the catalog had none live."""

@@ -108,6 +108,15 @@ def adapter_schema() -> Schema:
                         ["name"],
                         description="Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY",
                     ),
+                    "signature": _str(
+                        s.SIGNATURE,
+                        512,
+                        description="base64 signature of sha256:<canonical digest> by one of "
+                        "the tenant's signing keys (cosign sign-blob output)",
+                    ),
+                    "signatureKeyId": _str(
+                        s.SIGNING_KEY_ID, 16, description="the signing key's id (optional)"
+                    ),
                 },
                 ["uri"],
             ),

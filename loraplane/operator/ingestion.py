@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplane.adapters import signing
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.ingest import AdapterVersion, ingest
 from loraplane.adapters.limits import AdapterLimits
@@ -87,8 +88,10 @@ def fetch_and_ingest(
     name: str,
     base: BaseModelSpec,
     limits: AdapterLimits,
+    check_digest: Callable[[str], None] | None = None,
 ) -> AdapterVersion:
-    """Fetch the source into a private temp folder and ingest it into the store."""
+    """Fetch the source into a private temp folder and ingest it into the store
+    (`check_digest`: the signature check, run before anything is stored)."""
     work = Path(tempfile.mkdtemp(prefix="loraplane-operator-"))
     try:
         source = fetch_source(
@@ -99,6 +102,33 @@ def fetch_and_ingest(
             secret=secret,
             transport=ctx.http_transport,
         )
-        return ingest(source, tenant, name, base, limits, ctx.store, created_by="operator")
+        return ingest(
+            source, tenant, name, base, limits, ctx.store, created_by="operator",
+            check_digest=check_digest,
+        )  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def signature_check(
+    policy: Mapping[str, Any], signature: str | None, key_id: str | None
+) -> Callable[[str], None]:
+    """The check of a LoRAAdapter's `spec.source.signature` against the catalog's policy and
+    the tenant's keys (`CatalogClient.signing_policy`): raises AdapterRejected
+    SignatureRequired / SignatureInvalid, by the rule the control plane applies."""
+    keys = [
+        signing.SigningKey(str(k["key_id"]), str(k["public_key"]), bool(k["revoked"]))
+        for k in policy.get("keys", [])
+    ]
+
+    def check(digest: str) -> None:
+        signing.verify(
+            digest,
+            signature,
+            key_id,
+            keys,
+            required=bool(policy.get("required")),
+            policy=str(policy.get("reason") or "signatures are required"),
+        )
+
+    return check

@@ -25,6 +25,9 @@ MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$"
 RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9._]{0,61}[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 BASE_MODEL_URI = r"^(s3://[^\s]+|/[^\s]*)$"
+# a signature as cosign prints it (base64, at most 512 characters) and a signing key's id
+SIGNATURE = r"^[A-Za-z0-9+/]{1,510}={0,2}$"
+SIGNING_KEY_ID = r"^[0-9a-f]{16}$"
 SOURCE_URI = (
     r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+"
     r"|https://[A-Za-z0-9.-]+(:[0-9]{1,5})?/[^\s]*"
@@ -107,6 +110,9 @@ class AdapterSpec:
     source_uri: str
     secret_name: str | None
     served_name: str | None
+    # `spec.source.signature` (base64, as cosign sign-blob prints it) and `signatureKeyId`
+    signature: str | None = None
+    signature_key_id: str | None = None
 
     @classmethod
     def parse(cls, spec: Mapping[str, Any]) -> AdapterSpec:
@@ -114,6 +120,8 @@ class AdapterSpec:
         source = _get(spec, "source")
         secret = source.get("secretRef") or {}
         served = spec.get("servedName")
+        signature = source.get("signature")
+        key_id = source.get("signatureKeyId")
         return cls(
             base_model=_match(MODEL_NAME, spec.get("baseModel"), "spec.baseModel"),
             source_uri=_match(SOURCE_URI, source.get("uri"), "spec.source.uri"),
@@ -123,6 +131,14 @@ class AdapterSpec:
                 else None
             ),
             served_name=_match(RESOURCE_NAME, served, "spec.servedName") if served else None,
+            signature=(
+                _match(SIGNATURE, signature.strip(), "spec.source.signature")
+                if isinstance(signature, str) and signature.strip()
+                else None
+            ),
+            signature_key_id=(
+                _match(SIGNING_KEY_ID, key_id, "spec.source.signatureKeyId") if key_id else None
+            ),
         )
 
     def catalog_name(self, metadata_name: str) -> str:

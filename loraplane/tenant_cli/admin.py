@@ -16,7 +16,7 @@ from loraplane.tenant_cli import confirm
 from loraplane.tenant_cli.commands import UsageError, _connect, _emit, _table
 
 # The pool limit flags of `pools create` and `pools update`: the API's field names.
-POOL_LIMITS = ("max_lora_rank", "max_loras", "max_cpu_loras")
+POOL_LIMITS = ("max_lora_rank", "max_loras", "max_cpu_loras", "require_signed_adapters")
 
 
 # -- tenants --------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def _pool_lines(pool: dict[str, Any], verb: str) -> list[str]:
         f"{verb}pool {_ref(pool)}",
         f"  base model      {pool['base_model']['name']} ({pool['base_model']['uri']})",
         f"  model config    {_config_state(pool)}",
-        *(f"  {f:<14}  {pool[f]}" for f in POOL_LIMITS),
+        *(f"  {f:<14}  {pool[f]}" for f in POOL_LIMITS if f in pool),
         f"  replicas        {_replicas(pool)} reported",
     ]
     for replica, report in sorted(((pool.get("pressure") or {}).get("replicas") or {}).items()):

@@ -140,10 +140,13 @@ class RestClient:
         base_model: str,
         files: list[Path],
         on_bytes: Callable[[int], None] | None = None,
+        fields: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        """POST /v1/adapters with the files as multipart parts: the status (200 identical,
-        201 new, 202 background job or staged) and the answer."""
-        body = MultipartBody({"name": name, "base_model": base_model}, FILE_FIELD, files, on_bytes)
+        """POST /v1/adapters with the files as multipart parts (and extra form `fields`: the
+        signature): the status (200 identical, 201 new, 202 background job or staged) and
+        the answer."""
+        text = {"name": name, "base_model": base_model, **(fields or {})}
+        body = MultipartBody(text, FILE_FIELD, files, on_bytes)
         headers = {"Content-Type": body.content_type, "Content-Length": str(len(body))}
         response = self.call("POST", "/v1/adapters", content=iter(body), headers=headers)
         return response.status_code, self._body(response)

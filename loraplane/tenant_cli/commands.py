@@ -200,6 +200,12 @@ def push(args: argparse.Namespace) -> int:
     if not path.exists():
         raise UsageError(f"{path} does not exist")
     limits = AdapterLimits()
+    from loraplane.tenant_cli.signer import SignerInputError, push_signature
+
+    try:  # signed here with --key, or --signature as given
+        signature = push_signature(args, path)
+    except SignerInputError as exc:
+        raise UsageError(str(exc)) from None
     with _connect(args, admin=False) as client, open_adapter_source(path, limits) as files:
         # The same checks as the control plane's, short of the pool's base model and the
         # tenant's quotas: a bad adapter is refused here, before a byte is sent.
@@ -208,7 +214,9 @@ def push(args: argparse.Namespace) -> int:
         ignored = list(files.ignored)
         progress = Progress(f"{args.name}:", sum(p.stat().st_size for p in parts))
         try:
-            status, body = client.upload(args.name, args.base_model, parts, progress.advance)
+            status, body = client.upload(
+                args.name, args.base_model, parts, progress.advance, fields=signature
+            )
             if status == 202 and body.get("state") == "staged":
                 return _staged(args, body)
             if status == 202:
@@ -230,6 +238,11 @@ def push(args: argparse.Namespace) -> int:
             f"pushed: {body['name']} v{version['version']} ({outcome})",
             *([f"  ignored     {', '.join(ignored)} (not sent)"] if ignored else []),
             f"  digest      sha256:{version['digest']}",
+            *(
+                [f"  signed by   key {version['signing_key_id']}"]
+                if version.get("signing_key_id")
+                else []
+            ),
             f"  rank        {version['rank']} (alpha {version['alpha']:g})",
             f"  modules     {', '.join(version['target_modules'])}",
             f"  size        {_mib(version['size_bytes'])}",
@@ -323,10 +336,11 @@ def list_versions(args: argparse.Namespace) -> int:
             _mib(v["size_bytes"]),
             v["created_at"][:19].replace("T", " "),
             v["created_by"],
+            v.get("signing_key_id") or "-",
         ]
         for v in versions
     ]
-    header = ["VERSION", "SERVING", "DIGEST", "RANK", "ALPHA", "SIZE", "CREATED", "BY"]
+    header = ["VERSION", "SERVING", "DIGEST", "RANK", "ALPHA", "SIZE", "CREATED", "BY", "SIGNED BY"]
     return _emit(args, versions, _table(header, rows, f"{args.name} has no versions"))
 
 
@@ -390,6 +404,7 @@ def revoke_key(args: argparse.Namespace) -> int:
 # The quota flags of `tenants create` and `tenants update`: the API's field names.
 QUOTA_FIELDS = (
     "weight", "max_adapters", "max_rank", "max_bytes", "requests_per_minute", "tokens_per_minute",
+    "require_signature",
 )  # fmt: skip
 
 
@@ -402,6 +417,8 @@ RATE_FIELDS = ("requests_per_minute", "tokens_per_minute")  # 0: unlimited
 
 
 def _quota_value(field: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:g}"
     return "0 (unlimited)" if field in RATE_FIELDS and value == 0 else str(value)

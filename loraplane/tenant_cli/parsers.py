@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from loraplane.tenant_cli import admin, confirm, lifecycle
+from loraplane.tenant_cli import admin, confirm, lifecycle, signing
 from loraplane.tenant_cli import commands as cmd
 
 if TYPE_CHECKING:
@@ -58,6 +58,13 @@ def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
         ("tokens-per-minute", "tokens per minute, over all replicas (0: unlimited)"),
     ):
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
+    parser.add_argument(
+        "--require-signature",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every upload must be signed by one of the tenant's signing keys "
+        + ("(default: no)" if creating else ""),
+    )
 
 
 def _version(text: str) -> int:
@@ -149,6 +156,20 @@ def add_adapter_commands(adapters: SubParsers) -> None:
         metavar="S",
         help=f"how long to wait for a background ingest (default {cmd.WAIT_S:g})",
     )
+    push.add_argument(
+        "--key",
+        metavar="KEY.pem",
+        help="sign the adapter's digest here with this private key and send the signature",
+    )
+    push.add_argument(
+        "--signature",
+        metavar="SIG",
+        help="a signature made elsewhere (base64, or @FILE: cosign sign-blob's output)",
+    )
+    push.add_argument(
+        "--signature-key-id", metavar="ID", help="the id of the key that made --signature"
+    )
+    _add_signing_commands(adapters)
     _add(
         adapters,
         "list",
@@ -175,6 +196,79 @@ def add_adapter_commands(adapters: SubParsers) -> None:
     )
     versions.add_argument("name", metavar="NAME", help="the adapter's name")
     _add_lifecycle_commands(adapters)
+
+
+def _add_signing_commands(adapters: SubParsers) -> None:
+    """`digest` and `sign` under `loraplane adapters` (local: no control plane is called)."""
+    digest = _add(
+        adapters,
+        "digest",
+        signing.digest,
+        admin=False,
+        summary="print an adapter's canonical digest, the message a signature signs",
+        example="loraplane adapters digest ./my-adapter -o adapter.digest && "
+        "cosign sign-blob --key cosign.key adapter.digest",
+    )
+    digest.add_argument("path", metavar="PATH", help="adapter folder, weights file or archive")
+    digest.add_argument(
+        "-o", "--output", metavar="FILE", help="write the message (no newline) to FILE"
+    )
+    sign = _add(
+        adapters,
+        "sign",
+        signing.sign,
+        admin=False,
+        summary="sign an adapter's digest with a private key file and print the signature",
+        example="loraplane adapters sign --key key.pem ./my-adapter",
+    )
+    sign.description = (
+        "Sign sha256:<canonical digest> of an adapter with a PEM private key (ECDSA P-256 or\n"
+        "Ed25519; encrypted: $LORAPLANE_SIGNING_KEY_PASSWORD), as cosign sign-blob would,\n"
+        "and print the base64 signature and the key id. Send it with `adapters push\n"
+        "--signature`, or push with --key to sign and send at once."
+    )
+    sign.add_argument("path", metavar="PATH", nargs="?", help="adapter folder or archive")
+    sign.add_argument("--key", required=True, metavar="KEY.pem", help="the private key file")
+    sign.add_argument(
+        "--digest", metavar="sha256:HEX", help="sign this digest instead of computing one"
+    )
+    sign.add_argument("-o", "--output", metavar="FILE", help="write the signature to FILE")
+
+
+def add_signing_key_commands(sub: SubParsers) -> None:
+    """`loraplane signing-keys add|list|revoke`: the caller tenant's public keys."""
+    keys = sub.add_parser(
+        "signing-keys", help="register, list and revoke your adapter signing keys (tenant)"
+    )
+    ksub = keys.add_subparsers(dest="signing_keys_command", metavar="ACTION", required=True)
+    add = _add(
+        ksub,
+        "add",
+        signing.add_key,
+        admin=False,
+        summary="register a public key (PEM, P-256 or Ed25519) to sign adapters with",
+        example="loraplane signing-keys add cosign.pub --label ci",
+    )
+    add.add_argument("public_key", metavar="PUBLIC_KEY.pem", help="the public key file")
+    add.add_argument("--label", default="", help="a name for people (e.g. ci, alice)")
+    _add(
+        ksub,
+        "list",
+        signing.list_keys,
+        admin=False,
+        summary="list your signing keys (ids, algorithms, states)",
+        example="loraplane signing-keys list",
+    )
+    revoke = _add(
+        ksub,
+        "revoke",
+        signing.revoke_key,
+        admin=False,
+        summary="revoke a signing key: uploads signed with it are refused from now on",
+        example="loraplane signing-keys revoke 3f2a9c0d1e4b5a67 --yes",
+    )
+    revoke.add_argument("key_id", metavar="KEY_ID", help="from `signing-keys list`")
+    _confirmed(revoke)
 
 
 def _add_lifecycle_commands(adapters: SubParsers) -> None:
@@ -228,7 +322,9 @@ confirmation:
 
 
 def add_commands(sub: SubParsers) -> None:
-    """Register the admin commands `keys` and `tenants` on the `loraplane` command."""
+    """Register the admin commands `keys` and `tenants`, and the tenant's `signing-keys`, on
+    the `loraplane` command."""
+    add_signing_key_commands(sub)
     keys = sub.add_parser("keys", help="create, list and revoke tenants' API keys (admin)")
     ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
     create = _add(
@@ -316,6 +412,12 @@ def _pool_flags(parser: argparse.ArgumentParser) -> None:
         ("max-cpu-loras", "adapters a replica keeps in CPU memory (default 32)"),
     ):
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
+    parser.add_argument(
+        "--require-signed-adapters",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="uploads for the pool's base model must be signed by a key of their tenant",
+    )
 
 
 def _add_pool_commands(sub: SubParsers) -> None:

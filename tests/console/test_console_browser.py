@@ -633,3 +633,40 @@ def test_the_key_stays_in_session_storage_and_a_revoked_key_meets_the_401_wall(
     browser.find_element(By.ID, "sign-out").click()
     wait(browser, lambda d: d.find_element(By.ID, "token").is_displayed())
     assert browser.execute_script("return sessionStorage.length") == 0
+
+
+def test_the_version_view_shows_the_signing_key_of_a_signed_version(
+    browser: WebDriver, stack: Stack, shots: Callable[[WebDriver, str], Path]
+) -> None:
+    """Last in this file: it adds an adapter to the shared stack."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from loraplane.adapters import signing
+    from loraplane.adapters.canonical import digest_of_source
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    r = stack.admin("POST", "/v1/tenants/acme/signing-keys", json={"public_key": pem.decode()})
+    assert r.status_code == 201, r.text
+    key_id = r.json()["key_id"]
+    folder = stack.adapter("signed", 8, 11)
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(folder.iterdir())]
+    signature = signing.sign_digest(key, digest_of_source(folder))
+    r = httpx.post(
+        stack.url + "/v1/adapters",
+        data={"name": "signed-bot", "base_model": TINY_BASE_NAME, "signature": signature},
+        files=files,
+        headers={"Authorization": f"Bearer {stack.keys['acme']}"},
+    )
+    assert r.status_code == 201, r.text
+    sign_in(browser, stack.url, stack.keys["acme"])
+    assert go(browser, "#/adapters/signed-bot") == "signed-bot"
+    assert browser.find_element(By.ID, "signed-by").text == key_id
+    row = browser.find_element(By.XPATH, "//section[h2='Versions']//tbody/tr")
+    assert key_id in [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    shots(browser, "20-signed-version")
+    assert go(browser, "#/adapters/faq") == "faq"
+    assert browser.find_element(By.ID, "signed-by").text == "unsigned"

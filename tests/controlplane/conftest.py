@@ -186,13 +186,15 @@ class Api:
         source: Path,
         base_model: str = BASE_NAME,
         headers: dict[str, str] | None = None,
+        fields: dict[str, str] | None = None,
     ) -> Any:
-        """POST /v1/adapters with a folder's files or one archive; the response."""
+        """POST /v1/adapters with a folder's files or one archive (and extra form `fields`,
+        such as a signature); the response."""
         paths = sorted(source.iterdir()) if source.is_dir() else [source]
         files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in paths]
         return self.client.post(
             "/v1/adapters",
-            data={"name": name, "base_model": base_model},
+            data={"name": name, "base_model": base_model, **(fields or {})},
             files=files,
             headers={**bearer(key), **(headers or {})},
         )

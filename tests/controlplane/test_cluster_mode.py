@@ -378,3 +378,56 @@ def test_a_config_without_weights_names_the_upload_not_the_staging_folder(
         "message": "the upload has no adapter_model.safetensors beside adapter_config.json",
     }
     assert cluster.emulator.objects("loraadapters") == [] and plane.staged() == []
+
+
+def test_signed_upload_carries_its_signature_to_the_loraadapter_and_the_operator_checks_it(
+    cluster: Cluster,
+    plane: ClusterPlane,
+    operator: OperatorThread,
+    base_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Cluster mode: the upload's signature is checked before staging and goes into
+    `spec.source`; the operator checks it again and the version records its key; a later
+    unsigned re-point drops the old signature fields."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from loraplane.adapters import signing
+    from loraplane.adapters.canonical import digest_of_source
+
+    cluster.create("servingpools", PLATFORM, pool_body("tiny-pool", base_model_dir))
+    wait_for(
+        lambda: plane.admin.get("/v1/pools/tiny-pool", params={"namespace": PLATFORM}).is_success,
+        what="pool",
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    key_id = plane.tenant.post("/v1/signing-keys", json={"public_key": pem.decode()}).json()[
+        "key_id"
+    ]
+    assert plane.admin.patch(f"/v1/tenants/{TENANT}", json={"require_signature": True}).is_success
+    source = good_adapter(tmp_path, seed=5)
+    refused = plane.upload("signed", source)
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "SignatureRequired"
+    assert plane.staged() == [] and cluster.emulator.objects("loraadapters") == []
+
+    signature = signing.sign_digest(key, digest_of_source(source))
+    paths = sorted(source.iterdir())
+    files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in paths]
+    fields = {"name": "signed", "base_model": BASE_NAME, "signature": signature}
+    r = plane.tenant.post("/v1/adapters", data=fields, files=files)
+    assert r.status_code == 202, r.text
+    spec = cluster.adapter("signed", TENANT)["spec"]["source"]
+    assert spec == {"uri": r.json()["source_uri"], "signature": signature}
+    ready = cluster.wait_phase("signed", "Ready", "Rejected", "Failed", timeout=30)
+    assert ready["status"]["phase"] == "Ready", ready["status"]
+    (version,) = plane.tenant.get("/v1/adapters/signed/versions").json()
+    assert version["signing_key_id"] == key_id
+
+    assert plane.admin.patch(f"/v1/tenants/{TENANT}", json={"require_signature": False}).is_success
+    r = plane.upload("signed", good_adapter(tmp_path, seed=6))
+    assert r.status_code == 202, r.text
+    assert cluster.adapter("signed", TENANT)["spec"]["source"] == {"uri": r.json()["source_uri"]}

@@ -15,12 +15,12 @@ from sqlalchemy import MetaData, Table, delete, insert, inspect, select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane import db
-from loraplane.controlplane.models import Base, Pool, Tenant
+from loraplane.controlplane.models import AdapterVersion, Base, Pool, SigningKey, Tenant
 from tests.controlplane import pg
 
 TABLES = {
     "tenants", "api_keys", "adapters", "adapter_versions", "audit_events", "usage", "pools",
-    "upload_jobs",
+    "upload_jobs", "signing_keys",
 }  # fmt: skip
 
 
@@ -147,5 +147,65 @@ def test_a_tenant_from_before_0004_has_weight_1_and_a_downgrade_drops_the_column
         with engine.connect() as conn:
             names = conn.execute(select(Table("tenants", MetaData(), autoload_with=conn).c.name))
             assert sorted(names.scalars()) == ["acme", "heavy"]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_0006_leaves_existing_rows_unsigned_and_unrequired_and_downgrades_with_keys(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """0006 adds signing keys, the tenant and pool policies (false for rows already there:
+    nothing existing starts refusing uploads) and each version's signer (NULL before); the
+    downgrade drops them all with keys registered and signed versions recorded."""
+    engine = db.make_engine(fresh_url(backend, tmp_path, request))
+    now = datetime.now(UTC)
+    try:
+        db.upgrade(engine, "0005")
+        with engine.begin() as conn:
+            meta = MetaData()
+            tenants = Table("tenants", meta, autoload_with=conn)
+            tenant_id = conn.execute(
+                insert(tenants).values(
+                    name="acme", namespace="acme", max_adapters=10, max_rank=16,
+                    max_bytes=1 << 20, requests_per_minute=60, tokens_per_minute=1000,
+                    deleted=False, created_at=now, updated_at=now, weight=1.0,
+                )
+            ).inserted_primary_key[0]  # fmt: skip
+            adapters = Table("adapters", meta, autoload_with=conn)
+            adapter_id = conn.execute(
+                insert(adapters).values(
+                    tenant_id=tenant_id, name="bot", base_model="tiny", current_version=1,
+                    deleted=False, follow_latest=True, created_at=now, updated_at=now,
+                )
+            ).inserted_primary_key[0]  # fmt: skip
+            versions = Table("adapter_versions", meta, autoload_with=conn)
+            conn.execute(
+                insert(versions).values(
+                    adapter_id=adapter_id, version=1, digest="ab" * 32, path="p/", rank=4,
+                    alpha=8.0, target_modules=["q_proj"], size_bytes=1, base_model="tiny",
+                    created_at=now, created_by="t",
+                )
+            )  # fmt: skip
+        db.upgrade(engine)
+        with Session(engine) as session:
+            (acme,) = session.scalars(select(Tenant))
+            assert acme.require_signature is False
+            (v1,) = session.scalars(select(AdapterVersion))
+            assert (v1.signing_key_id, v1.signed_digest, v1.signature) == (None, None, None)
+            session.add(
+                SigningKey(tenant_id=acme.id, key_id="0" * 16, algorithm="ed25519",
+                           public_key="pem", name="ci")
+            )  # fmt: skip
+            v1.signing_key_id, v1.signed_digest = "0" * 16, "sha256:" + "ab" * 32
+            session.commit()
+        db.downgrade(engine, "0005")
+        names = inspect(engine)
+        assert "signing_keys" not in names.get_table_names()
+        assert "signing_key_id" not in {c["name"] for c in names.get_columns("adapter_versions")}
+        assert "require_signature" not in {c["name"] for c in names.get_columns("tenants")}
+        db.upgrade(engine)
     finally:
         engine.dispose()

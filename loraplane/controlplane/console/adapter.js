@@ -195,6 +195,7 @@ export async function adapter(app, name) {
     bytes(v.size_bytes),
     v.base_model,
     h("code", { class: "digest" }, v.digest),
+    signer(v),
     time(v.created_at),
     v.created_by,
     v.version === a.current_version
@@ -221,6 +222,8 @@ export async function adapter(app, name) {
       h("dd", {}, a.latest_version === null ? "" : `v${a.latest_version}`),
       h("dt", {}, "Updated"),
       h("dd", {}, time(a.updated_at)),
+      h("dt", {}, "Signed by"),
+      h("dd", { id: "signed-by" }, a.current ? signer(a.current) : ""),
     ),
     bar,
     place,
@@ -231,9 +234,23 @@ export async function adapter(app, name) {
       h("h2", { id: "versions-title" }, "Versions"),
       table(
         "Every version, oldest first; versions are immutable",
-        ["Version", "Rank", "Alpha", "Targets", "Size", "Base model", "Digest", "Created", "By", ""],
+        [
+          "Version", "Rank", "Alpha", "Targets", "Size", "Base model", "Digest", "Signed by",
+          "Created", "By", "",
+        ],
         rows,
       ),
     ),
+  );
+}
+
+// The signing key a version's signature was verified with at upload (docs/security.md,
+// "Signed adapters"), or "unsigned"; the title holds the message it signs.
+function signer(v) {
+  if (!v.signing_key_id) return "unsigned";
+  return h(
+    "code",
+    { class: "key-id", title: `signature verified over ${v.signed_digest}` },
+    v.signing_key_id,
   );
 }

@@ -30,6 +30,10 @@ class StoredVersion:
     size_bytes: int
     base_model: str
     created_by: str
+    # a verified signature's key, message and base64 signature (None: unsigned)
+    signing_key_id: str | None = None
+    signed_digest: str | None = None
+    signature: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +272,7 @@ def _record_once(
         actor=actor,
         action="adapter.version.create" if created else "adapter.version.match",
         target=f"tenants/{tenant.name}/adapters/{name}/versions/{stored.version}",
-        detail={"digest": stored.digest},
+        detail={"digest": stored.digest, "signing_key_id": stored.signing_key_id},
     )
     session.commit()
     session.refresh(adapter)
@@ -294,4 +298,7 @@ def _fields(stored: StoredVersion) -> dict[str, object]:
         "size_bytes": stored.size_bytes,
         "base_model": stored.base_model,
         "created_by": stored.created_by,
+        "signing_key_id": stored.signing_key_id,
+        "signed_digest": stored.signed_digest,
+        "signature": stored.signature,
     }

@@ -57,6 +57,7 @@ def create_pool(
         max_lora_rank=data.max_lora_rank,
         max_loras=data.max_loras,
         max_cpu_loras=data.max_cpu_loras,
+        require_signed_adapters=data.require_signed_adapters,
     )
     session.add(pool)
     audit.record(session, actor=actor, action="pool.create", target=f"pools/{ref}")

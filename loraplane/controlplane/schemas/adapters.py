@@ -23,6 +23,14 @@ class AdapterImport(Strict):
     name: ResourceName
     base_model: ModelName
     source_uri: str = Field(min_length=1, max_length=1024)
+    signature: str | None = Field(
+        default=None,
+        max_length=512,
+        description="base64 signature of `sha256:<digest>` (docs/security.md, Signed adapters)",
+    )
+    signature_key_id: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{16}$", description="the signing key's id"
+    )
 
 
 class AdapterUpdate(Strict):
@@ -49,6 +57,16 @@ class VersionPublic(Public):
     base_model: str
     created_at: datetime
     created_by: str
+    signing_key_id: str | None = Field(
+        default=None,
+        description="the tenant signing key whose signature was verified at upload (null: "
+        "unsigned)",
+    )
+    signed_digest: str | None = Field(
+        default=None,
+        description="the message that signature verified over: `sha256:` + `digest`",
+    )
+    signature: str | None = Field(default=None, description="the verified signature, base64")
 
 
 class AdapterPublic(BaseModel):

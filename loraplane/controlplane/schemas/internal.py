@@ -122,3 +122,25 @@ class VersionRecord(Strict):
     size_bytes: int = Field(ge=0, le=BIG)
     base_model: ModelName
     created_by: str = Field(default="operator", max_length=200)
+    signature: str | None = Field(
+        default=None, max_length=512, description="the LoRAAdapter's `spec.source.signature`"
+    )
+    signature_key_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+
+
+class SigningKeyEntry(BaseModel):
+    """One of a tenant's signing keys, as the operator verifies with it."""
+
+    key_id: str
+    public_key: str
+    revoked: bool
+
+
+class SigningPolicy(BaseModel):
+    """What an adapter of one tenant and base model must carry: a signature when `required`
+    (`reason` says whose policy), by one of `keys` that is not revoked."""
+
+    tenant: str
+    required: bool
+    reason: str
+    keys: list[SigningKeyEntry]

@@ -43,6 +43,11 @@ class PoolCreate(Strict):
     max_lora_rank: Rank = 64
     max_loras: Count = 8
     max_cpu_loras: Count = 32
+    require_signed_adapters: bool = Field(
+        default=False,
+        description="uploads for this pool's base model must carry a valid signature by one "
+        "of their tenant's signing keys (an operator's PUT of an existing pool keeps it)",
+    )
 
 
 class PoolUpdate(Strict):
@@ -51,6 +56,7 @@ class PoolUpdate(Strict):
     max_lora_rank: Rank | None = None
     max_loras: Count | None = None
     max_cpu_loras: Count | None = None
+    require_signed_adapters: bool | None = None
 
 
 class BaseModelPublic(BaseModel):
@@ -73,6 +79,7 @@ class PoolPublic(Public):
     max_lora_rank: int
     max_loras: int
     max_cpu_loras: int
+    require_signed_adapters: bool = False
     pressure: dict[str, Any] | None
     pressure_at: datetime | None
     created_at: datetime

@@ -24,6 +24,7 @@ class TenantCreate(Strict):
 
     Quotas: `requests_per_minute` and `tokens_per_minute` take 0 for unlimited;
     `max_adapters`, `max_rank` and `max_bytes` (each adapter's weights) are at least 1.
+    `require_signature`: every upload must be signed by one of the tenant's signing keys.
     """
 
     name: TenantName
@@ -34,6 +35,7 @@ class TenantCreate(Strict):
     requests_per_minute: PerMinute = 600
     tokens_per_minute: PerMinute = 1_000_000
     weight: Weight = DEFAULT_WEIGHT
+    require_signature: bool = False
 
 
 class TenantUpdate(Strict):
@@ -45,6 +47,7 @@ class TenantUpdate(Strict):
     requests_per_minute: PerMinute | None = None
     tokens_per_minute: PerMinute | None = None
     weight: Weight | None = None
+    require_signature: bool | None = None
 
 
 class TenantPublic(Public):
@@ -62,6 +65,10 @@ class TenantPublic(Public):
     requests_per_minute: int
     tokens_per_minute: int
     weight: float
+    require_signature: bool = Field(
+        description="every upload of this tenant must carry a valid signature by one of its "
+        "signing keys (else 422 SignatureRequired)"
+    )
     created_at: datetime
     updated_at: datetime
 
@@ -87,3 +94,24 @@ class KeyCreated(KeyPublic):
     """The answer to creating a key: the only time the key itself is shown."""
 
     key: str
+
+
+class SigningKeyCreate(Strict):
+    """A public key the tenant signs adapters with: PEM SubjectPublicKeyInfo (`-----BEGIN
+    PUBLIC KEY-----`, as `cosign generate-key-pair` and `openssl pkey -pubout` write it),
+    ECDSA P-256 or Ed25519; `name` is a label for people."""
+
+    public_key: str = Field(min_length=1, max_length=4096)
+    name: str = Field(default="", max_length=100)
+
+
+class SigningKeyPublic(Public):
+    """A registered signing key: `key_id` is the first 16 hex digits of the SHA-256 of its DER
+    SubjectPublicKeyInfo; a revoked key verifies nothing from then on."""
+
+    key_id: str
+    algorithm: str
+    name: str
+    public_key: str
+    created_at: datetime
+    revoked_at: datetime | None

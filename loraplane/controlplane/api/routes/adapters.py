@@ -36,6 +36,7 @@ from loraplane.controlplane.schemas.adapters import (
     UploadResult,
     VersionPublic,
 )
+from loraplane.controlplane.signatures import SignatureClaim
 from loraplane.controlplane.uploads import FILE_FIELD, receive_multipart
 
 router = APIRouter(
@@ -54,6 +55,17 @@ UPLOAD_BODY: dict[str, Any] = {
                     "properties": {
                         "name": {"type": "string"},
                         "base_model": {"type": "string"},
+                        "signature": {
+                            "type": "string",
+                            "description": "base64 signature of `sha256:<canonical digest>` "
+                            "by a registered signing key (ECDSA P-256 or Ed25519; cosign "
+                            "sign-blob's output as is)",
+                        },
+                        "signature_key_id": {
+                            "type": "string",
+                            "description": "the signing key's id (optional: without it every "
+                            "live key of the tenant is tried)",
+                        },
                         FILE_FIELD: {
                             "type": "array",
                             "items": {"type": "string", "format": "binary"},
@@ -138,15 +150,19 @@ async def upload_adapter(
             if missing:
                 raise InvalidRequest(f"missing form field(s): {', '.join(missing)}")
             name, base_model = upload.fields["name"], upload.fields["base_model"]
+            claim = SignatureClaim.of(
+                upload.fields.get("signature"), upload.fields.get("signature_key_id")
+            )
             source: Path | str = upload.source()
             size = sum(f.stat().st_size for f in upload.files)
         elif kind == "application/json":
             body = await _json_body(request)
             name, base_model, source = body.name, body.base_model, body.source_uri
+            claim = SignatureClaim.of(body.signature, body.signature_key_id)
         else:
             raise InvalidRequest("send multipart/form-data (files) or application/json (import)")
         if ctx.cluster is not None:
-            return await _staged(ctx, session, caller, name, base_model, source)
+            return await _staged(ctx, session, caller, name, base_model, source, claim)
         uploads = ctx.uploads
         # Imports are downloaded by their job: only `Prefer: respond-async` moves them.
         big = isinstance(source, Path) and size >= ctx.settings.background_ingest_bytes
@@ -172,6 +188,7 @@ async def upload_adapter(
                     workdir=workdir,
                     size_bytes=size,
                     actor=caller.actor,
+                    signature=claim,
                 )
             )
             owned = False
@@ -192,6 +209,7 @@ async def upload_adapter(
                 base_model=base_model,
                 source=local,
                 actor=caller.actor,
+                signature=claim,
             )
         )
     finally:
@@ -224,6 +242,7 @@ async def _staged(
     name: str,
     base_model: str,
     source: Path | str,
+    claim: SignatureClaim,
 ) -> JSONResponse:
     """Cluster mode: stage an upload (a local path) or point at an import (an s3:// URI)."""
     resources = ctx.cluster
@@ -241,6 +260,7 @@ async def _staged(
                 base_model=base_model,
                 source=source,
                 actor=caller.actor,
+                signature=claim,
             )
         )
     else:
@@ -254,6 +274,7 @@ async def _staged(
                 base_model=base_model,
                 source_uri=source,
                 actor=caller.actor,
+                signature=claim,
             )
         )
     body = StagedAdapter(

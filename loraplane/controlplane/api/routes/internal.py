@@ -18,6 +18,7 @@ from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import pools as crud_pools
 from loraplane.controlplane.crud.pools import pool_ref
 from loraplane.controlplane.crud.resolve import Resolution, resolve
+from loraplane.controlplane.crud.signing_keys import policy_for
 from loraplane.controlplane.crud.tenants import get_tenant_by_namespace
 from loraplane.controlplane.crud.usage import add_usage
 from loraplane.controlplane.errors import InvalidRequest
@@ -27,9 +28,12 @@ from loraplane.controlplane.schemas.internal import (
     PressureAccepted,
     PressureReport,
     Resolved,
+    SigningKeyEntry,
+    SigningPolicy,
     VersionRecord,
 )
 from loraplane.controlplane.schemas.pools import PoolCreate, PoolPublic
+from loraplane.controlplane.signatures import SignatureClaim, signature_check, signed_fields
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], responses=errors(400, 401))
 TENANT_KEY_HEADER = "X-Tenant-Key"
@@ -114,15 +118,30 @@ def report_pressure(
     "/versions",
     response_model=UploadResult,
     status_code=status.HTTP_201_CREATED,
-    responses={**errors(404, 409), 200: {"model": UploadResult, "description": "already recorded"}},
+    responses={
+        **errors(404, 409, 422),
+        200: {"model": UploadResult, "description": "already recorded"},
+    },
 )
 def record_version(
     body: VersionRecord, response: Response, session: SessionDep, actor: ServiceDep
 ) -> UploadResult:
     """Record a version the operator stored (idempotent: 200 if already recorded); `tenant` is
-    the namespace of the LoRAAdapter, which names the tenant it belongs to."""
+    the namespace of the LoRAAdapter, which names the tenant it belongs to.
+
+    Its signature is verified again here, against the tenant's keys and the tenant's and
+    pools' policy (the operator verified it before storing): 422 SignatureRequired /
+    SignatureInvalid, and nothing is recorded."""
     tenant = get_tenant_by_namespace(session, namespace=body.tenant)
-    stored = crud_adapters.StoredVersion(**body.model_dump(exclude={"tenant", "name"}))
+    check = signature_check(
+        session,
+        tenant=tenant,
+        base_model=body.base_model,
+        claim=SignatureClaim.of(body.signature, body.signature_key_id),
+    )
+    check(body.digest)
+    fields = body.model_dump(exclude={"tenant", "name", "signature", "signature_key_id"})
+    stored = crud_adapters.StoredVersion(**fields, **signed_fields(check.verified))
     adapter, row, created = crud_adapters.record_version(
         session, tenant=tenant, name=body.name, stored=stored, actor=actor
     )
@@ -133,6 +152,29 @@ def record_version(
         current_version=adapter.current_version,
         version=VersionPublic.model_validate(row),
     )
+
+
+@router.get(
+    "/tenants/{namespace}/signing-policy", response_model=SigningPolicy, responses=errors(404)
+)
+def signing_policy(
+    namespace: str,
+    base_model: Annotated[str, Query(min_length=1, max_length=200)],
+    session: SessionDep,
+    _: ServiceDep,
+) -> SigningPolicy:
+    """The signature an adapter in `namespace` for `base_model` must carry, and the tenant's
+    keys: the operator verifies a LoRAAdapter's `spec.source.signature` with them before it
+    stores the version. 404 when no tenant has that namespace."""
+    tenant = get_tenant_by_namespace(session, namespace=namespace)
+    policy = policy_for(session, tenant=tenant, base_model=base_model)
+    return SigningPolicy(
+        tenant=tenant.name,
+        required=policy.required,
+        reason=policy.reason,
+        keys=[SigningKeyEntry(key_id=k.key_id, public_key=k.pem, revoked=k.revoked)
+              for k in policy.keys],
+    )  # fmt: skip
 
 
 # -- the operator: pools it mirrors from ServingPools, adapters whose LoRAAdapter is deleted ---
