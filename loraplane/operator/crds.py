@@ -264,6 +264,15 @@ def pool_schema() -> Schema:
                 "description": "fp8: the base's projections quantized to float8 e4m3 at load"
                 " (--quantization; an FP8 checkpoint needs nothing); unset: as the checkpoint is",
             },
+            "tensorParallelSize": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": s.MAX_TENSOR_PARALLEL_SIZE,
+                "description": "processes (GPUs of one node) each replica splits the base"
+                " over (--tensor-parallel-size): heads, MLP columns, vocabulary and every"
+                " adapter's slices; the pod asks for that many GPUs on cuda. Llama, Mistral,"
+                " Qwen2 and Qwen3 bases; unset: 1",
+            },
             "cudaGraphs": {
                 "type": "boolean",
                 "description": "decode steps replay CUDA graphs (--cuda-graphs /"

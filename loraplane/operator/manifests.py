@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplane.operator.specs import PoolSpec, SecretKeyRef
+from loraplane.operator.specs import GPU_RESOURCE, PoolSpec, SecretKeyRef
 
 PORT = 8000
 # every metric, per-tenant ones included (`--metrics-port`): on the pods only, never on the
@@ -27,6 +27,7 @@ STORE_MOUNT = "/var/lib/loraplane/store"
 # outlives a crashed container (its restart in the same pod reads it back)
 SPOOL_MOUNT = "/var/lib/loraplane/usage-spool"
 MANAGED_BY = "loraplane-operator"
+SHM_PER_RANK_GIB = 1  # /dev/shm per tensor-parallel rank
 # The llm-d router's EPP reads a pod's metrics by its engine type (vLLM-compatible here).
 ENGINE_LABEL = "llm-d.ai/engine-type"
 
@@ -72,6 +73,11 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
         spec.device,
         *({None: [], True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}[spec.cuda_graphs]),
         *([] if spec.quantization is None else ["--quantization", spec.quantization]),
+        *(
+            []
+            if spec.tensor_parallel_size == 1
+            else ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+        ),
         "--host",
         "0.0.0.0",  # noqa: S104 - a pod serves on its own address
         "--port",
@@ -117,10 +123,26 @@ def _volumes(spec: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         claim = {"claimName": spec.store_volume_claim}
         volumes.append({"name": "store", "persistentVolumeClaim": claim})
         mounts.append({"name": "store", "mountPath": spec.store or STORE_MOUNT})
+    if spec.tensor_parallel_size > 1:
+        # the ranks' shared memory (NCCL's transport between the GPUs of a node; the
+        # container runtime's default /dev/shm is 64 MiB)
+        size = f"{SHM_PER_RANK_GIB * spec.tensor_parallel_size}Gi"
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # noqa: S108 - the pod's own
     # the spool file is at most 4 MiB, and its replacement is written beside it
     volumes.append({"name": "usage-spool", "emptyDir": {"sizeLimit": "16Mi"}})
     mounts.append({"name": "usage-spool", "mountPath": SPOOL_MOUNT})
     return volumes, mounts
+
+
+def resources(spec: PoolSpec) -> dict[str, Any]:
+    """The container's resources: the spec's, asking for a GPU per tensor-parallel rank on
+    cuda (unless the spec says it already)."""
+    out = {key: dict(value) for key, value in spec.resources.items()}
+    if spec.device == "cuda" and spec.tensor_parallel_size > 1:
+        for key in ("limits", "requests"):
+            out.setdefault(key, {}).setdefault(GPU_RESOURCE, str(spec.tensor_parallel_size))
+    return out
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -162,7 +184,7 @@ def deployment(
         "startupProbe": _probe("/ready", 10, 180),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 2),
-        "resources": spec.resources,
+        "resources": resources(spec),
         "volumeMounts": mounts,
     }
     body: dict[str, Any] = {

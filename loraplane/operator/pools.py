@@ -22,12 +22,21 @@ from typing import Any
 import kopf
 
 from loraplane.operator import autoscaling, inferencepool, manifests
+from loraplane.operator.basemodels import BaseModelUnavailable
 from loraplane.operator.catalog import CatalogError
 from loraplane.operator.conditions import Condition, now_iso, set_condition
 from loraplane.operator.context import OperatorContext, backoff, context_of, namespace_of
-from loraplane.operator.specs import GROUP, POOLS, VERSION, PoolSpec, SpecError
+from loraplane.operator.specs import (
+    GROUP,
+    POOLS,
+    VERSION,
+    PoolSpec,
+    SpecError,
+    check_tensor_parallel,
+)
 
 REGISTERED = "Registered"
+LAYOUT = "LayoutValid"  # the base model splits as spec.tensorParallelSize asks
 DEPRECATED_AFFINITY = (
     "spec.routing.endpointPicker.adapterAffinity is deprecated and has no effect: the endpoint"
     " picker reads adapter names on the pods' gateway-metrics port, always on; remove it"
@@ -39,6 +48,28 @@ def _parse(spec: kopf.Spec) -> PoolSpec:
         return PoolSpec.parse(spec)
     except SpecError as exc:
         raise kopf.PermanentError(f"InvalidSpec: {exc}") from None
+
+
+def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> str | None:
+    """Why the base model cannot be split as the spec asks, or None (also when its
+    config.json cannot be read here: a model on the pods' volume is checked by the pods)."""
+    if pool.tensor_parallel_size == 1 or pool.model_on_volume:
+        return None
+    try:
+        base = ctx.base_models.get(pool.base_model_uri, pool.base_model_name)
+    except BaseModelUnavailable:
+        return None  # the pods say why they cannot load it
+    try:
+        check_tensor_parallel(pool.tensor_parallel_size, base)
+    except SpecError as exc:
+        return str(exc)
+    return None
+
+
+def _layout(pool: PoolSpec) -> str:
+    size = pool.tensor_parallel_size
+    split = f"split over {size} processes" if size > 1 else "one process per replica"
+    return f"{split}{', fp8 weights' if pool.quantization else ''}"
 
 
 def _children(
@@ -107,12 +138,24 @@ async def reconcile_pool(
     ctx = context_of(memo)
     namespace = namespace_of(namespace)
     pool = _parse(spec)
+    generation = meta.get("generation")
+    layout = await asyncio.to_thread(_layout_error, ctx, pool)
+    if layout is not None:  # no pods that could only fail: the spec must change
+        patch.status["observedGeneration"] = generation
+        patch.status["conditions"] = set_condition(
+            status.get("conditions") or [], LAYOUT, False, "InvalidTensorParallelSize", layout,
+            generation=generation, now=now_iso(),
+        )  # fmt: skip
+        kopf.warn(body, reason="InvalidTensorParallelSize", message=layout)
+        return
     if "adapterAffinity" in (spec.get("routing") or {}).get("endpointPicker", {}):
         kopf.warn(body, reason="Deprecated", message=DEPRECATED_AFFINITY)
     await asyncio.to_thread(_children, ctx, body, name, namespace, pool)
-    generation = meta.get("generation")
     patch.status["observedGeneration"] = generation
     conditions = await _route(ctx, body, name, namespace, pool, status, generation)
+    conditions = set_condition(
+        conditions, LAYOUT, True, "Valid", _layout(pool), generation=generation, now=now_iso()
+    )
     patch.status["conditions"] = conditions
     try:
         await asyncio.to_thread(_mirror, ctx, namespace, name, pool)

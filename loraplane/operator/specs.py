@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.sizes import parse_memory
 
 GROUP = "loraplane.io"
@@ -61,6 +62,10 @@ DEFAULT_FAILURE_MODE = "FailOpen"
 # what `loraplane serve --quantization` takes (the data plane's config.QUANTIZATIONS, which the
 # operator does not import; tests/operator/test_units.py checks the two agree)
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one node
+GPU_RESOURCE = "nvidia.com/gpu"
+# the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/shard.py)
+TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class SpecError(ValueError):
@@ -206,6 +211,7 @@ class PoolSpec:
     resources: dict[str, Any]
     cuda_graphs: bool | None  # None: the data plane's default (on for cuda)
     quantization: str | None  # "fp8": the base quantized at load (--quantization)
+    tensor_parallel_size: int  # processes (GPUs) each replica splits the base over
     autoscaling: Autoscaling
     routing: Routing
     service_token: SecretKeyRef | None
@@ -246,6 +252,17 @@ class PoolSpec:
             raise SpecError(
                 f"spec.quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
             )
+        tp = _int(spec, "tensorParallelSize", 1, 1, MAX_TENSOR_PARALLEL_SIZE)
+        gpus = ((spec.get("resources") or {}).get("limits") or {}).get(GPU_RESOURCE)
+        if tp > 1 and device == "cuda" and gpus is not None and str(gpus) != str(tp):
+            raise SpecError(
+                f"spec.resources.limits {GPU_RESOURCE} is {gpus}, but spec.tensorParallelSize"
+                f" {tp} needs {tp} (leave it unset: the pod asks for {tp})"
+            )
+        if tp > 1 and quantization is not None:
+            raise SpecError("spec.tensorParallelSize > 1 with spec.quantization is not served yet")
+        if tp > 1 and cuda_graphs:
+            raise SpecError("spec.cudaGraphs is not supported with spec.tensorParallelSize > 1 yet")
         claim = base.get("volumeClaim")
         store_claim = spec.get("storeVolumeClaim")
         return cls(
@@ -263,6 +280,7 @@ class PoolSpec:
             resources=dict(_get(spec, "resources")),
             cuda_graphs=cuda_graphs,
             quantization=quantization,
+            tensor_parallel_size=tp,
             autoscaling=Autoscaling(
                 enabled=bool(scaling.get("enabled", True)),
                 mode=_enum(scaling, "mode", AUTOSCALING_MODES, DEFAULT_AUTOSCALING_MODE),
@@ -326,3 +344,28 @@ def _routing(routing: Mapping[str, Any]) -> Routing:
         # endpointPicker.adapterAffinity is deprecated and read by nobody: the picker always
         # finds adapter names on the gateway-metrics port (manifests.GATEWAY_METRICS_PORT)
     )
+
+
+def check_tensor_parallel(size: int, base: BaseModelSpec) -> None:
+    """SpecError when `base` cannot be split over `size` processes (the data plane's rules,
+    dataplane/parallel/shard.py: its family, and heads and MLP width that divide)."""
+    if size == 1:
+        return
+    where = f"spec.tensorParallelSize {size}"
+    if base.model_type not in TENSOR_PARALLEL_FAMILIES:
+        raise SpecError(
+            f"{where}: model_type {base.model_type!r} is not split yet (supported:"
+            f" {', '.join(TENSOR_PARALLEL_FAMILIES)})"
+        )
+    for field_name, value in (
+        ("num_attention_heads", base.num_heads),
+        ("intermediate_size", base.intermediate_size),
+    ):
+        if value % size:
+            raise SpecError(f"{where} does not divide the base model's {field_name} ({value})")
+    kv = base.num_kv_heads
+    if kv % size and size % kv:
+        raise SpecError(
+            f"{where} neither divides the base model's num_key_value_heads ({kv}) nor is a"
+            " multiple of it"
+        )

@@ -282,3 +282,39 @@ def test_pools_named_alike_in_two_namespaces_have_their_own_catalog_entry_and_sc
     assert _deployment(cluster, "tiny-pool")["spec"]["replicas"] == 1  # type: ignore[index]
     mirrored = controlplane.admin.get("/v1/pools/tiny-pool", params=IN_PLATFORM).json()
     assert mirrored["pressure"] is None
+
+
+def test_a_split_pool_asks_for_a_gpu_per_rank_and_an_unsplittable_base_is_refused(
+    cluster: Cluster, controlplane: ControlPlane, start_operator: StartOperator,
+    base_model_dir: Path,
+) -> None:  # fmt: skip
+    start_operator()
+    body = pool_body("split", base_model_dir, device="cuda", tensorParallelSize=2)
+    cluster.create("servingpools", PLATFORM, body)
+    dep = wait_for(lambda: _deployment(cluster, "split"), what="the Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert _arg(container["args"], "--tensor-parallel-size") == "2"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    shm = {v["name"]: v for v in pod["volumes"]}["dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # the tiny base has 4 attention heads: 3 processes cannot split them
+    cluster.create("servingpools", PLATFORM, pool_body("odd", base_model_dir,
+                                                       tensorParallelSize=3))  # fmt: skip
+
+    def refused() -> str | None:
+        for pool in cluster.emulator.objects("servingpools", group="loraplane.io",
+                                             version="v1alpha1"):  # fmt: skip
+            if pool["metadata"]["name"] == "odd":
+                for cond in pool.get("status", {}).get("conditions", []):
+                    if cond["type"] == "LayoutValid" and cond["status"] == "False":
+                        assert cond["reason"] == "InvalidTensorParallelSize"
+                        return str(cond["message"])
+        return None
+
+    message = wait_for(refused, what="the refusal of the odd pool")
+    assert "spec.tensorParallelSize 3 does not divide the base model's num_attention_heads (4)" in (
+        message
+    )
+    assert _deployment(cluster, "odd") is None

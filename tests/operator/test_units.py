@@ -386,3 +386,36 @@ def test_pool_quantization_reaches_serve_and_a_format_it_cannot_serve_is_refused
     assert crd_spec["quantization"]["enum"] == ["fp8"]
     with pytest.raises(SpecError, match=r"spec\.quantization must be one of fp8, got 'awq'"):
         PoolSpec.parse({**POOL, "quantization": "awq"})
+
+
+def test_pool_tensor_parallel_size_reaches_serve_with_its_gpus_and_bad_layouts_are_refused() -> (
+    None
+):
+    from loraplane.adapters.base_model import BaseModelSpec
+
+    one = PoolSpec.parse(POOL)
+    assert one.tensor_parallel_size == 1
+    assert "--tensor-parallel-size" not in manifests.serve_args(one, "http://cp:8080")
+    split = PoolSpec.parse({**POOL, "device": "cuda", "tensorParallelSize": 4})
+    args = manifests.serve_args(split, "http://cp:8080")
+    assert args[args.index("--tensor-parallel-size") + 1] == "4"
+    assert manifests.resources(split)["limits"]["nvidia.com/gpu"] == "4"
+    assert manifests.resources(split)["requests"]["nvidia.com/gpu"] == "4"
+    assert "nvidia.com/gpu" not in manifests.resources(one).get("limits", {})
+    crd_spec = crds.pool_schema()["properties"]["spec"]["properties"]
+    tp = crd_spec["tensorParallelSize"]
+    assert (tp["minimum"], tp["maximum"]) == (1, 8)
+    for bad, reason in (
+        ({"tensorParallelSize": 0}, r"tensorParallelSize must be an integer in \[1, 8\]"),
+        ({"tensorParallelSize": 2, "quantization": "fp8"}, "with spec.quantization is not"),
+        ({"device": "cuda", "tensorParallelSize": 2,
+          "resources": {"limits": {"nvidia.com/gpu": 1}}}, r"nvidia.com/gpu is 1, but"),
+    ):  # fmt: skip
+        with pytest.raises(SpecError, match=reason):
+            PoolSpec.parse({**POOL, **bad})
+    llama = BaseModelSpec("m", "llama", 2, 64, 100, 8, 2, 8)
+    specs.check_tensor_parallel(4, llama)  # 8 heads, KV 2 heads each held by two ranks
+    with pytest.raises(SpecError, match=r"does not divide the base model's intermediate_size"):
+        specs.check_tensor_parallel(8, llama)
+    with pytest.raises(SpecError, match="model_type 'gemma3_text' is not split yet"):
+        specs.check_tensor_parallel(2, BaseModelSpec("g", "gemma3_text", 2, 64, 96, 8, 2, 8))
