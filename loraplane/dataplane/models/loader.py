@@ -20,7 +20,7 @@ from safetensors import safe_open
 from loraplane import fileaccess
 from loraplane.adapters import base_model
 from loraplane.dataplane.devices import torch_device
-from loraplane.dataplane.models import quant
+from loraplane.dataplane.models import quant, w4_formats
 from loraplane.dataplane.models.config import (
     GEMMA_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -32,6 +32,7 @@ from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
 from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
 from loraplane.dataplane.models.llama import LlamaForCausalLM
 from loraplane.dataplane.models.moe import MoEConfig, MoEForCausalLM
+from loraplane.dataplane.models.quant_w4 import W4Linear
 from loraplane.dataplane.models.rope import RotaryEmbedding
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -122,6 +123,17 @@ def _load_fp8(
         state[target] = tensor.to(device=device, dtype=dtype)  # the bias
 
 
+def _load_w4(
+    state: dict[str, torch.Tensor], target: str, tensor: torch.Tensor, layer: W4Linear,
+    scheme: w4_formats.W4Scheme, device: torch.device, dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """One tensor of a 4-bit projection into `state`, in models/quant_w4.py's packed layout
+    (converted on the target device: AWQ's and GPTQ's packings are transposed there)."""
+    converted = w4_formats.convert(scheme, layer, target, tensor.to(device), dtype)
+    if converted is not None:
+        state[converted[0]] = converted[1]
+
+
 def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
     """The decoder a parsed config describes (Gemma's and the MoE families' are LlamaForCausalLM
     subclasses)."""
@@ -137,7 +149,8 @@ def load_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:  # fmt: skip
     """Build the decoder from `config.json` and load its weights in `dtype` on `device`; FP8
-    projections (models/quant.py) where the checkpoint holds them or `quantization` is "fp8".
+    projections (models/quant.py) where the checkpoint holds them or `quantization` is "fp8",
+    4-bit ones (models/w4_formats.py) where the checkpoint holds them.
 
     Raises UnsupportedModelError (a ValueError) for an architecture or option not implemented,
     ValueError for missing files or weights that do not fit the config.
@@ -148,12 +161,15 @@ def load_model(
     root = Path(model_dir)
     raw = base_model.read_config(str(root))
     config = parse_config(raw)
-    scheme = quant.scheme_for(raw, quantization)
-    if scheme is not None and isinstance(config, MoEConfig):
-        raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
+    w4 = w4_formats.scheme_for(raw, quantization)  # None unless a 4-bit checkpoint
+    scheme = None if w4 is not None else quant.scheme_for(raw, quantization)
+    if (scheme is not None or w4 is not None) and isinstance(config, MoEConfig):
+        kind = "FP8" if w4 is None else "4-bit"
+        raise UnsupportedModelError(f"{kind} weights of a mixture of experts are not supported yet")
     with torch.device("meta"):
         model = causal_lm(config)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
+        int4 = {} if w4 is None else w4_formats.replace_projections(model, w4, dtype)
     state: dict[str, torch.Tensor] = {}
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
@@ -171,6 +187,10 @@ def load_model(
                     continue  # tied: the embedding matrix is the output projection
                 if target.rpartition(".")[0] in fp8 and scheme is not None:
                     _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
+                    continue
+                layer = int4.get(target.rpartition(".")[0])
+                if layer is not None and w4 is not None:
+                    _load_w4(state, target, f.get_tensor(name), layer, w4, device, dtype)
                     continue
                 state[target] = f.get_tensor(name).to(device=device, dtype=dtype)
     _check_keys(model, state, root)

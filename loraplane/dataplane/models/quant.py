@@ -17,8 +17,12 @@ scaled FP8 matmul on devices that have one is issue 31's CUDA path, not written 
 What a checkpoint may say (`quantization_config` in config.json), anything else refused by
 name: quant_method "compressed-tensors", format "float-quantized" or "naive-quantized", one
 config group whose weights are 8-bit floats, symmetric, strategy "tensor" or "channel",
-targeting "Linear", and an `ignore` list (the lm_head, typically). 4-bit formats
-(pack-quantized, AWQ, GPTQ) are refused with a clear error until their torch path exists.
+targeting "Linear", and an `ignore` list (the lm_head, typically).
+
+4-bit checkpoints (compressed-tensors pack-quantized, AWQ, GPTQ) are read by
+models/w4_formats.py into models/quant_w4.py's W4Linear (W4A16, half a byte per weight plus
+group scales, the same contract with the LoRA wrapper); the loader asks that module first, so
+`scheme_for` here sees only the rest.
 """
 
 from __future__ import annotations
@@ -87,21 +91,16 @@ def _from_checkpoint(stored: Any) -> FP8Scheme:
     if not isinstance(stored, dict):
         raise UnsupportedModelError("quantization_config must be an object")
     method = stored.get("quant_method")
-    if method in ("awq", "gptq", "bitsandbytes") or stored.get("format") == "pack-quantized":
-        raise UnsupportedModelError(
-            f"4-bit checkpoints ({method}, {stored.get('format')}) are not supported yet;"
-            " supported: FP8 (compressed-tensors float-quantized), or --quantization fp8 on a"
-            " 16-bit checkpoint"
-        )
     if method != "compressed-tensors":
         raise UnsupportedModelError(
             f"quantization_config.quant_method {method!r} is not supported; supported:"
-            " compressed-tensors (FP8)"
+            " compressed-tensors (FP8, 4-bit pack-quantized), awq, gptq"
         )
     fmt = stored.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise UnsupportedModelError(
-            f"compressed-tensors format {fmt!r} is not supported; supported: float-quantized"
+            f"compressed-tensors format {fmt!r} is not supported; supported: float-quantized,"
+            " pack-quantized (4-bit)"
         )
     groups = stored.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
