@@ -15,19 +15,29 @@ A projection computes y = x @ W.to(x.dtype)^T (+ bias): what transformers comput
 weights dequantized, so HF on the dequantized checkpoint is the reference. Activations are not
 quantized (W4A16) and LoRA, applied around this layer by lora/layers.py, reads them as they are
 and keeps the adapters in the activation dtype. The weight takes half a byte per parameter on
-the device plus a scale (and a zero byte) per group of each row; the dequantization is the
-torch path, on CPU and CUDA alike: each call rebuilds the layer's 16-bit weight.
+the device plus a scale (and a zero byte) per group of each row.
+
+On CPU the torch path dequantizes per call (each call rebuilds the layer's full weight); on CUDA
+the Triton kernel of kernels/w4a16_triton.py dequantizes tile by tile inside the product and
+never writes the full weight. `LORAPLANE_W4` (auto, torch, triton; read when the layer is built)
+picks one: auto is Triton for CUDA tensors when Triton is installed, torch otherwise.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from loraplane.dataplane.kernels import backends
 from loraplane.dataplane.models.config import UnsupportedModelError
 
 PACK = 8  # nibbles per int32
+W4_ENV = "LORAPLANE_W4"
+W4_BACKENDS = ("auto", "torch", "triton")
 SYMMETRIC_ZERO = 8  # the zero point of a symmetric scheme, in unsigned nibbles
 
 
@@ -66,6 +76,13 @@ def dequantize(
     return (u.float() - z_cols) * scales[:, cols].float()
 
 
+@functools.cache
+def _triton_linear() -> Callable[..., torch.Tensor]:
+    from loraplane.dataplane.kernels.w4a16_triton import w4a16_linear  # imports Triton
+
+    return w4a16_linear
+
+
 class W4Linear(nn.Linear):
     """A projection whose weight is 4-bit (packed eight to an int32) with a float scale per
     group of `group_size` input columns of each row, and optionally a zero point per group and
@@ -89,6 +106,7 @@ class W4Linear(nn.Linear):
         self.out_features = out_features
         self.group_size = group_size
         self.compute_dtype = compute_dtype
+        self.backend = backends.read_choice(W4_ENV, W4_BACKENDS)  # once, not per call
         groups = in_features // group_size
         self.qweight: torch.Tensor
         self.register_buffer("qweight", torch.zeros(out_features, in_features // PACK,
@@ -119,6 +137,9 @@ class W4Linear(nn.Linear):
         return dequantize(self.qweight, self.scales, self.qzeros, self.g_idx).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if backends.resolve(self.backend, x) == "triton":
+            return _triton_linear()(x, self.qweight, self.scales, self.qzeros, self.g_idx,
+                                    self.group_size, self.bias)  # fmt: skip
         w = dequantize(self.qweight, self.scales, self.qzeros, self.g_idx)
         return F.linear(x, w.to(x.dtype), self.bias)
 
