@@ -27,7 +27,7 @@ from loraplane.dataplane.models.quant import PROJECTION
 from loraplane.dataplane.models.quant_w4 import W4Linear
 from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import hf_logits
-from tests.dataplane.test_engine import prompts
+from tests.dataplane.test_engine import hf_greedy, prompts
 from tests.dataplane.w4_checkpoints import VARIANTS, Checkpoint, quantization_config, write
 
 ADAPTERS = ("r16", "r32-mlp")
@@ -135,6 +135,35 @@ def test_a_4_bit_checkpoint_serves_mixed_adapters_as_hf_peft_on_its_dequantized_
         torch.testing.assert_close(
             torch.tensor(out.logprobs), torch.tensor(logprobs), rtol=0, atol=1e-4
         )
+
+
+def test_an_awq_qwen2_with_q_k_v_biases_serves_as_hf_peft_on_its_dequantized_weights(
+    tmp_path: Path,
+) -> None:
+    """AWQ checkpoints of Qwen2 keep the q/k/v biases beside the 4-bit weights (tied
+    embeddings, no lm_head tensor): read into the layer's bias, they reach the output."""
+    import peft
+    import transformers
+
+    from tests.dataplane.conftest import _perturb
+    from tests.factories import build_model, build_peft_adapter
+
+    src = build_model(tmp_path / "qwen2", "qwen2")
+    _perturb(src, seed=7)  # biases drawn, not HF's zeros
+    adapter = build_peft_adapter(src, tmp_path / "r8", seed=1, r=8, lora_alpha=16)
+    ckpt = write(src, tmp_path, "awq")
+    engine = _engine(ckpt.w4)
+    layers = _w4_layers(engine.runner.model)
+    q_proj = layers["model.layers.0.self_attn.q_proj"]
+    assert q_proj.bias is not None and q_proj.bias.abs().max() > 0
+    ref = engine.register_lora("r8", adapter, "t")
+    batch = prompts(2, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = engine.generate(batch, params, [ref, None])
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt.plain, dtype=torch.float32)
+    reference = peft.PeftModel.from_pretrained(base, adapter, adapter_name="r8").eval()
+    for prompt, name, out in zip(batch, ["r8", None], outs, strict=True):
+        assert out.token_ids == hf_greedy(reference, prompt, name, 8), name
 
 
 def test_the_lora_delta_over_a_4_bit_base_is_the_delta_over_the_unquantized_base(
