@@ -237,6 +237,9 @@ def _ct(**weights: Any) -> dict[str, Any]:
          "format 'marlin-24' is not supported"),
         ({**quantization_config(VARIANTS["awq"]), "quant_method": "bitsandbytes"},
          "quant_method 'bitsandbytes' is not supported"),
+        ({**quantization_config(VARIANTS["ct-sym"]),
+          "sparsity_config": {"format": "sparse-24-bitmask"}},
+         "sparsity_config .* is not supported"),
     ],
 )  # fmt: skip
 def test_a_4_bit_scheme_the_engine_cannot_serve_is_refused_naming_its_field(

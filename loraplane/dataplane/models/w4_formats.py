@@ -158,6 +158,14 @@ def _gptq(stored: dict[str, Any]) -> W4Scheme:
 
 
 def _pack_quantized(stored: dict[str, Any]) -> W4Scheme:
+    sparsity = stored.get("sparsity_config") or {}
+    if not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense":
+        raise UnsupportedModelError(
+            f"quantization_config.sparsity_config {sparsity!r} is not supported; supported: none"
+            " or dense"
+        )
+    if stored.get("transform_config"):  # rotations (SpinQuant, QuIP) applied around the weights
+        raise UnsupportedModelError("quantization_config.transform_config is not supported")
     groups = stored.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise UnsupportedModelError("quantization_config.config_groups must hold one group")
