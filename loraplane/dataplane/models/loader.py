@@ -5,7 +5,9 @@ here. The model is built on the meta device and the checkpoint's tensors are ass
 no memory or time goes into a random initialisation that would be overwritten. A sharded
 checkpoint (`model.safetensors.index.json`) is read shard by shard and tensor by tensor, each
 cast to the serving dtype on the target device as it arrives (on CUDA, read straight to the
-device): host memory holds at most one tensor beyond the model being built.
+device): host memory holds at most one tensor beyond the model being built. Quantized
+projections are read in their own formats: FP8 (models/quant.py, also made at load with
+`quantization="fp8"`) and 4-bit (models/w4_formats.py, from the checkpoint only).
 """
 
 from __future__ import annotations
@@ -149,8 +151,7 @@ def load_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:  # fmt: skip
     """Build the decoder from `config.json` and load its weights in `dtype` on `device`; FP8
-    projections (models/quant.py) where the checkpoint holds them or `quantization` is "fp8",
-    4-bit ones (models/w4_formats.py) where the checkpoint holds them.
+    projections (models/quant.py) where the checkpoint holds them or `quantization` is "fp8".
 
     Raises UnsupportedModelError (a ValueError) for an architecture or option not implemented,
     ValueError for missing files or weights that do not fit the config.
@@ -161,11 +162,12 @@ def load_model(
     root = Path(model_dir)
     raw = base_model.read_config(str(root))
     config = parse_config(raw)
-    w4 = w4_formats.scheme_for(raw, quantization)  # None unless a 4-bit checkpoint
-    scheme = None if w4 is not None else quant.scheme_for(raw, quantization)
-    if (scheme is not None or w4 is not None) and isinstance(config, MoEConfig):
-        kind = "FP8" if w4 is None else "4-bit"
-        raise UnsupportedModelError(f"{kind} weights of a mixture of experts are not supported yet")
+    w4 = w4_formats.scheme_for(raw, quantization)  # a 4-bit checkpoint's; quant.py's is None
+    if w4 is not None and isinstance(config, MoEConfig):
+        raise UnsupportedModelError("4-bit weights of a mixture of experts are not supported yet")
+    scheme = quant.scheme_for(raw, quantization)
+    if scheme is not None and isinstance(config, MoEConfig):
+        raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
     with torch.device("meta"):
         model = causal_lm(config)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
@@ -185,12 +187,12 @@ def load_model(
                     continue  # an image-text Gemma 3's vision tower: only its text is served
                 if config.tie_word_embeddings and target == "lm_head.weight":
                     continue  # tied: the embedding matrix is the output projection
-                if target.rpartition(".")[0] in fp8 and scheme is not None:
-                    _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
-                    continue
                 layer = int4.get(target.rpartition(".")[0])
                 if layer is not None and w4 is not None:
                     _load_w4(state, target, f.get_tensor(name), layer, w4, device, dtype)
+                    continue
+                if target.rpartition(".")[0] in fp8 and scheme is not None:
+                    _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
                     continue
                 state[target] = f.get_tensor(name).to(device=device, dtype=dtype)
     _check_keys(model, state, root)

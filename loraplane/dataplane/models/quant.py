@@ -21,8 +21,7 @@ targeting "Linear", and an `ignore` list (the lm_head, typically).
 
 4-bit checkpoints (compressed-tensors pack-quantized, AWQ, GPTQ) are read by
 models/w4_formats.py into models/quant_w4.py's W4Linear (W4A16, half a byte per weight plus
-group scales, the same contract with the LoRA wrapper); the loader asks that module first, so
-`scheme_for` here sees only the rest.
+group scales, the same contract with the LoRA wrapper): `scheme_for` here leaves them to it.
 """
 
 from __future__ import annotations
@@ -78,6 +77,8 @@ def scheme_for(config: dict[str, Any], quantization: str | None) -> FP8Scheme | 
         raise UnsupportedModelError(
             f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}"
         )
+    if is_4_bit(config):  # models/w4_formats.py's (which refuses `quantization` on it)
+        return None
     stored = config.get("quantization_config")
     if stored is None:
         return None if quantization is None else FP8Scheme(per_channel=True, at_load=True)
@@ -85,6 +86,18 @@ def scheme_for(config: dict[str, Any], quantization: str | None) -> FP8Scheme | 
     if quantization is not None and quantization != "fp8":
         raise UnsupportedModelError(f"the checkpoint is already quantized (fp8): {quantization}")
     return scheme
+
+
+def is_4_bit(config: dict[str, Any]) -> bool:
+    """Whether config.json describes a 4-bit checkpoint (compressed-tensors pack-quantized,
+    AWQ, GPTQ): one models/w4_formats.py reads."""
+    stored = config.get("quantization_config")
+    if not isinstance(stored, dict):
+        return False
+    method = stored.get("quant_method")
+    return method in ("awq", "gptq") or (
+        method == "compressed-tensors" and stored.get("format") == "pack-quantized"
+    )
 
 
 def _from_checkpoint(stored: Any) -> FP8Scheme:

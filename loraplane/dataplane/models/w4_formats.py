@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loraplane.dataplane.models import quant
 from loraplane.dataplane.models.config import UnsupportedModelError
 from loraplane.dataplane.models.quant import PROJECTION
 from loraplane.dataplane.models.quant_w4 import PACK, W4Linear, pack, unpack
@@ -69,21 +70,10 @@ class W4Scheme:
         return in_features if self.group_size == -1 else self.group_size
 
 
-def is_w4(config: dict[str, Any]) -> bool:
-    """Whether config.json describes a checkpoint of 4-bit weights this module reads."""
-    stored = config.get("quantization_config")
-    if not isinstance(stored, dict):
-        return False
-    method = stored.get("quant_method")
-    return method in ("awq", "gptq") or (
-        method == "compressed-tensors" and stored.get("format") == "pack-quantized"
-    )
-
-
 def scheme_for(config: dict[str, Any], quantization: str | None) -> W4Scheme | None:
     """The checkpoint's 4-bit scheme, or None when it is not a 4-bit checkpoint;
     UnsupportedModelError names the field and value that cannot be served."""
-    if not is_w4(config):
+    if not quant.is_4_bit(config):
         return None
     stored = config["quantization_config"]
     method = stored["quant_method"]
