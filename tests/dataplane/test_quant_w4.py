@@ -62,7 +62,8 @@ def test_each_formats_projections_dequantize_to_the_tests_own_dequantization(
     variant: str, checkpoints: dict[str, Checkpoint], tiny_llama_dir: Path
 ) -> None:
     """Every projection read from the checkpoint is, dequantized, bit for bit the weight the
-    tests' quantizer meant; it holds about half a byte per weight."""
+    tests' quantizer meant; it holds half a byte per weight, plus a scale (and a zero byte)
+    per group of each row, and the act-order map."""
     ckpt = checkpoints[variant]
     model = load_model(ckpt.w4, torch.float32, "cpu")
     layers = _w4_layers(model)
@@ -73,10 +74,18 @@ def test_each_formats_projections_dequantize_to_the_tests_own_dequantization(
         assert torch.equal(layer.dequantized(), ckpt.layers[name].dequantized()), name
         assert (layer.g_idx is not None) == VARIANTS[variant].act_order
     assert model.lm_head.weight.dtype == torch.float32  # not quantized
-    w4 = sum(layer.device_bytes() for layer in layers.values())
-    params = sum(layer.in_features * layer.out_features for layer in layers.values())
-    # half a byte per weight, plus a scale (+ a zero byte) per group of 32 (at most 0.66 here)
-    assert 0.5 < w4 / params < 0.67, w4 / params
+    v = VARIANTS[variant]
+    scale_bytes = torch.empty(0, dtype=v.scale_dtype).element_size()
+    zero_bytes = 0 if v.format == "pack-quantized" and v.symmetric else 1  # GPTQ stores them
+    for layer in layers.values():
+        n, k = layer.out_features, layer.in_features
+        groups = 1 if v.group_size == -1 else k // v.group_size
+        held = n * k // 2 + n * groups * (scale_bytes + zero_bytes)
+        assert layer.device_bytes() == held + (4 * k if v.act_order else 0)
+    if v.group_size == 32 and not v.act_order:  # half a byte a weight, plus the groups'
+        w4 = sum(layer.device_bytes() for layer in layers.values())
+        params = sum(layer.in_features * layer.out_features for layer in layers.values())
+        assert 0.5 < w4 / params < 0.6, w4 / params
 
 
 def test_misreading_the_packing_order_or_gptq_v1_zeros_is_caught(

@@ -39,6 +39,7 @@ VARIANTS: dict[str, Variant] = {
     "ct-sym": Variant("pack-quantized", 32, symmetric=True, scale_dtype=torch.bfloat16),
     "ct-asym": Variant("pack-quantized", 32, symmetric=False),
     "ct-channel": Variant("pack-quantized", -1, symmetric=True, scale_dtype=torch.float32),
+    "ct-act-order": Variant("pack-quantized", 16, symmetric=False, act_order=True),
     "awq": Variant("awq", 32, symmetric=False),
     "gptq": Variant("gptq", 32, symmetric=True),
     "gptq-v2": Variant("gptq_v2", -1, symmetric=False),
@@ -144,6 +145,8 @@ def projection_tensors(module: str, qz: Quantized, v: Variant) -> dict[str, torc
         }
         if not v.symmetric:
             tensors[f"{module}.weight_zero_point"] = _pack_down(qz.zero)
+        if v.act_order:
+            tensors[f"{module}.weight_g_idx"] = qz.g_idx.to(torch.int32)
         return tensors
     if v.format == "awq":
         return {
@@ -166,7 +169,8 @@ def quantization_config(v: Variant) -> dict[str, Any]:
         weights = {"num_bits": 4, "type": "int", "symmetric": v.symmetric, "dynamic": False,
                    "strategy": "channel" if v.group_size == -1 else "group",
                    "group_size": None if v.group_size == -1 else v.group_size,
-                   "actorder": None, "observer": "minmax"}  # fmt: skip
+                   "actorder": "group" if v.act_order else None,
+                   "observer": "minmax"}  # fmt: skip
         return {
             "quant_method": "compressed-tensors",
             "format": "pack-quantized",

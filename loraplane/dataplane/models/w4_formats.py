@@ -240,7 +240,7 @@ def convert(
     state name, its value in the packed layout), or None for a tensor read past or checked."""
     module, _, part = name.rpartition(".")
     fmt = scheme.format
-    value: torch.Tensor | None
+    value: torch.Tensor
     if part == "bias":
         return f"{module}.bias", tensor.to(dtype)
     if fmt == "pack-quantized":
