@@ -218,8 +218,9 @@ def _with_quantization(src: Path, out: Path, quantization_config: Any) -> Path:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"quant_method": "awq"}, "4-bit checkpoints"),
-        ({"format": "pack-quantized"}, "4-bit checkpoints"),
+        # 4-bit formats are read by models/w4_formats.py, which names what this config lacks
+        ({"quant_method": "awq"}, "quantization_config.bits None is not supported"),
+        ({"format": "pack-quantized"}, "pack-quantized weights of num_bits 8, type 'float'"),
         ({"quant_method": "fbgemm_fp8"}, "quant_method 'fbgemm_fp8' is not supported"),
         ({"format": "int-quantized"}, "format 'int-quantized' is not supported"),
     ],

@@ -5,7 +5,9 @@ here. The model is built on the meta device and the checkpoint's tensors are ass
 no memory or time goes into a random initialisation that would be overwritten. A sharded
 checkpoint (`model.safetensors.index.json`) is read shard by shard and tensor by tensor, each
 cast to the serving dtype on the target device as it arrives (on CUDA, read straight to the
-device): host memory holds at most one tensor beyond the model being built.
+device): host memory holds at most one tensor beyond the model being built. Quantized
+projections are read in their own formats: FP8 (models/quant.py, also made at load with
+`quantization="fp8"`) and 4-bit (models/w4_formats.py, from the checkpoint only).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from safetensors import safe_open
 from loraplane import fileaccess
 from loraplane.adapters import base_model
 from loraplane.dataplane.devices import torch_device
-from loraplane.dataplane.models import quant
+from loraplane.dataplane.models import quant, w4_formats
 from loraplane.dataplane.models.config import (
     GEMMA_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -33,6 +35,7 @@ from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
 from loraplane.dataplane.models.gemma import checkpoint_name as gemma_name
 from loraplane.dataplane.models.llama import LlamaForCausalLM
 from loraplane.dataplane.models.moe import MoEConfig, MoEForCausalLM
+from loraplane.dataplane.models.quant_w4 import W4Linear
 from loraplane.dataplane.models.rope import RotaryEmbedding
 from loraplane.dataplane.parallel import shard as parallel
 from loraplane.dataplane.parallel.shard import TPShard
@@ -125,6 +128,17 @@ def _load_fp8(
         state[target] = tensor.to(device=device, dtype=dtype)  # the bias
 
 
+def _load_w4(
+    state: dict[str, torch.Tensor], target: str, tensor: torch.Tensor, layer: W4Linear,
+    scheme: w4_formats.W4Scheme, device: torch.device, dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """One tensor of a 4-bit projection into `state`, in models/quant_w4.py's packed layout
+    (converted on the target device: AWQ's and GPTQ's packings are transposed there)."""
+    converted = w4_formats.convert(scheme, layer, target, tensor.to(device), dtype)
+    if converted is not None:
+        state[converted[0]] = converted[1]
+
+
 def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
     """The decoder a parsed config describes (Gemma's and the MoE families' are LlamaForCausalLM
     subclasses)."""
@@ -154,6 +168,9 @@ def load_model(
     root = Path(model_dir)
     raw = base_model.read_config(str(root))
     config = parse_config(raw)
+    w4 = w4_formats.scheme_for(raw, quantization)  # a 4-bit checkpoint's; quant.py's is None
+    if w4 is not None and isinstance(config, MoEConfig):
+        raise UnsupportedModelError("4-bit weights of a mixture of experts are not supported yet")
     scheme = quant.scheme_for(raw, quantization)
     if scheme is not None and isinstance(config, MoEConfig):
         raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
@@ -170,6 +187,7 @@ def load_model(
     with torch.device("meta"):
         model = causal_lm(built)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
+        int4 = {} if w4 is None else w4_formats.replace_projections(model, w4, dtype)
     state: dict[str, torch.Tensor] = {}
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
@@ -185,6 +203,10 @@ def load_model(
                     continue  # an image-text Gemma 3's vision tower: only its text is served
                 if config.tie_word_embeddings and target == "lm_head.weight":
                     continue  # tied: the embedding matrix is the output projection
+                layer = int4.get(target.rpartition(".")[0])
+                if layer is not None and w4 is not None:
+                    _load_w4(state, target, f.get_tensor(name), layer, w4, device, dtype)
+                    continue
                 if target.rpartition(".")[0] in fp8 and scheme is not None:
                     _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
                     continue

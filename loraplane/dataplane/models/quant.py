@@ -17,8 +17,11 @@ scaled FP8 matmul on devices that have one is issue 31's CUDA path, not written 
 What a checkpoint may say (`quantization_config` in config.json), anything else refused by
 name: quant_method "compressed-tensors", format "float-quantized" or "naive-quantized", one
 config group whose weights are 8-bit floats, symmetric, strategy "tensor" or "channel",
-targeting "Linear", and an `ignore` list (the lm_head, typically). 4-bit formats
-(pack-quantized, AWQ, GPTQ) are refused with a clear error until their torch path exists.
+targeting "Linear", and an `ignore` list (the lm_head, typically).
+
+4-bit checkpoints (compressed-tensors pack-quantized, AWQ, GPTQ) are read by
+models/w4_formats.py into models/quant_w4.py's W4Linear (W4A16, half a byte per weight plus
+group scales, the same contract with the LoRA wrapper): `scheme_for` here leaves them to it.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def scheme_for(config: dict[str, Any], quantization: str | None) -> FP8Scheme | 
         raise UnsupportedModelError(
             f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}"
         )
+    if is_4_bit(config):  # models/w4_formats.py's (which refuses `quantization` on it)
+        return None
     stored = config.get("quantization_config")
     if stored is None:
         return None if quantization is None else FP8Scheme(per_channel=True, at_load=True)
@@ -83,25 +88,32 @@ def scheme_for(config: dict[str, Any], quantization: str | None) -> FP8Scheme | 
     return scheme
 
 
+def is_4_bit(config: dict[str, Any]) -> bool:
+    """Whether config.json describes a 4-bit checkpoint (compressed-tensors pack-quantized,
+    AWQ, GPTQ): one models/w4_formats.py reads."""
+    stored = config.get("quantization_config")
+    if not isinstance(stored, dict):
+        return False
+    method = stored.get("quant_method")
+    return method in ("awq", "gptq") or (
+        method == "compressed-tensors" and stored.get("format") == "pack-quantized"
+    )
+
+
 def _from_checkpoint(stored: Any) -> FP8Scheme:
     if not isinstance(stored, dict):
         raise UnsupportedModelError("quantization_config must be an object")
     method = stored.get("quant_method")
-    if method in ("awq", "gptq", "bitsandbytes") or stored.get("format") == "pack-quantized":
-        raise UnsupportedModelError(
-            f"4-bit checkpoints ({method}, {stored.get('format')}) are not supported yet;"
-            " supported: FP8 (compressed-tensors float-quantized), or --quantization fp8 on a"
-            " 16-bit checkpoint"
-        )
     if method != "compressed-tensors":
         raise UnsupportedModelError(
             f"quantization_config.quant_method {method!r} is not supported; supported:"
-            " compressed-tensors (FP8)"
+            " compressed-tensors (FP8, 4-bit pack-quantized), awq, gptq"
         )
     fmt = stored.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise UnsupportedModelError(
-            f"compressed-tensors format {fmt!r} is not supported; supported: float-quantized"
+            f"compressed-tensors format {fmt!r} is not supported; supported: float-quantized,"
+            " pack-quantized (4-bit)"
         )
     groups = stored.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
