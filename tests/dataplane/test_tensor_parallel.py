@@ -251,3 +251,9 @@ def test_a_step_after_the_worker_died_raises_worker_lost_naming_it(
         assert "loraplane-tp1 exited" in str(box["error"])
     finally:
         engine.close()
+
+
+def test_quantized_bases_are_refused_under_tensor_parallelism(families: dict[str, Family]) -> None:
+    llama = families["llama"].model_dir
+    with pytest.raises(UnsupportedModelError, match="over quantized weights is not supported"):
+        load_model(llama, torch.float32, "cpu", quantization="fp8", shard=TPShard(0, 2))

@@ -178,7 +178,7 @@ def load_model(
     built = config
     if tp.size > 1:
         parallel.check_supported(config, tp.size)
-        if scheme is not None:
+        if scheme is not None or w4 is not None:
             raise UnsupportedModelError(
                 "tensor parallelism over quantized weights is not supported yet"
             )
