@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec, read_config
-from loraplane.dataplane import host_memory
+from loraplane.dataplane import host_memory, kv_quant
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import (
     Capture,
@@ -81,6 +81,9 @@ class ModelRunner:
         self.device = torch_device(config.device)  # ValueError without CUDA
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model = load_model(config.model, self.dtype, self.device, config.quantization)
+        self.model.kv_cache_dtype = kv_quant.cache_dtype(
+            config.kv_cache_dtype, self.dtype, self.device
+        )
         spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
         self.pool = LoRAPool(config.lora_slots, spec, self.dtype, self.device)
         install_lora(self.model, self.pool)

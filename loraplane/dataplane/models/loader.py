@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from loraplane import fileaccess
 from loraplane.adapters import base_model
+from loraplane.dataplane import kv_quant
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.models import quant
 from loraplane.dataplane.models.config import (
@@ -155,6 +156,7 @@ def load_model(
         model = causal_lm(config)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
     state: dict[str, torch.Tensor] = {}
+    kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v" | "kv") -> an FP8 KV scale
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
     where = str(device) if device.type == "cuda" else "cpu"
@@ -169,6 +171,9 @@ def load_model(
                     continue  # an image-text Gemma 3's vision tower: only its text is served
                 if config.tie_word_embeddings and target == "lm_head.weight":
                     continue  # tied: the embedding matrix is the output projection
+                if (kv := kv_quant.scale_target(target)) is not None:
+                    kv_scales[kv] = kv_quant.scale_value(name, f.get_tensor(name))
+                    continue
                 if target.rpartition(".")[0] in fp8 and scheme is not None:
                     _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
                     continue
@@ -180,6 +185,9 @@ def load_model(
         raise ValueError(f"checkpoint in {root} does not fit its config.json: {e}") from e
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    layer_scales = kv_quant.read_scales(kv_scales, config.num_layers)
+    for layer, (k_scale, v_scale) in zip(model.model.decoder_layers, layer_scales, strict=True):
+        layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale, v_scale
     for module in model.modules():  # cos/sin tables: computed on the CPU, not in the file
         if isinstance(module, RotaryEmbedding):
             module.to(device)
