@@ -255,6 +255,14 @@ def pool_schema() -> Schema:
                 "description": "fp8: the base's projections quantized to float8 e4m3 at load"
                 " (--quantization; an FP8 checkpoint needs nothing); unset: as the checkpoint is",
             },
+            "kvCacheDtype": {
+                "type": "string",
+                "enum": list(s.KV_CACHE_DTYPES),
+                "description": "the KV cache's element type (--kv-cache-dtype): fp8, float8 e4m3"
+                " with the checkpoint's per-layer K/V scales (else 1.0), twice the tokens of bf16"
+                " in the same memory (CUDA: compute capability 8.9+); auto or unset: the model's"
+                " dtype",
+            },
             "cudaGraphs": {
                 "type": "boolean",
                 "description": "decode steps replay CUDA graphs (--cuda-graphs /"

@@ -72,6 +72,7 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
         spec.device,
         *({None: [], True: ["--cuda-graphs"], False: ["--no-cuda-graphs"]}[spec.cuda_graphs]),
         *([] if spec.quantization is None else ["--quantization", spec.quantization]),
+        *([] if spec.kv_cache_dtype is None else ["--kv-cache-dtype", spec.kv_cache_dtype]),
         "--host",
         "0.0.0.0",  # noqa: S104 - a pod serves on its own address
         "--port",

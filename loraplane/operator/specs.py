@@ -58,6 +58,8 @@ DEFAULT_FAILURE_MODE = "FailOpen"
 # what `loraplane serve --quantization` takes (the data plane's config.QUANTIZATIONS, which the
 # operator does not import; tests/operator/test_units.py checks the two agree)
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# what `loraplane serve --kv-cache-dtype` takes (config.KV_CACHE_DTYPES, checked the same way)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
 
 class SpecError(ValueError):
@@ -190,6 +192,7 @@ class PoolSpec:
     resources: dict[str, Any]
     cuda_graphs: bool | None  # None: the data plane's default (on for cuda)
     quantization: str | None  # "fp8": the base quantized at load (--quantization)
+    kv_cache_dtype: str | None  # "fp8": the KV cache in float8 e4m3 (--kv-cache-dtype)
     autoscaling: Autoscaling
     routing: Routing
     service_token: SecretKeyRef | None
@@ -230,6 +233,12 @@ class PoolSpec:
             raise SpecError(
                 f"spec.quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
             )
+        kv_cache_dtype = spec.get("kvCacheDtype")
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SpecError(
+                f"spec.kvCacheDtype must be one of {', '.join(KV_CACHE_DTYPES)}, got"
+                f" {kv_cache_dtype!r}"
+            )
         claim = base.get("volumeClaim")
         store_claim = spec.get("storeVolumeClaim")
         return cls(
@@ -247,6 +256,7 @@ class PoolSpec:
             resources=dict(_get(spec, "resources")),
             cuda_graphs=cuda_graphs,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             autoscaling=Autoscaling(
                 enabled=bool(scaling.get("enabled", True)),
                 mode=_enum(scaling, "mode", AUTOSCALING_MODES, DEFAULT_AUTOSCALING_MODE),

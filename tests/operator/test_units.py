@@ -386,3 +386,17 @@ def test_pool_quantization_reaches_serve_and_a_format_it_cannot_serve_is_refused
     assert crd_spec["quantization"]["enum"] == ["fp8"]
     with pytest.raises(SpecError, match=r"spec\.quantization must be one of fp8, got 'awq'"):
         PoolSpec.parse({**POOL, "quantization": "awq"})
+
+
+def test_pool_kv_cache_dtype_reaches_serve_and_an_unknown_one_is_refused() -> None:
+    from loraplane.dataplane.config import KV_CACHE_DTYPES
+
+    assert specs.KV_CACHE_DTYPES == KV_CACHE_DTYPES  # what serve --kv-cache-dtype takes
+    assert "--kv-cache-dtype" not in manifests.serve_args(PoolSpec.parse(POOL), "http://cp:8080")
+    pool = PoolSpec.parse({**POOL, "kvCacheDtype": "fp8"})
+    args = manifests.serve_args(pool, "http://cp:8080")
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    crd_spec = crds.pool_schema()["properties"]["spec"]["properties"]
+    assert crd_spec["kvCacheDtype"]["enum"] == ["auto", "fp8"]
+    with pytest.raises(SpecError, match=r"spec\.kvCacheDtype must be one of auto, fp8, got 'int8'"):
+        PoolSpec.parse({**POOL, "kvCacheDtype": "int8"})

@@ -53,6 +53,8 @@ class ServerSettings(BaseSettings):
     dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: by device
     # "fp8": the base's projections quantized at load (an FP8 checkpoint needs nothing)
     quantization: Literal["fp8"] | None = None
+    # "fp8": the KV cache in float8 e4m3 (kv_quant.py), twice the tokens in the same memory
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -215,6 +217,7 @@ class ServerSettings(BaseSettings):
             max_cpu_loras=self.max_cpu_loras,
             cuda_graphs=self.cuda_graphs,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             adapter_load_timeout_s=self.adapter_load_timeout_s,
         )
 
@@ -242,6 +245,8 @@ SETTINGS_HELP: dict[str, str] = {
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",
     "quantization": "fp8: the base's projections quantized to float8 e4m3 at load (unset: as the"
     " checkpoint is; an FP8 compressed-tensors checkpoint loads as FP8)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8: the KV cache in float8 e4m3 with a"
+    " scale per layer for K and V (the checkpoint's, else 1.0), twice the tokens of bf16",
     "device": "cpu or cuda",
     "host": "address to listen on",
     "port": "port to listen on (the OpenAI API; its /metrics: vLLM's protocol gauges, no"
