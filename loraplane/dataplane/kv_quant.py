@@ -65,10 +65,13 @@ def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:  # [...] -> [...] f
 
 
 def dequantize(x8: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """x8 * scale in `dtype`; a cache that is not FP8 is only cast (its scale is not used)."""
-    if x8.dtype != FP8:
-        return x8.to(dtype)
-    return (x8.float() * scale).to(dtype)
+    """(x8.float() * scale).to(dtype); a cache that is not FP8 is only cast (its scale unused).
+
+    Spelled as a cast then a product in `dtype`: every e4m3 value is exact in fp16, bf16 and
+    fp32, and torch multiplies 16-bit tensors in fp32 before rounding, so this is the same
+    number, in half the time on CPU (no fp32 copy of the gathered rows)."""
+    out = x8.to(dtype)
+    return out if x8.dtype != FP8 or scale == 1.0 else out * scale
 
 
 def scale_target(name: str) -> tuple[int, str] | None:
