@@ -3,12 +3,13 @@
 Mixed batches (decode rows, whole prompts, tails over cached prefixes, long sequences over many
 shuffled blocks, partial last blocks), GQA ratios 1 to 16 (and 3), head dims 8 to 256, sliding
 window on and off, tanh soft-capping on and off (Gemma 2), split-KV, fp32 and fp16; FP8 caches
-(kv_quant.py) read by fp16 and bf16 queries with their K/V scales; then the model and the engine with the kernel forced (`LORAPLANE_ATTENTION=triton`) against the torch
-path. Without CUDA the kernel runs in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1`,
-set here before Triton is imported); bf16 is checked compiled on a GPU (the interpreter's bf16
-`tl.dot` is wrong: the launcher computes bf16 products in fp32 there). With CUDA and
-TRITON_INTERPRET unset, the same tests run the compiled kernel on CUDA tensors. Shapes stay
-small: the interpreter is slow.
+(kv_quant.py) read by fp16 and bf16 queries with their K/V scales; then the model and the
+engine with the kernel forced (`LORAPLANE_ATTENTION=triton`) against the torch path. Without
+CUDA the kernel runs in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1`, set here
+before Triton is imported); bf16 is checked compiled on a GPU (the interpreter's bf16 `tl.dot`
+is wrong: the launcher computes bf16 products in fp32 there). With CUDA and TRITON_INTERPRET
+unset, the same tests run the compiled kernel on CUDA tensors. Shapes stay small: the
+interpreter is slow.
 """
 
 from __future__ import annotations
@@ -248,19 +249,20 @@ def _fp8(b: Batch, k_scale: float, v_scale: float) -> Batch:
     return dataclasses.replace(b, k_cache=k8, v_cache=v8)
 
 
-# scales that put the random K/V (|x| < ~5) at the coarse and the fine end of e4m3's range
-@pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.02, 0.5)], ids=["s1", "s-mixed"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(
-    ("window", "softcap", "splits"),
-    [(None, None, 1), (5, None, 1), (None, 5.0, 1), (None, None, 4)],
-    ids=["causal", "window5", "softcap5", "split4"],
-)
+    ("window", "softcap", "splits", "k_scale", "v_scale"),
+    [(None, None, 1, 1.0, 1.0), (5, None, 1, 0.02, 0.5), (None, 5.0, 1, 0.5, 0.02),
+     (None, None, 4, 0.02, 0.5)],
+    ids=["causal-s1", "window5", "softcap5", "split4"],
+)  # fmt: skip
 def test_fp8_cache_matches_the_torch_path(
     k_scale: float, v_scale: float, dtype: torch.dtype, window: int | None,
     softcap: float | None, splits: int,
 ) -> None:  # fmt: skip
-    """The kernel loads fp8 tiles and dequantizes them as the torch path does (q's dtype)."""
+    """The kernel loads fp8 tiles and dequantizes them as the torch path does (q's dtype);
+    the scales put the random K/V (|x| < ~5) at the fine (0.02) and the coarse end (1.0) of
+    e4m3's range."""
     rows = DECODE if splits > 1 else MIXED
     b = _fp8(_batch(rows, 8, 2, 32, 4, dtype, seed=int(1 / k_scale)), k_scale, v_scale)
     meta = b.meta()
@@ -474,12 +476,11 @@ def test_gemma_logits_with_triton_attention_equal_the_torch_path(
                                    atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_engine_with_triton_attention_generates_the_torch_paths_tokens_and_logprobs(
-    families: dict[str, Family], monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+    families: dict[str, Family], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunked prefill (16-token budget), prefix caching and adapters, through the engine;
-    over the model's dtype and over an FP8 cache."""
+    """Chunked prefill (16-token budget), prefix caching and adapters, through the engine (over
+    an FP8 cache: test_cuda_graphs.py, decode steps replayed)."""
     if not INTERPRETED:
         pytest.skip("the engine check runs the tiny model on CPU through the interpreter")
     family = families["llama"]
@@ -492,8 +493,7 @@ def test_engine_with_triton_attention_generates_the_torch_paths_tokens_and_logpr
     def run() -> list[tuple[list[int], list[float]]]:
         config = EngineConfig(model=str(family.model_dir), device="cpu", dtype="float32",
                               block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
-                              enable_prefix_caching=True,
-                              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                              enable_prefix_caching=True)  # fmt: skip
         engine = Engine(config)
         refs = {n: engine.register_lora(n, family.adapters[n], "t") for n in ("r16", "r4")}
         outs = engine.generate(batch, params, [refs["r16"], refs["r16"], None, refs["r4"]])
