@@ -280,9 +280,10 @@ def test_paged_attention_forced_to_triton_writes_an_fp8_cache_and_matches_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     b = _fp8(_batch(MIXED, 8, 2, 16, 4, torch.float16, seed=3), 0.25, 0.125)
-    ref = dataclasses.replace(b, k_cache=b.k_cache.clone(), v_cache=b.v_cache.clone())
-    want = attention.paged_attention(ref.q, ref.k, ref.v, ref.k_cache, ref.v_cache, ref.meta(),
-                                     0.25, 5, None, 0.25, 0.125)  # fmt: skip
+    cpu = {name: getattr(b, name).cpu().clone() for name in ("q", "k", "v", "k_cache", "v_cache")}
+    ref = dataclasses.replace(b, **cpu)  # the torch path (on the CPU: "auto" is torch there)
+    want = attention.paged_attention(ref.q, ref.k, ref.v, ref.k_cache, ref.v_cache,
+                                     ref.meta("cpu"), 0.25, 5, None, 0.25, 0.125)  # fmt: skip
     monkeypatch.setenv(attention.ENV, "triton")
     got = attention.paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta(), 0.25, 5,
                                     None, 0.25, 0.125)  # fmt: skip
@@ -290,7 +291,7 @@ def test_paged_attention_forced_to_triton_writes_an_fp8_cache_and_matches_torch(
     slots = b.meta().slot_mapping
     stored = b.k_cache.flatten(0, 1)[slots].float() * 0.25
     assert torch.equal(stored, kv_quant.quantize(b.k, 0.25).float() * 0.25)
-    assert torch.equal(b.k_cache.view(torch.uint8), ref.k_cache.view(torch.uint8))
+    assert torch.equal(b.k_cache.cpu().view(torch.uint8), ref.k_cache.view(torch.uint8))
 
 
 def test_bf16_in_the_interpreter_computes_products_in_fp32() -> None:
