@@ -21,6 +21,9 @@ of the H200's 4.8 TB/s; speedup over torch; the largest |triton - torch| (bf16).
 a small sweep of kernel configs (tile, splits, warps, stages) gives the best time and its
 config, to tune `default_config` from.
 Goals at decode64: triton >= 60% of HBM bandwidth, and faster than the torch path.
+FP8 KV cache (--kv-cache-dtype fp8, kv_quant.py), at decode64 without goals yet: the kernel over
+the same K/V in float8 e4m3 (scales 0.5; half the cache bytes to read), its time, GB/s (of the
+bytes it moves), speedup over the bf16 cache, and its largest |triton - torch| over that cache.
 Run: python benchmarks/attention_gpu.py (exits 0 with a message when there is no CUDA device)
 (--smoke: 4-sequence shapes, 2 timed rounds, one sweep entry; --device cpu: the smoke shapes
 in fp32 through Triton's interpreter, to check the script itself on a machine without CUDA)
@@ -29,6 +32,7 @@ in fp32 through Triton's interpreter, to check the script itself on a machine wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import random
@@ -43,6 +47,7 @@ from _common import add_smoke_flag, cuda_time_us, goal, report
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PEAK_GBPS = 4800.0  # H200 HBM3e
+FP8_SCALE = 0.5  # the FP8 variant's K and V scale (any scale costs the kernel the same)
 # name -> (rows: (q_len, context_len) per sequence, sliding window)
 Shape = tuple[list[tuple[int, int]], int | None]
 SHAPES: dict[str, Shape] = {
@@ -79,6 +84,7 @@ class Case:
     meta: Any  # AttentionMetadata
     window: int | None
     useful_bytes: int
+    kv_elements: int  # K and V values attention reads (the cache's share of useful_bytes)
 
 
 def build(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Case:
@@ -110,27 +116,43 @@ def build(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0)
         meta=meta,
         window=window,
         useful_bytes=useful,
+        kv_elements=kv_read * KV_HEADS * HEAD_DIM * 2,
     )
 
 
-def torch_path(case: Case) -> Callable[[], torch.Tensor]:
+def fp8_case(case: Case) -> Case:
+    """The same case over an FP8 cache (K and V quantized with scale FP8_SCALE)."""
+    from loraplane.dataplane import kv_quant
+
+    k8 = kv_quant.quantize(case.k_cache, FP8_SCALE)
+    v8 = kv_quant.quantize(case.v_cache, FP8_SCALE)
+    saved = case.kv_elements * (case.k_cache.element_size() - 1)
+    return dataclasses.replace(case, k_cache=k8, v_cache=v8,
+                               useful_bytes=case.useful_bytes - saved)  # fmt: skip
+
+
+def torch_path(case: Case, kv_scale: float = 1.0) -> Callable[[], torch.Tensor]:
     from loraplane.dataplane.attention import torch_attention
 
     def run() -> torch.Tensor:
         return torch_attention(
-            case.q, case.k_cache, case.v_cache, case.meta, HEAD_DIM**-0.5, case.window
-        )
+            case.q, case.k_cache, case.v_cache, case.meta, HEAD_DIM**-0.5, case.window,
+            None, kv_scale, kv_scale,
+        )  # fmt: skip
 
     return run
 
 
-def triton_path(case: Case, config: Any = None) -> Callable[[], torch.Tensor]:
+def triton_path(
+    case: Case, config: Any = None, kv_scale: float = 1.0
+) -> Callable[[], torch.Tensor]:
     from loraplane.dataplane.kernels import attention_triton
 
     def run() -> torch.Tensor:
         return attention_triton.paged_attention(
-            case.q, case.k_cache, case.v_cache, case.meta, HEAD_DIM**-0.5, case.window, config
-        )
+            case.q, case.k_cache, case.v_cache, case.meta, HEAD_DIM**-0.5, case.window, config,
+            None, kv_scale, kv_scale,
+        )  # fmt: skip
 
     return run
 
@@ -169,6 +191,22 @@ def sweep(case: Case, iters: int, smoke: bool, device: torch.device) -> dict[str
         "decode64.sweep_best.num_splits": splits,
         "decode64.sweep_best.num_warps": warps,
         "decode64.sweep_best.num_stages": stages,
+    }
+
+
+def fp8_figures(case: Case, bf16_us: float, iters: int, device: torch.device) -> dict[str, float]:
+    """The kernel over an FP8 cache holding the same K/V: time, bandwidth, speedup, error."""
+    fp8 = fp8_case(case)
+    want, got = torch_path(fp8, FP8_SCALE)(), triton_path(fp8, None, FP8_SCALE)()
+    us = time_us(triton_path(fp8, None, FP8_SCALE), iters, device.type == "cuda", device)
+    gbps = fp8.useful_bytes / us / 1e3
+    print(f"  {'decode64':<13} {'triton_fp8':<13} {us:10.1f} us  {gbps:8.0f} GB/s")
+    return {
+        "decode64.triton_fp8.us": us,
+        "decode64.triton_fp8.GBps": gbps,
+        "decode64.triton_fp8.bw_share": gbps / PEAK_GBPS,
+        "decode64.fp8_speedup_vs_bf16_cache": bf16_us / us,
+        "decode64.fp8_max_abs_diff_vs_torch": float((got - want).abs().max()),
     }
 
 
@@ -218,6 +256,7 @@ def main() -> int:
             goals.append(goal(figures, "decode64.triton.bw_share", ">=", 0.6))
             goals.append(goal(figures, "decode64.speedup_vs_torch", ">=", 1.0))
             goals.append(goal(figures, "decode64.max_abs_diff_vs_torch", "<=", 0.05))
+            figures.update(fp8_figures(case, timings["triton"], iters, device))
         del case
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -5,7 +5,9 @@ sequence's queries are the LAST q_len positions of its context: a prefill chunk,
 token, or the uncached tail of a prompt whose prefix is already in the cache. Keys and values
 live in a paged cache, `[num_blocks, block_size, num_kv_heads, head_dim]` per layer, addressed
 through each sequence's block table. This module is the one place attention is computed, so a
-fused kernel can replace `paged_attention` without touching the model.
+fused kernel can replace `paged_attention` without touching the model. An FP8 cache
+(kv_quant.py) stores K / k_scale and V / v_scale in float8 e4m3 and is read back times the
+scales, in the queries' dtype.
 
 `LORAPLANE_ATTENTION` picks the implementation (read at each call, so tests can set it): `auto`
 (the default: the Triton kernel `kernels/attention_triton.py` on CUDA, the torch path here on
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from loraplane.dataplane import kv_quant
 from loraplane.dataplane.attention_metadata import AttentionMetadata, check_options
 from loraplane.dataplane.kernels.backends import choose
 
@@ -44,11 +47,19 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """k_cache.flat[slot_mapping[t]] = k[t] (and v), for every new token t."""
+    """k_cache.flat[slot_mapping[t]] = k[t] (and v), for every new token t; into an FP8 cache
+    kv_quant.quantize(k[t], k_scale) (and v with v_scale)."""
     slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(-1, *cache.shape[2:])
+        if kv_quant.is_fp8(cache):  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+            quantized = kv_quant.quantize(x, scale).view(torch.uint8)
+            flat.view(torch.uint8).index_copy_(0, slots, quantized)
+        else:
+            flat.index_copy_(0, slots, x.to(cache.dtype))
 
 
 def _mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -78,26 +89,31 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal grouped-query attention through the paged cache.
 
-    write_kv(k, v) at meta.slot_mapping
+    write_kv(k, v) at meta.slot_mapping (an FP8 cache: k / k_scale and v / v_scale, in e4m3)
     for each sequence i with queries q[s:e] and context length c:
-        K, V = cache rows of block_tables[i] for positions 0..c-1
+        K, V = cache rows of block_tables[i] for positions 0..c-1 (FP8: times k_scale, v_scale)
         S = q K^T * scale;  S = softcap * tanh(S / softcap) when softcap is set (Gemma 2)
         out[s:e] = softmax(S + causal/sliding mask) V, queries at positions c-(e-s)..c-1
     A sliding window w lets the query at position p see keys p-w+1..p only (Mistral, Gemma).
     The attention itself runs in the Triton kernel or in `torch_attention`, as `backend(q)` says.
     """
     check_options(sliding_window, softcap)
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     if backend(q) == "triton":
         from loraplane.dataplane.kernels import attention_triton
 
         return attention_triton.paged_attention(
-            q, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap
-        )
-    return torch_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+            q, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    return torch_attention(
+        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
+    )
 
 
 def _attend(
@@ -138,15 +154,19 @@ def torch_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """`paged_attention` after its write_kv, in torch: the CPU path and the Triton kernel's
-    oracle. Single-token queries share one padded gather + SDPA; others get an SDPA each."""
+    oracle. Single-token queries share one padded gather + SDPA; others get an SDPA each. The
+    gathered rows of an FP8 cache are dequantized (kv_quant.dequantize) to q's dtype."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
     decodes = [i for i in range(len(ctx_lens)) if cu[i + 1] - cu[i] == 1]
     if len(decodes) > 1:  # one batched call for all single-token queries
-        _decode_attention(q, k_cache, v_cache, meta, decodes, out, scale, sliding_window, softcap)
+        _decode_attention(q, k_cache, v_cache, meta, decodes, out, scale, sliding_window, softcap,
+                          (k_scale, v_scale))  # fmt: skip
     batched = set(decodes) if len(decodes) > 1 else set()
     for i, ctx in enumerate(ctx_lens):
         if i in batched:
@@ -158,7 +178,9 @@ def torch_attention(
         values = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
         queries = q[start:end].transpose(0, 1)  # [heads, q_len, head_dim]
         mask = _mask(end - start, ctx, sliding_window, q.device)
-        attended = _attend(queries, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap)
+        keys = kv_quant.dequantize(keys, k_scale, q.dtype)
+        values = kv_quant.dequantize(values, v_scale, q.dtype)
+        attended = _attend(queries, keys, values, mask, scale, softcap)
         out[start:end] = attended.transpose(0, 1)
     return out
 
@@ -173,6 +195,7 @@ def _decode_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Attention of many one-token queries in one call: their contexts are gathered from the
     cache into a padded [B, max_ctx] batch and the padding is masked out."""
@@ -191,7 +214,9 @@ def _decode_attention(
     allowed = positions < ctx  # [B, width*bs]
     if sliding_window is not None:
         allowed &= positions > ctx - 1 - sliding_window
+    keys = kv_quant.dequantize(keys, kv_scales[0], q.dtype)
+    values = kv_quant.dequantize(values, kv_scales[1], q.dtype)
     attended = _attend(
-        queries, keys.to(q.dtype), values.to(q.dtype), allowed[:, None, None, :], scale, softcap
+        queries, keys, values, allowed[:, None, None, :], scale, softcap
     )  # [B, heads, 1, head_dim]
     out[rows] = attended.squeeze(2)

@@ -18,6 +18,7 @@ Device = Literal["cpu", "cuda"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)  # models/quant.py's, kept here without torch
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")  # kv_quant.py's, kept here without torch
 # Device memory for adapter slots, by default: a tenth of what the weights leave free. On a
 # 24 GiB CPU host that is ~2 GiB: ~1,300 rank-16 q/v adapters of a 1B model, or ~25 rank-16
 # all-module adapters of an 8B one in bf16 (docs/dataplane.md, "Sizing the adapter memory").
@@ -92,6 +93,10 @@ class EngineConfig:
     # processes (one per device) the model is split over (parallel/): its attention heads,
     # MLP columns and vocabulary, and every adapter's slices; 1: one process
     tensor_parallel_size: int = 1
+    # the KV cache's element type: "auto", the model's dtype; "fp8", float8 e4m3 with a scale
+    # per layer for K and for V (the checkpoint's, else 1.0; kv_quant.py): half the bytes of
+    # bf16 per cached token, so twice the blocks in the same memory
+    kv_cache_dtype: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -143,6 +148,11 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got"
+                f" {self.kv_cache_dtype!r}"
             )
         for name in (
             "enable_prefix_caching",

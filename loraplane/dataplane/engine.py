@@ -26,6 +26,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplane.dataplane import kv_quant
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import Capture
@@ -139,7 +140,9 @@ class Engine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         if config.kv_lora_shared:  # adapters in KV blocks: idle ones make room for sequences
-            arena = KVArena(self.runner.kv_cache, self.block_manager)
+            # an FP8 cache's bytes viewed in the adapters' dtype
+            kv_bytes = kv_quant.storage_view(self.runner.kv_cache, self.runner.dtype)
+            arena = KVArena(kv_bytes, self.block_manager)
             self.runner.pool.attach_arena(arena)
             self.block_manager.reclaim = self._reclaim
         self.scheduler = Scheduler(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane import kv_quant
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import DecodeGraphs
 from loraplane.dataplane.host_copy import HostCopy, to_device
@@ -82,6 +83,7 @@ def build_model(
     `comm`, the vocabulary-parallel embedding and head and the row-parallel sums."""
     dtype = TORCH_DTYPES[config.dtype]
     model = load_model(config.model, dtype, device, config.quantization, shard)
+    model.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype, device)
     spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
     part = spec if shard is None else local_spec(spec, shard)
     pool = LoRAPool(config.lora_slots, part, dtype, device)

@@ -273,6 +273,14 @@ def pool_schema() -> Schema:
                 " adapter's slices; the pod asks for that many GPUs on cuda. Llama, Mistral,"
                 " Qwen2 and Qwen3 bases; unset: 1",
             },
+            "kvCacheDtype": {
+                "type": "string",
+                "enum": list(s.KV_CACHE_DTYPES),
+                "description": "the KV cache's element type (--kv-cache-dtype): fp8, float8 e4m3"
+                " with the checkpoint's per-layer K/V scales (else 1.0), twice the tokens of bf16"
+                " in the same memory (CUDA: compute capability 8.9+); auto or unset: the model's"
+                " dtype",
+            },
             "cudaGraphs": {
                 "type": "boolean",
                 "description": "decode steps replay CUDA graphs (--cuda-graphs /"

@@ -78,6 +78,7 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
             if spec.tensor_parallel_size == 1
             else ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
         ),
+        *([] if spec.kv_cache_dtype is None else ["--kv-cache-dtype", spec.kv_cache_dtype]),
         "--host",
         "0.0.0.0",  # noqa: S104 - a pod serves on its own address
         "--port",

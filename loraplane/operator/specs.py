@@ -66,6 +66,8 @@ MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one node
 GPU_RESOURCE = "nvidia.com/gpu"
 # the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/shard.py)
 TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# what `loraplane serve --kv-cache-dtype` takes (config.KV_CACHE_DTYPES, checked the same way)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
 
 class SpecError(ValueError):
@@ -212,6 +214,7 @@ class PoolSpec:
     cuda_graphs: bool | None  # None: the data plane's default (on for cuda)
     quantization: str | None  # "fp8": the base quantized at load (--quantization)
     tensor_parallel_size: int  # processes (GPUs) each replica splits the base over
+    kv_cache_dtype: str | None  # "fp8": the KV cache in float8 e4m3 (--kv-cache-dtype)
     autoscaling: Autoscaling
     routing: Routing
     service_token: SecretKeyRef | None
@@ -263,6 +266,12 @@ class PoolSpec:
             raise SpecError("spec.tensorParallelSize > 1 with spec.quantization is not served yet")
         if tp > 1 and cuda_graphs:
             raise SpecError("spec.cudaGraphs is not supported with spec.tensorParallelSize > 1 yet")
+        kv_cache_dtype = spec.get("kvCacheDtype")
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SpecError(
+                f"spec.kvCacheDtype must be one of {', '.join(KV_CACHE_DTYPES)}, got"
+                f" {kv_cache_dtype!r}"
+            )
         claim = base.get("volumeClaim")
         store_claim = spec.get("storeVolumeClaim")
         return cls(
@@ -281,6 +290,7 @@ class PoolSpec:
             cuda_graphs=cuda_graphs,
             quantization=quantization,
             tensor_parallel_size=tp,
+            kv_cache_dtype=kv_cache_dtype,
             autoscaling=Autoscaling(
                 enabled=bool(scaling.get("enabled", True)),
                 mode=_enum(scaling, "mode", AUTOSCALING_MODES, DEFAULT_AUTOSCALING_MODE),

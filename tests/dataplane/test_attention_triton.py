@@ -2,13 +2,14 @@
 
 Mixed batches (decode rows, whole prompts, tails over cached prefixes, long sequences over many
 shuffled blocks, partial last blocks), GQA ratios 1 to 16 (and 3), head dims 8 to 256, sliding
-window on and off, tanh soft-capping on and off (Gemma 2), split-KV, fp32 and fp16; then the
-model and the engine with the kernel forced (`LORAPLANE_ATTENTION=triton`) against the torch
-path. Without CUDA the kernel runs in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1`,
-set here before Triton is imported); bf16 is checked compiled on a GPU (the interpreter's bf16
-`tl.dot` is wrong: the launcher computes bf16 products in fp32 there). With CUDA and
-TRITON_INTERPRET unset, the same tests run the compiled kernel on CUDA tensors. Shapes stay
-small: the interpreter is slow.
+window on and off, tanh soft-capping on and off (Gemma 2), split-KV, fp32 and fp16; FP8 caches
+(kv_quant.py) read by fp16 and bf16 queries with their K/V scales; then the model and the
+engine with the kernel forced (`LORAPLANE_ATTENTION=triton`) against the torch path. Without
+CUDA the kernel runs in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1`, set here
+before Triton is imported); bf16 is checked compiled on a GPU (the interpreter's bf16 `tl.dot`
+is wrong: the launcher computes bf16 products in fp32 there). With CUDA and TRITON_INTERPRET
+unset, the same tests run the compiled kernel on CUDA tensors. Shapes stay small: the
+interpreter is slow.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
+import dataclasses  # noqa: E402
 import random  # noqa: E402
 import textwrap  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -34,7 +36,7 @@ if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from loraplane.dataplane import attention  # noqa: E402
+from loraplane.dataplane import attention, kv_quant  # noqa: E402
 from loraplane.dataplane.attention import AttentionMetadata, write_kv  # noqa: E402
 from loraplane.dataplane.config import EngineConfig  # noqa: E402
 from loraplane.dataplane.engine import Engine  # noqa: E402
@@ -241,6 +243,57 @@ def test_split_kv_decode_combines_partials_including_empty_splits(
     _assert_close(_triton(b, window, cfg), _expected(b, window), torch.float16)
 
 
+def _fp8(b: Batch, k_scale: float, v_scale: float) -> Batch:
+    """`b` over FP8 caches holding its earlier K/V quantized with these scales."""
+    k8, v8 = kv_quant.quantize(b.k_cache, k_scale), kv_quant.quantize(b.v_cache, v_scale)
+    return dataclasses.replace(b, k_cache=k8, v_cache=v8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("window", "softcap", "splits", "k_scale", "v_scale"),
+    [(None, None, 1, 1.0, 1.0), (5, None, 1, 0.02, 0.5), (None, 5.0, 1, 0.5, 0.02),
+     (None, None, 4, 0.02, 0.5)],
+    ids=["causal-s1", "window5", "softcap5", "split4"],
+)  # fmt: skip
+def test_fp8_cache_matches_the_torch_path(
+    k_scale: float, v_scale: float, dtype: torch.dtype, window: int | None,
+    softcap: float | None, splits: int,
+) -> None:  # fmt: skip
+    """The kernel loads fp8 tiles and dequantizes them as the torch path does (q's dtype);
+    the scales put the random K/V (|x| < ~5) at the fine (0.02) and the coarse end (1.0) of
+    e4m3's range."""
+    rows = DECODE if splits > 1 else MIXED
+    b = _fp8(_batch(rows, 8, 2, 32, 4, dtype, seed=int(1 / k_scale)), k_scale, v_scale)
+    meta = b.meta()
+    write_kv(b.k, b.v, b.k_cache, b.v_cache, meta.slot_mapping, k_scale, v_scale)
+    config = at.AttentionConfig(block_m=16, tile_n=16, num_splits=splits)
+    got = at.paged_attention(b.q, b.k_cache, b.v_cache, meta, 32**-0.5, window, config,
+                             softcap, k_scale, v_scale)  # fmt: skip
+    want = attention.torch_attention(b.q.float().cpu(), b.k_cache.cpu(), b.v_cache.cpu(),
+                                     b.meta("cpu"), 32**-0.5, window, softcap, k_scale,
+                                     v_scale)  # fmt: skip
+    _assert_close(got, want, dtype)
+
+
+def test_paged_attention_forced_to_triton_writes_an_fp8_cache_and_matches_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    b = _fp8(_batch(MIXED, 8, 2, 16, 4, torch.float16, seed=3), 0.25, 0.125)
+    cpu = {name: getattr(b, name).cpu().clone() for name in ("q", "k", "v", "k_cache", "v_cache")}
+    ref = dataclasses.replace(b, **cpu)  # the torch path (on the CPU: "auto" is torch there)
+    want = attention.paged_attention(ref.q, ref.k, ref.v, ref.k_cache, ref.v_cache,
+                                     ref.meta("cpu"), 0.25, 5, None, 0.25, 0.125)  # fmt: skip
+    monkeypatch.setenv(attention.ENV, "triton")
+    got = attention.paged_attention(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta(), 0.25, 5,
+                                    None, 0.25, 0.125)  # fmt: skip
+    _assert_close(got, want.float(), torch.float16)
+    slots = b.meta().slot_mapping
+    stored = b.k_cache.flatten(0, 1)[slots].float() * 0.25
+    assert torch.equal(stored, kv_quant.quantize(b.k, 0.25).float() * 0.25)
+    assert torch.equal(b.k_cache.cpu().view(torch.uint8), ref.k_cache.view(torch.uint8))
+
+
 def test_bf16_in_the_interpreter_computes_products_in_fp32() -> None:
     if not INTERPRETED:
         pytest.skip("interpreter only: the compiled bf16 path is test_bf16_on_gpu_...")
@@ -279,6 +332,8 @@ def _bad(change: str) -> dict[str, Any]:
         args["q"] = b.q.to(torch.int32)
     elif change == "cache-dtype":
         args["v_cache"] = b.v_cache.half()
+    elif change == "fp8-v-only":
+        args["v_cache"] = b.v_cache.to(kv_quant.FP8)
     elif change == "cache-shape":
         args["v_cache"] = b.v_cache[:-1]
     elif change == "head-dim":
@@ -303,6 +358,7 @@ def _bad(change: str) -> dict[str, Any]:
         ("q-2d", "q must be"),
         ("q-int", "q is torch.int32"),
         ("cache-dtype", "v_cache is torch.float16"),
+        ("fp8-v-only", "v_cache is torch.float8_e4m3fn; k_cache is torch.float32"),
         ("cache-shape", "v_cache"),
         ("head-dim", "head_dim"),
         ("heads", "not a multiple"),
@@ -424,7 +480,8 @@ def test_gemma_logits_with_triton_attention_equal_the_torch_path(
 def test_engine_with_triton_attention_generates_the_torch_paths_tokens_and_logprobs(
     families: dict[str, Family], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunked prefill (16-token budget), prefix caching and adapters, through the engine."""
+    """Chunked prefill (16-token budget), prefix caching and adapters, through the engine (over
+    an FP8 cache: test_cuda_graphs.py, decode steps replayed)."""
     if not INTERPRETED:
         pytest.skip("the engine check runs the tiny model on CPU through the interpreter")
     family = families["llama"]
@@ -470,9 +527,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for dt, precision in (("*bf16", "tf32"), ("*fp16", "tf32"), ("*fp32", "ieee")):
         types = {"out_ptr": dt, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "q_ptr": dt,
                  "k_ptr": dt, "v_ptr": dt, "tables_ptr": "*i32", "cu_ptr": "*i32",
-                 "ctx_ptr": "*i32", "scale": "fp32"}
+                 "ctx_ptr": "*i32", "scale": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
         consts = {"GROUP": 4, "HEAD_DIM": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16, "TILE_N": 64,
-                  "DOT_FP32": False, "PRECISION": precision, "SOFTCAP": 0.0}
+                  "DOT_FP32": False, "PRECISION": precision, "SOFTCAP": 0.0, "KV_FP8": False}
         # decode at Llama-3-8B's heads: split-KV, num_seqs specialised to 1
         decode = {"BLOCK_M": 16, "WINDOW": 0, "NUM_SPLITS": 4, "num_seqs": 1}
         compile(at._attention_kernel, types, {**consts, **decode})
@@ -489,6 +546,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
             out = compile(at._attention_kernel, types, gemma)
             assert out.metadata.shared <= 227 * 1024, out.metadata.shared  # an H100's SM
             count += 3
+            # an FP8 cache read by bf16 queries: decode (split-KV) and prefill
+            fp8 = {**types, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}
+            compile(at._attention_kernel, fp8, {**consts, **decode, "KV_FP8": True})
+            compile(at._attention_kernel, fp8, {**consts, **prefill, "KV_FP8": True})
+            count += 2
     print("compiled", count)
     """
 )
@@ -496,7 +558,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_kernels_compile_to_sm90_cubin_in_every_dtype_without_a_gpu() -> None:
     """The interpreter does not lower kernels; compile them for an H100/H200 target here."""
-    assert "compiled 6" in compile_without_gpu(_COMPILE_SCRIPT, timeout=300)
+    assert "compiled 8" in compile_without_gpu(_COMPILE_SCRIPT, timeout=300)
 
 
 @pytest.mark.gpu

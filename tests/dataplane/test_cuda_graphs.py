@@ -121,6 +121,29 @@ def test_replayed_decode_steps_generate_the_eager_engines_tokens_and_logprobs(
     assert graphs.replays >= max(MAX_TOKENS) - 1 and graphs.fallbacks == 0
 
 
+def test_replayed_decode_steps_over_an_fp8_cache_holding_the_adapters_match_the_torch_path(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], triton_paths: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The FP8 KV cache (kv_quant.py) with the adapters inside its blocks (viewed as fp32), as
+    the CUDA defaults would run it: the replayed steps (Triton attention over fp8) give the
+    eager FP8 engine's output on the torch paths."""
+    names = ["r16", None, None, "r16", None]
+    fp8 = {"kv_cache_dtype": "fp8", "kv_lora_shared": True, "lora_memory": 1 << 20}
+    monkeypatch.setenv(attention.ENV, "torch")
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    want = _generate(_engine(tiny_llama_dir, **fp8), peft_adapters, names)
+    monkeypatch.setenv(attention.ENV, "triton")
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    engine = _engine(tiny_llama_dir, **fp8)
+    assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None
+    _same(_generate(engine, peft_adapters, names), want)
+    assert graphs.replays >= max(MAX_TOKENS) - 1 and graphs.fallbacks == 0
+
+
 def test_replayed_gemma2_decode_steps_generate_the_eager_engines_tokens_and_logprobs(
     gemma_families: dict[str, Family],  # noqa: F811 - the imported fixture
     triton_paths: None,

@@ -419,3 +419,17 @@ def test_pool_tensor_parallel_size_reaches_serve_with_its_gpus_and_bad_layouts_a
         specs.check_tensor_parallel(8, llama)
     with pytest.raises(SpecError, match="model_type 'gemma3_text' is not split yet"):
         specs.check_tensor_parallel(2, BaseModelSpec("g", "gemma3_text", 2, 64, 96, 8, 2, 8))
+
+
+def test_pool_kv_cache_dtype_reaches_serve_and_an_unknown_one_is_refused() -> None:
+    from loraplane.dataplane.config import KV_CACHE_DTYPES
+
+    assert specs.KV_CACHE_DTYPES == KV_CACHE_DTYPES  # what serve --kv-cache-dtype takes
+    assert "--kv-cache-dtype" not in manifests.serve_args(PoolSpec.parse(POOL), "http://cp:8080")
+    pool = PoolSpec.parse({**POOL, "kvCacheDtype": "fp8"})
+    args = manifests.serve_args(pool, "http://cp:8080")
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    crd_spec = crds.pool_schema()["properties"]["spec"]["properties"]
+    assert crd_spec["kvCacheDtype"]["enum"] == ["auto", "fp8"]
+    with pytest.raises(SpecError, match=r"spec\.kvCacheDtype must be one of auto, fp8, got 'int8'"):
+        PoolSpec.parse({**POOL, "kvCacheDtype": "int8"})

@@ -5,7 +5,9 @@ Same meaning as `attention.torch_attention` (the CPU path and the test oracle): 
 i's q_len queries are the last q_len positions of its context, its keys and values live in the
 paged cache `[num_blocks, block_size, num_kv_heads, head_dim]` at the blocks of its block
 table, and attention is causal (plus an optional sliding window and an optional tanh
-soft-cap of the scores, Gemma 2's) and grouped-query.
+soft-cap of the scores, Gemma 2's) and grouped-query. An FP8 cache (kv_quant.py) is read as
+fp8 tiles dequantized on load: times k_scale / v_scale in fp32, rounded to q's dtype, as the torch
+path dequantizes the rows it gathers.
 
 Grid and tiling (G = num_heads // num_kv_heads query heads per KV head):
 - (q block, kv head, kv split). A q block is BLOCK_Q = BLOCK_M // G consecutive queries of one
@@ -34,6 +36,7 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane import kv_quant
 from loraplane.dataplane.attention_metadata import AttentionMetadata, check_options
 
 __all__ = ["AttentionConfig", "default_config", "paged_attention"]
@@ -125,12 +128,14 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_PAD] fp32, unnormalised (NUM_SPLITS > 1)
     part_ml_ptr,  # [T, H, NUM_SPLITS, 2] fp32: running max (base 2) and sum
     q_ptr,  # [T, H, D]
-    k_ptr,  # [num_blocks, block_size, KV, D]
+    k_ptr,  # [num_blocks, block_size, KV, D], q's dtype or fp8 e4m3 (KV_FP8)
     v_ptr,  # [num_blocks, block_size, KV, D]
     tables_ptr,  # [B, max_blocks] int
     cu_ptr,  # [B + 1] int
     ctx_ptr,  # [B] int
     scale,  # fp32: softmax scale * log2(e); without SOFTCAP, scale / softcap with it
+    k_scale,  # fp32: an FP8 cache's K dequantization scale (KV_FP8; else not read)
+    v_scale,  # fp32: its V scale
     num_seqs,
     stride_qt,
     stride_qh,
@@ -154,6 +159,7 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # compute the products in fp32 (bf16 under the interpreter)
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds fp8 e4m3: dequantize each tile on load
 ):
     block_q: tl.constexpr = BLOCK_M // GROUP  # queries per program
     q_block = tl.program_id(0)
@@ -216,6 +222,9 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
             mask=k_mask[:, None] & d_mask[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_PAD]
+        if KV_FP8:  # as kv_quant.dequantize: the product in fp32, rounded to q's dtype
+            k_t = (k_t.to(tl.float32) * k_scale).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale).to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
@@ -308,10 +317,12 @@ def _check(
                 f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim] with unit "
                 f"last stride, got {tuple(cache.shape)}"
             )
-        if cache.dtype != q.dtype:
-            raise ValueError(f"{name} is {cache.dtype}; q is {q.dtype}")
+        if cache.dtype != q.dtype and not kv_quant.is_fp8(cache):
+            raise ValueError(f"{name} is {cache.dtype}; q is {q.dtype} (or an fp8 e4m3 cache)")
         if cache.device != q.device:
             raise ValueError(f"{name} is on {cache.device}; q is on {q.device}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache is {v_cache.dtype}; k_cache is {k_cache.dtype}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     if k_cache.shape[3] != q.shape[2]:
@@ -346,16 +357,19 @@ def paged_attention(
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, num_heads, head_dim], q's dtype
     """Causal grouped-query attention of a flat varlen batch through the paged cache.
 
     Semantics (those of the torch path `attention.torch_attention(q, k_cache, v_cache, meta,
-    scale, sliding_window, softcap)`, the test oracle):
+    scale, sliding_window, softcap, k_scale, v_scale)`, the test oracle):
         G = num_heads // num_kv_heads
         for each sequence i, queries q[s:e] with s, e = cu_seqlens_q[i], cu_seqlens_q[i+1],
                 context c = context_lens[i]:
             K, V = the cache rows of positions 0..c-1 (position j: block
-                   block_tables[i, j // block_size], offset j % block_size)
+                   block_tables[i, j // block_size], offset j % block_size); an fp8 cache's
+                   as (K8.float() * k_scale).to(q.dtype), V with v_scale
             for query t in s..e-1 at position p = c - (e - s) + (t - s), head h:
                 allowed j: j <= p, and j > p - sliding_window when a window is set
                 s_j = scale * q[t, h] . K[j, h // G]
@@ -392,7 +406,8 @@ def paged_attention(
     _attention_kernel[grid](
         out, part_acc, part_ml, q, k_cache, v_cache,
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-        scale / softcap if softcap else scale * _LOG2E, meta.num_seqs,
+        scale / softcap if softcap else scale * _LOG2E, float(k_scale), float(v_scale),
+        meta.num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -402,7 +417,7 @@ def paged_attention(
         SOFTCAP=float(softcap * _LOG2E) if softcap else 0.0,
         NUM_SPLITS=splits, DOT_FP32=interpreted_bf16,
         PRECISION="ieee" if q.dtype == torch.float32 or interpreted_bf16 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_quant.is_fp8(k_cache), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(tokens, num_heads)](

@@ -281,6 +281,7 @@ class GemmaAttention(nn.Module):
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (the checkpoint's, if any)
 
     def forward(
         self,
@@ -300,7 +301,7 @@ class GemmaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(
             q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window,
-            self.softcap,
+            self.softcap, self.k_scale, self.v_scale,
         )  # fmt: skip
         projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
         return projected

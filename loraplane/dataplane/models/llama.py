@@ -67,6 +67,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
         self.v_cache: torch.Tensor | None = None
+        self.k_scale = self.v_scale = 1.0  # an FP8 cache's scales (the checkpoint's, if any)
 
     def forward(
         self,
@@ -90,8 +91,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window
-        )
+            q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
         projected: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
         return projected
 
@@ -175,6 +177,10 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits` on the rows it samples from.
     """
 
+    # the cache's element type (set before allocate_kv_cache: kv_quant.cache_dtype); None:
+    # the weights' dtype
+    kv_cache_dtype: torch.dtype | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -188,11 +194,12 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_block_bytes(self, block_size: int) -> int:
         """Bytes one cache block takes across all layers (K and V), for sizing num_blocks."""
         c = self.config
-        itemsize = self.lm_head.weight.element_size()
+        itemsize = (self.kv_cache_dtype or self.lm_head.weight.dtype).itemsize
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate per-layer K and V caches, each [num_blocks, block_size, kv_heads, head_dim]."""
+        """Allocate per-layer K and V caches, each [num_blocks, block_size, kv_heads, head_dim],
+        in `kv_cache_dtype` (default: the weights')."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1"
@@ -203,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = None
         shape = (2, c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        dtype = self.kv_cache_dtype or weight.dtype
+        cache = torch.zeros(shape, dtype=dtype, device=weight.device)
         for i, layer in enumerate(layers):
             layer.self_attn.k_cache = cache[0, i]
             layer.self_attn.v_cache = cache[1, i]

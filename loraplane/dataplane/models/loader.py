@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from loraplane import fileaccess
 from loraplane.adapters import base_model
+from loraplane.dataplane import kv_quant
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.models import quant, w4_formats
 from loraplane.dataplane.models.config import (
@@ -189,6 +190,7 @@ def load_model(
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
         int4 = {} if w4 is None else w4_formats.replace_projections(model, w4, dtype)
     state: dict[str, torch.Tensor] = {}
+    kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v" | "kv") -> an FP8 KV scale
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
     # cast there: host memory never holds a shard, nor a full-precision copy of the model
     where = str(device) if device.type == "cuda" else "cpu"
@@ -203,6 +205,9 @@ def load_model(
                     continue  # an image-text Gemma 3's vision tower: only its text is served
                 if config.tie_word_embeddings and target == "lm_head.weight":
                     continue  # tied: the embedding matrix is the output projection
+                if (kv := kv_quant.scale_target(target)) is not None:
+                    kv_scales[kv] = kv_quant.scale_value(name, f.get_tensor(name))
+                    continue  # per tensor: the same on every tensor-parallel rank
                 layer = int4.get(target.rpartition(".")[0])
                 if layer is not None and w4 is not None:
                     _load_w4(state, target, f.get_tensor(name), layer, w4, device, dtype)
@@ -223,6 +228,9 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.config = dataclasses.replace(model.config, vocab_size=config.vocab_size)
+    layer_scales = kv_quant.read_scales(kv_scales, config.num_layers)
+    for decoder, (k_scale, v_scale) in zip(model.model.decoder_layers, layer_scales, strict=True):
+        decoder.self_attn.k_scale, decoder.self_attn.v_scale = k_scale, v_scale
     for module in model.modules():  # cos/sin tables: computed on the CPU, not in the file
         if isinstance(module, RotaryEmbedding):
             module.to(device)

@@ -67,6 +67,14 @@ def add_commands(subparsers: Any) -> None:
         " width. Llama, Mistral, Qwen2 and Qwen3 bases; default 1",
     )
     serve.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        help="the KV cache's element type: auto (default: the model's dtype) or fp8 (float8"
+        " e4m3, a scale per layer for K and for V read from the checkpoint, else 1.0): one byte"
+        " per cached value, so twice the tokens of bf16 in the same memory, at a small accuracy"
+        " cost; on CUDA it needs compute capability 8.9 (Ada, Hopper)",
+    )
+    serve.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -143,7 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
         k: getattr(args, k, None)
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
                   "max_lora_rank", "cuda_graphs", "engine_process", "quantization",
-                  "tensor_parallel_size",
+                  "tensor_parallel_size", "kv_cache_dtype",
                   "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
                   "metrics_port", "gateway_metrics_port", "api_metrics_adapters",
                   "controlplane_url", "usage_spool_dir",

@@ -55,6 +55,8 @@ class ServerSettings(BaseSettings):
     quantization: Literal["fp8"] | None = None
     # processes (one per GPU) the base model is split over; 1: one process
     tensor_parallel_size: int = Field(default=1, ge=1)
+    # "fp8": the KV cache in float8 e4m3 (kv_quant.py), twice the tokens in the same memory
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     device: Literal["cpu", "cuda"] = "cpu"
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -218,6 +220,7 @@ class ServerSettings(BaseSettings):
             cuda_graphs=self.cuda_graphs,
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             adapter_load_timeout_s=self.adapter_load_timeout_s,
         )
 
@@ -247,6 +250,8 @@ SETTINGS_HELP: dict[str, str] = {
     " checkpoint is; an FP8 compressed-tensors checkpoint loads as FP8)",
     "tensor_parallel_size": "processes the base model is split over, one per GPU (its heads,"
     " MLP columns, vocabulary and every adapter's slices; gloo between CPU processes)",
+    "kv_cache_dtype": "auto (the model's dtype) or fp8: the KV cache in float8 e4m3 with a"
+    " scale per layer for K and V (the checkpoint's, else 1.0), twice the tokens of bf16",
     "device": "cpu or cuda",
     "host": "address to listen on",
     "port": "port to listen on (the OpenAI API; its /metrics: vLLM's protocol gauges, no"

@@ -79,6 +79,22 @@ def test_settings_come_from_env_and_flags_override(monkeypatch: pytest.MonkeyPat
         ServerSettings.load()
 
 
+def test_kv_cache_dtype_flag_and_env_reach_the_engine_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "/m", "--kv-cache-dtype", "fp8"])
+    assert ServerSettings.load(model="/m", kv_cache_dtype=args.kv_cache_dtype).engine_config(
+    ).kv_cache_dtype == "fp8"  # fmt: skip
+    assert ServerSettings.load(model="/m").engine_config().kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-dtype", "int8"])
+    monkeypatch.setenv("LORAPLANE_KV_CACHE_DTYPE", "fp16")
+    with pytest.raises(SettingsError, match="LORAPLANE_KV_CACHE_DTYPE"):
+        ServerSettings.load(model="/m")
+
+
 def test_serve_has_design_section_9_flags() -> None:
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers())
