@@ -9,7 +9,7 @@ Figures:
 - tokens/s of 64 requests over 8 adapters vs transformers + PEFT generate(adapter_names=...)
   (goal: at least 3x)
 - the same 64 requests vs one batch per adapter, run one after another (goal: at least 5x)
-Run: .venv/bin/python benchmarks/engine_cpu.py [--gen-tokens N] [--skip-peft]
+Run: .venv/bin/python benchmarks/engine_cpu.py [--gen-tokens N] [--skip-peft] [--tp N]
 (--smoke: the same runs on a hidden-64, 2-layer model, 2 generated tokens)
 
 `--family qwen3|phi3|gemma3|gemma2` instead times the decode step of that family's config
@@ -19,6 +19,9 @@ the Llama's active MLP) with 8 rank-16 adapters on attention and the experts aga
 base with none (goal: at most 1.5x); written to results/engine_cpu_<family>.json. The two
 engines hold their batch of 64 at once and take their decode steps in turn, 24 each; a ratio
 is the median over the turns of the two steps' ratio (the step times: each one's median).
+
+`--tp N` times the decode step of the model split over N processes against one (benchmarks/
+_tp.py): the split step's time into communication, the step message and the rest.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 from _common import add_smoke_flag, goal, report
 from _families import FAMILIES, MOE, build_family, write_adapter
+from _tp import run_tp
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
@@ -240,8 +244,16 @@ def main() -> int:
         help="time this family's decode step against the same-shaped Llama's (an MoE family's"
         " with 8 adapters against its own with none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tp", type=int, metavar="N",
+        help="time the decode step split over N processes (tensor parallelism, gloo) against"
+        " one process, with the split step's communication, step message and compute",
+    )  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.tp:
+        figures = run_tp(args.tp, shape(args.smoke), prompts(NUM_SEQS, 1), 2 if args.smoke else 12)
+        return report(f"engine_cpu_tp{args.tp}", figures, [], smoke=args.smoke)
     if args.family in MOE:
         return run_moe(args.family, args.smoke)
     if args.family:

@@ -127,6 +127,8 @@ VARIANTS: dict[str, tuple[list[str], str, list[str]]] = {
                 ["mixtral_8_adapters_over_base"]),
     "qwen3_moe": (["engine_cpu.py", "--family", "qwen3_moe"], "engine_cpu_qwen3_moe",
                   ["qwen3_moe_8_adapters_over_base"]),
+    # no goal: the split step's figures (communication, step message, compute) only
+    "tp2": (["engine_cpu.py", "--tp", "2"], "engine_cpu_tp2", []),
     "tiers-qwen3": (["tiers.py", "--family", "qwen3"], "tiers_qwen3",
                     ["rank_exact_step_ratio", "zipf_over_eight_adapters",
                      "uniform_over_eight_adapters", "eight_auto_over_max8"]),

@@ -29,7 +29,10 @@ class Collectives:
 
     shard: TPShard
     control: Any  # the gloo group for step messages
-    comm_seconds: float = 0.0  # wall time in all-reduce and all-gather, summed (the benchmark's)
+    # wall time summed (what benchmarks/engine_cpu.py --tp splits a step into): in all-reduce
+    # and all-gather, waits for the slowest rank included; in rank 0's step broadcasts
+    comm_seconds: float = 0.0
+    message_seconds: float = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place."""
@@ -55,10 +58,12 @@ class Collectives:
     def broadcast(self, message: Any) -> Any:
         """Rank 0's `message`, on every rank (the others pass None)."""
         box = [message]
+        start = time.perf_counter()
         try:
             dist.broadcast_object_list(box, src=0, group=self.control)
         except RuntimeError as e:
             raise WorkerLost(f"a tensor-parallel rank failed to take a step: {e}") from e
+        self.message_seconds += time.perf_counter() - start
         return box[0]
 
 
