@@ -11,8 +11,9 @@ reference for every test is HF on the dequantized checkpoint. Activations are ne
 here (W8A16: a checkpoint's `input_scale` is read past), and LoRA, applied by the wrapper
 around this layer (lora/layers.py), reads the unquantized activations and keeps the adapters in
 the activation dtype: its delta does not depend on the base's format. The weight takes a byte
-per parameter on the device; the dequantization is the torch path, on CPU and CUDA alike (a
-scaled FP8 matmul on devices that have one is issue 31's CUDA path, not written yet).
+per parameter on the device. On CPU (and `LORAPLANE_FP8=torch`) each call dequantizes the
+weight and runs F.linear; on CUDA tensors the Triton W8A16 kernel of kernels/w8a16_triton.py
+scales the fp8 tiles inside the product and never writes the 16-bit weight.
 
 What a checkpoint may say (`quantization_config` in config.json), anything else refused by
 name: quant_method "compressed-tensors", format "float-quantized" or "naive-quantized", one
@@ -26,7 +27,9 @@ group scales, the same contract with the LoRA wrapper): `scheme_for` here leaves
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from loraplane.dataplane.kernels import backends
 from loraplane.dataplane.models.config import UnsupportedModelError
 
 FP8 = torch.float8_e4m3fn
@@ -47,6 +51,24 @@ PROJECTION = re.compile(
     r"(?:q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj)$"
 )
 _STRATEGIES = ("tensor", "channel")
+# the FP8 projections' compute path: auto (Triton's W8A16 kernel on CUDA tensors, the torch
+# dequantize path elsewhere), torch or triton; read when the layer is built
+FP8_ENV = "LORAPLANE_FP8"
+FP8_BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.cache
+def _has_fp8(device: torch.device) -> bool:
+    """Whether `auto` takes the kernel on this device: a CUDA GPU with FP8 conversions in
+    hardware (compute capability 8.9: Ada, Hopper and later); older ones keep the torch path."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _triton_linear() -> Callable[..., torch.Tensor]:
+    from loraplane.dataplane.kernels.w8a16_triton import w8a16_linear  # imports Triton
+
+    return w8a16_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +190,7 @@ class FP8Linear(nn.Linear):
         self.compute_dtype = compute_dtype
         if self.bias is not None:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype))
+        self.backend = backends.read_choice(FP8_ENV, FP8_BACKENDS)  # once, not per call
 
     def reset_parameters(self) -> None:  # built on the meta device, loaded from the file
         pass
@@ -177,6 +200,10 @@ class FP8Linear(nn.Linear):
         return (self.weight.float() * self.weight_scale).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if backends.resolve(self.backend, x) == "triton" and (
+            self.backend == "triton" or _has_fp8(x.device)
+        ):
+            return _triton_linear()(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,118 @@
+"""W8A16 in Triton: a float8 e4m3 weight scaled inside the matrix product, beside its launcher.
+Same meaning as FP8Linear's torch path (models/quant.py; the CPU path and the test oracle):
+
+    y[m, n] = sum_k x[m, k] * w(n, k) (+ bias[n])        accumulated in fp32
+    w(n, k) = (W8[n, k].float() * scale[n or 0]).to(x.dtype)
+
+Grid: (row blocks, column blocks); a program walks `in` in BLOCK_K steps, loads BLOCK_N x
+BLOCK_K bytes of the weight, widens and scales them, and multiplies with tl.dot. The full
+16-bit weight is never written: a decode step reads a byte per weight instead of the torch
+path's rebuilt copy (the weight read, a 16-bit copy written, then read by the matmul).
+Activations stay in their dtype (W8A16): LoRA and the base read the same unquantized x.
+"""
+
+# Triton's convention: compile-time (tl.constexpr) kernel parameters are in capitals.
+# ruff: noqa: N803
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped]  # Triton ships no type information
+import triton.language as tl  # type: ignore[import-untyped]
+
+__all__ = ["w8a16_linear"]
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _w8a16_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,  # [M, K] activation dtype
+    w_ptr,  # [N, K] float8 e4m3
+    scale_ptr,  # [N] (PER_CHANNEL) or [1] fp32
+    bias_ptr,  # [N] (read only with HAS_BIAS)
+    y_ptr,  # [M, N] activation dtype
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if PER_CHANNEL:
+        scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]  # [BLOCK_N, 1]
+    else:
+        scale = tl.load(scale_ptr)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * K + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w8 = tl.load(
+            w_ptr + offs_n[:, None] * K + offs_k[None, :],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K] fp8
+        w = (w8.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + offs_m[:, None] * N + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+def _blocks(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): the 16-row minimum tl.dot takes for decode steps, wider
+    row tiles for prefill."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return block_m, 64, 64
+
+
+def w8a16_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """y = x @ (W8 * scale)^T (+ bias); x [..., K] in fp16, bf16 or fp32, `weight` [N, K]
+    float8 e4m3, `scale` fp32 per tensor ([] or [1]) or per channel ([N, 1] or [N]); y
+    [..., N] in x's dtype."""
+    n, k = weight.shape
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be one of {_DTYPES}, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
+    if scale.dtype != torch.float32 or scale.numel() not in (1, n):
+        raise ValueError(f"scale must be fp32 with 1 or {n} values, got {scale.dtype}"
+                         f" {tuple(scale.shape)}")  # fmt: skip
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    tensors = [t for t in (weight, scale, bias) if t is not None]
+    if not all(t.is_contiguous() and t.device == x.device for t in tensors):
+        raise ValueError("the layer's tensors must be contiguous and on x's device")
+    rows = x.reshape(-1, k).contiguous()  # [M, K]
+    m = rows.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    block_m, block_n, block_k = _blocks(m)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w8a16_kernel[grid](
+        rows, weight, scale.reshape(-1), weight if bias is None else bias, y, m, n, k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PER_CHANNEL=scale.numel() == n and n > 1, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
