@@ -118,6 +118,20 @@ def add_commands(subparsers: Any) -> None:
         " (default: none, the weights in --dtype)",
     )  # fmt: skip
     model.add_argument(
+        "--tensor-parallel-size", type=_positive(int), default=None, metavar="N",
+        help="GPUs one replica is split over, as serve --tensor-parallel-size (llama, mistral,"
+        " qwen2, qwen3; N divides the heads and the MLP): the memory split is per GPU, the"
+        " step adds its all-reduces over --interconnect (default: 1, or the layout"
+        " --recommend-layout picks when the model does not fit one GPU in --dtype)",
+    )  # fmt: skip
+    model.add_argument(
+        "--recommend-layout", action="store_true",
+        help="size every layout (--dtype on 1, 2, 4 and 8 GPUs; fp8 on 1), name the cheapest"
+        " (fewest GPUs, then most tokens/s per GPU) and plan it (default: only when the"
+        " model does not fit one GPU in --dtype and neither --tensor-parallel-size nor"
+        " --quantization is given)",
+    )  # fmt: skip
+    model.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda",
         help="cpu needs --device-memory and a measured cost model (--calibrate or --cost)",
     )  # fmt: skip
@@ -140,6 +154,11 @@ def add_commands(subparsers: Any) -> None:
     model.add_argument(
         "--pcie", type=_positive(float), metavar="GB/s",
         help="host to device copies (default: the --gpu's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--interconnect", type=_positive(float), metavar="GB/s",
+        help="GPU to GPU, per direction, that tensor parallelism's all-reduces run over"
+        " (default: the --gpu's: NVLink, 450 on h100/h200; PCIe on l40s)",
     )  # fmt: skip
     model.add_argument(
         "--reserved", type=_size, default=0, metavar="SIZE",
@@ -255,6 +274,20 @@ def check_arguments(args: argparse.Namespace) -> None:
             "--device cpu: the default cost model is a GPU's roofline (--gpu), which says"
             " nothing about a CPU; measure this machine with --calibrate --model DIR (add"
             " --cost FILE to save the costs), or read costs saved earlier with --cost FILE"
+        )
+    layout = args.tensor_parallel_size is not None or args.quantization is not None
+    if args.recommend_layout and layout:
+        raise ArgumentsRefused(
+            "--recommend-layout chooses --tensor-parallel-size and --quantization itself:"
+            " give either it or those"
+        )
+    split = (args.tensor_parallel_size or 1) > 1 or args.recommend_layout
+    measured = args.device == "cpu" or args.calibrate or args.cost
+    if split and measured:
+        flag = "--recommend-layout" if args.recommend_layout else "--tensor-parallel-size"
+        raise ArgumentsRefused(
+            f"{flag} is planned on a GPU's roofline: a calibrated cost model (--calibrate,"
+            " --cost, --device cpu) measures one unsplit process"
         )
     if args.warmup is None:
         args.warmup = min(WARMUP_MAX_S, args.duration / WARMUP_SHARE)
