@@ -24,13 +24,18 @@ lora_affinity (the llm-d endpoint picker's LoRA affinity scorer) and bounded_k (
 placement on k replicas per adapter, k growing under load). The replicas come from a
 discrete-event simulation of the fleet, whose step and load times come from a roofline of
 the GPU (--gpu, --device-bandwidth, --device-flops, --pcie) or from this engine measured here
-(--calibrate, saved and reused with --cost FILE).
+(--calibrate, saved and reused with --cost FILE). A base split over N GPUs
+(--tensor-parallel-size N) is sized per GPU, its steps paying their all-reduces over the
+GPUs' interconnect; a base that fits no single GPU gets its layouts compared (--dtype on 1, 2,
+4, 8 GPUs, fp8 on 1: --recommend-layout), the cheapest named and planned.
 
 examples:
   loraplane plan --model-shape llama-3-8b --device-memory 80GiB --device-bandwidth 3350
   loraplane plan --model-shape llama-3-8b --gpu h200 --adapters 2000 --adapter-rank 16 \\
       --popularity zipf:1.0 --rate 50 --ttft-p99 2.0 --plot plan.png
   loraplane plan --model ./Llama-3.1-8B --adapter-modules q_proj,v_proj --json
+  loraplane plan --model-shape llama-3-70b --gpu h200 --adapters 2000 --rate 2
+  loraplane plan --model-shape llama-3-70b --gpu h100 --tensor-parallel-size 4
   loraplane plan --model ./small-model --device cpu --dtype float32 --device-memory 24GiB \\
       --calibrate --cost here.json --rate 5 --ttft-p99 1.0"""
 
