@@ -1,6 +1,8 @@
 """`loraplane plan` refuses what it cannot answer, before any model work, and documents
 every default in `--help`: `--plot` needs `--rate`; `--device cpu` needs a measured cost
-model (`--calibrate` or `--cost`), never a GPU's roofline; `--warmup` follows `--duration`."""
+model (`--calibrate` or `--cost`), never a GPU's roofline; `--warmup` follows `--duration`.
+A base that fits no single GPU gets the layouts compared (FP8 on one, tensor-parallel on
+2, 4, 8), the cheapest named and planned; splits the data plane cannot serve are refused."""
 
 from __future__ import annotations
 
@@ -103,7 +105,8 @@ def test_llama_3_70b_with_2000_adapters_fits_one_h200_in_fp8_and_not_in_bf16(
     and a scale per row) leave room for KV and adapters, and the roofline charges the torch
     path's dequantization, so the FP8 step is no faster than bf16's would be."""
     args = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h200", "--adapters", "2000"]
-    assert main([*args, "--json"]) == 2  # refused: the plan cannot be made
+    # refused when that layout is asked for (unasked, the planner compares layouts instead)
+    assert main([*args, "--tensor-parallel-size", "1", "--json"]) == 2
     assert "141.1 GB in bfloat16) do not fit in 141.0 GB" in capsys.readouterr().err
     assert main([*args, "--quantization", "fp8", "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]
@@ -133,3 +136,143 @@ def test_the_roofline_charges_fp8_s_torch_path_its_dequantization_not_half_the_b
     bf16 = Roofline(GPUS["h200"], shape, "bfloat16", profile).step_seconds(step)
     fp8 = Roofline(GPUS["h200"], shape, "bfloat16", profile, "fp8").step_seconds(step)
     assert fp8 > 5 * bf16  # 19 more bytes moved per linear weight than bf16's 2
+
+
+# Llama-3-70B by hand: 80 layers, hidden 8192, 64 heads and 8 KV heads of 128, MLP 28672,
+# vocabulary 128256 (untied), 2 bytes a parameter in bfloat16
+L, H, KV, FF, VOCAB = 80, 8192, 1024, 28672, 128256
+NORMS = (2 * L + 1) * H
+
+
+def llama_70b_rank_weights(n: int) -> int:
+    """One rank's bytes of a split over `n`: its heads, KV heads, MLP columns and vocabulary
+    rows (padded), the norms whole."""
+    linear = L * (2 * H * H // n + 2 * H * KV // n + 3 * H * FF // n)
+    return 2 * (linear + 2 * -(-VOCAB // n) * H + NORMS)
+
+
+def test_llama_3_70b_with_2000_adapters_names_fp8_on_one_h200_and_bf16_on_two(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 31's goal: unasked (bf16 fits no H200), the plan compares the layouts, names FP8
+    on one H200 the cheapest and TP=2 in bf16 the one on two, each with its memory split, and
+    says why bf16 on one does not fit."""
+    args = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h200", "--adapters", "2000"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = {item["layout"]: item for item in out["layouts"]}
+    assert out["recommended_layout"] == "fp8, 1 GPU"
+    assert out["quantization"] == "fp8" and out["tensor_parallel_size"] == 1
+
+    fp8, tp2 = layouts["fp8, 1 GPU"], layouts["bfloat16, TP=2"]
+    assert fp8["fits"] and fp8["gpus"] == 1
+    assert tp2["fits"] and tp2["gpus"] == 2
+    assert tp2["weights_bytes_per_gpu"] == llama_70b_rank_weights(2) == 70_555_025_408
+    assert fp8["weights_bytes_per_gpu"] == out["memory"]["weights_bytes"]
+    for item in (fp8, tp2):  # each GPU's split: the engine's rule, within the device
+        free = 141 * 10**9 - item["weights_bytes_per_gpu"]
+        assert item["lora_budget_bytes_per_gpu"] == int(free * 0.1)
+        assert item["kv_cache_bytes_per_gpu"] <= int(free * 0.85) - int(free * 0.1)
+        assert item["adapters_resident"] >= 1 and item["kv_tokens"] >= 8192
+    # two GPUs hold half the KV heads each: per token 160 KiB a GPU, more than twice the tokens
+    assert tp2["kv_cache_bytes_per_gpu"] // (2 * L * 4 * 128 * 2) == tp2["kv_tokens"]
+    assert tp2["kv_tokens"] > 2 * fp8["kv_tokens"]
+    one = layouts["bfloat16, 1 GPU"]
+    assert not one["fits"] and one["why_not"] == "weights 141.1 GB > 141.0 GB of device memory"
+    assert [layouts[f"bfloat16, TP={n}"]["gpus"] for n in (4, 8)] == [4, 8]
+
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.startswith("  fp8, 1 GPU")
+            or line.startswith("  bfloat16, TP=2 ")]  # fmt: skip
+    assert rows[0][:6] == ["fp8,", "1", "GPU", "1", "72.7", "GB"]  # cheapest first
+    assert rows[1][:5] == ["bfloat16,", "TP=2", "2", "70.6", "GB"]
+    assert "recommended: fp8, 1 GPU" in text
+    assert "bfloat16, 1 GPU              -  does not fit: weights 141.1 GB > 141.0 GB" in text
+
+
+def test_with_a_rate_the_layouts_are_sized_by_the_fleet_and_fp8_s_slow_steps_lose(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With a load, a layout's GPUs are its replicas for the p99 TTFT target times its GPUs
+    per replica: FP8's torch path (a 70B decode step of ~0.4 s) meets no target, so TP=2 is
+    recommended and planned, its fleet counted in GPUs."""
+    args = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h200", "--adapters", "2000",
+            "--rate", "2", "--policies", "round_robin", "--max-replicas", "8",
+            "--json"]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    layouts = {item["layout"]: item for item in out["layouts"]}
+    assert layouts["fp8, 1 GPU"]["fits"] and layouts["fp8, 1 GPU"]["gpus"] is None
+    assert layouts["fp8, 1 GPU"]["itl_s"] > 10 * layouts["bfloat16, TP=2"]["itl_s"]
+    assert out["recommended_layout"] == "bfloat16, TP=2"
+    n = out["replicas"]["round_robin"]
+    assert n == layouts["bfloat16, TP=2"]["replicas"] and out["gpus"]["round_robin"] == 2 * n
+
+
+def test_tensor_parallel_size_2_prints_each_gpu_s_split(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h200", "--adapters", "2000",
+            "--tensor-parallel-size", "2"]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "memory per GPU (each of the replica's 2):" in text
+    assert "  weights             70.56 GB  50%  (141.11 GB in all, split 2 ways)" in text
+    assert "160 KiB per token on each GPU, 4 of 8 KV heads" in text
+    assert "layouts on" not in text  # a layout was asked for: no comparison
+    assert "2 all-reduces per layer" in text and "not measured on a GPU" in text
+
+
+def test_a_model_that_fits_one_gpu_gets_no_layout_table_unless_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SHAPE, "--gpu", "h200", "--json"]) == 0
+    assert "layouts" not in json.loads(capsys.readouterr().out)
+    assert main([*SHAPE, "--gpu", "h200", "--recommend-layout", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended_layout"] == "bfloat16, 1 GPU"
+    assert all(item["fits"] for item in out["layouts"])  # 8B fits every layout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model-shape", "llama-3-70b", "--tensor-parallel-size", "3"],
+         "--tensor-parallel-size 3 does not divide num_attention_heads (64)"),
+        (["--model-shape", "qwen2-7b", "--tensor-parallel-size", "8"],
+         "--tensor-parallel-size 8 does not divide num_attention_heads (28)"),
+        (["--model-shape", "gemma-3-27b", "--tensor-parallel-size", "2"],
+         "not model_type 'gemma3'"),
+        (["--model-shape", "phi-4", "--tensor-parallel-size", "2"], "not model_type 'phi3'"),
+        (["--model-shape", "mixtral-8x7b", "--tensor-parallel-size", "2"],
+         "not model_type 'mixtral'"),
+        (["--model-shape", "llama-3-70b", "--tensor-parallel-size", "2", "--quantization", "fp8"],
+         "fp8 weights with tensor parallelism are not served yet"),
+    ],
+)  # fmt: skip
+def test_splits_the_data_plane_cannot_serve_are_refused(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--gpu", "h200", "--adapters", "10", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--recommend-layout", "--tensor-parallel-size", "2"],
+         "--recommend-layout chooses --tensor-parallel-size and --quantization itself"),
+        (["--recommend-layout", "--quantization", "fp8"], "--recommend-layout chooses"),
+        (["--tensor-parallel-size", "2", "--cost", "costs.json"],
+         "--tensor-parallel-size is planned on a GPU's roofline"),
+        (["--recommend-layout", "--device", "cpu", "--cost", "costs.json"],
+         "--recommend-layout is planned on a GPU's roofline"),
+    ],
+)  # fmt: skip
+def test_layout_flags_that_cannot_be_planned_together_are_refused_first(
+    flags: list[str], message: str
+) -> None:
+    args = plan_parser().parse_args(["--model-shape", "llama-3-70b", *flags])
+    with pytest.raises(ArgumentsRefused, match=message):
+        check_arguments(args)

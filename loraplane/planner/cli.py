@@ -24,13 +24,18 @@ lora_affinity (the llm-d endpoint picker's LoRA affinity scorer) and bounded_k (
 placement on k replicas per adapter, k growing under load). The replicas come from a
 discrete-event simulation of the fleet, whose step and load times come from a roofline of
 the GPU (--gpu, --device-bandwidth, --device-flops, --pcie) or from this engine measured here
-(--calibrate, saved and reused with --cost FILE).
+(--calibrate, saved and reused with --cost FILE). A base split over N GPUs
+(--tensor-parallel-size N) is sized per GPU, its steps paying their all-reduces over the
+GPUs' interconnect; a base that fits no single GPU gets its layouts compared (--dtype on 1, 2,
+4, 8 GPUs, fp8 on 1: --recommend-layout), the cheapest named and planned.
 
 examples:
   loraplane plan --model-shape llama-3-8b --device-memory 80GiB --device-bandwidth 3350
   loraplane plan --model-shape llama-3-8b --gpu h200 --adapters 2000 --adapter-rank 16 \\
       --popularity zipf:1.0 --rate 50 --ttft-p99 2.0 --plot plan.png
   loraplane plan --model ./Llama-3.1-8B --adapter-modules q_proj,v_proj --json
+  loraplane plan --model-shape llama-3-70b --gpu h200 --adapters 2000 --rate 2
+  loraplane plan --model-shape llama-3-70b --gpu h100 --tensor-parallel-size 4
   loraplane plan --model ./small-model --device cpu --dtype float32 --device-memory 24GiB \\
       --calibrate --cost here.json --rate 5 --ttft-p99 1.0"""
 
@@ -118,6 +123,20 @@ def add_commands(subparsers: Any) -> None:
         " (default: none, the weights in --dtype)",
     )  # fmt: skip
     model.add_argument(
+        "--tensor-parallel-size", type=_positive(int), default=None, metavar="N",
+        help="GPUs one replica is split over, as serve --tensor-parallel-size (llama, mistral,"
+        " qwen2, qwen3; N divides the heads and the MLP): the memory split is per GPU, the"
+        " step adds its all-reduces over --interconnect (default: 1, or the layout"
+        " --recommend-layout picks when the model does not fit one GPU in --dtype)",
+    )  # fmt: skip
+    model.add_argument(
+        "--recommend-layout", action="store_true",
+        help="size every layout (--dtype on 1, 2, 4 and 8 GPUs; fp8 on 1), name the cheapest"
+        " (fewest GPUs, then most tokens/s per GPU) and plan it (default: only when the"
+        " model does not fit one GPU in --dtype and neither --tensor-parallel-size nor"
+        " --quantization is given)",
+    )  # fmt: skip
+    model.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda",
         help="cpu needs --device-memory and a measured cost model (--calibrate or --cost)",
     )  # fmt: skip
@@ -140,6 +159,11 @@ def add_commands(subparsers: Any) -> None:
     model.add_argument(
         "--pcie", type=_positive(float), metavar="GB/s",
         help="host to device copies (default: the --gpu's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--interconnect", type=_positive(float), metavar="GB/s",
+        help="GPU to GPU, per direction, that tensor parallelism's all-reduces run over"
+        " (default: the --gpu's: NVLink, 450 on h100/h200; PCIe on l40s)",
     )  # fmt: skip
     model.add_argument(
         "--reserved", type=_size, default=0, metavar="SIZE",
@@ -255,6 +279,20 @@ def check_arguments(args: argparse.Namespace) -> None:
             "--device cpu: the default cost model is a GPU's roofline (--gpu), which says"
             " nothing about a CPU; measure this machine with --calibrate --model DIR (add"
             " --cost FILE to save the costs), or read costs saved earlier with --cost FILE"
+        )
+    layout = args.tensor_parallel_size is not None or args.quantization is not None
+    if args.recommend_layout and layout:
+        raise ArgumentsRefused(
+            "--recommend-layout chooses --tensor-parallel-size and --quantization itself:"
+            " give either it or those"
+        )
+    split = (args.tensor_parallel_size or 1) > 1 or args.recommend_layout
+    measured = args.device == "cpu" or args.calibrate or args.cost
+    if split and measured:
+        flag = "--recommend-layout" if args.recommend_layout else "--tensor-parallel-size"
+        raise ArgumentsRefused(
+            f"{flag} is planned on a GPU's roofline: a calibrated cost model (--calibrate,"
+            " --cost, --device cpu) measures one unsplit process"
         )
     if args.warmup is None:
         args.warmup = min(WARMUP_MAX_S, args.duration / WARMUP_SHARE)

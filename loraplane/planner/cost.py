@@ -8,6 +8,10 @@ Two sources:
   experts only, and a step reads the experts its tokens can reach: `expert_reach`); it takes
   the longer of the two at the given efficiencies, plus a fixed launch overhead. An adapter
   placed on the device for a step is copied over the host link inside that step.
+  Split over N GPUs (`tensor_parallel_size`), the step is one rank's: its shard's bytes and
+  flops (`parallel.rank_shape`), then the step's all-reduces and logits all-gather over the
+  GPU's interconnect (`parallel.Collectives`: a ring's bytes at the link's rate, plus a
+  latency per collective; data-sheet assumptions, not measured on a GPU yet).
 - `LinearCost`: coefficients measured on this engine (`calibrate.py`): a step costs
   `base + per_token * tokens + per_seq * rows + per_context * context + per_adapter * adapters`
   seconds, fitted to timed `Engine.step()` calls; a cold load the measured time per byte. How
@@ -30,6 +34,7 @@ from loraplane.planner.memory import (
     AdapterProfile,
     adapter_elements,
 )
+from loraplane.planner.parallel import Collectives, rank_shape
 from loraplane.planner.shapes import ModelShape
 
 
@@ -70,24 +75,31 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class GPUSpec:
-    """A GPU's memory, bandwidth (bytes/s), dense bf16/fp16 peak (flop/s) and host link."""
+    """A GPU's memory, bandwidth (bytes/s), dense bf16/fp16 peak (flop/s), host link, and
+    its link to the other GPUs of its node (bytes/s per direction) with a collective's fixed
+    latency (seconds): what a tensor-parallel replica's all-reduces run over."""
 
     name: str
     memory: int
     bandwidth: float
     flops: float
     pcie: float
+    interconnect: float = 0.0  # 0: none known (tensor parallelism cannot be costed)
+    collective_latency: float = 10e-6
 
 
 # Vendor data sheets (SXM parts; dense tensor-core peak without sparsity; PCIe at a usable
-# ~80% of the link's rate).
+# ~80% of the link's rate). Interconnect: NVLink's rate per direction (NVLink 4 on H100/H200:
+# 900 GB/s both ways; NVLink 3 on A100: 600), the L40S has none and talks over PCIe. The
+# latency per collective (~10 us over NVLink, ~20 us over PCIe, NCCL's small-message range)
+# is an assumption until a GPU run measures it.
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec("h200", 141 * 10**9, 4.8e12, 989e12, 50e9),
-        GPUSpec("h100", 80 * 10**9, 3.35e12, 989e12, 50e9),
-        GPUSpec("a100-80gb", 80 * 10**9, 2.039e12, 312e12, 25e9),
-        GPUSpec("l40s", 48 * 10**9, 0.864e12, 362e12, 25e9),
+        GPUSpec("h200", 141 * 10**9, 4.8e12, 989e12, 50e9, 450e9, 10e-6),
+        GPUSpec("h100", 80 * 10**9, 3.35e12, 989e12, 50e9, 450e9, 10e-6),
+        GPUSpec("a100-80gb", 80 * 10**9, 2.039e12, 312e12, 25e9, 300e9, 10e-6),
+        GPUSpec("l40s", 48 * 10**9, 0.864e12, 362e12, 25e9, 25e9, 20e-6),
     )
 }
 
@@ -126,11 +138,28 @@ class Roofline:
     step_overhead_s: float = 0.002  # launches, scheduling and sampling on the host
     host_load_fixed_s: float = 0.002  # a load's fixed cost: open, parse, verify
     host_load_bandwidth: float = 1.5e9  # bytes/s: local read, digest and dtype conversion
+    tensor_parallel_size: int = 1  # ranks: each moves and computes its shard (parallel.py)
+    interconnect_efficiency: float = 0.8  # share of the GPU link a ring collective reaches
+
+    def __post_init__(self) -> None:
+        rank_shape(self.shape, self.tensor_parallel_size)  # TensorParallelRefused if it can't
+        if self.tensor_parallel_size > 1 and self.gpu.interconnect <= 0:
+            raise ValueError(f"{self.gpu.name}: no interconnect bandwidth to cost collectives")
+
+    @property
+    def collectives(self) -> Collectives:
+        """The step's collectives over this GPU's link (none on one rank)."""
+        g = self.gpu
+        return Collectives(self.tensor_parallel_size, g.interconnect, g.collective_latency,
+                           self.interconnect_efficiency)  # fmt: skip
 
     def step_seconds(self, step: StepShape) -> float:
-        """The longer of the step's memory and compute time, plus overheads."""
+        """The longer of one rank's memory and compute time, its collectives after (not
+        overlapped), plus overheads."""
         elt = DTYPE_BYTES[self.dtype]
-        shape = self.shape
+        shape = rank_shape(
+            self.shape, self.tensor_parallel_size
+        )  # the rank's shard (the model itself on one)
         embed = shape.vocab_size * shape.hidden_size
         # a step gathers a few embedding rows; the LM head (the embedding, if tied) is read
         others = shape.num_params() - shape.linear_params()  # embedding, norms, LM head
@@ -151,7 +180,21 @@ class Roofline:
             moved / (self.gpu.bandwidth * self.bandwidth_efficiency),
             flops / (self.gpu.flops * self.flops_efficiency),
         )
-        return busy + self.step_overhead_s + step.placed_bytes / self.gpu.pcie
+        comm = self.collectives.step_seconds(self.shape, elt, step.tokens, step.seqs)
+        return busy + comm + self.step_overhead_s + self._placing_seconds(step.placed_bytes)
+
+    def _placing_seconds(self, placed_bytes: int) -> float:
+        """Putting adapters in slots for a step: rank 0 copies its slices over PCIe; the other
+        ranks, meanwhile, each read the whole adapter from the disk tier and keep their slices
+        (parallel/worker.py), inside the step."""
+        copy = placed_bytes / self.gpu.pcie
+        if self.tensor_parallel_size == 1 or not placed_bytes:
+            return copy
+        elt = DTYPE_BYTES[self.dtype]
+        local = adapter_elements(rank_shape(self.shape, self.tensor_parallel_size), self.profile)
+        placed = max(1, round(placed_bytes / (local * elt)))
+        whole = adapter_elements(self.shape, self.profile) * elt
+        return max(copy, placed * self.host_load_seconds(whole))
 
     def host_load_seconds(self, nbytes: int) -> float:
         """Fixed cost plus bytes at the host's load bandwidth."""
@@ -170,6 +213,8 @@ class Roofline:
             "step_overhead_s": self.step_overhead_s,
             "host_load_fixed_s": self.host_load_fixed_s,
             "host_load_bandwidth": self.host_load_bandwidth,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "interconnect_efficiency": self.interconnect_efficiency,
         }
 
 

@@ -16,6 +16,11 @@
 - host tier: `max_cpu_loras` copies (auto: twice the slots), each the rank-exact bytes;
 - disk tier: every adapter's stored file.
 
+Split over N ranks (`EngineConfig.tensor_parallel_size`, `planner/parallel.py`) every figure
+above is one rank's, each rank the same: its shard of the weights, its KV heads, its slice of
+each adapter; the KV blocks are rank 0's count, which every rank allocates, and adapters are
+not inside the KV cache (the engine does not share them under tensor parallelism yet).
+
 `EngineConfig` itself checks the settings and derives the slots and `max_cpu_loras`, so the
 planner cannot drift from the engine; it is torch-free.
 """
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.dataplane.config import EngineConfig
+from loraplane.planner.parallel import rank_shape
 from loraplane.planner.shapes import ModelShape
 from loraplane.sizes import resolve_memory
 
@@ -64,10 +70,11 @@ class AdapterProfile:
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    """What one replica holds (bytes unless named otherwise)."""
+    """What one replica holds (bytes unless named otherwise); split over ranks, what each
+    rank (each device) holds."""
 
-    device_memory: int
-    weights_bytes: int
+    device_memory: int  # of one device
+    weights_bytes: int  # on one device: the rank's shard
     free_bytes: int  # device memory the weights (and `reserved`) leave
     kv_bytes_per_token: int
     block_bytes: int  # one KV block, all layers, K and V
@@ -83,6 +90,18 @@ class MemoryPlan:
     host_tier_bytes: int
     disk_tier_bytes: int
     kv_lora_shared: bool
+    tensor_parallel_size: int = 1  # devices (ranks) the replica is split over
+    model_weights_bytes: int = 0  # the whole model's weights, unsplit
+    adapter_full_bytes: int = 0  # one adapter unsplit (what a load reads), rank-exact
+
+    @property
+    def devices(self) -> int:
+        """Devices one replica takes."""
+        return self.tensor_parallel_size
+
+    def share(self, nbytes: int) -> float:
+        """`nbytes` as a share of one device's memory."""
+        return nbytes / self.device_memory
 
     @property
     def kv_tokens(self) -> int:
@@ -180,14 +199,24 @@ def plan_memory(
     `reserved`: memory the weights do not explain (CUDA context, activations) taken off first."""
     if device_memory < 1:
         raise ValueError(f"device memory must be positive, got {device_memory}")
-    dtype = config.dtype
+    dtype, size = config.dtype, config.tensor_parallel_size
+    if config.quantization is not None and size > 1:
+        raise ValueError(
+            f"{config.quantization} weights with tensor parallelism are not served yet (the"
+            " data plane does not split quantized weights): use --tensor-parallel-size 1 or"
+            " no --quantization"
+        )
+    whole = shape
+    shape = rank_shape(shape, size)  # TensorParallelRefused (a ValueError) names why not
     weights = weights_bytes(shape, dtype, config.quantization)
+    total = weights_bytes(whole, dtype, config.quantization) if size > 1 else weights
     free = device_memory - weights - reserved
     if free <= 0:
         form = f"{dtype}, {config.quantization}" if config.quantization else dtype
+        split = f", {weights / 1e9:.1f} GB on each of {size} devices" if size > 1 else ""
         raise ValueError(
-            f"the weights of {shape.name} ({weights / 1e9:.1f} GB in {form}) do not fit in"
-            f" {device_memory / 1e9:.1f} GB of device memory"
+            f"the weights of {whole.name} ({total / 1e9:.1f} GB in {form}{split}) do not fit"
+            f" in {device_memory / 1e9:.1f} GB of device memory"
         )
     per_token = kv_bytes_per_token(shape, dtype)
     block_bytes = per_token * config.block_size
@@ -205,7 +234,8 @@ def plan_memory(
     device_bytes = (
         arena_blocks(shape, profile, config.block_size, dtype) * block_bytes if shared else exact
     )
-    stored = elements * DTYPE_BYTES[profile.stored_dtype or dtype]
+    full = adapter_elements(whole, profile)
+    stored = full * DTYPE_BYTES[profile.stored_dtype or dtype]
     cpu_loras = config.max_cpu_loras or config.lora_slots
     return MemoryPlan(
         device_memory=device_memory,
@@ -225,6 +255,9 @@ def plan_memory(
         host_tier_bytes=min(cpu_loras, profile.count) * exact,
         disk_tier_bytes=profile.count * stored,
         kv_lora_shared=shared,
+        tensor_parallel_size=size,
+        model_weights_bytes=total if size > 1 else weights,
+        adapter_full_bytes=full * DTYPE_BYTES[dtype],
     )
 
 

@@ -83,7 +83,8 @@ class ReplicaSettings:
             max_num_batched_tokens=config.max_num_batched_tokens,
             lora_slots=plan.lora_slots,
             lora_budget_bytes=plan.lora_budget_bytes,
-            adapter_bytes=plan.adapter_bytes,
+            # a load reads the whole adapter (a tensor-parallel rank then keeps its slices)
+            adapter_bytes=plan.adapter_full_bytes or plan.adapter_bytes,
             adapter_device_bytes=plan.adapter_device_bytes,
             max_cpu_loras=plan.max_cpu_loras,
             kv_blocks=plan.kv_blocks,

@@ -5,13 +5,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUS, CostModel, GPUSpec, LinearCost, Roofline
 from loraplane.planner.fleet import FleetResult, Workload
-from loraplane.planner.memory import AdapterProfile, MemoryPlan, plan_memory
+from loraplane.planner.layout import (
+    LAYOUTS,
+    Layout,
+    LayoutFit,
+    cheapest,
+    fit_json,
+    fit_layout,
+    layout_table,
+)
+from loraplane.planner.memory import AdapterProfile, MemoryPlan, plan_memory, weights_bytes
 from loraplane.planner.replica import ReplicaSettings
 from loraplane.planner.routing import POLICIES, make_policy
 from loraplane.planner.search import replicas_needed
@@ -36,6 +46,8 @@ class PlanReport:
     needed: dict[str, int | None] = field(default_factory=dict)
     results: dict[str, dict[int, FleetResult]] = field(default_factory=dict)
     plot: str | None = None
+    layouts: list[LayoutFit] = field(default_factory=list)  # --recommend-layout's table
+    layout_note: str = ""  # why the layouts were compared unasked
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object `--json` prints."""
@@ -43,6 +55,8 @@ class PlanReport:
         out: dict[str, Any] = {
             "model": dataclasses.asdict(self.shape) | {"params": self.shape.num_params()},
             "dtype": self.config.dtype,
+            "quantization": self.config.quantization,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             "device": self.config.device,
             "memory": dataclasses.asdict(plan) | {"kv_tokens": plan.kv_tokens},
             "adapter_bytes": plan.adapter_bytes,
@@ -54,8 +68,16 @@ class PlanReport:
             "adapters": dataclasses.asdict(self.profile),
             "cost": self.cost.describe(),
         }
+        if self.layouts:
+            out["layouts"] = [fit_json(f, self.config.dtype) for f in self.layouts]
+            out["recommended_layout"] = Layout(
+                self.config.tensor_parallel_size, self.config.quantization
+            ).label(self.config.dtype)
         if self.load is not None:
             load = dataclasses.asdict(self.load)
+            out["gpus"] = {
+                policy: None if n is None else n * plan.devices for policy, n in self.needed.items()
+            }
             out["workload"] = load
             out["ttft_p99_target_s"] = self.ttft_p99_s
             out["replicas"] = dict(self.needed)
@@ -71,26 +93,34 @@ class PlanReport:
         """The human-readable report."""
         s, plan, cfg = self.shape, self.plan, self.config
         gb = 1e9
-        lines = [
+        lines = []
+        if self.layouts:
+            if self.layout_note:
+                lines.append(self.layout_note)
+            lines.append(
+                f"layouts on {_gpu_name(self.cost)} ({plan.device_memory / gb:.1f} GB each),"
+                f" {self.profile.count:,} adapters of rank {self.profile.rank}; cheapest first:"
+            )
+            rate = self.load.rate if self.load is not None else None
+            lines += layout_table(self.layouts, cfg.dtype, rate)
+            label = Layout(cfg.tensor_parallel_size, cfg.quantization).label(cfg.dtype)
+            lines.append(f"recommended: {label}; its plan follows")
+        lines += [
             f"model {s.name} ({s.model_type}, {s.num_layers} layers, hidden {s.hidden_size},"
             f" {s.num_params() / 1e9:.2f} B parameters) in {cfg.dtype}"
             f"{', fp8 weights' if cfg.quantization else ''} on {cfg.device},"
-            f" {plan.device_memory / gb:.1f} GB of device memory",
-            "memory per replica:",
-            f"  weights          {plan.weights_bytes / gb:8.2f} GB",
-            f"  KV cache         {plan.kv_cache_bytes / gb:8.2f} GB  ({plan.kv_blocks:,} blocks"
-            f" of {cfg.block_size} tokens = {plan.kv_tokens:,} tokens;"
-            f" {plan.kv_bytes_per_token / 1024:.0f} KiB per token)",
-            f"  adapter memory   {plan.lora_budget_bytes / gb:8.2f} GB  (--lora-memory"
-            f" {_lora_memory(cfg.lora_memory)} of {plan.free_bytes / gb:.2f} GB free"
-            f"{'; inside the KV cache' if plan.kv_lora_shared else ''})",
+            f" {plan.device_memory / gb:.1f} GB of device memory"
+            f"{f'; tensor-parallel over {plan.devices} GPUs' if plan.devices > 1 else ''}",
+            *_memory_lines(plan, cfg, s),
             f"adapters: {self.profile.count:,} of rank {self.profile.rank} on"
-            f" {_modules(self.profile.modules)}, {plan.adapter_bytes / 1e6:.1f} MB each"
-            f" ({plan.adapter_device_bytes / 1e6:.1f} MB on the device)",
+            f" {_modules(self.profile.modules)}, {plan.adapter_full_bytes / 1e6:.1f} MB each"
+            f" ({plan.adapter_device_bytes / 1e6:.1f} MB on "
+            f"{'the device' if plan.devices == 1 else 'each GPU: its slices'})",
             f"  running at once  {plan.adapters_resident:,} per replica (of"
             f" {plan.lora_slots} slots)",
             f"  host tier        {min(plan.max_cpu_loras, self.profile.count):,} adapters,"
-            f" {plan.host_tier_bytes / gb:.1f} GB (max_cpu_loras {plan.max_cpu_loras})",
+            f" {plan.host_tier_bytes / gb:.1f} GB (max_cpu_loras {plan.max_cpu_loras}"
+            f"{'; rank 0 holds its slices' if plan.devices > 1 else ''})",
             f"  disk tier        {self.profile.count:,} adapters,"
             f" {plan.disk_tier_bytes / gb:.1f} GB",
             f"cost model: {_describe_cost(self.cost)}",
@@ -104,7 +134,7 @@ class PlanReport:
             f" {load.output_tokens} tokens (+-{load.spread:.0%}), {load.popularity};"
             f" target p99 TTFT {self.ttft_p99_s:g} s",
             f"  {'policy':<14} {'replicas':>8} {'p99 TTFT':>9} {'p50 TTFT':>9}"
-            f" {'tokens/s':>10} {'cold loads/s':>12}",
+            f" {'tokens/s':>10} {'cold loads/s':>12}{'   GPUs' if plan.devices > 1 else ''}",
         ]
         span = load.duration_s
         for policy, n in self.needed.items():
@@ -115,6 +145,7 @@ class PlanReport:
             lines.append(
                 f"  {policy:<14} {n:>8} {r.ttft_p99_s:>8.3f}s {r.ttft_p50_s:>8.3f}s"
                 f" {r.tokens_per_s:>10,.0f} {r.cold_loads / span:>12.1f}"
+                f"{f' {n * plan.devices:>6}' if plan.devices > 1 else ''}"
             )
         if self.plot:
             lines.append(f"plot: {self.plot}")
@@ -129,15 +160,62 @@ def _lora_memory(value: int | float) -> str:
     return f"{value:g}" if isinstance(value, float) else f"{value / 1e9:.2f} GB"
 
 
+def _memory_lines(plan: MemoryPlan, cfg: EngineConfig, shape: ModelShape) -> list[str]:
+    """The memory split: of the replica's one device, or of each of its GPUs."""
+    gb, n = 1e9, plan.devices
+    split = f"  ({plan.model_weights_bytes / gb:.2f} GB in all, split {n} ways)" if n > 1 else ""
+    heads = f" on each GPU, {_kv_heads(shape, n)}" if n > 1 else ""
+    return [
+        "memory per replica:" if n == 1 else f"memory per GPU (each of the replica's {n}):",
+        f"  weights          {plan.weights_bytes / gb:8.2f} GB"
+        f"{_share(plan, plan.weights_bytes)}{split}",
+        f"  KV cache         {plan.kv_cache_bytes / gb:8.2f} GB"
+        f"{_share(plan, plan.kv_cache_bytes)}  ({plan.kv_blocks:,} blocks of"
+        f" {cfg.block_size} tokens = {plan.kv_tokens:,} tokens;"
+        f" {plan.kv_bytes_per_token / 1024:.0f} KiB per token{heads})",
+        f"  adapter memory   {plan.lora_budget_bytes / gb:8.2f} GB"
+        f"{_share(plan, plan.lora_budget_bytes)}  (--lora-memory"
+        f" {_lora_memory(cfg.lora_memory)} of {plan.free_bytes / gb:.2f} GB free"
+        f"{'; inside the KV cache' if plan.kv_lora_shared else ''})",
+    ]
+
+
+def _share(plan: MemoryPlan, nbytes: int) -> str:
+    return f" {plan.share(nbytes):>4.0%}"
+
+
+def _kv_heads(shape: ModelShape, n: int) -> str:
+    local = max(1, shape.num_kv_heads // n)
+    if shape.num_kv_heads >= n:
+        return f"{local} of {shape.num_kv_heads} KV heads"
+    return f"1 of {shape.num_kv_heads} KV heads, each held by {n // shape.num_kv_heads} GPUs"
+
+
+def _gpu_name(cost: CostModel) -> str:
+    name: str = cost.describe().get("gpu", {}).get("name", "the device")
+    return name
+
+
 def _describe_cost(cost: CostModel) -> str:
     d = cost.describe()
     if d["kind"] == "roofline":
         g = d["gpu"]
-        return (
+        text = (
             f"roofline of {g['name']} ({g['bandwidth'] / 1e9:,.0f} GB/s at"
             f" {d['bandwidth_efficiency']:.0%}, {g['flops'] / 1e12:,.0f} TFLOPS at"
             f" {d['flops_efficiency']:.0%}, PCIe {g['pcie'] / 1e9:.0f} GB/s)"
         )
+        n = d.get("tensor_parallel_size", 1)
+        if n > 1:
+            text += (
+                f"; per step per GPU its shard, then 2 all-reduces per layer and one of the"
+                f" embedding (ring: 2({n}-1)/{n} of [tokens, hidden]) and an all-gather of the"
+                f" logits over {g['interconnect'] / 1e9:,.0f} GB/s at"
+                f" {d['interconnect_efficiency']:.0%} + {g['collective_latency'] * 1e6:g} us"
+                " each (assumed, not measured on a GPU yet; no CUDA graphs under tensor"
+                " parallelism, which the roofline does not charge)"
+            )
+        return text
     return f"calibrated on {d.get('measured_on') or 'this machine'} ({d.get('model', '')})"
 
 
@@ -152,13 +230,16 @@ def _shape(args: argparse.Namespace) -> ModelShape:
 
 def _gpu(args: argparse.Namespace) -> GPUSpec:
     base = GPUS[args.gpu]
-    flags = (args.device_memory, args.device_bandwidth, args.device_flops, args.pcie)
+    flags = (args.device_memory, args.device_bandwidth, args.device_flops, args.pcie,
+             args.interconnect)  # fmt: skip
     return GPUSpec(
         name=base.name if all(f is None for f in flags) else f"{base.name} as adjusted",
         memory=args.device_memory or base.memory,
         bandwidth=args.device_bandwidth * 1e9 if args.device_bandwidth else base.bandwidth,
         flops=args.device_flops * 1e12 if args.device_flops else base.flops,
         pcie=args.pcie * 1e9 if args.pcie else base.pcie,
+        interconnect=args.interconnect * 1e9 if args.interconnect else base.interconnect,
+        collective_latency=base.collective_latency,
     )
 
 
@@ -171,7 +252,8 @@ def _cost(args: argparse.Namespace, shape: ModelShape, profile: AdapterProfile,
             return LinearCost.load(args.cost)
         except ValueError as e:
             raise PlanError(str(e)) from e
-    return Roofline(gpu, shape, args.dtype, profile, args.quantization)
+    return Roofline(gpu, shape, args.dtype, profile, config.quantization,
+                    tensor_parallel_size=config.tensor_parallel_size)  # fmt: skip
 
 
 def _calibrate(args: argparse.Namespace, profile: AdapterProfile,
@@ -214,19 +296,34 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
     try:
         profile = AdapterProfile(args.adapters, args.adapter_rank, tuple(args.adapter_modules),
                                  args.popularity)  # fmt: skip
-        config = EngineConfig(
-            model=shape.name,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            device=args.device,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            max_loras=args.max_loras,
-            max_cpu_loras=args.max_cpu_loras,
-            max_lora_rank=max(64, args.adapter_rank),
-            lora_memory=args.lora_memory,
-        )
+
+        def make_config(layout: Layout) -> EngineConfig:
+            return EngineConfig(
+                model=shape.name,
+                dtype=args.dtype,
+                quantization=layout.quantization,
+                tensor_parallel_size=layout.tensor_parallel_size,
+                device=args.device,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+                max_loras=args.max_loras,
+                max_cpu_loras=args.max_cpu_loras,
+                max_lora_rank=max(64, args.adapter_rank),
+                lora_memory=args.lora_memory,
+            )
+
+        layouts, note = _layouts(args, shape, gpu, profile, make_config)
+        layout = Layout(args.tensor_parallel_size or 1, args.quantization)
+        if layouts:
+            best = cheapest(layouts)
+            if best is None:
+                raise PlanError(
+                    f"no layout of {shape.name} fits {gpu.name} GPUs: "
+                    + "; ".join(f"{f.layout.label(args.dtype)}: {f.why_not}" for f in layouts)
+                )
+            layout = best.layout
+        config = make_config(layout)
         plan = plan_memory(shape, config, gpu.memory, profile, args.reserved)
         load = None
         if args.rate is not None:
@@ -246,7 +343,8 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
     if not policies:
         raise PlanError(f"--policies: give some of {', '.join(POLICIES)}")
     cost = _cost(args, shape, profile, gpu, config)
-    report = PlanReport(shape, config, profile, plan, cost, load, args.ttft_p99)
+    report = PlanReport(shape, config, profile, plan, cost, load, args.ttft_p99,
+                        layouts=layouts, layout_note=note)  # fmt: skip
     if load is None:
         return report
     if plan.adapters_resident < 1:
@@ -262,6 +360,47 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
     if args.plot:
         report.plot = _plot(report, settings, args.plot)
     return report
+
+
+def _layouts(
+    args: argparse.Namespace,
+    shape: ModelShape,
+    gpu: GPUSpec,
+    profile: AdapterProfile,
+    make_config: Callable[[Layout], EngineConfig],
+) -> tuple[list[LayoutFit], str]:
+    """Every layout sized, when `--recommend-layout` asks, or unasked when the model does not
+    fit one GPU in --dtype and no layout flag was given (with a line saying so); else none."""
+    note = ""
+    if not args.recommend_layout:
+        chosen = args.tensor_parallel_size is not None or args.quantization is not None
+        measured = args.device == "cpu" or args.calibrate or args.cost
+        weights = weights_bytes(shape, args.dtype)
+        if chosen or measured or weights < gpu.memory - args.reserved:
+            return [], ""
+        note = (
+            f"{shape.name} in {args.dtype} does not fit one {gpu.name}: weights"
+            f" {weights / 1e9:.1f} GB > {(gpu.memory - args.reserved) / 1e9:.1f} GB of device"
+            " memory; comparing the layouts that could serve it"
+        )
+    replicas_for = None
+    if args.rate is not None:
+        policy = next(p.strip() for p in f"{args.policies},round_robin".split(",") if p.strip())
+        load = Workload(profile.count, profile.popularity, args.prompt_tokens,
+                        args.output_tokens, rate=args.rate, duration_s=args.duration,
+                        warmup_s=args.warmup, spread=args.spread, seed=args.seed)  # fmt: skip
+
+        def replicas_for(plan: MemoryPlan, config: EngineConfig, cost: Roofline) -> int | None:
+            settings = ReplicaSettings.from_plan(plan, config)
+            return replicas_needed(settings, cost, policy, load, args.ttft_p99,
+                                   args.max_replicas)[0]  # fmt: skip
+
+    fits = [
+        fit_layout(layout, shape, make_config, gpu, profile, args.reserved,
+                   args.prompt_tokens, args.output_tokens, replicas_for)
+        for layout in LAYOUTS
+    ]  # fmt: skip
+    return fits, note
 
 
 def _plot(report: PlanReport, settings: ReplicaSettings, path: str) -> str:

@@ -38,8 +38,10 @@ from loraplane.dataplane.models.llama import LlamaForCausalLM
 from loraplane.dataplane.models.moe import MoEConfig, MoEForCausalLM
 from loraplane.dataplane.models.quant_w4 import W4Linear
 from loraplane.dataplane.models.rope import RotaryEmbedding
+
+# the module, not its names: parallel/shard.py imports models.config, whose package imports
+# this module
 from loraplane.dataplane.parallel import shard as parallel
-from loraplane.dataplane.parallel.shard import TPShard
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_NAME = "model.safetensors.index.json"
@@ -152,7 +154,7 @@ def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
 
 def load_model(
     model_dir: Path | str, dtype: torch.dtype, device: torch.device | str,
-    quantization: str | None = None, shard: TPShard | None = None,
+    quantization: str | None = None, shard: parallel.TPShard | None = None,
 ) -> LlamaForCausalLM:  # fmt: skip
     """Build the decoder from `config.json` and load its weights in `dtype` on `device`; FP8
     projections (models/quant.py) where the checkpoint holds them or `quantization` is "fp8".
@@ -175,7 +177,7 @@ def load_model(
     scheme = quant.scheme_for(raw, quantization)
     if scheme is not None and isinstance(config, MoEConfig):
         raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
-    tp = shard or TPShard(0, 1)
+    tp = shard or parallel.TPShard(0, 1)
     built = config
     if tp.size > 1:
         parallel.check_supported(config, tp.size)

@@ -21,12 +21,12 @@ import torch
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
-from loraplane.dataplane.models.gemma import GemmaConfig
-from loraplane.dataplane.models.moe import MoEConfig
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+# the families split (the operator's specs.TENSOR_PARALLEL_FAMILIES says the same)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +67,10 @@ def check_supported(config: ModelConfig, size: int) -> None:
     """UnsupportedModelError naming why `config` cannot be split over `size` ranks."""
     if size == 1:
         return
-    if isinstance(config, GemmaConfig | MoEConfig):
+    if config.model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"tensor parallelism serves the Llama family (llama, mistral, qwen2, qwen3) for"
             f" now, not model_type {config.model_type!r}"
-        )
-    if config.fused_projections:
-        raise UnsupportedModelError(
-            f"tensor parallelism does not split fused projections (model_type"
-            f" {config.model_type!r}: qkv_proj, gate_up_proj) yet"
         )
     for name, value in (
         ("num_attention_heads", config.num_heads),
