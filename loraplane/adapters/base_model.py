@@ -25,6 +25,36 @@ from loraplane.adapters.families import (
 # other families' are in `families`).
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/): the Llama
+# family's unfused layers
+TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tensor_parallel_problem(
+    model_type: str, num_heads: int, num_kv_heads: int, intermediate_size: int, size: int
+) -> str | None:
+    """Why a base of these shapes cannot be split over `size` processes, or None: the one
+    rule the data plane applies, the operator checks a ServingPool against and the planner
+    plans with (each adds where the numbers came from)."""
+    if size == 1:
+        return None
+    if model_type not in TENSOR_PARALLEL_FAMILIES:
+        return (
+            f"model_type {model_type!r} is not split by tensor parallelism yet (supported:"
+            f" {', '.join(TENSOR_PARALLEL_FAMILIES)})"
+        )
+    for name, value in (
+        ("num_attention_heads", num_heads),
+        ("intermediate_size", intermediate_size),
+    ):
+        if value % size:
+            return f"tensor parallel size {size} does not divide {name} ({value})"
+    if num_kv_heads % size and size % num_kv_heads:
+        return (
+            f"tensor parallel size {size} neither divides num_key_value_heads ({num_kv_heads})"
+            " nor is a multiple of it (each rank holds its share of the KV heads, or one)"
+        )
+    return None
 
 
 class BaseModelError(ValueError):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.base_model import BaseModelSpec, tensor_parallel_problem
 from loraplane.sizes import parse_memory
 
 GROUP = "loraplane.io"
@@ -64,8 +64,6 @@ DEFAULT_FAILURE_MODE = "FailOpen"
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one node
 GPU_RESOURCE = "nvidia.com/gpu"
-# the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/shard.py)
-TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # what `loraplane serve --kv-cache-dtype` takes (config.KV_CACHE_DTYPES, checked the same way)
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
@@ -357,25 +355,10 @@ def _routing(routing: Mapping[str, Any]) -> Routing:
 
 
 def check_tensor_parallel(size: int, base: BaseModelSpec) -> None:
-    """SpecError when `base` cannot be split over `size` processes (the data plane's rules,
-    dataplane/parallel/shard.py: its family, and heads and MLP width that divide)."""
-    if size == 1:
-        return
-    where = f"spec.tensorParallelSize {size}"
-    if base.model_type not in TENSOR_PARALLEL_FAMILIES:
-        raise SpecError(
-            f"{where}: model_type {base.model_type!r} is not split yet (supported:"
-            f" {', '.join(TENSOR_PARALLEL_FAMILIES)})"
-        )
-    for field_name, value in (
-        ("num_attention_heads", base.num_heads),
-        ("intermediate_size", base.intermediate_size),
-    ):
-        if value % size:
-            raise SpecError(f"{where} does not divide the base model's {field_name} ({value})")
-    kv = base.num_kv_heads
-    if kv % size and size % kv:
-        raise SpecError(
-            f"{where} neither divides the base model's num_key_value_heads ({kv}) nor is a"
-            " multiple of it"
-        )
+    """SpecError when `base` cannot be split over `size` processes (the data plane's rule,
+    `base_model.tensor_parallel_problem`)."""
+    problem = tensor_parallel_problem(
+        base.model_type, base.num_heads, base.num_kv_heads, base.intermediate_size, size
+    )
+    if problem is not None:
+        raise SpecError(f"spec.tensorParallelSize {size}: {problem}")

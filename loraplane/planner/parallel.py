@@ -27,10 +27,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from loraplane.adapters.base_model import tensor_parallel_problem
 from loraplane.planner.shapes import ModelShape
 
-# Families the data plane splits (shard.check_supported): the Llama family's unfused layers
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 TP_SIZES = (1, 2, 4, 8)  # the layouts the recommendation tries: GPUs of one node
 
 
@@ -45,25 +44,11 @@ def check_split(shape: ModelShape, size: int) -> None:
         raise TensorParallelRefused(f"--tensor-parallel-size must be a positive integer: {size!r}")
     if size == 1:
         return
-    if shape.model_type not in TP_FAMILIES:
-        raise TensorParallelRefused(
-            f"tensor parallelism serves {', '.join(TP_FAMILIES)} for now, not model_type"
-            f" {shape.model_type!r} ({shape.name})"
-        )
-    for name, value in (
-        ("num_attention_heads", shape.num_heads),
-        ("intermediate_size", shape.intermediate_size),
-    ):
-        if value % size:
-            raise TensorParallelRefused(
-                f"--tensor-parallel-size {size} does not divide {name} ({value}) of {shape.name}"
-            )
-    kv = shape.num_kv_heads
-    if kv % size and size % kv:
-        raise TensorParallelRefused(
-            f"--tensor-parallel-size {size} neither divides num_key_value_heads ({kv}) of"
-            f" {shape.name} nor is a multiple of it"
-        )
+    problem = tensor_parallel_problem(
+        shape.model_type, shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size
+    )
+    if problem is not None:
+        raise TensorParallelRefused(f"{problem} ({shape.name})")
 
 
 @functools.lru_cache(maxsize=64)

@@ -314,7 +314,8 @@ def test_a_split_pool_asks_for_a_gpu_per_rank_and_an_unsplittable_base_is_refuse
         return None
 
     message = wait_for(refused, what="the refusal of the odd pool")
-    assert "spec.tensorParallelSize 3 does not divide the base model's num_attention_heads (4)" in (
-        message
+    assert (
+        "spec.tensorParallelSize 3: tensor parallel size 3 does not divide num_attention_heads (4)"
+        in (message)
     )
     assert _deployment(cluster, "odd") is None

@@ -415,9 +415,14 @@ def test_pool_tensor_parallel_size_reaches_serve_with_its_gpus_and_bad_layouts_a
             PoolSpec.parse({**POOL, **bad})
     llama = BaseModelSpec("m", "llama", 2, 64, 100, 8, 2, 8)
     specs.check_tensor_parallel(4, llama)  # 8 heads, KV 2 heads each held by two ranks
-    with pytest.raises(SpecError, match=r"does not divide the base model's intermediate_size"):
+    with pytest.raises(
+        SpecError,
+        match=r"spec.tensorParallelSize 8: tensor parallel size 8 does not divide intermediate",
+    ):
         specs.check_tensor_parallel(8, llama)
-    with pytest.raises(SpecError, match="model_type 'gemma3_text' is not split yet"):
+    with pytest.raises(
+        SpecError, match="model_type 'gemma3_text' is not split by tensor parallelism yet"
+    ):
         specs.check_tensor_parallel(2, BaseModelSpec("g", "gemma3_text", 2, 64, 96, 8, 2, 8))
 
 

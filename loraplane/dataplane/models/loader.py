@@ -177,6 +177,8 @@ def load_model(
     scheme = quant.scheme_for(raw, quantization)
     if scheme is not None and isinstance(config, MoEConfig):
         raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
+    # parallel.shard's names are read here, not imported: it imports models.config, whose
+    # package imports this module
     tp = shard or parallel.TPShard(0, 1)
     built = config
     if tp.size > 1:

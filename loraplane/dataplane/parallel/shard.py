@@ -18,15 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.base_model import BaseModelSpec, tensor_parallel_problem
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
-# the families split (the operator's specs.TENSOR_PARALLEL_FAMILIES says the same)
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,27 +63,11 @@ class TPShard:
 
 def check_supported(config: ModelConfig, size: int) -> None:
     """UnsupportedModelError naming why `config` cannot be split over `size` ranks."""
-    if size == 1:
-        return
-    if config.model_type not in FAMILIES:
-        raise UnsupportedModelError(
-            f"tensor parallelism serves the Llama family (llama, mistral, qwen2, qwen3) for"
-            f" now, not model_type {config.model_type!r}"
-        )
-    for name, value in (
-        ("num_attention_heads", config.num_heads),
-        ("intermediate_size", config.intermediate_size),
-    ):
-        if value % size:
-            raise UnsupportedModelError(
-                f"--tensor-parallel-size {size} does not divide {name} ({value})"
-            )
-    kv = config.num_kv_heads
-    if kv % size and size % kv:
-        raise UnsupportedModelError(
-            f"--tensor-parallel-size {size} neither divides num_key_value_heads ({kv}) nor is"
-            " a multiple of it (each rank holds its share of the KV heads, or one of them)"
-        )
+    problem = tensor_parallel_problem(
+        config.model_type, config.num_heads, config.num_kv_heads, config.intermediate_size, size
+    )
+    if problem is not None:
+        raise UnsupportedModelError(problem)
 
 
 def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
