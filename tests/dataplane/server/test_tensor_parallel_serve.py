@@ -1,13 +1,17 @@
 """`serve --tensor-parallel-size 2` on CPU: the OpenAI API over a model split across two
-processes answers as the unsplit engine does, and SIGTERM leaves no process behind."""
+processes answers as the unsplit engine does, SIGTERM leaves no process behind, and a killed
+worker fails the request in flight and the probes (the pod is restarted), never a hang."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
+import pytest
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
@@ -91,3 +95,46 @@ def test_serve_split_over_two_processes_answers_as_one_and_exits_clean(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_dead_worker_takes_the_replica_out_of_rotation_and_the_liveness_probe_fails(
+    tiny_llama_dir: Path,
+) -> None:
+    port = free_port()
+    proc = spawn(
+        ["--model", str(tiny_llama_dir), "--port", str(port), "--dtype", "float32",
+         "--tensor-parallel-size", "2"],
+        env={"LORAPLANE_NUM_KV_BLOCKS": "64"},
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, timeout=120, proc=proc)
+        # the worker: a spawned process whose parent is the engine process, not the server
+        workers = [
+            p for p in _descendants(proc.pid)
+            if _parent(p) != proc.pid and "spawn_main" in _describe(p)
+        ]  # fmt: skip
+        assert len(workers) == 1, {p: _describe(p) for p in _descendants(proc.pid)}
+        os.kill(workers[0], signal.SIGKILL)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        started = time.monotonic()
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
+                                      max_tokens=4, timeout=60)  # fmt: skip
+        assert time.monotonic() - started < 60  # an error, never a hang
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ready = httpx.get(url + "/ready", timeout=5)
+            health = httpx.get(url + "/health", timeout=5)
+            if ready.status_code == health.status_code == 503:
+                break
+            time.sleep(0.2)
+        assert (ready.status_code, health.status_code) == (503, 503), (ready.text, health.text)
+        assert "engine" in health.text
+    finally:
+        proc.kill()
+        proc.wait()
