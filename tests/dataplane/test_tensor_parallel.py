@@ -108,12 +108,12 @@ def test_models_that_cannot_be_split_are_refused_by_name(
 ) -> None:
     from tests.factories import build_model
 
-    tiny_gemma_dir = build_model(tmp_path / "gemma", "gemma3_text")
+    phi3 = build_model(tmp_path / "phi3", "phi3")
     llama = families["llama"].model_dir  # 4 heads over 2 KV heads
     with pytest.raises(UnsupportedModelError, match=r"does not divide num_attention_heads \(4\)"):
         load_model(llama, torch.float32, "cpu", shard=TPShard(0, 3))
     with pytest.raises(UnsupportedModelError, match="not split by tensor parallelism yet"):
-        load_model(tiny_gemma_dir, torch.float32, "cpu", shard=TPShard(0, 2))
+        load_model(phi3, torch.float32, "cpu", shard=TPShard(0, 2))
     with pytest.raises(ValueError, match="kv_lora_shared is not supported with tensor_para"):
         EngineConfig(model=str(llama), device="cpu", tensor_parallel_size=2, kv_lora_shared=True)
     config = EngineConfig(model=str(llama), device="cuda", tensor_parallel_size=2)
@@ -257,3 +257,30 @@ def test_quantized_bases_are_refused_under_tensor_parallelism(families: dict[str
     llama = families["llama"].model_dir
     with pytest.raises(UnsupportedModelError, match="over quantized weights is not supported"):
         load_model(llama, torch.float32, "cpu", quantization="fp8", shard=TPShard(0, 2))
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
+def test_tp2_gives_tp1s_tokens_on_gemma(kind: str, tmp_path: Path) -> None:
+    """Gemma's scaled embedding (after the vocabulary-parallel lookup's sum), its soft caps
+    (attention per head; the logits after the gather) and 1 + w norms, split over two ranks;
+    Gemma 2 with two KV heads, Gemma 3 with one (each rank holds it) and untied lm_head."""
+    from tests.dataplane.test_models_gemma_parity import _build_model
+    from tests.factories import build_peft_adapter
+
+    model = _build_model(tmp_path / kind, kind, seed=3)
+    adapters = {
+        "a": build_peft_adapter(model, tmp_path / "a", seed=1, r=8, lora_alpha=16),
+        "b": build_peft_adapter(model, tmp_path / "b", seed=2, r=4, lora_alpha=4,
+                                target_modules=["o_proj", "down_proj"]),
+    }  # fmt: skip
+    family = Family(kind, model, adapters)
+    names: list[str | None] = ["a", None, "b", "a"]
+    expected = _run(_engine(family, 1), family, names)
+    split = _engine(family, 2)
+    try:
+        got = _run(split, family, names)
+    finally:
+        split.close()
+    assert got["tokens"] == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
