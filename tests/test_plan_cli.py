@@ -125,7 +125,9 @@ def test_fp8_is_refused_for_a_mixture_of_experts_as_the_engine_refuses_it(
     assert "FP8 weights of a mixture of experts are not supported yet" in capsys.readouterr().err
 
 
-def test_the_roofline_charges_fp8_s_torch_path_its_dequantization_not_half_the_bytes() -> None:
+def test_the_roofline_charges_fp8_its_kernel_s_byte_or_the_torch_path_s_dequantization() -> None:
+    """On a GPU with FP8 in hardware (H200) the W8A16 kernel reads a byte per weight; on one
+    without (A100) FP8 weights take the torch path, which rebuilds the 16-bit weight."""
     from loraplane.planner.cost import GPUS, Roofline, StepShape
     from loraplane.planner.memory import AdapterProfile
     from loraplane.planner.shapes import SHAPES
@@ -135,6 +137,9 @@ def test_the_roofline_charges_fp8_s_torch_path_its_dequantization_not_half_the_b
                      adapter_bytes=8 * 80 << 20)  # fmt: skip
     bf16 = Roofline(GPUS["h200"], shape, "bfloat16", profile).step_seconds(step)
     fp8 = Roofline(GPUS["h200"], shape, "bfloat16", profile, "fp8").step_seconds(step)
+    assert 0.5 * bf16 < fp8 < 0.75 * bf16  # half the weights' bytes; the KV cache's the same
+    bf16 = Roofline(GPUS["a100-80gb"], shape, "bfloat16", profile).step_seconds(step)
+    fp8 = Roofline(GPUS["a100-80gb"], shape, "bfloat16", profile, "fp8").step_seconds(step)
     assert fp8 > 5 * bf16  # 19 more bytes moved per linear weight than bf16's 2
 
 
@@ -191,23 +196,30 @@ def test_llama_3_70b_with_2000_adapters_names_fp8_on_one_h200_and_bf16_on_two(
     assert "bfloat16, 1 GPU              -  does not fit: weights 141.1 GB > 141.0 GB" in text
 
 
-def test_with_a_rate_the_layouts_are_sized_by_the_fleet_and_fp8_s_slow_steps_lose(
+def test_with_a_rate_the_layouts_are_sized_by_the_fleet_in_gpus(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """With a load, a layout's GPUs are its replicas for the p99 TTFT target times its GPUs
-    per replica: FP8's torch path (a 70B decode step of ~0.4 s) meets no target, so TP=2 is
-    recommended and planned, its fleet counted in GPUs."""
+    per replica; on an H200 (the W8A16 kernel) FP8 on one GPU is the cheapest, on an A100
+    (the torch path: a 70B decode step of ~0.4 s) it meets no target and a split wins."""
     args = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h200", "--adapters", "2000",
             "--rate", "2", "--policies", "round_robin", "--max-replicas", "8",
             "--json"]  # fmt: skip
     assert main(args) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)
     layouts = {item["layout"]: item for item in out["layouts"]}
-    assert layouts["fp8, 1 GPU"]["fits"] and layouts["fp8, 1 GPU"]["gpus"] is None
-    assert layouts["fp8, 1 GPU"]["itl_s"] > 10 * layouts["bfloat16, TP=2"]["itl_s"]
-    assert out["recommended_layout"] == "bfloat16, TP=2"
+    tp2 = layouts["bfloat16, TP=2"]
+    assert tp2["gpus"] == 2 * tp2["replicas"]
+    assert layouts["fp8, 1 GPU"]["gpus"] == layouts["fp8, 1 GPU"]["replicas"] < tp2["gpus"]
+    assert out["recommended_layout"] == "fp8, 1 GPU"
     n = out["replicas"]["round_robin"]
-    assert n == layouts["bfloat16, TP=2"]["replicas"] and out["gpus"]["round_robin"] == 2 * n
+    assert n == layouts["fp8, 1 GPU"]["replicas"] and out["gpus"]["round_robin"] == n
+    args[args.index("h200")] = "a100-80gb"
+    assert main(args) == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    layouts = {item["layout"]: item for item in out["layouts"]}
+    assert layouts["fp8, 1 GPU"]["gpus"] is None or not layouts["fp8, 1 GPU"]["fits"]
+    assert out["recommended_layout"].startswith("bfloat16, TP=")
 
 
 def test_tensor_parallel_size_2_prints_each_gpu_s_split(

@@ -86,6 +86,9 @@ class GPUSpec:
     pcie: float
     interconnect: float = 0.0  # 0: none known (tensor parallelism cannot be costed)
     collective_latency: float = 10e-6
+    # FP8 conversions in hardware (compute capability 8.9+): the data plane's FP8 weights take
+    # the Triton W8A16 kernel (a byte per weight read) rather than the torch dequantize path
+    fp8: bool = True
 
 
 # Vendor data sheets (SXM parts; dense tensor-core peak without sparsity; PCIe at a usable
@@ -98,7 +101,7 @@ GPUS: dict[str, GPUSpec] = {
     for g in (
         GPUSpec("h200", 141 * 10**9, 4.8e12, 989e12, 50e9, 450e9, 10e-6),
         GPUSpec("h100", 80 * 10**9, 3.35e12, 989e12, 50e9, 450e9, 10e-6),
-        GPUSpec("a100-80gb", 80 * 10**9, 2.039e12, 312e12, 25e9, 300e9, 10e-6),
+        GPUSpec("a100-80gb", 80 * 10**9, 2.039e12, 312e12, 25e9, 300e9, 10e-6, fp8=False),
         GPUSpec("l40s", 48 * 10**9, 0.864e12, 362e12, 25e9, 25e9, 20e-6),
     )
 }
@@ -132,7 +135,8 @@ class Roofline:
     shape: ModelShape
     dtype: str
     profile: AdapterProfile
-    quantization: str | None = None  # "fp8": the linear weights as the FP8 torch path moves them
+    # "fp8": the linear weights as the data plane's FP8 path on this GPU moves them
+    quantization: str | None = None
     bandwidth_efficiency: float = 0.8
     flops_efficiency: float = 0.5
     step_overhead_s: float = 0.002  # launches, scheduling and sampling on the host
@@ -165,7 +169,9 @@ class Roofline:
         others = shape.num_params() - shape.linear_params()  # embedding, norms, LM head
         streamed_params = others + streamed_linear_params(shape, step.tokens)
         streamed = (streamed_params - (0 if shape.tie_word_embeddings else embed)) * elt
-        if self.quantization is not None:  # the dequantization's traffic, then the matmul's read
+        if self.quantization is not None and self.gpu.fp8:  # the W8A16 kernel: a byte a weight
+            streamed -= streamed_linear_params(shape, step.tokens) * (elt - 1)
+        elif self.quantization is not None:  # the torch path: dequantization, then the matmul
             streamed += streamed_linear_params(shape, step.tokens) * FP8_TORCH_PATH_BYTES
         per_token_kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elt
         moved = streamed + per_token_kv * (step.context + step.tokens) + step.adapter_bytes
