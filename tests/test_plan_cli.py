@@ -286,3 +286,30 @@ def test_layout_flags_that_cannot_be_planned_together_are_refused_first(
     args = plan_parser().parse_args(["--model-shape", "llama-3-70b", *flags])
     with pytest.raises(ArgumentsRefused, match=message):
         check_arguments(args)
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_and_its_steps_read_half_the_kv_bytes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loraplane.planner.cost import GPUS, Roofline, StepShape
+    from loraplane.planner.memory import AdapterProfile, arena_blocks
+    from loraplane.planner.shapes import SHAPES
+
+    args = ["plan", "--model-shape", "llama-3-8b", "--gpu", "h100", "--adapters", "100", "--json"]
+    plans = {}
+    for kv in ("auto", "fp8"):
+        assert main([*args, "--kv-cache-dtype", kv]) == 0, capsys.readouterr().err
+        plans[kv] = json.loads(capsys.readouterr().out)["memory"]
+    assert plans["fp8"]["kv_bytes_per_token"] * 2 == plans["auto"]["kv_bytes_per_token"]
+    assert plans["fp8"]["kv_cache_bytes"] == pytest.approx(plans["auto"]["kv_cache_bytes"], 1e-3)
+    assert plans["fp8"]["kv_tokens"] == pytest.approx(2 * plans["auto"]["kv_tokens"], 1e-3)
+    shape, profile = SHAPES["llama-3-8b"], AdapterProfile(8)
+    # an adapter in the KV cache: the fp8 blocks hold half as many bf16 values
+    assert arena_blocks(shape, profile, 16, "bfloat16", "fp8") == pytest.approx(
+        2 * arena_blocks(shape, profile, 16, "bfloat16"), abs=1
+    )
+    step = StepShape(tokens=64, seqs=64, context=64 * 4096, attention=64 * 4096, adapters=0,
+                     adapter_bytes=0)  # fmt: skip
+    auto = Roofline(GPUS["h200"], shape, "bfloat16", profile).step_seconds(step)
+    fp8 = Roofline(GPUS["h200"], shape, "bfloat16", profile, kv_cache_dtype="fp8")
+    assert fp8.step_seconds(step) < 0.75 * auto  # long contexts: the KV bytes dominate

@@ -119,14 +119,20 @@ def add_commands(subparsers: Any) -> None:
     model.add_argument(
         "--quantization", choices=["fp8"], default=None,
         help="fp8: the base's projections in float8 e4m3, as serve --quantization fp8 (half"
-        " the weights' memory; the roofline counts the torch path's dequantization traffic)"
-        " (default: none, the weights in --dtype)",
+        " the weights' memory; the roofline reads a byte per weight where the GPU has FP8,"
+        " the torch path's dequantization traffic where not) (default: none, --dtype)",
+    )  # fmt: skip
+    model.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+        help="fp8: the KV cache in float8 e4m3, as serve --kv-cache-dtype fp8 (a byte per"
+        " cached value: twice the tokens of bf16 in the same memory, half the bytes a step"
+        " reads from it) (default: auto, --dtype)",
     )  # fmt: skip
     model.add_argument(
         "--tensor-parallel-size", type=_positive(int), default=None, metavar="N",
         help="GPUs one replica is split over, as serve --tensor-parallel-size (llama, mistral,"
-        " qwen2, qwen3; N divides the heads and the MLP): the memory split is per GPU, the"
-        " step adds its all-reduces over --interconnect (default: 1, or the layout"
+        " qwen2, qwen3, gemma2, gemma3; N divides the heads and the MLP): the memory split is"
+        " per GPU, the step adds its all-reduces over --interconnect (default: 1, or the layout"
         " --recommend-layout picks when the model does not fit one GPU in --dtype)",
     )  # fmt: skip
     model.add_argument(

@@ -33,6 +33,7 @@ from loraplane.planner.memory import (
     FP8_TORCH_PATH_BYTES,
     AdapterProfile,
     adapter_elements,
+    kv_bytes_per_token,
 )
 from loraplane.planner.parallel import Collectives, rank_shape
 from loraplane.planner.shapes import ModelShape
@@ -143,6 +144,7 @@ class Roofline:
     host_load_fixed_s: float = 0.002  # a load's fixed cost: open, parse, verify
     host_load_bandwidth: float = 1.5e9  # bytes/s: local read, digest and dtype conversion
     tensor_parallel_size: int = 1  # ranks: each moves and computes its shard (parallel.py)
+    kv_cache_dtype: str = "auto"  # "fp8": a byte per cached K and V value
     interconnect_efficiency: float = 0.8  # share of the GPU link a ring collective reaches
 
     def __post_init__(self) -> None:
@@ -173,7 +175,7 @@ class Roofline:
             streamed -= streamed_linear_params(shape, step.tokens) * (elt - 1)
         elif self.quantization is not None:  # the torch path: dequantization, then the matmul
             streamed += streamed_linear_params(shape, step.tokens) * FP8_TORCH_PATH_BYTES
-        per_token_kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elt
+        per_token_kv = kv_bytes_per_token(shape, self.dtype, self.kv_cache_dtype)
         moved = streamed + per_token_kv * (step.context + step.tokens) + step.adapter_bytes
         q_dim = shape.num_heads * shape.head_dim
         flops = (

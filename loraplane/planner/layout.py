@@ -162,7 +162,8 @@ def fit_layout(
         why = (f"adapter memory {plan.lora_budget_bytes / 1e6:,.0f} MB < one adapter"
                f" ({plan.adapter_device_bytes / 1e6:,.0f} MB)")  # fmt: skip
         return LayoutFit(layout, plan, why_not=why)
-    cost = Roofline(gpu, shape, dtype, profile, layout.quantization, tensor_parallel_size=n)
+    cost = Roofline(gpu, shape, dtype, profile, layout.quantization, tensor_parallel_size=n,
+                    kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
     speed = saturated_throughput(plan, config, cost, prompt_tokens, output_tokens, profile.count)
     if replicas_for is None:
         return LayoutFit(layout, plan, speed)

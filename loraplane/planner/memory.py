@@ -131,9 +131,11 @@ def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None
 FP8_TORCH_PATH_BYTES = 1 + 4 + 4 + 4 + 4 + 2
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
-    """K and V of one token across all layers."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
+def kv_bytes_per_token(shape: ModelShape, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token across all layers: in `dtype`, or a byte each with
+    `kv_cache_dtype` "fp8" (kv_quant.py: the per-layer scales are a few floats, left out)."""
+    elt = 1 if kv_cache_dtype == "fp8" else DTYPE_BYTES[dtype]
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * elt
 
 
 def adapter_elements(shape: ModelShape, profile: AdapterProfile) -> int:
@@ -152,13 +154,21 @@ def _features(shape: ModelShape, modules: tuple[str, ...]) -> int:
     )
 
 
-def arena_blocks(shape: ModelShape, profile: AdapterProfile, block_size: int, dtype: str) -> int:
-    """KV blocks one adapter takes inside a KV cache of `dtype`: the fewest n such that each
+def arena_blocks(
+    shape: ModelShape, profile: AdapterProfile, block_size: int, dtype: str,
+    kv_cache_dtype: str = "auto",
+) -> int:  # fmt: skip
+    """KV blocks one adapter (in `dtype`) takes inside a KV cache of `dtype`, or of a byte per
+    value with `kv_cache_dtype` "fp8" (its blocks' bytes viewed in `dtype`, half as many
+    elements in bf16, `kv_quant.storage_view`): the fewest n such that each
     layer's A and B tensors, largest first, fit first-fit into that layer's two regions (K and
     V) of n blocks, each tensor's offset in its region rounded up to ARENA_ALIGN_BYTES (the
     arena's views all start on it: `KVArena.blocks_for`, `arena.ALIGN_BYTES`). The layer that
     needs the most decides (they differ only where a mixture of experts has dense layers)."""
-    chunk = block_size * shape.num_kv_heads * shape.head_dim  # elements per block and region
+    # elements (in `dtype`) per block and region
+    chunk = block_size * shape.num_kv_heads * shape.head_dim
+    if kv_cache_dtype == "fp8":
+        chunk //= DTYPE_BYTES[dtype]
     align = max(1, ARENA_ALIGN_BYTES // DTYPE_BYTES[dtype])  # elements per aligned offset
     needed = 1
     layouts = {tuple(shape.adapted_shapes(profile.modules, i)) for i in range(shape.num_layers)}
@@ -218,7 +228,7 @@ def plan_memory(
             f"the weights of {whole.name} ({total / 1e9:.1f} GB in {form}{split}) do not fit"
             f" in {device_memory / 1e9:.1f} GB of device memory"
         )
-    per_token = kv_bytes_per_token(shape, dtype)
+    per_token = kv_bytes_per_token(shape, dtype, config.kv_cache_dtype)
     block_bytes = per_token * config.block_size
     budget = resolve_memory(config.lora_memory, free)
     max_len = config.max_model_len or shape.max_position_embeddings
@@ -232,7 +242,9 @@ def plan_memory(
     exact = elements * DTYPE_BYTES[dtype]
     shared = bool(config.kv_lora_shared)
     device_bytes = (
-        arena_blocks(shape, profile, config.block_size, dtype) * block_bytes if shared else exact
+        arena_blocks(shape, profile, config.block_size, dtype, config.kv_cache_dtype) * block_bytes
+        if shared
+        else exact
     )
     full = adapter_elements(whole, profile)
     stored = full * DTYPE_BYTES[profile.stored_dtype or dtype]

@@ -253,7 +253,8 @@ def _cost(args: argparse.Namespace, shape: ModelShape, profile: AdapterProfile,
         except ValueError as e:
             raise PlanError(str(e)) from e
     return Roofline(gpu, shape, args.dtype, profile, config.quantization,
-                    tensor_parallel_size=config.tensor_parallel_size)  # fmt: skip
+                    tensor_parallel_size=config.tensor_parallel_size,
+                    kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
 
 
 def _calibrate(args: argparse.Namespace, profile: AdapterProfile,
@@ -303,6 +304,7 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
                 dtype=args.dtype,
                 quantization=layout.quantization,
                 tensor_parallel_size=layout.tensor_parallel_size,
+                kv_cache_dtype=args.kv_cache_dtype,
                 device=args.device,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
