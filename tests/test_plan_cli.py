@@ -254,7 +254,6 @@ def test_a_model_that_fits_one_gpu_gets_no_layout_table_unless_asked(
          "tensor parallel size 3 does not divide num_attention_heads (64)"),
         (["--model-shape", "qwen2-7b", "--tensor-parallel-size", "8"],
          "tensor parallel size 8 does not divide num_attention_heads (28)"),
-        (["--model-shape", "phi-4", "--tensor-parallel-size", "2"], "'phi3' is not split"),
         (["--model-shape", "mixtral-8x7b", "--tensor-parallel-size", "2"],
          "model_type 'mixtral' is not split"),
         (["--model-shape", "llama-3-70b", "--tensor-parallel-size", "2", "--quantization", "fp8"],

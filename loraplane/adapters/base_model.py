@@ -25,9 +25,11 @@ from loraplane.adapters.families import (
 # other families' are in `families`).
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-# the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/): unfused
-# projections and dense MLPs (not Phi-3's fused ones, nor a mixture of experts)
-TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+# the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/): dense MLPs
+# (not a mixture of experts)
+TENSOR_PARALLEL_FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3",
+)  # fmt: skip
 
 
 def tensor_parallel_problem(

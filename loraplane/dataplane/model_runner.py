@@ -40,7 +40,7 @@ from loraplane.dataplane.model_step import (
 )
 from loraplane.dataplane.models import gemma
 from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
-from loraplane.dataplane.parallel.shard import shard_adapter
+from loraplane.dataplane.parallel.shard import heads_of, shard_adapter
 from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow
@@ -105,7 +105,7 @@ class ModelRunner:
             prefetch=config.enable_lora_prefetch,
             shard=None
             if shard is None
-            else functools.partial(shard_adapter, shard=shard, kv_heads=built.spec.num_kv_heads),
+            else functools.partial(shard_adapter, shard=shard, heads=heads_of(built.spec)),
         )
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))

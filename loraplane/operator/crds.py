@@ -271,7 +271,7 @@ def pool_schema() -> Schema:
                 "description": "processes (GPUs of one node) each replica splits the base"
                 " over (--tensor-parallel-size): heads, MLP columns, vocabulary and every"
                 " adapter's slices; the pod asks for that many GPUs on cuda. Llama, Mistral,"
-                " Qwen2, Qwen3, Gemma 2 and Gemma 3 bases; unset: 1",
+                " Qwen2, Qwen3, Phi-3 and Gemma 2/3 bases (not MoE); unset: 1",
             },
             "kvCacheDtype": {
                 "type": "string",

@@ -131,7 +131,7 @@ def add_commands(subparsers: Any) -> None:
     model.add_argument(
         "--tensor-parallel-size", type=_positive(int), default=None, metavar="N",
         help="GPUs one replica is split over, as serve --tensor-parallel-size (llama, mistral,"
-        " qwen2, qwen3, gemma2, gemma3; N divides the heads and the MLP): the memory split is"
+        " qwen2, qwen3, phi3, gemma2, gemma3; N divides the heads and the MLP): the memory split is"
         " per GPU, the step adds its all-reduces over --interconnect (default: 1, or the layout"
         " --recommend-layout picks when the model does not fit one GPU in --dtype)",
     )  # fmt: skip

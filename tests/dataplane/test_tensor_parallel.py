@@ -19,11 +19,12 @@ from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.models.config import UnsupportedModelError
 from loraplane.dataplane.models.loader import load_model
 from loraplane.dataplane.parallel.comm import WorkerLost
-from loraplane.dataplane.parallel.shard import TPShard, checkpoint_slice, shard_adapter
+from loraplane.dataplane.parallel.shard import Heads, TPShard, checkpoint_slice, shard_adapter
 from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import Family, hf_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+H4 = Heads(4, 4)  # the heads of the one-layer checks (their k/v rules need none)
 
 
 # -- the rules, on one linear layer with an adapter (no processes) ---------------------------
@@ -56,11 +57,11 @@ def test_column_parallel_slices_side_by_side_are_the_whole_layer(size: int) -> N
     parts = []
     for rank in range(size):
         shard = TPShard(rank, size)
-        ad = shard_adapter(_adapter("up_proj", a, b), shard, kv_heads=4)
+        ad = shard_adapter(_adapter("up_proj", a, b), shard, H4)
         lora = ad.modules[(0, "up_proj")]
         assert lora.a.shape == a.shape and lora.b.shape == (16 // size, 4)
-        w_r = checkpoint_slice(name + ".weight", w, shard, 4)
-        b_r = checkpoint_slice(name + ".bias", bias, shard, 4)
+        w_r = checkpoint_slice(name + ".weight", w, shard, H4)
+        b_r = checkpoint_slice(name + ".bias", bias, shard, H4)
         parts.append(_with_lora(x, w_r, b_r, ad))
     torch.testing.assert_close(torch.cat(parts, dim=-1), whole)
 
@@ -74,20 +75,50 @@ def test_row_parallel_partials_sum_to_the_whole_layer_with_the_bias_once(size: i
     for rank in range(size):
         shard = TPShard(rank, size)
         cols = shard.part(16)
-        ad = shard_adapter(_adapter("o_proj", a, b), shard, kv_heads=4)
+        ad = shard_adapter(_adapter("o_proj", a, b), shard, H4)
         assert ad.modules[(0, "o_proj")].a.shape == (4, 16 // size)
-        w_r = checkpoint_slice(name + ".weight", w, shard, 4)
-        b_r = checkpoint_slice(name + ".bias", bias, shard, 4)
+        w_r = checkpoint_slice(name + ".weight", w, shard, H4)
+        b_r = checkpoint_slice(name + ".bias", bias, shard, H4)
         assert bool(b_r.any()) == (rank == 0)
         total += _with_lora(x[:, cols], w_r, b_r, ad)
     torch.testing.assert_close(total, whole)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_fused_qkv_and_gate_up_split_part_by_part_as_their_unfused_projections(size: int) -> None:
+    """Phi-3's qkv_proj is [q | k | v] and gate_up_proj [gate | up]: a rank's rows are its q,
+    k and v rows (its gate and up rows), as the unfused projections would split, with B's rows
+    of a fused adapter alike."""
+    heads, head_dim, hidden = Heads(8, 4), 2, 6
+    q, kv = 8 * head_dim, 4 * head_dim
+    w = torch.arange((q + 2 * kv) * hidden, dtype=torch.float32).view(q + 2 * kv, hidden)
+    b = torch.randn(q + 2 * kv, 3)
+    gate_up = torch.randn(2 * 10, hidden)
+    for rank in range(size):
+        shard = TPShard(rank, size)
+        fused = checkpoint_slice("model.layers.0.self_attn.qkv_proj.weight", w, shard, heads)
+        parts = [
+            checkpoint_slice(f"model.layers.0.self_attn.{name}.weight", part, shard, heads)
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv]),
+                                  strict=True)
+        ]  # fmt: skip
+        assert torch.equal(fused, torch.cat(parts))
+        up = checkpoint_slice("model.layers.0.mlp.gate_up_proj.weight", gate_up, shard, heads)
+        gate_part, up_part = gate_up.chunk(2)
+        assert torch.equal(up.chunk(2)[0], gate_part[shard.part(10)])
+        assert torch.equal(up.chunk(2)[1], up_part[shard.part(10)])
+        lora = shard_adapter(_adapter("qkv_proj", torch.randn(3, hidden), b), shard, heads)
+        b_rows = [part[rows] for part, rows in zip(
+            b.split([q, kv, kv]), (shard.part(q), shard.kv_part(kv, 4), shard.kv_part(kv, 4)),
+            strict=True)]  # fmt: skip
+        assert torch.equal(lora.modules[(0, "qkv_proj")].b, torch.cat(b_rows))
+
+
 def test_fewer_kv_heads_than_ranks_replicates_the_head_each_rank_reads() -> None:
     head_dim, kv_heads = 3, 2
     w = torch.arange(kv_heads * head_dim * 5, dtype=torch.float32).view(-1, 5)
-    rows = [checkpoint_slice("model.layers.0.self_attn.k_proj.weight", w, TPShard(r, 4), 2)
-            for r in range(4)]  # fmt: skip
+    rows = [checkpoint_slice("model.layers.0.self_attn.k_proj.weight", w, TPShard(r, 4),
+                             Heads(4, 2)) for r in range(4)]  # fmt: skip
     # query heads 0-1 of 4 ranks... ranks 0, 1 read KV head 0; ranks 2, 3 KV head 1
     assert torch.equal(rows[0], w[:3]) and torch.equal(rows[1], w[:3])
     assert torch.equal(rows[2], w[3:]) and torch.equal(rows[3], w[3:])
@@ -95,12 +126,16 @@ def test_fewer_kv_heads_than_ranks_replicates_the_head_each_rank_reads() -> None
 
 def test_the_vocabulary_splits_into_equal_padded_slices() -> None:
     emb = torch.arange(10, dtype=torch.float32).view(10, 1).expand(10, 2).contiguous()
-    parts = [checkpoint_slice("model.embed_tokens.weight", emb, TPShard(r, 4), 1) for r in range(4)]
+    parts = [
+        checkpoint_slice("model.embed_tokens.weight", emb, TPShard(r, 4), H4) for r in range(4)
+    ]
     assert [tuple(p.shape) for p in parts] == [(3, 2)] * 4
     assert torch.equal(torch.cat(parts)[:10], emb)
     assert not parts[3][1:].any()  # the last rank's padding rows
     norm = torch.ones(4)
-    assert checkpoint_slice("model.layers.0.input_layernorm.weight", norm, TPShard(1, 2), 1) is norm
+    assert (
+        checkpoint_slice("model.layers.0.input_layernorm.weight", norm, TPShard(1, 2), H4) is norm
+    )
 
 
 def test_models_that_cannot_be_split_are_refused_by_name(
@@ -108,12 +143,12 @@ def test_models_that_cannot_be_split_are_refused_by_name(
 ) -> None:
     from tests.factories import build_model
 
-    phi3 = build_model(tmp_path / "phi3", "phi3")
+    mixtral = build_model(tmp_path / "mixtral", "mixtral")
     llama = families["llama"].model_dir  # 4 heads over 2 KV heads
     with pytest.raises(UnsupportedModelError, match=r"does not divide num_attention_heads \(4\)"):
         load_model(llama, torch.float32, "cpu", shard=TPShard(0, 3))
     with pytest.raises(UnsupportedModelError, match="not split by tensor parallelism yet"):
-        load_model(phi3, torch.float32, "cpu", shard=TPShard(0, 2))
+        load_model(mixtral, torch.float32, "cpu", shard=TPShard(0, 2))
     with pytest.raises(ValueError, match="kv_lora_shared is not supported with tensor_para"):
         EngineConfig(model=str(llama), device="cpu", tensor_parallel_size=2, kv_lora_shared=True)
     config = EngineConfig(model=str(llama), device="cuda", tensor_parallel_size=2)
@@ -259,19 +294,27 @@ def test_quantized_bases_are_refused_under_tensor_parallelism(families: dict[str
         load_model(llama, torch.float32, "cpu", quantization="fp8", shard=TPShard(0, 2))
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
-def test_tp2_gives_tp1s_tokens_on_gemma(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "phi3"])
+def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> None:
     """Gemma's scaled embedding (after the vocabulary-parallel lookup's sum), its soft caps
     (attention per head; the logits after the gather) and 1 + w norms, split over two ranks;
-    Gemma 2 with two KV heads, Gemma 3 with one (each rank holds it) and untied lm_head."""
+    Gemma 2 with two KV heads, Gemma 3 with one (each rank holds it) and untied lm_head.
+    Phi-3's fused qkv_proj and gate_up_proj (and its adapters' fused B) split part by part."""
     from tests.dataplane.test_models_gemma_parity import _build_model
-    from tests.factories import build_peft_adapter
+    from tests.factories import build_model, build_peft_adapter
 
-    model = _build_model(tmp_path / kind, kind, seed=3)
+    if kind == "phi3":
+        model = build_model(tmp_path / kind, kind)
+        targets = (["qkv_proj", "gate_up_proj", "o_proj", "down_proj"], ["o_proj", "down_proj"])
+    else:
+        model = _build_model(tmp_path / kind, kind, seed=3)
+        targets = (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                    "down_proj"], ["o_proj", "down_proj"])  # fmt: skip
     adapters = {
-        "a": build_peft_adapter(model, tmp_path / "a", seed=1, r=8, lora_alpha=16),
+        "a": build_peft_adapter(model, tmp_path / "a", seed=1, r=8, lora_alpha=16,
+                                target_modules=targets[0]),
         "b": build_peft_adapter(model, tmp_path / "b", seed=2, r=4, lora_alpha=4,
-                                target_modules=["o_proj", "down_proj"]),
+                                target_modules=targets[1]),
     }  # fmt: skip
     family = Family(kind, model, adapters)
     names: list[str | None] = ["a", None, "b", "a"]

@@ -187,6 +187,7 @@ def load_model(
             raise UnsupportedModelError(
                 "tensor parallelism over quantized weights is not supported yet"
             )
+        heads = parallel.Heads(config.num_heads, config.num_kv_heads)
         rows = tp.vocab_part(config.vocab_size)[2]
         built = dataclasses.replace(parallel.local_config(config, tp), vocab_size=rows)
     with torch.device("meta"):
@@ -221,7 +222,7 @@ def load_model(
                     continue
                 tensor = f.get_tensor(name)
                 if tp.size > 1:  # a copy of the slice: the whole tensor is not kept
-                    tensor = parallel.checkpoint_slice(target, tensor, tp, config.num_kv_heads)
+                    tensor = parallel.checkpoint_slice(target, tensor, tp, heads)
                     tensor = tensor.clone()
                 state[target] = tensor.to(device=device, dtype=dtype)
     _check_keys(model, state, root)

@@ -22,7 +22,8 @@ from loraplane.adapters.base_model import BaseModelSpec, tensor_parallel_problem
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# Phi-3's fused qkv_proj ([q | k | v] rows) and gate_up_proj ([gate | up]) split part by part
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -104,18 +105,46 @@ def _projection(name: str) -> tuple[str, str] | None:
     return leaf, part
 
 
-def _rows(module: str, length: int, shard: TPShard, kv_heads: int) -> slice:
-    """A column-parallel module's output rows on this rank."""
+@dataclass(frozen=True, slots=True)
+class Heads:
+    """A model's attention heads, what the split of its q/k/v rows depends on."""
+
+    num_heads: int
+    num_kv_heads: int
+
+
+def heads_of(spec: BaseModelSpec) -> Heads:
+    """The heads of the base `spec` describes."""
+    return Heads(spec.num_heads, spec.num_kv_heads)
+
+
+def _shift(part: slice, by: int) -> slice:
+    return slice(part.start + by, part.stop + by)
+
+
+def _rows(module: str, length: int, shard: TPShard, heads: Heads) -> list[slice]:
+    """A column-parallel module's output rows on this rank (several runs for a fused one)."""
+    kv = heads.num_kv_heads
     if module in ("k_proj", "v_proj"):
-        return shard.kv_part(length, kv_heads)
-    return shard.part(length)
+        return [shard.kv_part(length, kv)]
+    if module == "qkv_proj":  # [q | k | v], each part split as its own projection's
+        head_dim = length // (heads.num_heads + 2 * kv)
+        q, kv_rows = heads.num_heads * head_dim, kv * head_dim
+        kv_part = shard.kv_part(kv_rows, kv)
+        return [shard.part(q), _shift(kv_part, q), _shift(kv_part, q + kv_rows)]
+    if module == "gate_up_proj":  # [gate | up]
+        half = length // 2
+        return [shard.part(half), _shift(shard.part(half), half)]
+    return [shard.part(length)]
 
 
-def checkpoint_slice(
-    name: str, tensor: torch.Tensor, shard: TPShard, kv_heads: int
-) -> torch.Tensor:
+def _take_rows(tensor: torch.Tensor, runs: list[slice]) -> torch.Tensor:
+    return tensor[runs[0]] if len(runs) == 1 else torch.cat([tensor[r] for r in runs])
+
+
+def checkpoint_slice(name: str, tensor: torch.Tensor, shard: TPShard, heads: Heads) -> torch.Tensor:
     """Rank `shard.rank`'s part of checkpoint tensor `name` (the tensor itself when whole)
-    of a model with `kv_heads` KV heads."""
+    of a model with `heads`."""
     if shard.size == 1:
         return tensor
     if name in VOCAB_PARALLEL:
@@ -130,13 +159,13 @@ def checkpoint_slice(
         return tensor
     leaf, kind = found
     if leaf in COLUMN_PARALLEL:  # output rows (a bias: its entries)
-        return tensor[_rows(leaf, tensor.shape[0], shard, kv_heads)]
+        return _take_rows(tensor, _rows(leaf, tensor.shape[0], shard, heads))
     if kind == "bias":  # row-parallel: added once, by rank 0, to the summed output
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)
     return tensor[:, shard.part(tensor.shape[1])]
 
 
-def shard_adapter(adapter: LoadedAdapter, shard: TPShard, kv_heads: int) -> LoadedAdapter:
+def shard_adapter(adapter: LoadedAdapter, shard: TPShard, heads: Heads) -> LoadedAdapter:
     """`adapter`'s part on this rank (vLLM's default layout): a column-parallel module keeps A
     whole and its slice of B's rows, a row-parallel one its slice of A's columns and B whole.
     Slices are copied (contiguous), so the pool's host form reads them as one run each."""
@@ -145,7 +174,7 @@ def shard_adapter(adapter: LoadedAdapter, shard: TPShard, kv_heads: int) -> Load
     modules = {}
     for (layer, module), w in adapter.modules.items():
         if module in COLUMN_PARALLEL:
-            a, b = w.a, w.b[_rows(module, w.b.shape[0], shard, kv_heads)].contiguous()
+            a, b = w.a, _take_rows(w.b, _rows(module, w.b.shape[0], shard, heads)).contiguous()
         elif module in ROW_PARALLEL:
             a, b = w.a[:, shard.part(w.a.shape[1])].contiguous(), w.b
         else:  # pragma: no cover - check_supported refused such models

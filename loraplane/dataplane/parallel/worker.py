@@ -22,7 +22,7 @@ from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.lora.loader import load_lora
 from loraplane.dataplane.model_step import build_model, run_plan
 from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, leave
-from loraplane.dataplane.parallel.shard import TPShard, shard_adapter
+from loraplane.dataplane.parallel.shard import TPShard, heads_of, shard_adapter
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,6 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
             for load in message.loads:
                 adapter = load_lora(load.folder, built.spec, limits, load.digest)
                 pool.free(load.slot)
-                part = shard_adapter(adapter, comm.shard, built.spec.num_kv_heads)
+                part = shard_adapter(adapter, comm.shard, heads_of(built.spec))
                 pool.load(load.slot, pool.host_form(part))
             run_plan(model, message.plan, setup.block_size, host_copy)

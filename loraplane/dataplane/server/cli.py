@@ -64,7 +64,7 @@ def add_commands(subparsers: Any) -> None:
         help="split the base model over N processes, one per GPU (cuda:0..N-1; on cpu, the"
         " cores shared out): attention heads, MLP columns and the vocabulary, and each"
         " adapter's matching slices, exact; N must divide the attention heads and the MLP"
-        " width. Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 bases; default 1",
+        " width. Every family but the mixtures of experts; default 1",
     )
     serve.add_argument(
         "--kv-cache-dtype",
