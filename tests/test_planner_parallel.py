@@ -83,7 +83,7 @@ def test_a_rank_s_shapes_are_the_data_plane_s_split(shape: ModelShape, n: int) -
     and `shard_adapter` (the slices a rank keeps) on every module of an adapter."""
     import loraplane.dataplane.models.loader  # noqa: F401  (the data plane's import order)
     from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
-    from loraplane.dataplane.parallel.shard import TPShard, local_spec, shard_adapter
+    from loraplane.dataplane.parallel.shard import TPShard, heads_of, local_spec, shard_adapter
 
     local = rank_shape(shape, n)
     modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -101,7 +101,7 @@ def test_a_rank_s_shapes_are_the_data_plane_s_split(shape: ModelShape, n: int) -
             fan_in, fan_out = shape.spec.module_shape(m)
             weights[(layer, m)] = LoRAWeights(torch.zeros(r, fan_in), torch.zeros(fan_out, r), 1.0)
     for rank in range(n):
-        part = shard_adapter(LoadedAdapter("x", weights), TPShard(rank, n), shape.num_kv_heads)
+        part = shard_adapter(LoadedAdapter("x", weights), TPShard(rank, n), heads_of(shape.spec))
         kept = sum(w.a.numel() + w.b.numel() for w in part.modules.values())
         assert kept == adapter_elements(local, AdapterProfile(1, rank=r))
 
