@@ -86,15 +86,16 @@ def judge(
 class EngineLoop:
     """The step loop around one engine: actions queued from other threads are applied between
     steps, a step that raises fails its requests (not the loop), and the health fields probes
-    read are kept. Where outputs and errors go is the subclass's `_deliver` and `on_step`:
+    read are kept. Where outputs and errors go is the subclass's `_deliver` and `_stepped`:
     streams of this interpreter (AsyncEngine) or a pipe to the API server's process
-    (engine_process.py)."""
+    (engine_process.py). Whoever watches the steps adds a step observer to the engine
+    (step_observer.py); when the loop finds no work it hands the observers the adapter loads
+    that ended meanwhile."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
-        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # metrics hook
         self._failed_steps = 0  # steps failed in a row before a give-up (see _step_failed)
         # health, written by the loop only (plain attribute writes, read by probes)
         self.last_step_at: float | None = None  # monotonic time of the last step that returned
@@ -134,6 +135,7 @@ class EngineLoop:
         while not self._stop.is_set():
             if not self.engine.has_unfinished:  # idle: sleep until something is queued
                 self._progress_at = time.monotonic()
+                self.engine.observers.flush_loads()
                 self._idle()
                 try:
                     action = self._actions.get(timeout=0.5)
@@ -174,8 +176,6 @@ class EngineLoop:
         """A step ended (with no outputs when it raised): deliver its outputs."""
         for out in outputs:
             self._deliver(out.request_id, out)
-        if self.on_step is not None:
-            self.on_step(outputs)
 
 
 @dataclass(slots=True)

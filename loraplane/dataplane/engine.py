@@ -10,6 +10,9 @@ One `step()` is one forward pass over a mixed batch: prefill chunks and decode t
 requests, each with its own adapter (or none), as many distinct adapters per step as the
 adapter memory (`lora_memory`) holds.
 
+Each step is recorded for `engine.observers` (step_observer.py): what ran, what it cost, what
+loaded.
+
 `Engine(config, detokenize=False)` outputs token ids with no text and never checks stop
 strings: the engine process's mode (engine_process.py), where the API server's process turns
 ids into text with the same `IncrementalDetokenizer.add_output` and aborts a sequence whose
@@ -45,6 +48,7 @@ from loraplane.dataplane.sequence import (
     Sequence,
     SequenceStatus,
 )
+from loraplane.dataplane.step_observer import StepObservers
 from loraplane.dataplane.structured import GrammarCompiler, Matcher
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
@@ -154,6 +158,9 @@ class Engine:
         self.sampler = Sampler(config.seed, self.runner.device, self.runner.host_copy)
         self.loras = self.runner.loras
         self.stats = EngineStats()
+        self.observers = StepObservers()  # each step's record; the tiers report loads to it
+        self.loras.host_stats.report = self.observers.load_ended
+        self.loras.device_stats.report = self.observers.load_ended
         self.detokenize = detokenize  # text and stop strings here (else: ids only)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent_logprobs: dict[str, int] = {}
@@ -261,9 +268,11 @@ class Engine:
         self._housekeeping()
         start = time.perf_counter()
         out = self.scheduler.schedule(self.loras)
+        scheduled = time.perf_counter()
         if not out.scheduled:
             if self.scheduler.waiting:  # every waiting request waits for its adapter's load
                 self.loras.wait_for_load(LOAD_WAIT_S)
+            self.observers.record(out, scheduled - start, failed_requests=len(failed))
             return failed
         self.last_batch = [r.seq.request_id for r in out.scheduled]
         try:
@@ -276,11 +285,16 @@ class Engine:
                 raise WorkerLost(f"a step of the split model failed: {error!r}") from error
             parts, failed_rows = self._compute_isolated(out, error)
             failed += failed_rows
+        computed_at = time.perf_counter()
         outputs = [o for part, computed in parts for o in self._record(part, computed)]
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
         self._step_seconds += 0.2 * (elapsed - self._step_seconds)
         self.stats.steps += 1
         self.stats.preemptions += len(out.preempted)
+        self.observers.record(
+            out, scheduled - start, computed_at - scheduled, end - computed_at, len(failed)
+        )
         return failed + outputs
 
     def _housekeeping(self) -> None:

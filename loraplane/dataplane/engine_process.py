@@ -66,6 +66,7 @@ from loraplane.dataplane.engine_commands import run_command
 from loraplane.dataplane.output_text import OutputText
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.step_observer import StepRecord
 from loraplane.dataplane.structured import Constraint, GrammarCompiler
 from loraplane.dataplane.tokenizer import Tokenizer
 from loraplane.redact import env_secrets, install_log_redaction
@@ -91,7 +92,8 @@ def build_engine(
 ) -> Engine:
     """The engine `settings` describe, with the static `--lora-modules` registered; each
     adapter load's seconds go to `observe(tier, seconds)` (tier "cpu": into host memory,
-    "gpu": into a device slot). Raises StartupError. Runs in the server's process or in the
+    "gpu": into a device slot): the static ones' here, the others' from the engine's step
+    records (a step observer). Raises StartupError. Runs in the server's process or in the
     engine's (there with `detokenize` False: the server's process makes the text)."""
     disk = None
     if settings.controlplane_url:  # catalog mode: stored versions, through the tiers
@@ -115,8 +117,7 @@ def build_engine(
     except (ValueError, OSError) as e:
         reason = fileaccess.message(e)
         raise StartupError(f"cannot load model {settings.model}: {reason}") from e
-    engine.loras.device_stats.load_seconds = lambda s: observe("gpu", s)
-    engine.loras.host_stats.load_seconds = lambda s: observe("cpu", s)
+    engine.observers.append(LoadTimes(observe))
     for name, path in settings.adapter_dirs().items():
         start = time.perf_counter()
         try:
@@ -127,6 +128,18 @@ def build_engine(
             raise StartupError(f"adapter {name}: {fileaccess.message(e)}") from e
         observe("cpu", time.perf_counter() - start)
     return engine
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTimes:
+    """A step observer: each adapter load of a step's record to `observe(tier, seconds)`
+    (the server's loraplane_adapter_load_seconds, here or across the pipe)."""
+
+    observe: Callable[[str, float], None]
+
+    def __call__(self, record: StepRecord) -> None:
+        for load in record.loads:
+            self.observe(load.tier, load.seconds)
 
 
 # -- messages ---------------------------------------------------------------------------------
@@ -246,7 +259,7 @@ def _child_main(conn: Connection, settings: ServerSettings, log_level: int) -> N
 
 def _drain(loads: deque[tuple[str, float]]) -> list[tuple[str, float]]:
     out = []
-    while loads:  # appended to by loader threads: popleft is atomic
+    while loads:  # appended to by the engine's step observer (LoadTimes)
         out.append(loads.popleft())
     return out
 

@@ -21,6 +21,7 @@ from loraplane.planner.measure import Bench, Clock, closed_loop, make_engine
 if TYPE_CHECKING:
     from loraplane.dataplane.engine import Engine
     from loraplane.dataplane.sequence import LoRARef
+    from loraplane.dataplane.step_observer import StepRecord
 
 # (requests, distinct adapters, prompt tokens, output tokens), each run as one batch
 BATCHES = ((64, 4, 16, 5), (64, 48, 16, 24), (16, 16, 64, 3), (32, 8, 32, 3),
@@ -30,18 +31,24 @@ LOAD_SAMPLES = 8
 
 def load_adapters(engine: Engine, refs: list[LoRARef], timeout: float = 60.0) -> list[float]:
     """Load each of `refs` into host memory through the loader threads, one at a time;
-    return each load's seconds as the engine times them (`loraplane_adapter_load_seconds`)."""
-    stats = engine.loras.host_stats
-    told, times = stats.load_seconds, list[float]()
-    stats.load_seconds = times.append
+    return each load's seconds as the engine times them (`loraplane_adapter_load_seconds`),
+    read from its step records (the loads end outside any step: flushed to the observers)."""
+    times: list[float] = []
+
+    def observe(record: StepRecord) -> None:
+        times.extend(record.load_seconds("cpu"))
+
+    engine.observers.flush_loads()  # loads that ended before are not these
+    engine.observers.append(observe)
     try:
         for ref in refs:
             engine.loras.prefetch([ref])
             engine.loras.wait_for([ref], timeout)
             if not engine.loras.ready(ref):
                 raise RuntimeError(f"adapter {ref.key} did not load: {engine.loras.failure(ref)}")
+        engine.observers.flush_loads()
     finally:
-        stats.load_seconds = told
+        engine.observers.remove(observe)
     return times
 
 

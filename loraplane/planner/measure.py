@@ -3,7 +3,8 @@
 `build_bench` writes a small Llama model and stores adapters of a profile in a local object
 store (the catalog's path: ingest, then `register_stored` and loads from the disk tier, as
 `benchmarks/tiers.py` does); `closed_loop` runs requests through `Engine.step()` with a fixed
-number in flight and records what each step computed and how long it took.
+number in flight and records what each step computed (the engine's step records,
+step_observer.py) and how long it took.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
     from loraplane.adapters.ingest import AdapterVersion
     from loraplane.adapters.store import LocalStore
     from loraplane.dataplane.engine import Engine
-    from loraplane.dataplane.scheduler import SchedulerOutput
     from loraplane.dataplane.sequence import LoRARef
+    from loraplane.dataplane.step_observer import StepRecord
 
 # A model that steps in tens of milliseconds on two cores (fp32).
 SMALL_SHAPE: dict[str, Any] = {
@@ -162,13 +163,11 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
     cold: list[bool] = []
     load_seconds: list[float] = []
     first: dict[int, float] = {}
-    outs: list[SchedulerOutput] = []
-    schedule = engine.scheduler.schedule
+    records: list[StepRecord] = []
 
-    def recording(adapters: Any = None) -> SchedulerOutput:
-        out = schedule(adapters)
-        outs.append(out)
-        return out
+    def observe(record: StepRecord) -> None:
+        records.append(record)
+        load_seconds.extend(record.load_seconds("cpu"))
 
     def send() -> None:
         i = len(arrived)
@@ -180,9 +179,8 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
         engine.add_request(f"p{i}", prompt, params, refs[adapter])
 
     loads_before = engine.loras.host_stats.loads
-    told = engine.loras.host_stats.load_seconds
-    engine.loras.host_stats.load_seconds = load_seconds.append
-    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    engine.observers.flush_loads()  # loads that ended before this run are not its own
+    engine.observers.append(observe)
     try:
         for _ in range(min(in_flight, len(trace))):
             send()
@@ -190,12 +188,13 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
         tokens = done = 0
         start = clock()
         while done < len(trace):
-            outs.clear()
+            records.clear()
             began = clock()
             results = engine.step()
             took = clock() - began
-            if outs and outs[-1].scheduled:
-                steps.append((step_shape(outs[-1], adapter_bytes), took))
+            batch = records[-1].batch if records else None
+            if batch is not None and batch.scheduled:
+                steps.append((step_shape(batch, adapter_bytes), took))
             for r in results:
                 i = int(r.request_id[1:])
                 if i not in first and r.token_ids:
@@ -207,8 +206,7 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
                         send()
         elapsed = clock() - start
     finally:
-        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
-        engine.loras.host_stats.load_seconds = told
+        engine.observers.remove(observe)
     loads = engine.loras.host_stats.loads - loads_before
     ttft = [first.get(i, 0.0) for i in range(len(trace))]
     return LoadRun(tokens / elapsed, ttft, steps, loads, load_seconds, cold)

@@ -47,6 +47,7 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.loader import LoadedAdapter, load_lora
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.step_observer import AdapterLoad, Tier
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tiers.load_order import in_turn, next_tenant
 
@@ -115,13 +116,20 @@ class _Entry:
 
 @dataclass(slots=True)
 class TierStats:
-    """Counters per tier, for `loraplane_adapter_*` metrics."""
+    """Counters per tier, for `loraplane_adapter_*` metrics; each load's time goes to
+    `report`, the engine's step observers (step_observer.py), which hand it on in a record."""
 
+    tier: Tier
     loads: int = 0
     failures: int = 0
     hits: int = 0
     evictions: int = 0
-    load_seconds: Callable[[float], None] | None = None  # told each load's time (metrics)
+    report: Callable[[AdapterLoad], None] | None = None
+
+    def load_ended(self, key: str, start: float) -> None:
+        """A load of version `key` that began at `start` (perf_counter) ended now."""
+        if self.report is not None:
+            self.report(AdapterLoad(self.tier, key, time.perf_counter() - start))
 
 
 class LoRAManager:
@@ -161,7 +169,7 @@ class LoRAManager:
         # evicted by later prefetches before its request runs
         self.prefetch_depth = prefetch_depth or max(1, self.max_cpu_loras // 2)
         self._queue: list[_Entry] = []  # the latest prefetch list, in load order
-        self.host_stats, self.device_stats = TierStats(), TierStats()
+        self.host_stats, self.device_stats = TierStats("cpu"), TierStats("gpu")
         self._entries: dict[str, _Entry] = {}  # ref.key -> entry
         # per-step work must not grow with what is registered: the host copies and the loads
         # in flight are kept apart from the registry
@@ -459,8 +467,7 @@ class LoRAManager:
         with self._lock:
             if entry.ref.key in self._entries:  # not unregistered meanwhile
                 self._to_host(entry, adapter)
-                if self.host_stats.load_seconds is not None:
-                    self.host_stats.load_seconds(time.perf_counter() - start)
+                self.host_stats.load_ended(entry.ref.key, start)
 
     def _fail_entry(self, entry: _Entry, message: str) -> None:
         """Mark `entry` FAILED with `message` (under the lock): its waiting requests fail with
@@ -649,8 +656,7 @@ class LoRAManager:
                 entry.slot = slot
                 self._slots[slot] = entry.ref.key
                 self.device_stats.loads += 1
-                if self.device_stats.load_seconds is not None:
-                    self.device_stats.load_seconds(time.perf_counter() - start)
+                self.device_stats.load_ended(entry.ref.key, start)
                 return True
             if not victims:
                 return False

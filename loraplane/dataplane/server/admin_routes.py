@@ -15,8 +15,11 @@ series (per tenant, per adapter) on the metrics port (`metrics_port.py`).
 
 `/v1/load_lora_adapter` takes a name from the static `--lora-modules` list (a `lora_path` sent
 by the client is refused: the server never loads a client-given path); `/v1/unload_lora_adapter`
-stops new requests for the adapter, waits for its running ones, then frees its memory. Both
-need the admin token (`--admin-token` / LORAPLANE_ADMIN_TOKEN); without one they answer 404.
+stops new requests for the adapter at once (in catalog mode they are refused with 404
+`model_unloading` while it drains), waits for its running ones (at most
+LORAPLANE_UNLOAD_TIMEOUT_S, then 503 `unload_timeout` and nothing changed), then frees its
+memory and answers. Both need the admin token (`--admin-token` / LORAPLANE_ADMIN_TOKEN); without
+one they answer 404.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ async def load_lora_adapter(
 async def unload_lora_adapter(
     body: UnloadLoRARequest, runtime: RuntimeDep, _: AdminDep
 ) -> PlainTextResponse:
-    """Stop serving an adapter; frees it once its running requests finish."""
+    """Stop new requests for an adapter at once; answer once its running ones end.
+
+    Then it is freed; 503 unload_timeout if they outlast LORAPLANE_UNLOAD_TIMEOUT_S."""
     await runtime.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed.")

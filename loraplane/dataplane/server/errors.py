@@ -93,6 +93,21 @@ class ModelNotFound(APIError):
         )
 
 
+class ModelUnloading(APIError):
+    """The request's adapter is being unloaded from this replica (404): refused at once while
+    the requests it already runs finish. The message names the model as the caller sent it."""
+
+    status = 404
+    code = "model_unloading"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` is being unloaded from this replica and takes no new"
+            " requests; those already running finish.",
+            param="model",
+        )
+
+
 class NotFound(APIError):
     """Another resource (a route, an adapter to unload) that does not exist (404)."""
 
@@ -114,6 +129,15 @@ class Unavailable(APIError):
     status = 503
     type = "server_error"
     code = "unavailable"
+
+
+class UnloadTimeout(APIError):
+    """An adapter's running requests did not finish within LORAPLANE_UNLOAD_TIMEOUT_S (503
+    with Retry-After): the unload is given up and the adapter served as before."""
+
+    status = 503
+    type = "server_error"
+    code = "unload_timeout"
 
 
 class AdapterLoadTimeout(APIError):

@@ -5,8 +5,9 @@ Engine state (queues, KV usage, adapters resident and waiting, the engine's coun
 as an `EngineSnapshot`, taken on the engine thread when /metrics is scraped, so no scrape
 reads a queue while a step mutates it. Request-side figures (tokens, time to first token,
 inter-token latency) are fed by the routes as requests run; adapter load times (host and
-device tiers) by the engine's tier stats, whose `load_seconds` callbacks `build_engine` points at
-the runtime (in the engine process, carried back with each step's message).
+device tiers) by the engine's step records (step_observer.py), which a step observer that
+`build_engine` adds hands to the runtime (in the engine process, carried back with each step's
+message).
 
 Three views (docs/security.md): `render` is every series, tenant-labelled and per-adapter ones
 included, for the metrics port (`--metrics-port`) that only Prometheus may reach;

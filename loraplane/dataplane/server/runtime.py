@@ -6,9 +6,10 @@ loads): in a child process (engine_process.py, `LORAPLANE_ENGINE_PROCESS`, the d
 thread of this one (async_engine.py). Either way it registers the static `--lora-modules` (an
 invalid one fails start with `adapter NAME rejected: <ReasonCode>: <message>`), and starts the
 pressure reporter in catalog mode. Requests hold a `Lease` on their adapter while they run;
-unloading an adapter first stops new requests from resolving it, waits for its leases, then
-frees it on the engine's loop. Every call into the engine is a named command
-(engine_commands.py), so that either front takes it.
+unloading an adapter first stops new requests for it (standalone: they no longer resolve it;
+catalog mode: they are refused with 404 `model_unloading` while it drains), waits for its
+leases (at most LORAPLANE_UNLOAD_TIMEOUT_S), then frees it on the engine's loop. Every call
+into the engine is a named command (engine_commands.py), so that either front takes it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from loraplane.dataplane.server.catalog_http import HttpCatalog
 from loraplane.dataplane.server.errors import (
     InvalidRequest,
     ModelNotFound,
+    ModelUnloading,
     NotFound,
     Unavailable,
+    UnloadTimeout,
     UpstreamError,
 )
 from loraplane.dataplane.server.intake import FairPool, auto_workers
@@ -108,6 +111,8 @@ class Runtime:
         self.draining = False
         self.fatal: str | None = None  # why start failed
         self._inflight: Counter[str] = Counter()  # adapter key -> leases
+        # catalog mode: (tenant, name) -> unloads under way; their new requests are refused
+        self._unloading: Counter[tuple[str, str]] = Counter()
         self._weights: dict[str, float] = {}  # tenant -> share weight the scheduler has
         self._released = asyncio.Condition()
         self._loading: dict[str, asyncio.Future[LoRARef]] = {}
@@ -314,9 +319,15 @@ class Runtime:
             if self.static.get(ref.name) is None:  # unloaded since it was resolved
                 raise ModelNotFound(model)
         else:
+            self._refuse_unloading(ref, model)
             await self._ensure_loaded(ref, resolved)
-        self._inflight[ref.key] += 1
+            self._refuse_unloading(ref, model)  # an unload began while it registered
+        self._inflight[ref.key] += 1  # no await since the check: the unload waits for it
         return ref
+
+    def _refuse_unloading(self, ref: LoRARef, model: str) -> None:
+        if self._unloading[(ref.tenant, ref.name)]:
+            raise ModelUnloading(model)
 
     def _release(self, key: str) -> None:
         self._inflight[key] -= 1
@@ -380,23 +391,58 @@ class Runtime:
         return True
 
     async def unload(self, lora_name: str) -> None:
-        """Stop serving an adapter, wait for its requests, then free it on the engine thread.
+        """Stop new requests for an adapter at once, wait for its running ones, then free it
+        on the engine thread.
 
-        Standalone: `lora_name` is a --lora-modules name. Catalog mode: `tenant/name`.
+        Standalone: `lora_name` is a --lora-modules name, no longer resolved from now on.
+        Catalog mode: `tenant/name`; its new requests are refused (ModelUnloading) until it
+        is freed, after which the next one registers it again from the store (catalog
+        adapters load on first use). Past LORAPLANE_UNLOAD_TIMEOUT_S the unload is given
+        up, the adapter served as before, and UnloadTimeout raised.
         """
         self.require_engine()
         tenant, _, name = lora_name.rpartition("/")
         tenant = tenant or DEFAULT_TENANT
-        if self.static is not None and (
-            tenant != DEFAULT_TENANT or self.static.remove(name) is None
-        ):
-            raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
-
-        def keys() -> list[str]:
-            return [k for k in self._inflight if k.startswith(f"{tenant}/{name}@")]
-
-        await self._wait_idle(keys)
-        gone = await self.command("unregister", name, tenant)
+        catalog, removed = self.static, None
+        if catalog is not None:
+            removed = catalog.remove(name) if tenant == DEFAULT_TENANT else None
+            if removed is None:
+                raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
+        self._unloading[(tenant, name)] += 1
+        try:
+            try:
+                await self._drain(tenant, name, lora_name)
+            except BaseException:
+                if catalog is not None and removed is not None:  # given up: served again
+                    catalog.add(removed.name, removed.digest)
+                raise
+            # still refused until it is freed, so no request finds it half gone
+            gone = await self.command("unregister", name, tenant)
+        finally:
+            self._unloading[(tenant, name)] -= 1
+            if not self._unloading[(tenant, name)]:
+                del self._unloading[(tenant, name)]
         if not gone and self.static is None:
             raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
         self.metrics.cpu_evictions += len(gone)
+
+    async def _drain(self, tenant: str, name: str, lora_name: str) -> None:
+        """Wait until no request holds a version of (tenant, name); UnloadTimeout past the
+        setting."""
+        prefix = f"{tenant}/{name}@"
+
+        def keys() -> list[str]:
+            return [k for k in self._inflight if k.startswith(prefix)]
+
+        timeout = self.settings.unload_timeout_s
+        try:
+            await asyncio.wait_for(self._wait_idle(keys), timeout)
+        except TimeoutError:
+            running = sum(self._inflight[k] for k in keys())
+            raise UnloadTimeout(
+                f"adapter {lora_name!r} still had {running} running request(s) after"
+                f" {timeout:g} s (LORAPLANE_UNLOAD_TIMEOUT_S): the unload is given up and the"
+                " adapter is served as before",
+                param="lora_name",
+                retry_after=timeout,
+            ) from None

@@ -93,6 +93,9 @@ class ServerSettings(BaseSettings):
     requests_per_minute: int = Field(default=0, ge=0)  # standalone tenant; 0 = unlimited
     tokens_per_minute: int = Field(default=0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # an adapter unload waits this long for the adapter's running requests (then it is given
+    # up, 503 unload_timeout, and the adapter served as before)
+    unload_timeout_s: float = Field(default=120.0, gt=0)
     # a request whose adapter is not loaded this long after it arrived fails with 504
     adapter_load_timeout_s: float = Field(default=60.0, gt=0)
     # /ready fails while the engine has work but no step has ended for this long. 30 s: a step
@@ -281,6 +284,8 @@ SETTINGS_HELP: dict[str, str] = {
     "requests_per_minute": "standalone tenant's request limit (0: unlimited)",
     "tokens_per_minute": "standalone tenant's token limit (0: unlimited)",
     "shutdown_grace_s": "seconds running requests get to finish on SIGTERM",
+    "unload_timeout_s": "seconds an adapter unload waits for the adapter's running requests"
+    " (then 503 unload_timeout: the unload is given up)",
     "adapter_load_timeout_s": "seconds a request waits for its adapter to load (then 504"
     " AdapterLoadTimeout)",
     "ready_stall_s": "/ready fails while the engine has work and no step has ended this long",
