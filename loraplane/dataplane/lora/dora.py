@@ -44,18 +44,39 @@ def refusal(base: nn.Module | None) -> str | None:
 
 
 @torch.no_grad()
+def row_norms_sq(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out] fp64
+    """||W_i||^2 of each row of a base weight: what every DoRA adapter's norm starts from
+    (the pool keeps it per module once the first DoRA adapter there needed it)."""
+    norms: torch.Tensor = torch.linalg.vector_norm(weight.float(), dim=1, dtype=torch.float64)
+    return norms.square()
+
+
+@torch.no_grad()
 def dora_scale(
     weight: torch.Tensor,  # [out, in]: the base layer's weight W
     a: torch.Tensor,  # [r, in]
     b: torch.Tensor,  # [out, r]
     scale: float,  # s: alpha / r (or alpha / sqrt(r))
     magnitude: torch.Tensor,  # [out]: the adapter's m, any float dtype, any device
+    base_sq: torch.Tensor | None = None,  # [out] fp64: row_norms_sq(weight), if known
 ) -> torch.Tensor:  # [out] fp32 on weight's device: g = m / ||W + s B A||_row
-    """The per-row scale g of a DoRA module, in fp32 (as PEFT's norm is detached, computed
-    from the weights alone). Rows whose updated weight is all zero give inf, as in PEFT."""
-    w = weight.float() + scale * (b.float() @ a.float())  # [out, in]
-    norm: torch.Tensor = torch.linalg.vector_norm(w, dim=1)  # [out]
-    return magnitude.to(device=weight.device, dtype=torch.float32) / norm
+    """The per-row scale g of a DoRA module, in fp32 (PEFT's norm is detached: it depends on
+    the weights alone). The norm is expanded, never forming the [out, in] matrix W + s B A:
+
+        ||W_i + s B_i A||^2 = ||W_i||^2 + 2 s B_i . (W A^T)_i + s^2 B_i (A A^T) B_i^T
+
+    so a load reads W once, in one [out, in] x [in, r] product, and the rest is [out, r]
+    work; the rows' ||W_i||^2 come from `base_sq` and the sums run in fp64. Rows whose
+    updated weight is all zero give inf, as in PEFT."""
+    a32, b32 = a.float(), b.float()
+    if base_sq is None:
+        base_sq = row_norms_sq(weight)
+    cross = (weight.float() @ a32.t()).double().mul_(b32).sum(1)  # [out]: B_i . (W A^T)_i
+    gram = (a32 @ a32.t()).double()  # [r, r]
+    update_sq = (b32.double() @ gram).mul_(b32).sum(1)  # [out]: ||B_i A||^2
+    norm_sq = base_sq + (2 * scale) * cross + (scale * scale) * update_sq
+    norm = norm_sq.clamp_min_(0).sqrt_()  # (rounding never makes a true 0 negative by much)
+    return (magnitude.to(device=weight.device, dtype=torch.float64) / norm).float()
 
 
 def dora_rows(

@@ -130,6 +130,9 @@ class ModuleSlots:
         self.dora_mask = 0
         # the base projection the LoRA layer wraps (install_lora): DoRA's norm reads its weight
         self.base: nn.Module | None = None
+        # ||W_i||^2 per row of that weight [out] fp64, once a DoRA adapter needed it (every
+        # later one starts from it: lora/dora.py)
+        self.base_sq: torch.Tensor | None = None
 
     def clear(self, slot: int) -> None:
         """Forget the slot's tensors (the pool frees its buffer)."""
@@ -371,7 +374,9 @@ class LoRAPool:
             weight = getattr(base, "weight", None)
             if a is None or b is None or not isinstance(weight, torch.Tensor):
                 raise ValueError(f"layer {layer} {module}: no base weight for DoRA")
-            g = dora.dora_scale(weight, a, b, w.scale, w.magnitude)
+            if table.base_sq is None:  # the first DoRA adapter here: ||W_i||^2, kept
+                table.base_sq = dora.row_norms_sq(weight)
+            g = dora.dora_scale(weight, a, b, w.scale, w.magnitude, table.base_sq)
             table.dora[slot] = g
             table.dora_mask |= 1 << slot
             scales.append(g)
