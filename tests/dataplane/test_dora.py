@@ -20,7 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.dataplane import attention
 from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.cuda_graphs import replay_eagerly
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
@@ -125,10 +127,12 @@ def expected(bases: Any, kind: str, batch: list[list[int]], n: int) -> list[Any]
     return _EXPECTED[(kind, n)]
 
 
-def check_mixed_batch(bases: Any, kind: str, backend: str, n: int) -> Engine:
+def check_mixed_batch(
+    bases: Any, kind: str, backend: str, n: int, engine: Engine | None = None
+) -> Engine:
     """The mixed batch through `backend` equals HF + PEFT: tokens, and log-probs to ATOL."""
     model_dir, adapters, _ = bases(kind)
-    engine = engine_for(model_dir)
+    engine = engine or engine_for(model_dir)
     refs = {name: engine.register_lora(name, path, "t") for name, path in adapters.items()}
     batch = prompts(len(NAMES), seed=23)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=True)
@@ -153,14 +157,29 @@ def test_a_dora_adapter_in_a_mixed_batch_gives_pefts_tokens_and_logprobs(
     check_mixed_batch(bases, kind, backend, n=10)
 
 
-def test_a_dora_adapter_through_the_triton_kernels_gives_pefts_tokens_and_logprobs(
+def test_the_triton_kernels_give_pefts_tokens_and_dora_steps_run_eagerly_under_cuda_graphs(
     bases: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The Triton SGMV/BGMV kernels (interpreted) with the DoRA post-scale in torch give
+    PEFT's tokens and log-probs; with decode graphs on, a step with DoRA rows runs eagerly (a
+    captured graph does not rescale them: a fallback), while one of plain LoRA and base rows
+    replays."""
     if not INTERPRETED:
         pytest.skip("runs the tiny model on CPU through Triton's interpreter")
     pytest.importorskip("triton")
     monkeypatch.setenv(dispatch.ENV, "triton")
-    check_mixed_batch(bases, "qwen2", "triton", n=4)
+    monkeypatch.setenv(attention.ENV, "triton")
+    model_dir, adapters, _ = bases("qwen2")
+    engine = engine_for(model_dir, max_num_seqs=4, enable_prefix_caching=False)
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None
+    plain = engine.register_lora("plain", adapters["plain"], "t")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.generate(prompts(2, seed=5), params, [plain, None])
+    assert graphs.replays > 0 and graphs.fallbacks == 0
+    check_mixed_batch(bases, "qwen2", "triton+graphs", n=3, engine=engine)
+    assert graphs.fallbacks > 0
 
 
 def test_the_magnitudes_matter_a_dora_adapter_read_as_plain_lora_differs(
