@@ -94,6 +94,16 @@ def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
     return ordered[0].as_strided((end - start,), (1,)), start
 
 
+def _own(magnitude: torch.Tensor | None) -> torch.Tensor | None:
+    """A DoRA magnitude vector as an fp32 tensor of its own: not a view that would keep the
+    loader's whole file buffer alive beside the converted host copy."""
+    if magnitude is None:
+        return None
+    own = torch.empty(magnitude.shape, dtype=torch.float32)
+    copy_serial(own, magnitude)
+    return own
+
+
 # Phi-3 / Phi-4 checkpoints, and so the decoder serving them and their adapters, keep q/k/v
 # and gate/up fused (models/llama.py)
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -278,7 +288,7 @@ class LoRAPool:
                 for o, t in zip(offsets, tensors, strict=True)
             )
             modules = {
-                key: LoRAWeights(next(views), next(views), w.scale, w.magnitude)
+                key: LoRAWeights(next(views), next(views), w.scale, _own(w.magnitude))
                 for key, w in adapter.modules.items()
             }
             return LoadedAdapter(adapter.source, modules, adapter.digest)
@@ -301,7 +311,7 @@ class LoRAPool:
             b_strides = (1, fan_out) if transposed else (rank, 1)
             b = buffer.as_strided((fan_out, rank), b_strides, offset)
             offset += fan_out * rank
-            modules[key] = LoRAWeights(a=a, b=b, scale=w.scale, magnitude=w.magnitude)
+            modules[key] = LoRAWeights(a=a, b=b, scale=w.scale, magnitude=_own(w.magnitude))
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
