@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
@@ -26,8 +27,10 @@ from loraplane.dataplane.cuda_graphs import replay_eagerly
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
+from loraplane.dataplane.lora.dora import refusal
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.models import load_model
+from loraplane.dataplane.models.quant_w4 import W4Linear
 from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import _perturb
 from tests.dataplane.test_engine import prompts
@@ -277,3 +280,13 @@ def test_a_dora_adapter_under_tensor_parallelism_is_refused(bases: Any) -> None:
         manager.close()
     assert info.value.code is ReasonCode.DORA_NOT_SUPPORTED
     assert "not served with tensor parallelism (tensor_parallel_size > 1)" in info.value.message
+
+
+def test_a_4_bit_projection_refuses_dora_naming_its_class() -> None:
+    """A 4-bit checkpoint's projections (W4Linear) cannot give DoRA its W; a plain fp32
+    linear can."""
+    w4 = W4Linear(64, 32, bias=False, group_size=32, zeros=False, act_order=False,
+                  compute_dtype=torch.float32)  # fmt: skip
+    why = refusal(w4)
+    assert why is not None and "quantized (W4Linear)" in why
+    assert refusal(nn.Linear(64, 32)) is None
