@@ -18,24 +18,43 @@ team of two threads (torch's OpenMP team, `torch.set_num_threads(2)`) against on
 adapters, where the weights stream from memory (only where the library was built with OpenMP
 and the machine has two cores).
 
+DoRA (issue 33): the LoRA layers' forward (base projection, LoRA update, DoRA's per-row
+rescale: `LinearWithLoRA` over q_proj and v_proj of every layer, on the CPU default path) for a
+decode step of 8 adapters (1-2 tokens each), all DoRA against all plain LoRA of the same rank,
+goal at most 1.15; and a cold load (read, validate, hash a stored folder, convert, fill a slot:
+`load_lora` + `host_form` + `load`), the norm ||W + s B A|| of every module included, DoRA
+against plain, goal at most 2.
+
 Run: .venv/bin/python benchmarks/lora_cpu.py [--adapters 42] [--passes 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from _common import add_smoke_flag, goal, report
 from engine_cpu import shape
+from safetensors.torch import save_file
+from torch import nn
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
-from loraplane.dataplane.lora import LoadedAdapter, LoRABatch, LoRAPool, LoRAWeights
+from loraplane.dataplane.lora import (
+    LoadedAdapter,
+    LoRABatch,
+    LoRAPool,
+    LoRAWeights,
+    install_lora,
+    load_lora,
+)
 
 MODULES = ("q_proj", "v_proj")
 
@@ -87,6 +106,89 @@ def step_seconds(spec: BaseModelSpec, adapters: list[LoadedAdapter], lengths: li
     finally:
         del os.environ[dispatch.ENV]
     return best / spec.num_layers
+
+
+class _Projections(nn.Module):
+    """A stand-in decoder: layers.N.self_attn.{q,v}_proj, random fp32 weights (what
+    install_lora wraps and DoRA's norm reads)."""
+
+    def __init__(self, spec: BaseModelSpec) -> None:
+        super().__init__()
+        self.lora_context = None
+        self.layers = nn.ModuleList()
+        for _ in range(spec.num_layers):
+            attn = nn.Module()
+            for module in MODULES:
+                fan_in, fan_out = spec.module_shape(module)
+                setattr(attn, module, nn.Linear(fan_in, fan_out, bias=False))
+            layer = nn.Module()
+            layer.self_attn = attn
+            self.layers.append(layer)
+
+
+def _write(spec: BaseModelSpec, folder: Path, seed: int, dora: bool, rank: int = 16) -> Path:
+    """A PEFT-format fp16 adapter of q_proj and v_proj (with magnitude vectors if `dora`)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module in MODULES:
+            fan_in, fan_out = spec.module_shape(module)
+            stem = f"base_model.model.{spec.module_key(layer, module)}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g).half()
+            tensors[f"{stem}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) / 64).half()
+            if dora:
+                tensors[f"{stem}.lora_magnitude_vector"] = torch.rand(fan_out, generator=g).half()
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": list(MODULES), "use_dora": dora}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def dora_figures(spec: BaseModelSpec, passes: int) -> dict[str, float]:
+    """DoRA against plain LoRA of rank 16: a decode step's LoRA layers and a cold load."""
+    model = _Projections(spec)
+    n = 8
+    pool = LoRAPool(2 * n, spec, torch.float32, "cpu")
+    context = install_lora(model, pool)  # type: ignore[arg-type]
+    layers = [m for m in model.modules() if type(m).__name__ == "LinearWithLoRA"]
+    lengths = [random.Random(1).choice((1, 1, 2)) for _ in range(n)]
+    figures: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as root:
+        folders = {
+            kind: [_write(spec, Path(root) / f"{kind}{i}", i, kind == "dora") for i in range(n)]
+            for kind in ("plain", "dora")
+        }
+        loads: dict[str, float] = {"plain": float("inf"), "dora": float("inf")}
+        for slot_base, kind in ((0, "plain"), (n, "dora")):
+            for i, folder in enumerate(folders[kind]):
+                start = time.perf_counter()  # the first read of each is the cold one
+                pool.load(slot_base + i, pool.host_form(load_lora(folder, spec)))
+                loads[kind] = min(loads[kind], time.perf_counter() - start)
+        steps: dict[str, float] = {}
+        x = {k: torch.randn(sum(lengths), spec.hidden_size) for k in ("plain", "dora")}
+        for kind in ("plain", "dora", "plain", "dora"):
+            first = 0 if kind == "plain" else n
+            tokens = [first + s for s, length in enumerate(lengths) for _ in range(length)]
+            random.Random(0).shuffle(tokens)
+            context.activate(LoRABatch.from_token_slots(tokens))
+            best = float("inf")
+            with torch.no_grad():
+                for _ in range(max(passes, 3)):
+                    start = time.perf_counter()
+                    for layer in layers:
+                        layer(x[kind])
+                    best = min(best, time.perf_counter() - start)
+            steps[kind] = min(steps.get(kind, float("inf")), best)
+            context.activate(None)
+    figures["dora_decode8_plain_us_per_layer"] = steps["plain"] / spec.num_layers * 1e6
+    figures["dora_decode8_dora_us_per_layer"] = steps["dora"] / spec.num_layers * 1e6
+    figures["dora_decode8_dora_over_plain"] = steps["dora"] / steps["plain"]
+    figures["dora_load_plain_ms"] = loads["plain"] * 1e3
+    figures["dora_load_dora_ms"] = loads["dora"] * 1e3
+    figures["dora_load_dora_over_plain"] = loads["dora"] / loads["plain"]
+    return figures
 
 
 def main() -> int:
@@ -141,6 +243,9 @@ def main() -> int:
         goals.append(goal(figures, f"{count}_step64_native_2threads_over_1", "<=", 0.8))
     else:
         print("the native kernel is not built with OpenMP here, or one core: no thread figures")
+    figures.update(dora_figures(spec, passes))
+    goals += [goal(figures, "dora_decode8_dora_over_plain", "<=", 1.15),
+              goal(figures, "dora_load_dora_over_plain", "<=", 2.0)]  # fmt: skip
     return report("lora_cpu", figures, goals, smoke=args.smoke)
 
 

@@ -60,8 +60,9 @@ def test_validate_json_is_one_object_for_valid_and_rejected(tmp_path: Path) -> N
     assert rejected.returncode == 1
     assert json.loads(rejected.stdout) == {
         "valid": False,
-        "code": "DoRANotSupported",
-        "message": "use_dora is true: DoRA adapters are not served",
+        "code": "ShapeMismatch",
+        "message": "layer 0 q_proj has no lora_magnitude_vector, but use_dora is"
+        " true: a DoRA adapter carries one per adapted module",
     }
 
 

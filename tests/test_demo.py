@@ -141,7 +141,7 @@ def test_first_run_builds_then_tours_the_running_system(first: Run, workdir: Pat
     assert "initech  GET /v1/models -> demo-llama, helpdesk-memo" in out
     assert "acme asks for globex's helpdesk-legal: 404 model_not_found" in out
     # uploads refused with their reason codes
-    assert "422 RankTooLarge" in out and "422 DoRANotSupported" in out
+    assert "422 RankTooLarge" in out and "422 BiasNotSupported" in out
     # slot pressure and usage, from both services
     assert "running adapters at once: at most" in out
     assert re.search(r"requests deferred in total \d+", out)

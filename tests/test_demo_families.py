@@ -91,6 +91,6 @@ def test_demo_once_on_a_qwen3_base_builds_it_and_tours_the_system(tmp_path: Path
     assert "-> 4 distinct replies from one base model" in out
     assert "12/12 replies are word for word what their adapter (or the base) was trained" in out
     assert "acme     GET /v1/models -> demo-qwen3, helpdesk-pirate" in out
-    assert "422 RankTooLarge" in out and "422 DoRANotSupported" in out
+    assert "422 RankTooLarge" in out and "422 BiasNotSupported" in out
     assert "tour done." in out
     assert not (workdir / "model").exists()  # the Llama build's folder is left alone

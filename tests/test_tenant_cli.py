@@ -160,14 +160,19 @@ def test_an_invalid_adapter_is_refused_locally_and_nothing_is_sent(
     dora = write_adapter(tmp_path / "dora", lora_config(use_dora=True), lora_tensors(TINY_BASE, 8))
     run = cli(capsys, "adapters", "push", str(dora), "--name", "x", "--base-model", BASE_NAME)
     assert (run.code, run.out) == (1, "")
-    assert run.err == "rejected: DoRANotSupported: use_dora is true: DoRA adapters are not served\n"
+    # DoRA is served, but each module needs its magnitude vector: these weights have none
+    assert run.err == (
+        "rejected: ShapeMismatch: layer 0 q_proj has no lora_magnitude_vector, but use_dora is"
+        " true: a DoRA adapter carries one per adapted module\n"
+    )
     as_json = cli(capsys, "adapters", "push", str(dora), "--name", "x", "--base-model", BASE_NAME,
                   "--json")  # fmt: skip
     assert as_json.code == 1 and as_json.err == ""
     assert as_json.json() == {
         "error": {
-            "code": "DoRANotSupported",
-            "message": "use_dora is true: DoRA adapters are not served",
+            "code": "ShapeMismatch",
+            "message": "layer 0 q_proj has no lora_magnitude_vector, but use_dora is"
+            " true: a DoRA adapter carries one per adapted module",
         }
     }
     # the intake rule: weights for a module the config does not target

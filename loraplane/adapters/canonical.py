@@ -151,6 +151,8 @@ def _layout(adapter: ValidatedAdapter) -> tuple[bytes, bytes, list[str]]:
     for m in adapter.modules:
         a, b = m.canonical_names()
         names[a], names[b] = m.a_name, m.b_name
+        if m.m_name:  # DoRA
+            names[m.canonical_magnitude_name()] = m.m_name
     order = sorted(names)
     tensors = adapter.weights.tensors
     entries = [

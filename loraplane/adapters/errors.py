@@ -48,8 +48,11 @@ EXPLANATIONS: dict[ReasonCode, str] = {
     "ranks.",
     ReasonCode.BIAS_NOT_SUPPORTED: 'The adapter trains bias terms (bias other than "none", '
     "lora_bias, or bias tensors); only bias-free LoRA adapters are served.",
-    ReasonCode.DORA_NOT_SUPPORTED: "This is a DoRA adapter (use_dora is true, or it carries "
-    "magnitude vectors); only plain LoRA is served: train it again without use_dora.",
+    ReasonCode.DORA_NOT_SUPPORTED: "This DoRA adapter cannot be served here: DoRA is served on "
+    "the attention and MLP projections of a full-precision base without tensor parallelism, "
+    "not on mixture-of-experts experts, a quantized (FP8 or 4-bit) base, a split base, or "
+    "modules of the other layout (Phi-3's fused ones); magnitude vectors need use_dora: "
+    "true. Train it again without use_dora to serve it as plain LoRA.",
     ReasonCode.UNSUPPORTED_TARGET_MODULE: "The adapter targets a module that the base model "
     "lacks or that cannot be adapted; only the q, k, v, o, gate, up and down projections of "
     "the decoder layers can be.",

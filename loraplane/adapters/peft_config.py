@@ -1,7 +1,9 @@
 """Parse and check a PEFT `adapter_config.json` into the fields that change the computation.
 
-Only LoRA is served. The semantics follow PEFT: a module's rank and alpha come from the first
-`rank_pattern` / `alpha_pattern` key that matches the end of its name, else `r` / `lora_alpha`;
+Only LoRA is served, plain or DoRA (`use_dora`: each module's output rescaled per row by its
+magnitude vector over the norm of its updated weight). The semantics follow PEFT: a module's
+rank and alpha come from the first `rank_pattern` / `alpha_pattern` key that matches the end
+of its name, else `r` / `lora_alpha`;
 the scale is alpha / r, or alpha / sqrt(r) with rslora. Patterns are regular expressions written
 by the tenant, so they are bounded and restricted to a form that cannot backtrack explosively.
 """
@@ -31,7 +33,6 @@ _PLAIN_GROUP = re.compile(r"\((?:\?:)?[A-Za-z0-9_.\-|\\\[\]]+\)(?![*+?{])")
 ALL_LINEAR = "all-linear"
 
 _REJECTED_FLAGS = {
-    "use_dora": (ReasonCode.DORA_NOT_SUPPORTED, "use_dora is true: DoRA adapters are not served"),
     "lora_bias": (
         ReasonCode.BIAS_NOT_SUPPORTED,
         "lora_bias is true: LoRA bias terms are not served",
@@ -119,6 +120,8 @@ class LoraSpec:
     target_parameters: tuple[str, ...] = ()
     base_model_name_or_path: str | None = None
     task_type: str | None = None
+    # DoRA: every module also carries a magnitude vector (validate.py checks it)
+    use_dora: bool = False
 
     @property
     def max_rank(self) -> int:
@@ -197,7 +200,7 @@ class LoraSpec:
                 list(self.layers_to_transform) if self.layers_to_transform is not None else None
             ),
             "bias": "none",
-            "use_dora": False,
+            "use_dora": self.use_dora,
             "lora_dropout": 0.0,
             "fan_in_fan_out": False,
             "inference_mode": True,
@@ -294,6 +297,11 @@ def parse_adapter_config(data: bytes) -> LoraSpec:
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
+    use_dora = raw.get("use_dora", False)
+    if use_dora is None:
+        use_dora = False
+    if not isinstance(use_dora, bool):
+        raise _invalid(f"use_dora must be true or false, got {str(use_dora)[:40]!r}")
 
     targets = _module_list("target_modules", raw.get("target_modules"), allow_all=True)
     parameters = _target_parameters(raw.get("target_parameters"))
@@ -350,6 +358,7 @@ def parse_adapter_config(data: bytes) -> LoraSpec:
         target_parameters=parameters,
         base_model_name_or_path=base[:512] if isinstance(base, str) else None,
         task_type=task,
+        use_dora=use_dora,
     )
 
 

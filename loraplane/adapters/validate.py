@@ -7,6 +7,13 @@ config targets (as vLLM requires); anything else is refused, never stored as dea
 first failure raises `AdapterRejected` with its reason code and a message naming the tensor or
 field and the numbers.
 
+A DoRA adapter (`use_dora: true`) carries one more tensor per module, PEFT's
+`<module path>.lora_magnitude_vector` ([out_features], float, finite), and every module must
+have it; a magnitude vector without `use_dora` is refused (DoRANotSupported), as is DoRA where
+it is not served: on a mixture of experts' expert modules, and on modules of the other layout
+than the base's (a conversion would have to rebuild the magnitudes of rows the adapter does
+not train).
+
 On a base of the other layout (split q/k/v and gate/up on Phi-3's fused `qkv_proj` and
 `gate_up_proj`, or the fused names on a split base), modules are checked with their own
 shapes (a part's, or the fused module's) and kept as uploaded (the digest and the stored
@@ -34,6 +41,8 @@ from loraplane.adapters.source import AdapterFiles
 # PEFT saves `base_model.model.<module path>.lora_A.weight`; the prefix is optional so files
 # written by other tools with the bare module path are accepted too.
 _LORA_WEIGHT = re.compile(r"^(?P<path>.+)\.lora_(?P<which>[AB])\.weight$")
+# DoRA's magnitude vector, as PEFT saves it (`.weight` as an older naming might add it)
+_MAGNITUDE = re.compile(r"^(?P<path>.+)\.lora_magnitude_vector(?:\.weight)?$")
 # A base-model parameter saved whole (what PEFT's modules_to_save writes): a decoder layer's
 # linear layer or norm, the final norm, the embeddings or the head.
 _BASE_WEIGHT = re.compile(
@@ -88,6 +97,7 @@ class ModuleLoRA:
     key: str = ""
     stem: str = ""
     experts: int = 1  # > 1: a packed parameter's expert count
+    m_name: str = ""  # DoRA: the magnitude vector's tensor name ([out_features]); "" otherwise
 
     def canonical_names(self) -> tuple[str, str]:
         stem = self.stem or self.key
@@ -95,6 +105,10 @@ class ModuleLoRA:
             f"base_model.model.{stem}.lora_A.weight",
             f"base_model.model.{stem}.lora_B.weight",
         )
+
+    def canonical_magnitude_name(self) -> str:
+        """The DoRA magnitude vector's name in the canonical weights file."""
+        return f"base_model.model.{self.stem or self.key}.lora_magnitude_vector"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +192,8 @@ class ValidatedAdapter:
             "base_model": self.base_model,
             "base_model_name_or_path": self.spec.base_model_name_or_path,
         }
+        if self.spec.use_dora:  # absent otherwise: summaries of plain LoRA stay what they were
+            out["use_dora"] = True
         if self.conversions:  # served in the base's other layout
             out["served_rank"] = self.served_rank
             out["served_modules"] = sorted({c.module for c in self.conversions},
@@ -189,11 +205,13 @@ class ValidatedAdapter:
 
 
 def _classify_foreign(name: str) -> AdapterRejected:
-    """The reason a tensor that is not a LoRA A/B weight is refused: nothing in a LoRA config
-    explains it."""
+    """The reason a tensor that is not a LoRA A/B weight (or, with use_dora, a magnitude
+    vector) is refused: nothing in the config explains it."""
     if "lora_magnitude_vector" in name:
         return AdapterRejected(
-            ReasonCode.DORA_NOT_SUPPORTED, f"tensor {name!r} is a DoRA magnitude vector"
+            ReasonCode.DORA_NOT_SUPPORTED,
+            f"tensor {name!r} is a DoRA magnitude vector, but adapter_config.json does not set "
+            "use_dora: true",
         )
     if name.endswith(".bias"):
         return AdapterRejected(ReasonCode.BIAS_NOT_SUPPORTED, f"tensor {name!r} is a bias term")
@@ -237,17 +255,20 @@ def _pair_tensors(
     places: dict[tuple[int, str], Located] = {}
     for name in sorted(weights.tensors):
         m = _LORA_WEIGHT.match(name)
-        if m is None:
+        magnitude = _MAGNITUDE.match(name) if m is None and spec.use_dora else None
+        found = m or magnitude
+        if found is None:
             raise _classify_foreign(name)
-        place = locate(name, m.group("path"), spec, base)
+        place = locate(name, found.group("path"), spec, base)
         layer, module = place.layer, place.module
         places.setdefault((layer, module), place)
-        which = m.group("which")
+        which = m.group("which") if m is not None else "M"
         slot = pairs.setdefault((layer, module), {})
         if which in slot:
+            what = f"lora_{which}" if which != "M" else "lora_magnitude_vector"
             raise AdapterRejected(
                 ReasonCode.UNSUPPORTED_FORMAT,
-                f"two lora_{which} tensors for layer {layer} {module}: {slot[which]!r}, {name!r}",
+                f"two {what} tensors for layer {layer} {module}: {slot[which]!r}, {name!r}",
             )
         slot[which] = name
     if not pairs:
@@ -260,6 +281,12 @@ def _pair_tensors(
                     ReasonCode.SHAPE_MISMATCH,
                     f"layer {layer} {module} has lora_{other} but no lora_{which}",
                 )
+        if spec.use_dora and "M" not in slot:
+            raise AdapterRejected(
+                ReasonCode.SHAPE_MISMATCH,
+                f"layer {layer} {module} has no lora_magnitude_vector, but use_dora is true: "
+                "a DoRA adapter carries one per adapted module",
+            )
     return {where: (places[where], slot) for where, slot in pairs.items()}
 
 
@@ -313,6 +340,9 @@ def _check_module(
             f"{where}: in/out features {in_f}/{out_f} differ from another layer's "
             f"{first[0]}/{first[1]}",
         )
+    m_name = names.get("M", "")
+    if m_name:
+        _check_magnitude(weights, m_name, where, out_f, place.packed or "experts." in module)
     return ModuleLoRA(
         layer=layer,
         module=module,
@@ -326,7 +356,27 @@ def _check_module(
         key=key,
         stem=place.stem,
         experts=experts,
+        m_name=m_name,
     )
+
+
+def _check_magnitude(
+    weights: SafetensorsFile, name: str, where: str, out_f: int, expert: bool
+) -> None:
+    """A DoRA magnitude vector: [out_features] (its values are scanned with the rest)."""
+    if expert:
+        raise AdapterRejected(
+            ReasonCode.DORA_NOT_SUPPORTED,
+            f"{where}: DoRA on a mixture of experts' expert weights is not served (only on "
+            "the attention and dense MLP projections); train the experts with plain LoRA",
+        )
+    shape = list(weights.tensors[name].shape)
+    if shape != [out_f]:
+        raise AdapterRejected(
+            ReasonCode.SHAPE_MISMATCH,
+            f"{where}: lora_magnitude_vector is {shape}, but the module has {out_f} output "
+            f"features: it must be [{out_f}]",
+        )
 
 
 def _layout_hint(base: BaseModelSpec, layer: int, module: str) -> str:
@@ -427,6 +477,14 @@ def validate_adapter(
     try:
         modules = _check_modules(spec, weights, base)
         found = conversions(modules, base)
+        if found and spec.use_dora and base is not None:
+            raise AdapterRejected(
+                ReasonCode.DORA_NOT_SUPPORTED,
+                f"a DoRA adapter of {', '.join(sorted({p.module for c in found for p in c.parts}))}"
+                f" cannot be served on {base.name} ({base.model_type}), whose layers have "
+                f"{', '.join(base.family.attention + base.family.mlp)}: DoRA is served only on "
+                "the base's own layout (train on its modules)",
+            )
         if base is not None:
             check_served_rank(found, base, limits)
         if scan_weights:

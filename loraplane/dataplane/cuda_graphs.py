@@ -305,6 +305,7 @@ class DecodeGraphs:
                 rank = a.shape[0]
                 pa, pb = a.data_ptr(), b.data_ptr()
                 fit &= pa % PTR_ALIGN == 0 and pb % PTR_ALIGN == 0 and rank % RANK_MULTIPLE == 0
+                fit &= slots.dora[slot] is None  # DoRA's rescale runs eagerly (lora/dora.py)
                 self._ptrs_np[0, i, slot], self._ptrs_np[1, i, slot] = pa, pb
                 self._ranks_np[i, slot] = rank
             self._seen[slot] = generation[slot]

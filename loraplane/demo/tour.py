@@ -164,13 +164,13 @@ def rejections(
     answers 422 with its reason code."""
     huge = build_adapter(model_dir, scratch / "rank64", r=2 * MAX_LORA_RANK, lora_alpha=16)
     config = json.loads((good / "adapter_config.json").read_text())
-    dora = {
-        "adapter_config.json": json.dumps({**config, "use_dora": True}).encode(),
+    bias = {
+        "adapter_config.json": json.dumps({**config, "bias": "all"}).encode(),
         "adapter_model.safetensors": (good / ADAPTER_FILES[1]).read_bytes(),
     }
     cases: list[tuple[str, Path, dict[str, bytes] | None]] = [
         (f"rank {2 * MAX_LORA_RANK} (pool max {MAX_LORA_RANK})", huge, None),
-        ("DoRA (use_dora: true)", good, dora),
+        ('trained biases (bias: "all")', good, bias),
     ]
     same = upload(cp_url, tenant.key, tenant.adapter, base, good)
     v = same.json().get("version", {})

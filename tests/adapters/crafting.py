@@ -41,6 +41,19 @@ def lora_tensors(
     return out
 
 
+def dora_tensors(
+    base: BaseModelSpec, r: int, modules: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0
+) -> dict[str, np.ndarray]:
+    """`lora_tensors` plus a DoRA magnitude vector ([out_features], PEFT's name) per module."""
+    out = lora_tensors(base, r, modules, seed)
+    rng = np.random.default_rng(seed + 1)
+    for name in [n for n in out if n.endswith(".lora_B.weight")]:
+        fan_out = out[name].shape[0]
+        magnitude = rng.uniform(0.5, 2.0, fan_out).astype(np.float32)
+        out[name.removesuffix(".lora_B.weight") + ".lora_magnitude_vector"] = magnitude
+    return out
+
+
 def lora_config(r: int = 8, **extra: Any) -> dict[str, Any]:
     config: dict[str, Any] = {
         "peft_type": "LORA",

@@ -22,6 +22,7 @@ from loraplane.adapters.store.local import LocalStore
 from tests.adapters.crafting import (
     PREFIX,
     TINY_BASE,
+    dora_tensors,
     f32_entry,
     lora_config,
     lora_tensors,
@@ -54,6 +55,17 @@ def with_tensors(change: Callable[[dict[str, np.ndarray]], None], **config: obje
         tensors = lora_tensors(BASE, 8)
         change(tensors)
         return write_adapter(tmp / "a", lora_config(**config), tensors)
+
+    return build
+
+
+def dora(change: Callable[[dict[str, np.ndarray]], None]) -> Builder:
+    """A DoRA adapter (magnitude vectors, use_dora) with `change` made to its tensors."""
+
+    def build(tmp: Path) -> Path:
+        tensors = dora_tensors(BASE, 8)
+        change(tensors)
+        return write_adapter(tmp / "a", lora_config(use_dora=True), tensors)
 
     return build
 
@@ -282,9 +294,21 @@ CASES = [
     Case("lora-bias", Code.BIAS_NOT_SUPPORTED, "lora_bias", with_config(lora_bias=True)),
     Case("tensor-bias", Code.BIAS_NOT_SUPPORTED, "bias term",
          with_tensors(lambda t: put(t, Q0 + ".lora_B.bias", np.zeros(64, np.float32)))),
-    Case("dora-flag", Code.DORA_NOT_SUPPORTED, "use_dora", with_config(use_dora=True)),
-    Case("dora-tensor", Code.DORA_NOT_SUPPORTED, "magnitude",
+    # DoRA is served (use_dora with a magnitude vector per module); what is refused:
+    Case("dora-flag-without-magnitudes", Code.SHAPE_MISMATCH,
+         "layer 0 q_proj has no lora_magnitude_vector, but use_dora is true", with_config(use_dora=True)),
+    Case("dora-tensor-without-flag", Code.DORA_NOT_SUPPORTED, "does not set use_dora: true",
          with_tensors(lambda t: put(t, Q0 + ".lora_magnitude_vector", np.ones(64, np.float32)))),
+    Case("dora-flag-not-bool", Code.INVALID_CONFIG, "use_dora must be true or false",
+         with_config(use_dora="yes")),
+    Case("dora-magnitude-short", Code.SHAPE_MISMATCH, "lora_magnitude_vector is [32], but the module has 64",
+         dora(lambda t: put(t, Q0 + ".lora_magnitude_vector", np.ones(32, np.float32)))),
+    Case("dora-magnitude-2d", Code.SHAPE_MISMATCH, "it must be [64]",
+         dora(lambda t: put(t, Q0 + ".lora_magnitude_vector", np.ones((64, 1), np.float32)))),
+    Case("dora-magnitude-twice", Code.UNSUPPORTED_FORMAT, "two lora_magnitude_vector tensors",
+         dora(lambda t: put(t, Q0 + ".lora_magnitude_vector.weight", np.ones(64, np.float32)))),
+    Case("dora-magnitude-nan", Code.NON_FINITE_WEIGHTS, "lora_magnitude_vector' holds NaN",
+         dora(lambda t: put(t, Q0 + ".lora_magnitude_vector", np.full(64, np.nan, np.float32)))),
     Case("modules-to-save-config", Code.MODULES_TO_SAVE_NOT_SUPPORTED, "modules_to_save",
          with_config(modules_to_save=["lm_head"])),
     Case("modules-to-save-tensor", Code.MODULES_TO_SAVE_NOT_SUPPORTED, "full copy",

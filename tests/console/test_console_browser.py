@@ -403,28 +403,28 @@ def test_a_good_adapter_dropped_on_the_page_is_ingested_in_the_background_and_li
     shots(browser, "04-adapter")
 
 
-def test_a_dora_adapter_is_refused_with_DoRANotSupported_explained(
+def test_a_bias_adapter_is_refused_with_BiasNotSupported_explained(
     browser: WebDriver, stack: Stack, shots: Callable[[WebDriver, str], Path]
 ) -> None:
     sign_in(browser, stack.url, stack.keys["acme"], "#/upload")
     assert heading(browser) == "Upload an adapter"
-    fill_upload(browser, "dora-try")
-    folder = stack.adapter("dora", 8, 3, use_dora=True)
+    fill_upload(browser, "bias-try")
+    folder = stack.adapter("bias", 8, 3, bias="all")
     paths = "\n".join(str(p) for p in sorted(folder.iterdir()))
     browser.find_element(By.ID, "up-files").send_keys(paths)  # chosen, not dropped
     browser.find_element(By.ID, "upload-submit").click()
     alert = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#upload-result [role=alert]"))
     text = alert.text
-    assert "DoRANotSupported" in text
-    assert EXPLANATIONS[ReasonCode.DORA_NOT_SUPPORTED] in text
-    assert "use_dora is true" in text  # the API's own message, below the explanation
+    assert "BiasNotSupported" in text
+    assert EXPLANATIONS[ReasonCode.BIAS_NOT_SUPPORTED] in text
+    assert "bias is 'all'" in text  # the API's own message, below the explanation
     shots(browser, "05-upload-refused")
 
     assert go(browser, "#/adapters") == "Adapters"
     names = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "table a")]
-    assert "dora-try" not in names
+    assert "bias-try" not in names
     recent = browser.find_element(By.XPATH, "//section[h2='Recent uploads']").text
-    assert "dora-try" in recent and EXPLANATIONS[ReasonCode.DORA_NOT_SUPPORTED] in recent
+    assert "bias-try" in recent and EXPLANATIONS[ReasonCode.BIAS_NOT_SUPPORTED] in recent
     shots(browser, "06-adapters-with-a-refusal")
 
 

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from safetensors.numpy import load_file
 
 from loraplane.controlplane.settings import Settings
+from tests.adapters.crafting import TINY_BASE, dora_tensors, lora_config, write_adapter
 from tests.controlplane.conftest import ADMIN_H, SERVICE_H, Api, bearer, make_settings
 
 
@@ -47,6 +49,23 @@ def test_archive_upload_is_accepted(ready: Api) -> None:
     archive.write_bytes(buf.getvalue())
     r = ready.upload(ready.keys["acme"], "packed", archive)
     assert r.status_code == 201, r.text
+
+
+def test_a_dora_adapter_is_accepted_and_stored_with_its_magnitude_vectors(
+    ready: Api, settings: Settings
+) -> None:
+    """The upload path runs the shared validator: DoRA (use_dora with a magnitude vector per
+    module) is a new version like any adapter, its magnitudes in the stored weights."""
+    key = ready.keys["acme"]
+    out = ready.work / "dora"
+    tensors = dora_tensors(TINY_BASE, 8, seed=4)
+    r = ready.upload(key, "dora-bot", write_adapter(out, lora_config(use_dora=True), tensors))
+    assert r.status_code == 201, r.text
+    assert r.json()["version"]["rank"] == 8
+    stored = [p for p in store_files(settings) if p.name == "adapter_model.safetensors"]
+    assert len(stored) == 1
+    names = load_file(stored[0]).keys()
+    assert sum(n.endswith(".lora_magnitude_vector") for n in names) == len(tensors) // 3
 
 
 def test_get_list_patch_pin_and_rollback(ready: Api) -> None:

@@ -241,7 +241,7 @@ def test_staged_files_are_what_the_operator_fetches(
     ("config", "reason"),
     [
         (lora_config(r=8, bias="all"), "BiasNotSupported"),
-        (lora_config(r=8, use_dora=True), "DoRANotSupported"),
+        (lora_config(r=8, use_dora=True), "ShapeMismatch"),  # DoRA with no magnitude vectors
         (lora_config(r=64), "RankTooLarge"),
     ],
 )

@@ -19,6 +19,7 @@ from torch import nn
 from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.dataplane.devices import same_device
 from loraplane.dataplane.kernels import dispatch
+from loraplane.dataplane.lora import dora
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.lora.pool import FUSED_MODULES, LoRAPool, ModuleSlots
 
@@ -39,9 +40,12 @@ class LoRAContext:
         # the pool's slot_generation summed when the batch was activated: every load and free
         # moves it, so a layer's memo taken at the same stamp is still true
         self.stamp = -1
+        # DoRA: per mask of the step's DoRA slots, the rows they rescale (dora.dora_rows)
+        self.dora_rows: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = {}
 
     def activate(self, batch: LoRABatch | None) -> None:
         """Use `batch` for the following forward (None: base model only)."""
+        self.dora_rows = {}
         if batch is not None:  # (a static batch's slots are checked when it is refilled)
             for slot in batch.seg_slots:
                 if not self.pool.is_loaded(slot):
@@ -61,7 +65,8 @@ class LoRAHost(Protocol):
 
 
 class LinearWithLoRA(nn.Module):
-    """base_layer(x), plus scale * B(A x) for each token whose slot's adapter targets this layer.
+    """base_layer(x), plus scale * B(A x) for each token whose slot's adapter targets this layer;
+    a DoRA adapter's tokens then have that sum (bias aside) scaled per row (lora/dora.py).
 
     Tokens of the base model (slot -1) and adapters that do not target this (layer, module)
     add nothing.
@@ -91,7 +96,14 @@ class LinearWithLoRA(nn.Module):
         if context is None or batch is None or batch.is_empty or self.slots is None:
             return y
         # Triton SGMV/BGMV kernels on CUDA, the native or torch path elsewhere (dispatch.py)
-        return dispatch.lora_apply(y, x, batch, self.slots, context.stamp)
+        y = dispatch.lora_apply(y, x, batch, self.slots, context.stamp)
+        mask = self.slots.dora_mask & batch.slot_mask  # (a static batch's mask is 0: no DoRA)
+        if mask:
+            rows = context.dora_rows.get(mask)
+            if rows is None:  # the first module this step with these DoRA slots
+                rows = context.dora_rows[mask] = dora.dora_rows(batch, self.slots)
+            dora.rescale(y, self.slots, rows, self.base_layer.bias)
+        return y
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, module={self.module_name}"
@@ -122,7 +134,9 @@ def install_lora(model: LoRAHost, pool: LoRAPool) -> LoRAContext:
         )
     for name, layer_idx, module_name, linear in targets:
         wrapper = LinearWithLoRA(linear, layer_idx, module_name)
-        wrapper.bind(pool.module_slots(layer_idx, module_name), context)
+        slots = pool.module_slots(layer_idx, module_name)
+        slots.base = linear  # DoRA's norm reads its weight (pool._place_dora)
+        wrapper.bind(slots, context)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, wrapper)
     bind_experts = getattr(model, "bind_expert_lora", None)

@@ -8,6 +8,10 @@ An adapter of the other layout than its base's (split q/k/v and gate/up on Phi-3
 `qkv_proj` / `gate_up_proj`, or the fused names on a split base) is converted to the base's
 layout as it is loaded (`base_layout`), so the pool, the LoRA layers and the kernels only ever
 see the base's own modules.
+
+A DoRA adapter's modules carry their magnitude vectors (`LoRAWeights.magnitude`, [out]) as
+stored; the pool turns each into the per-row scale it serves with when it places the adapter
+(`lora/dora.py`). Validation refused DoRA on modules a conversion would build.
 """
 
 from __future__ import annotations
@@ -43,11 +47,13 @@ from loraplane.adapters.validate import ModuleLoRA, ValidatedAdapter, validate_a
 
 @dataclass(frozen=True, slots=True)
 class LoRAWeights:
-    """One adapted linear layer: y += scale * B (A x)."""
+    """One adapted linear layer: y += scale * B (A x); with a DoRA `magnitude` m, the layer's
+    output is then rescaled per row by m / ||W + scale * B A|| (lora/dora.py)."""
 
     a: torch.Tensor  # [rank, in_features]
     b: torch.Tensor  # [out_features, rank]
     scale: float
+    magnitude: torch.Tensor | None = None  # [out_features]: DoRA's, as stored; None: plain LoRA
 
     @property
     def rank(self) -> int:
@@ -56,8 +62,9 @@ class LoRAWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of A and B in their current dtype."""
-        return self.a.nbytes + self.b.nbytes
+        """Bytes of A and B (and a DoRA magnitude vector) in their current dtype."""
+        extra = self.magnitude.nbytes if self.magnitude is not None else 0
+        return self.a.nbytes + self.b.nbytes + extra
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +82,13 @@ class LoadedAdapter:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all A and B tensors, in their stored dtype."""
+        """Bytes of all A and B tensors (and magnitude vectors), in their stored dtype."""
         return sum(w.nbytes for w in self.modules.values())
+
+    @property
+    def is_dora(self) -> bool:
+        """True when a module carries a DoRA magnitude vector."""
+        return any(w.magnitude is not None for w in self.modules.values())
 
 
 def _to_torch(weights: SafetensorsFile, name: str) -> torch.Tensor:
@@ -102,7 +114,8 @@ class _Layout:
     limits): the canonical config its digest starts with, and each module's tensors."""
 
     config: bytes
-    modules: tuple[tuple[ModuleLoRA, TensorInfo, TensorInfo], ...]
+    # each module's A and B, and its DoRA magnitude vector (None: plain LoRA)
+    modules: tuple[tuple[ModuleLoRA, TensorInfo, TensorInfo, TensorInfo | None], ...]
 
 
 # (sha256 of the config and weights header bytes, weights file size, base model, limits)
@@ -191,9 +204,12 @@ def _weights(buf: np.ndarray[Any, Any], layout: _Layout) -> dict[tuple[int, str]
     typed: dict[str, torch.Tensor] = {}  # the buffer as each dtype its tensors have
     return {
         (m.layer, m.module): LoRAWeights(
-            a=_tensor_view(whole, typed, a), b=_tensor_view(whole, typed, b), scale=m.scale
+            a=_tensor_view(whole, typed, a),
+            b=_tensor_view(whole, typed, b),
+            scale=m.scale,
+            magnitude=_tensor_view(whole, typed, mag) if mag is not None else None,
         )
-        for m, a, b in layout.modules
+        for m, a, b, mag in layout.modules
     }
 
 
@@ -261,7 +277,15 @@ def _read_stored(
     header = weights.head(8 + int.from_bytes(weights.head(8), "little"))
     layout = _Layout(
         adapter.spec.canonical_json(),
-        tuple((m, weights.tensors[m.a_name], weights.tensors[m.b_name]) for m in adapter.modules),
+        tuple(
+            (
+                m,
+                weights.tensors[m.a_name],
+                weights.tensors[m.b_name],
+                weights.tensors[m.m_name] if m.m_name else None,
+            )
+            for m in adapter.modules
+        ),
     )
     with open(weights.path, "rb", buffering=0) as f:
         buf = _read_hashed(f, weights.size, h)
@@ -410,6 +434,7 @@ def _load_lora(
                     a=_to_torch(adapter.weights, m.a_name),
                     b=_to_torch(adapter.weights, m.b_name),
                     scale=m.scale,
+                    magnitude=_to_torch(adapter.weights, m.m_name) if m.m_name else None,
                 )
                 for m in adapter.modules
             }

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplane.adapters.base_model import BaseModelSpec
-from loraplane.adapters.errors import AdapterRejected, IntegrityError, StoreError
+from loraplane.adapters.errors import AdapterRejected, IntegrityError, ReasonCode, StoreError
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.loader import LoadedAdapter, load_lora
 from loraplane.dataplane.lora.pool import LoRAPool
@@ -505,6 +505,13 @@ class LoRAManager:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
+        if self._shard is not None and adapter.is_dora:
+            raise AdapterRejected(
+                ReasonCode.DORA_NOT_SUPPORTED,
+                "DoRA adapters are not served with tensor parallelism (tensor_parallel_size > "
+                "1): DoRA's norm ||W + s B A|| runs over a whole row of the base weight, which "
+                "is split over the ranks; serve it on a replica without tensor parallelism",
+            )
         return self.pool.host_form(adapter if self._shard is None else self._shard(adapter))
 
     @contextlib.contextmanager

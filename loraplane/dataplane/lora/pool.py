@@ -12,6 +12,10 @@ one. Where the host copy already has the slot's device and dtype (CPU serving), 
 it in place: no second copy, and no second set of bytes. The LoRA layers read the pool
 through `ModuleSlots`, one per (layer, module), whose per-slot lists the kernels index by
 slot id.
+
+A DoRA adapter's slot also holds, per module, its per-row scale g = m / ||W + s B A|| ([out],
+fp32; lora/dora.py), computed from the base weight W when the slot is filled: the LoRA layers
+register their base layer with their table (`install_lora`). Its bytes count with the slot's.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.kernels import sgmv_cpu
+from loraplane.dataplane.lora import dora
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
@@ -87,6 +94,16 @@ def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
     return ordered[0].as_strided((end - start,), (1,)), start
 
 
+def _own(magnitude: torch.Tensor | None) -> torch.Tensor | None:
+    """A DoRA magnitude vector as an fp32 tensor of its own: not a view that would keep the
+    loader's whole file buffer alive beside the converted host copy."""
+    if magnitude is None:
+        return None
+    own = torch.empty(magnitude.shape, dtype=torch.float32)
+    copy_serial(own, magnitude)
+    return own
+
+
 # Phi-3 / Phi-4 checkpoints, and so the decoder serving them and their adapters, keep q/k/v
 # and gate/up fused (models/llama.py)
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -117,12 +134,23 @@ class ModuleSlots:
         self.graph_table: SlotWeights | None = None
         # the native CPU kernel's slot table (sgmv_cpu.lora_apply makes it on first use)
         self.native: sgmv_cpu.NativeTable | None = None
+        # DoRA: slot -> its per-row scale g [out] fp32 (lora/dora.py), None for plain LoRA;
+        # bit k of dora_mask set when slot k has one
+        self.dora: list[torch.Tensor | None] = [None] * max_loras
+        self.dora_mask = 0
+        # the base projection the LoRA layer wraps (install_lora): DoRA's norm reads its weight
+        self.base: nn.Module | None = None
+        # ||W_i||^2 per row of that weight [out] fp64, once a DoRA adapter needed it (every
+        # later one starts from it: lora/dora.py)
+        self.base_sq: torch.Tensor | None = None
 
     def clear(self, slot: int) -> None:
         """Forget the slot's tensors (the pool frees its buffer)."""
         self.lora_a[slot] = None
         self.lora_b[slot] = None
         self.checked[slot] = None
+        self.dora[slot] = None
+        self.dora_mask &= ~(1 << slot)
         self.scales[slot] = 0.0
         if self.native is not None:
             self.native.forget(slot)
@@ -196,11 +224,28 @@ class LoRAPool:
             raise ValueError(f"slot must be in 0..{self.max_loras - 1}, got {slot}")
 
     def bytes_needed(self, adapter: LoadedAdapter) -> int:
-        """Device bytes `adapter` will take in this pool's dtype (for byte budgets)."""
+        """Device bytes `adapter` will take in this pool's dtype (for byte budgets), a DoRA
+        adapter's per-row scales (fp32, beside the arena's blocks when there is one)
+        included."""
+        scales = 4 * sum(w.b.shape[0] for w in adapter.modules.values() if w.magnitude is not None)
         if self.arena is not None:
-            return self.arena.blocks_for(adapter) * self.arena.block_bytes
+            return self.arena.blocks_for(adapter) * self.arena.block_bytes + scales
         elements = sum(w.a.numel() + w.b.numel() for w in adapter.modules.values())
-        return elements * torch.empty(0, dtype=self.dtype).element_size()
+        return elements * torch.empty(0, dtype=self.dtype).element_size() + scales
+
+    def check_dora(self, adapter: LoadedAdapter) -> None:
+        """AdapterRejected (DoRANotSupported) when `adapter` is DoRA and a module it adapts
+        cannot serve DoRA (its base projection quantized, or not registered)."""
+        for (layer, module), w in adapter.modules.items():
+            table = self._modules.get((layer, module))
+            if w.magnitude is None or table is None:
+                continue
+            why = dora.refusal(table.base)
+            if why is not None:
+                raise AdapterRejected(
+                    ReasonCode.DORA_NOT_SUPPORTED,
+                    f"DoRA adapter on layer {layer} {module} cannot be served: {why}",
+                )
 
     def _transposing(self) -> bool:
         """True when slots hold B transposed (an arena lays out its own copies)."""
@@ -219,6 +264,7 @@ class LoRAPool:
 
         Into fp32 (CPU pools) the native library converts the whole adapter in one call
         (`sgmv_cpu.convert_f32`); torch operations do it otherwise, two per tensor."""
+        self.check_dora(adapter)
         tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
         if all(
             self._in_host_form(w.a, "a") and self._in_host_form(w.b, "b")
@@ -242,7 +288,7 @@ class LoRAPool:
                 for o, t in zip(offsets, tensors, strict=True)
             )
             modules = {
-                key: LoRAWeights(a=next(views), b=next(views), scale=w.scale)
+                key: LoRAWeights(next(views), next(views), w.scale, _own(w.magnitude))
                 for key, w in adapter.modules.items()
             }
             return LoadedAdapter(adapter.source, modules, adapter.digest)
@@ -265,14 +311,16 @@ class LoRAPool:
             b_strides = (1, fan_out) if transposed else (rank, 1)
             b = buffer.as_strided((fan_out, rank), b_strides, offset)
             offset += fan_out * rank
-            modules[key] = LoRAWeights(a=a, b=b, scale=w.scale)
+            modules[key] = LoRAWeights(a=a, b=b, scale=w.scale, magnitude=_own(w.magnitude))
         return LoadedAdapter(adapter.source, modules, adapter.digest)
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a
         copy, unless the host copy already is that: then it is read in place). With an arena,
-        a copy into KV blocks; False when no run of blocks is free now."""
+        a copy into KV blocks; False when no run of blocks is free now. A DoRA adapter's
+        per-row scales are computed here, on the pool's device (`_place_dora`)."""
         self._check_slot(slot)
+        self.check_dora(adapter)
         if self._buffers[slot] is not None:
             raise ValueError(f"slot {slot} already holds an adapter; free it first")
         for (layer, module), w in adapter.modules.items():
@@ -293,7 +341,9 @@ class LoRAPool:
                 table.lora_a[slot], table.lora_b[slot] = placement.views[(layer, module)]
                 table.scales[slot] = w.scale
             self._placements[slot] = placement
-            self._take(slot, [], placement.num_blocks * self.arena.block_bytes)
+            scales = self._place_dora(slot, adapter)
+            nbytes = placement.num_blocks * self.arena.block_bytes
+            self._take(slot, scales, nbytes + sum(g.nbytes for g in scales))
             return True
         tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
         if all(self._can_share(t) for t in tensors):
@@ -304,7 +354,7 @@ class LoRAPool:
                 table = self._modules[(layer, module)]
                 table.lora_a[slot], table.lora_b[slot] = w.a, w.b
                 table.scales[slot] = w.scale
-            self._take(slot, tensors)
+            self._take(slot, tensors + self._place_dora(slot, adapter))
             return True
         elements = sum(t.numel() for t in tensors)
         buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
@@ -319,8 +369,28 @@ class LoRAPool:
             table = self._modules[(layer, module)]
             table.lora_a[slot], table.lora_b[slot] = views
             table.scales[slot] = w.scale
-        self._take(slot, [buffer])
+        self._take(slot, [buffer, *self._place_dora(slot, adapter)])
         return True
+
+    def _place_dora(self, slot: int, adapter: LoadedAdapter) -> list[torch.Tensor]:
+        """Each DoRA module's per-row scale g [out] (fp32, on the device), from the slot's A
+        and B as now placed and the base weight; set in the tables. The list of them."""
+        scales = []
+        for (layer, module), w in adapter.modules.items():
+            if w.magnitude is None:
+                continue
+            table = self._modules[(layer, module)]
+            a, b, base = table.lora_a[slot], table.lora_b[slot], table.base
+            weight = getattr(base, "weight", None)
+            if a is None or b is None or not isinstance(weight, torch.Tensor):
+                raise ValueError(f"layer {layer} {module}: no base weight for DoRA")
+            if table.base_sq is None:  # the first DoRA adapter here: ||W_i||^2, kept
+                table.base_sq = dora.row_norms_sq(weight)
+            g = dora.dora_scale(weight, a, b, w.scale, w.magnitude, table.base_sq)
+            table.dora[slot] = g
+            table.dora_mask |= 1 << slot
+            scales.append(g)
+        return scales
 
     def _take(self, slot: int, storage: list[torch.Tensor], nbytes: int | None = None) -> None:
         self.slot_generation[slot] += 1

@@ -72,7 +72,8 @@ def test_a_rejected_lora_module_fails_start_with_its_reason(
     )  # fmt: skip
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert "adapter bad rejected: DoRANotSupported:" in err
+    # use_dora without magnitude vectors: refused (DoRA itself is served)
+    assert "adapter bad rejected: ShapeMismatch:" in err and "lora_magnitude_vector" in err
 
 
 def test_bad_settings_are_a_usage_error(tiny_llama_dir: Path) -> None:

@@ -1,0 +1,121 @@
+"""DoRA at inference: a per-row scale of the adapted layer's output, fixed when it is loaded.
+
+PEFT's DoRA layer computes, for a linear of weight W [out, in] and bias b,
+
+    y = g * (W x + s * B (A x)) + b,    g = m / ||W + s * B A||_row   # [out]
+
+where m is the adapter's magnitude vector and the norm, per output row over the input
+dimension, is detached: it depends on the weights alone. So `dora_scale` computes g once per
+module when the pool places the adapter (on the pool's device, in fp32), and serving a DoRA
+token costs the plain LoRA update plus `rescale`: its rows of y, bias taken out, times g.
+Rows of plain LoRA adapters and of the base model are not touched.
+
+What needs the base weight W in full and on one device is refused (`refusal`): a quantized
+projection (FP8, 4-bit), and tensor parallelism (lora/manager.py), where W is split.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.lora.metadata import LoRABatch
+    from loraplane.dataplane.lora.pool import ModuleSlots
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def refusal(base: nn.Module | None) -> str | None:
+    """Why DoRA cannot be served on the projection `base` (None: it can)."""
+    if base is None:
+        return "no base weight is registered for it (the model's LoRA layers are not installed)"
+    weight = getattr(base, "weight", None)
+    quantized = getattr(base, "compute_dtype", None) is not None  # models/quant*.py
+    if quantized or not isinstance(weight, torch.Tensor) or weight.dtype not in _FLOATS:
+        return (
+            f"the base's projections are quantized ({type(base).__name__}): DoRA's norm "
+            "||W + s B A|| needs the base weight W in full precision (serve this base without "
+            "--quantization, or train the adapter without use_dora)"
+        )
+    return None
+
+
+@torch.no_grad()
+def row_norms_sq(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out] fp64
+    """||W_i||^2 of each row of a base weight: what every DoRA adapter's norm starts from
+    (the pool keeps it per module once the first DoRA adapter there needed it)."""
+    norms: torch.Tensor = torch.linalg.vector_norm(weight.float(), dim=1, dtype=torch.float64)
+    return norms.square()
+
+
+@torch.no_grad()
+def dora_scale(
+    weight: torch.Tensor,  # [out, in]: the base layer's weight W
+    a: torch.Tensor,  # [r, in]
+    b: torch.Tensor,  # [out, r]
+    scale: float,  # s: alpha / r (or alpha / sqrt(r))
+    magnitude: torch.Tensor,  # [out]: the adapter's m, any float dtype, any device
+    base_sq: torch.Tensor | None = None,  # [out] fp64: row_norms_sq(weight), if known
+) -> torch.Tensor:  # [out] fp32 on weight's device: g = m / ||W + s B A||_row
+    """The per-row scale g of a DoRA module, in fp32 (PEFT's norm is detached: it depends on
+    the weights alone). The norm is expanded, never forming the [out, in] matrix W + s B A:
+
+        ||W_i + s B_i A||^2 = ||W_i||^2 + 2 s B_i . (W A^T)_i + s^2 B_i (A A^T) B_i^T
+
+    so a load reads W once, in one [out, in] x [in, r] product, and the rest is [out, r]
+    work; the rows' ||W_i||^2 come from `base_sq` and the sums run in fp64. Rows whose
+    updated weight is all zero give inf, as in PEFT."""
+    a32, b32 = a.float(), b.float()
+    if base_sq is None:
+        base_sq = row_norms_sq(weight)
+    cross = (weight.float() @ a32.t()).double().mul_(b32).sum(1)  # [out]: B_i . (W A^T)_i
+    gram = (a32 @ a32.t()).double()  # [r, r]
+    update_sq = (b32.double() @ gram).mul_(b32).sum(1)  # [out]: ||B_i A||^2
+    norm_sq = base_sq + (2 * scale) * cross + (scale * scale) * update_sq
+    norm = norm_sq.clamp_min_(0).sqrt_()  # (rounding never makes a true 0 negative by much)
+    return (magnitude.to(device=weight.device, dtype=torch.float64) / norm).float()
+
+
+def dora_rows(
+    batch: LoRABatch, slots: ModuleSlots
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """The rows of y whose slot has a per-row scale in `slots` ([Nd], in token order), for
+    each the index of its slot among the returned slots ([Nd], int64), and those slots.
+    Depends only on the step's batch and which slots are DoRA here (`LoRAContext` keeps it
+    per step and mask, so modules adapted alike share it)."""
+    bounds = batch.seg_bounds
+    picked = [(s, k) for s, k in enumerate(batch.seg_slots) if slots.dora[k] is not None]
+    order = batch.token_order
+    if len(picked) == len(batch.seg_slots):
+        rows = order
+    else:
+        rows = torch.cat([order[bounds[s] : bounds[s + 1]] for s, _ in picked])
+    counts = torch.tensor([bounds[s + 1] - bounds[s] for s, _ in picked])
+    which = torch.repeat_interleave(torch.arange(len(picked)), counts).to(order.device)
+    return rows, which, tuple(k for _, k in picked)
+
+
+def rescale(
+    y: torch.Tensor,  # [T, out]: the layer's output, base plus the LoRA update; updated in place
+    slots: ModuleSlots,  # slots.dora[k]: slot k's g [out] fp32, or None (not DoRA)
+    rows: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]],  # dora_rows(batch, slots)
+    bias: torch.Tensor | None,  # [out]: the base layer's bias, left out of the scaling
+) -> None:
+    """For each token t of a DoRA slot k: y[t] = g_k * (y[t] - bias) + bias (PEFT adds the
+    bias after the scaling). A handful of operations per module, however many DoRA segments
+    the step has (a gather of the rows and of their slots' g, a multiply, a scatter); on every
+    backend (the Triton kernels' included) this runs in torch, after the LoRA update."""
+    index, which, picked = rows
+    gs = [g for k in picked if (g := slots.dora[k]) is not None]
+    # [1, out] broadcast over one slot's rows, else each row's own slot's g: [Nd, out]
+    scale = gs[0].unsqueeze(0) if len(gs) == 1 else torch.stack(gs).index_select(0, which)
+    part = y.index_select(0, index).float()  # [Nd, out]
+    if bias is None:
+        part.mul_(scale)
+    else:
+        b = bias.float()
+        part = torch.addcmul(b, part.sub_(b), scale)
+    y.index_copy_(0, index, part.to(y.dtype))

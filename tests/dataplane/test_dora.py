@@ -1,0 +1,292 @@
+"""DoRA adapters served in mixed batches (issue 33), against HF + PEFT.
+
+A DoRA adapter (its magnitude vectors given values far from PEFT's initial norms), a plain
+LoRA adapter and the base model share every step; greedy tokens and their log-probabilities
+must be PEFT's, on the torch path, the native CPU kernel and the Triton kernels (through
+Triton's interpreter), for Llama and Qwen2 (q/k/v biases: PEFT leaves the bias out of DoRA's
+scaling). The slot's per-row scales count in its bytes; what cannot be served is refused by
+name: a quantized base and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.dataplane import attention
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.cuda_graphs import replay_eagerly
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.kernels import dispatch, sgmv_cpu
+from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
+from loraplane.dataplane.lora.dora import refusal
+from loraplane.dataplane.lora.manager import LoRAManager
+from loraplane.dataplane.models import load_model
+from loraplane.dataplane.models.quant_w4 import W4Linear
+from loraplane.dataplane.sampling import SamplingParams
+from tests.dataplane.conftest import _perturb
+from tests.dataplane.test_engine import prompts
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+ATOL = 1e-4  # the parity tests' tolerance (fp32, CPU)
+# the mixed batch: DoRA, plain LoRA and base rows, DoRA twice (two segments' worth of rows)
+NAMES: list[str | None] = ["dora", "plain", None, "dora", "plain"]
+
+
+def peft_logits(reference: Any, tokens: list[int], adapter: str | None) -> torch.Tensor:
+    """HF + PEFT's fp32 logits [len(tokens), vocab] under `adapter` (None: the base model),
+    chosen with set_adapter: PEFT refuses per-row `adapter_names` once DoRA is loaded."""
+    with torch.no_grad():
+        if adapter is None:
+            with reference.disable_adapter():
+                out = reference(torch.tensor([tokens]))
+        else:
+            reference.set_adapter(adapter)
+            out = reference(torch.tensor([tokens]))
+    logits: torch.Tensor = out.logits[0]
+    return logits.float()
+
+
+def spread_magnitudes(adapter: Path, seed: int) -> None:
+    """Scale each magnitude vector by factors in [0.5, 1.5]: PEFT initialises m to the
+    norm itself (g = 1 at every row), which would let a missing rescale pass unnoticed."""
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("lora_magnitude_vector"):
+            tensors[name] = t * (0.5 + torch.rand(t.shape, generator=gen))
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """kind -> (model dir, {"dora": folder, "plain": folder}, HF + PEFT reference), built on
+    first use."""
+    import peft
+    import transformers
+
+    from tests.factories import build_model, build_peft_adapter
+
+    root = tmp_path_factory.mktemp("dora")
+    cache: dict[str, tuple[Path, dict[str, Path], torch.nn.Module]] = {}
+
+    def get(kind: str) -> tuple[Path, dict[str, Path], torch.nn.Module]:
+        if kind not in cache:
+            model_dir = build_model(root / kind, kind)
+            _perturb(model_dir, seed=7)  # biases and norms away from 0 and 1
+            dora = build_peft_adapter(model_dir, root / f"{kind}-dora", seed=5, r=8,
+                                      lora_alpha=16, use_dora=True)  # fmt: skip
+            spread_magnitudes(dora, seed=6)
+            lora = build_peft_adapter(model_dir, root / f"{kind}-lora", seed=9, r=8,
+                                      lora_alpha=16)  # fmt: skip
+            base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+            ref = peft.PeftModel.from_pretrained(base, dora, adapter_name="dora")
+            ref.load_adapter(lora, adapter_name="plain")
+            cache[kind] = (model_dir, {"dora": dora, "plain": lora}, ref.eval())
+        return cache[kind]
+
+    return get
+
+
+def hf_greedy_logprobs(
+    reference: torch.nn.Module, prompt: list[int], adapter: str | None, n: int
+) -> tuple[list[int], list[float]]:
+    """HF + PEFT's greedy tokens and the log-probability of each."""
+    tokens, logprobs = list(prompt), []
+    for _ in range(n):
+        last = torch.log_softmax(peft_logits(reference, tokens, adapter)[-1], dim=-1)
+        token = int(last.argmax())
+        tokens.append(token)
+        logprobs.append(float(last[token]))
+    return tokens[len(prompt) :], logprobs
+
+
+def engine_for(model_dir: Path, **overrides: Any) -> Engine:
+    settings: dict[str, Any] = {"device": "cpu", "dtype": "float32", "block_size": 4,
+                                "max_loras": 2, "num_kv_blocks": 256,
+                                "max_num_batched_tokens": 40}  # fmt: skip
+    settings.update(overrides)
+    return Engine(EngineConfig(model=str(model_dir), **settings))
+
+
+_EXPECTED: dict[tuple[str, int], list[tuple[list[int], list[float]]]] = {}
+
+
+def expected(bases: Any, kind: str, batch: list[list[int]], n: int) -> list[Any]:
+    """HF + PEFT's greedy tokens and log-probs for the mixed batch (once per kind and n)."""
+    if (kind, n) not in _EXPECTED:
+        reference = bases(kind)[2]
+        _EXPECTED[(kind, n)] = [hf_greedy_logprobs(reference, prompt, name, n)
+                                for prompt, name in zip(batch, NAMES, strict=True)]  # fmt: skip
+    return _EXPECTED[(kind, n)]
+
+
+def check_mixed_batch(
+    bases: Any, kind: str, backend: str, n: int, engine: Engine | None = None
+) -> Engine:
+    """The mixed batch through `backend` equals HF + PEFT: tokens, and log-probs to ATOL."""
+    model_dir, adapters, _ = bases(kind)
+    engine = engine or engine_for(model_dir)
+    refs = {name: engine.register_lora(name, path, "t") for name, path in adapters.items()}
+    batch = prompts(len(NAMES), seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=True)
+    outs = engine.generate(batch, params, [refs[x] if x else None for x in NAMES])
+    for name, out, (tokens, logprobs) in zip(NAMES, outs, expected(bases, kind, batch, n),
+                                             strict=True):  # fmt: skip
+        assert out.token_ids == tokens, (kind, backend, name)
+        got = torch.tensor(out.logprobs, dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(logprobs, dtype=torch.float64),
+                                   atol=ATOL, rtol=0, msg=f"{kind} {backend} {name}")  # fmt: skip
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_dora_adapter_in_a_mixed_batch_gives_pefts_tokens_and_logprobs(
+    bases: Any, kind: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend == "native" and sgmv_cpu.library() is None:
+        pytest.skip("the native CPU kernel does not build here")
+    monkeypatch.setenv(dispatch.ENV, backend)
+    check_mixed_batch(bases, kind, backend, n=10)
+
+
+def test_the_triton_kernels_give_pefts_tokens_and_dora_steps_run_eagerly_under_cuda_graphs(
+    bases: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton SGMV/BGMV kernels (interpreted) with the DoRA post-scale in torch give
+    PEFT's tokens and log-probs; with decode graphs on, a step with DoRA rows runs eagerly (a
+    captured graph does not rescale them: a fallback), while one of plain LoRA and base rows
+    replays."""
+    if not INTERPRETED:
+        pytest.skip("runs the tiny model on CPU through Triton's interpreter")
+    pytest.importorskip("triton")
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    monkeypatch.setenv(attention.ENV, "triton")
+    model_dir, adapters, _ = bases("qwen2")
+    engine = engine_for(model_dir, max_num_seqs=4, enable_prefix_caching=False)
+    assert engine.enable_cuda_graphs(capture=replay_eagerly)
+    graphs = engine.runner.cuda_graphs
+    assert graphs is not None
+    plain = engine.register_lora("plain", adapters["plain"], "t")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.generate(prompts(2, seed=5), params, [plain, None])
+    assert graphs.replays > 0 and graphs.fallbacks == 0
+    check_mixed_batch(bases, "qwen2", "triton+graphs", n=3, engine=engine)
+    assert graphs.fallbacks > 0
+
+
+def test_the_magnitudes_matter_a_dora_adapter_read_as_plain_lora_differs(
+    bases: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A negative control: the same A and B without the rescale give other log-probs."""
+    model_dir, adapters, reference = bases("qwen2")
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    engine = engine_for(model_dir)
+    ref = engine.register_lora("dora", adapters["dora"], "t")
+    slots = engine.runner.pool.modules.values()
+    prompt = prompts(1, seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=True)
+    (with_dora,) = engine.generate([prompt], params, [ref])
+    for table in slots:  # drop the per-row scales: plain LoRA with the same A and B
+        table.dora = [None] * len(table.dora)
+        table.dora_mask = 0
+    (without,) = engine.generate([prompt], params, [ref])
+    _, want = hf_greedy_logprobs(reference, prompt, "dora", 1)
+    assert abs(with_dora.logprobs[0] - want[0]) <= ATOL
+    assert abs(without.logprobs[0] - want[0]) > 100 * ATOL
+
+
+def test_a_dora_slot_counts_its_per_row_scales_in_its_bytes(bases: Any) -> None:
+    model_dir, adapters, _ = bases("llama")
+    spec = BaseModelSpec.from_dir(model_dir)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    pool = LoRAPool(2, spec, torch.float32, "cpu")
+    install_lora(model, pool)
+    dora, lora = (pool.host_form(load_lora(adapters[n], spec)) for n in ("dora", "plain"))
+    assert dora.is_dora and not lora.is_dora
+    rows = sum(w.b.shape[0] for w in dora.modules.values())
+    factors = sum(w.a.numel() + w.b.numel() for w in dora.modules.values())
+    assert pool.bytes_needed(dora) == 4 * (factors + rows)  # A and B, then g in fp32
+    assert pool.bytes_needed(lora) == 4 * factors
+    assert pool.load(0, dora) and pool.load(1, lora)
+    assert pool.slot_bytes(0) == pool.bytes_needed(dora)
+    assert pool.slot_bytes(1) == pool.bytes_needed(lora)
+    table = pool.module_slots(0, "q_proj")
+    g = table.dora[0]
+    assert g is not None and g.dtype == torch.float32 and table.dora[1] is None
+    assert table.dora_mask == 0b01
+    pool.free(0)
+    assert table.dora[0] is None and table.dora_mask == 0
+    assert pool.bytes_used == pool.bytes_needed(lora)
+
+
+def test_the_per_row_scale_is_the_magnitude_over_the_updated_weights_row_norm(
+    bases: Any,
+) -> None:
+    """g = m / ||W + s B A||_row, from the layer's own base weight (PEFT's formula)."""
+    model_dir, adapters, _ = bases("qwen2")
+    spec = BaseModelSpec.from_dir(model_dir)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    pool = LoRAPool(1, spec, torch.float32, "cpu")
+    install_lora(model, pool)
+    adapter = load_lora(adapters["dora"], spec)
+    pool.load(0, adapter)
+    w = adapter.modules[(1, "v_proj")]
+    base_weight = model.get_submodule("model.layers.1.self_attn.v_proj").base_layer.weight
+    assert w.magnitude is not None
+    want = w.magnitude / torch.linalg.norm(base_weight + w.scale * (w.b @ w.a), dim=1)
+    g = pool.module_slots(1, "v_proj").dora[0]
+    assert g is not None
+    torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-6)
+
+
+def test_a_dora_adapter_on_an_fp8_base_is_refused_naming_the_quantization(
+    bases: Any,
+) -> None:
+    model_dir, adapters, _ = bases("llama")
+    engine = engine_for(model_dir, quantization="fp8")
+    engine.register_lora("plain", adapters["plain"], "t")  # plain LoRA: served
+    with pytest.raises(AdapterRejected) as info:
+        engine.register_lora("dora", adapters["dora"], "t")
+    assert info.value.code is ReasonCode.DORA_NOT_SUPPORTED
+    assert "quantized (FP8Linear)" in info.value.message
+    assert "needs the base weight W in full precision" in info.value.message
+
+
+def test_a_dora_adapter_under_tensor_parallelism_is_refused(bases: Any) -> None:
+    """A rank's manager has a shard function (tensor_parallel_size > 1): DoRA's row norm
+    would need the whole row of W, which no rank holds."""
+    model_dir, adapters, _ = bases("llama")
+    spec = BaseModelSpec.from_dir(model_dir)
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    pool = LoRAPool(1, spec, torch.float32, "cpu")
+    install_lora(model, pool)
+    manager = LoRAManager(pool, spec, max_lora_rank=64, shard=lambda adapter: adapter)
+    try:
+        manager.register("plain", adapters["plain"])
+        with pytest.raises(AdapterRejected) as info:
+            manager.register("dora", adapters["dora"])
+    finally:
+        manager.close()
+    assert info.value.code is ReasonCode.DORA_NOT_SUPPORTED
+    assert "not served with tensor parallelism (tensor_parallel_size > 1)" in info.value.message
+
+
+def test_a_4_bit_projection_refuses_dora_naming_its_class() -> None:
+    """A 4-bit checkpoint's projections (W4Linear) cannot give DoRA its W; a plain fp32
+    linear can."""
+    w4 = W4Linear(64, 32, bias=False, group_size=32, zeros=False, act_order=False,
+                  compute_dtype=torch.float32)  # fmt: skip
+    why = refusal(w4)
+    assert why is not None and "quantized (W4Linear)" in why
+    assert refusal(nn.Linear(64, 32)) is None
