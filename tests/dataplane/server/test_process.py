@@ -21,7 +21,7 @@ def test_sigterm_finishes_running_requests_and_exits_0(tiny_llama_dir: Path) -> 
     port = free_port()
     proc = spawn(
         ["--model", str(tiny_llama_dir), "--port", str(port)],
-        env={"LORAPLANE_SHUTDOWN_GRACE_S": "20", "LORAPLANE_NUM_KV_BLOCKS": "64"},
+        env={"LORAPLANE_SHUTDOWN_GRACE_S": "60", "LORAPLANE_NUM_KV_BLOCKS": "64"},
     )
     try:
         url = f"http://127.0.0.1:{port}"
