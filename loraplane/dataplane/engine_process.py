@@ -14,7 +14,9 @@ engine's step take turns at the GIL, so each slows the other. Here they share no
                                         errors, adapter load times, health fields)
                        Reply           (a command's result) | Died (the loop ended: why)
 
-`ProcessEngine` is the server's side, with AsyncEngine's interface (generate, abort, post,
+The protocol's messages are engine_messages.py's, the child's side engine_child.py, the engine
+it builds engine_setup.py's (as the in-process mode's). `ProcessEngine` is the server's side,
+with AsyncEngine's interface (generate, abort, post,
 command, health, alive, has_work, shutdown, tokenizer, vocab_size, grammars, is_registered):
 the runtime uses either (`LORAPLANE_ENGINE_PROCESS`). The engine here does not detokenize
 (`Engine(detokenize=False)`): the pipe's reader thread in the server's process turns each Step's
@@ -45,12 +47,9 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-import os
-import pickle
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing import util as mp_util
@@ -59,309 +58,33 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from loraplane import fileaccess
-from loraplane.adapters.errors import AdapterRejected
-from loraplane.dataplane.async_engine import EngineHealth, EngineLoop, Stream, judge
-from loraplane.dataplane.engine import Engine, RequestOutput
-from loraplane.dataplane.engine_commands import run_command
+from loraplane.dataplane import engine_child
+from loraplane.dataplane.async_engine import EngineHealth, Stream, judge
+from loraplane.dataplane.engine import RequestOutput
+from loraplane.dataplane.engine_messages import (
+    EXIT_GRACE_S,
+    Died,
+    Failed,
+    Ready,
+    Reply,
+    Step,
+    rebuild,
+)
+from loraplane.dataplane.engine_setup import StartupError
 from loraplane.dataplane.output_text import OutputText
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
-from loraplane.dataplane.step_observer import StepRecord
-from loraplane.dataplane.structured import Constraint, GrammarCompiler
+from loraplane.dataplane.structured import GrammarCompiler
 from loraplane.dataplane.tokenizer import Tokenizer
-from loraplane.redact import env_secrets, install_log_redaction
 
 if TYPE_CHECKING:
     from loraplane.dataplane.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
-DEFAULT_TENANT = "default"  # the standalone server's one tenant (server/catalog.py)
-EXIT_GRACE_S = 10.0  # the child's wait for its step to end once the server is gone
-
-
-class StartupError(RuntimeError):
-    """The server cannot serve (bad model, rejected static adapter)."""
 
 
 class EngineGone(RuntimeError):
     """The engine process has exited: nothing will answer."""
-
-
-def build_engine(
-    settings: ServerSettings, observe: Callable[[str, float], None], *, detokenize: bool = True
-) -> Engine:
-    """The engine `settings` describe, with the static `--lora-modules` registered; each
-    adapter load's seconds go to `observe(tier, seconds)` (tier "cpu": into host memory,
-    "gpu": into a device slot): the static ones' here, the others' from the engine's step
-    records (a step observer). Raises StartupError. Runs in the server's process or in the
-    engine's (there with `detokenize` False: the server's process makes the text)."""
-    disk = None
-    if settings.controlplane_url:  # catalog mode: stored versions, through the tiers
-        from loraplane.adapters.store import open_store
-        from loraplane.dataplane.tiers.disk import DiskTier
-
-        try:
-            disk = DiskTier(open_store(settings.store))
-            if disk.local:  # read in place: a folder this user cannot read fails at start
-                with contextlib.suppress(FileNotFoundError):  # the control plane makes it
-                    fileaccess.check_readable(disk.store.url())
-        except (ValueError, OSError) as e:
-            raise StartupError(f"LORAPLANE_STORE: {fileaccess.message(e, 'write')}") from e
-        if settings.usage_spool_dir is not None:
-            try:
-                fileaccess.check_writable_dir(settings.usage_spool_dir)
-            except OSError as e:
-                raise StartupError(f"LORAPLANE_USAGE_SPOOL_DIR: {e}") from e
-    try:
-        engine = Engine(settings.engine_config(), disk=disk, detokenize=detokenize)
-    except (ValueError, OSError) as e:
-        reason = fileaccess.message(e)
-        raise StartupError(f"cannot load model {settings.model}: {reason}") from e
-    engine.observers.append(LoadTimes(observe))
-    for name, path in settings.adapter_dirs().items():
-        start = time.perf_counter()
-        try:
-            engine.register_lora(name, path, DEFAULT_TENANT)
-        except AdapterRejected as e:
-            raise StartupError(f"adapter {name} rejected: {e.code.value}: {e.message}") from e
-        except OSError as e:
-            raise StartupError(f"adapter {name}: {fileaccess.message(e)}") from e
-        observe("cpu", time.perf_counter() - start)
-    return engine
-
-
-@dataclass(frozen=True, slots=True)
-class LoadTimes:
-    """A step observer: each adapter load of a step's record to `observe(tier, seconds)`
-    (the server's loraplane_adapter_load_seconds, here or across the pipe)."""
-
-    observe: Callable[[str, float], None]
-
-    def __call__(self, record: StepRecord) -> None:
-        for load in record.loads:
-            self.observe(load.tier, load.seconds)
-
-
-# -- messages ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Ready:
-    """The engine loaded: what the server needs of it."""
-
-    max_model_len: int
-    vocab_size: int
-    registered: list[LoRARef]
-    loads: list[tuple[str, float]]
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """The engine could not be built (the StartupError's message)."""
-
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One step's outputs, every request's in one message (ids, no text), and the loop's
-    health fields."""
-
-    outputs: list[RequestOutput]
-    errors: list[tuple[str, Any]]  # (request id, a portable error)
-    loads: list[tuple[str, float]]  # adapter loads since the last message: (tier, seconds)
-    progress_at: float
-    failed_in_a_row: int
-    failed_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A command's result, or its portable error."""
-
-    call: int
-    ok: bool
-    value: Any
-
-
-@dataclass(frozen=True, slots=True)
-class Died:
-    """The engine loop ended on an exception (its type only: a message may name a request)."""
-
-    reason: str
-
-
-def portable(error: BaseException) -> Any:
-    """`error` in a form that pickles and rebuilds (`rebuild`): itself when it round-trips,
-    AdapterRejected as its code and message, anything else as a RuntimeError naming its type."""
-    if isinstance(error, AdapterRejected):
-        return ("AdapterRejected", error.code, error.message)
-    try:
-        copy = pickle.loads(pickle.dumps(error))  # noqa: S301 (our own bytes, just made)
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-    return copy if type(copy) is type(error) else RuntimeError(str(error))
-
-
-def rebuild(value: Any) -> BaseException:
-    """The exception `portable` made of an error."""
-    if isinstance(value, tuple) and value[0] == "AdapterRejected":
-        return AdapterRejected(value[1], value[2])
-    assert isinstance(value, BaseException)
-    return value
-
-
-# -- the engine's side --------------------------------------------------------------------------
-
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's and the engine's
-
-
-def _child_logging(level: int, settings: ServerSettings) -> None:
-    """Log as the server does (its level and format, keys and tokens redacted) to the stderr
-    both share: the engine's lines (the LoRA kernel it loaded, adapter loads) stay in the log."""
-    if level == logging.NOTSET:  # the server configured no logging: neither does its engine
-        return
-    logging.basicConfig(level=level, format=LOG_FORMAT)
-    keys = [settings.api_key, settings.admin_token, settings.service_token]
-    install_log_redaction([*keys, *env_secrets()])
-
-
-def _leave_stopping_to_the_server() -> None:
-    """Ignore SIGINT and SIGTERM: Ctrl-C in a terminal (SIGINT to the foreground process group)
-    or a SIGTERM to the group reaches this process as well as the server, which drains and then
-    stops it (a "stop" message, or its pipe closing). SIGKILL still ends it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _child_main(conn: Connection, settings: ServerSettings, log_level: int) -> None:
-    """The engine process: build the engine, report, serve the pipe until told to stop or the
-    server goes away."""
-    _leave_stopping_to_the_server()  # before anything else: a signal may come while it loads
-    _child_logging(log_level, settings)
-    loads: deque[tuple[str, float]] = deque()
-    try:
-        engine = build_engine(settings, lambda tier, s: loads.append((tier, s)), detokenize=False)
-    except StartupError as e:
-        conn.send(Failed(str(e)))
-        return
-    except Exception as e:
-        conn.send(Failed(f"start failed: {type(e).__name__}: {e}"))
-        return
-    conn.send(Ready(engine.config.max_model_len or 0, engine.runner.vocab_size,
-                    engine.loras.registered, _drain(loads)))  # fmt: skip
-    try:
-        _EngineServer(engine, conn, loads).run()
-    finally:
-        engine.close()  # its tensor-parallel workers, if any, stop with it
-
-
-def _drain(loads: deque[tuple[str, float]]) -> list[tuple[str, float]]:
-    out = []
-    while loads:  # appended to by the engine's step observer (LoadTimes)
-        out.append(loads.popleft())
-    return out
-
-
-class _EngineServer(EngineLoop):
-    """The engine loop of the child: actions come from the pipe (read on a thread), each step
-    goes back as one Step message."""
-
-    def __init__(self, engine: Engine, conn: Connection, loads: deque[tuple[str, float]]):
-        super().__init__(engine)
-        self._conn = conn
-        self._loads = loads
-        self._errors: list[tuple[str, Any]] = []
-        self._stored: dict[str, tuple[LoRARef, str]] = {}  # key -> (ref, store path)
-
-    def run(self) -> None:
-        threading.Thread(target=self._read, name="engine-pipe", daemon=True).start()
-        try:
-            self._loop()
-        except (EOFError, OSError):  # the server is gone: nobody to answer
-            return
-        except BaseException as e:
-            log.critical("the engine loop died; no request can run", exc_info=e)
-            with contextlib.suppress(Exception):
-                self._conn.send(Died(type(e).__name__))
-            raise
-
-    def _read(self) -> None:
-        try:
-            while True:
-                message = self._conn.recv()
-                if message[0] == "stop":
-                    break
-                self._actions.put(self._action(message))
-        except (EOFError, OSError):  # the server's process is gone: stop, then exit anyway
-            threading.Timer(EXIT_GRACE_S, os._exit, (0,)).start()
-        self._stop.set()
-        self._actions.put(lambda: None)
-
-    def _action(self, message: tuple[Any, ...]) -> Callable[[], None]:
-        kind = message[0]
-        if kind == "add":
-            return lambda: self._add(*message[1:])
-        if kind == "abort":
-            return lambda: self._abort(message[1])
-        if kind == "cmd":
-            return lambda: self._command(*message[1:])
-        raise ValueError(f"unknown message {kind!r}")
-
-    def _add(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None,
-        constraint: Constraint | None,
-        lora: LoRARef | None,
-        tenant: str | None,
-    ) -> None:
-        engine = self.engine
-        try:
-            if params is not None and constraint is not None:
-                params = dataclasses.replace(params, grammar=engine.grammars().compile(constraint))
-            stored = self._stored.get(lora.key) if lora is not None else None
-            if stored is not None and not engine.loras.is_registered(stored[0]):
-                engine.loras.register_stored(*stored)  # forgotten as idle since the server's
-            engine.add_request(request_id, prompt, params, lora, tenant)
-        except Exception as e:  # delivered to the caller, not fatal to the loop
-            self._deliver(request_id, e)
-
-    def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    def _command(self, call: int | None, name: str, args: tuple[Any, ...]) -> None:
-        try:
-            result = run_command(self.engine, name, args)
-        except Exception as e:
-            reply = Reply(call or 0, False, portable(e))
-        else:
-            if name == "register_stored":
-                self._stored[result.key] = (result, args[1])
-            elif name == "unregister":
-                for ref in result:
-                    self._stored.pop(ref.key, None)
-            reply = Reply(call or 0, True, result)
-        if call is not None:
-            self._conn.send(reply)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self._errors.append((request_id, portable(item)))
-
-    def _stepped(self, outputs: list[RequestOutput]) -> None:
-        self._send_step(outputs)
-
-    def _idle(self) -> None:
-        if self._errors or self._loads:
-            self._send_step([])
-
-    def _send_step(self, outputs: list[RequestOutput]) -> None:
-        errors, self._errors = self._errors, []
-        self._conn.send(Step(outputs, errors, _drain(self._loads), self._progress_at,
-                             self._failed_in_a_row, self._failed_at))  # fmt: skip
 
 
 # -- the server's side --------------------------------------------------------------------------
@@ -395,7 +118,7 @@ class ProcessEngine:
         # a daemon process may not start processes: with tensor parallelism the engine starts
         # its workers (the finalizer below stops it at exit either way)
         self._proc = context.Process(
-            target=_child_main, name="loraplane-engine",
+            target=engine_child.main, name="loraplane-engine",
             daemon=settings.tensor_parallel_size == 1,
             args=(child, settings, _server_log_level()),
         )  # fmt: skip

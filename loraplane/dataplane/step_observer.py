@@ -16,7 +16,7 @@ a device load ("gpu": host memory into the device pool) happens while the schedu
 reaches that step's record. Loads that end while the engine has no work reach the observers in
 a record of no step (`batch` None) when the loop finds it idle (`flush_loads`), so load times
 never wait for traffic. The planner's measurements (`planner/measure.py`, `calibrate.py`) and
-the server's load-time metrics (`engine_process.build_engine`) read the engine through this, as
+the server's load-time metrics (`engine_setup.build_engine`) read the engine through this, as
 should anything else that observes steps: no wrapping of the scheduler or swapping of callbacks.
 
 An observer runs on the engine's thread, inside the step: it must be quick, and one that raises

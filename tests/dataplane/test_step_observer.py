@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.async_engine import AsyncEngine
-from loraplane.dataplane.engine_process import LoadTimes
+from loraplane.dataplane.engine_setup import LoadTimes
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.step_observer import StepRecord
 from loraplane.dataplane.tiers.disk import DiskTier

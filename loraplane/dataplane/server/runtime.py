@@ -30,7 +30,8 @@ from loraplane.adapters.base_model import BaseModelError, read_config
 from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import AsyncEngine, EngineHealth
 from loraplane.dataplane.engine import Engine
-from loraplane.dataplane.engine_process import EngineGone, ProcessEngine, StartupError, build_engine
+from loraplane.dataplane.engine_process import EngineGone, ProcessEngine
+from loraplane.dataplane.engine_setup import StartupError, build_engine
 from loraplane.dataplane.heap import freeze_startup_heap
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.admission import QueueLimits

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from loraplane.accesslog import AccessLogError, AccessLogSettings, make_logger, wrap
-from loraplane.dataplane.engine_process import LOG_FORMAT
+from loraplane.dataplane.engine_setup import LOG_FORMAT
 from loraplane.dataplane.server.app import create_app
 from loraplane.dataplane.server.metrics_port import (
     create_gateway_metrics_app,

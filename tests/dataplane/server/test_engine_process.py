@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
-from loraplane.dataplane.engine_process import EngineGone, ProcessEngine, portable, rebuild
+from loraplane.dataplane.engine_messages import portable, rebuild
+from loraplane.dataplane.engine_process import EngineGone, ProcessEngine
 from loraplane.dataplane.server.runtime import Runtime
 from tests.dataplane.server.conftest import (
     API_KEY,

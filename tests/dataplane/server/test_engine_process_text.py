@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loraplane.dataplane.engine_process import ProcessEngine, Step
+from loraplane.dataplane.engine_messages import Step
+from loraplane.dataplane.engine_process import ProcessEngine
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.snapshot import EngineSnapshot
 from tests.dataplane.server.conftest import API_KEY, server_settings, start_server
