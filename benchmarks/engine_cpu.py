@@ -253,7 +253,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.tp:
         figures = run_tp(args.tp, shape(args.smoke), prompts(NUM_SEQS, 1), 2 if args.smoke else 12)
-        return report(f"engine_cpu_tp{args.tp}", figures, [], smoke=args.smoke)
+        variant = f"tp{args.tp}"
+        return report(f"engine_cpu_{variant}", figures, [], smoke=args.smoke)
     if args.family in MOE:
         return run_moe(args.family, args.smoke)
     if args.family:
