@@ -28,6 +28,7 @@ from loraplane.controlplane.schemas.internal import (
     PressureAccepted,
     PressureReport,
     Resolved,
+    RolloutTarget,
     SigningKeyEntry,
     SigningPolicy,
     VersionRecord,
@@ -65,6 +66,18 @@ async def resolve_model(
         requests_per_minute=found.requests_per_minute,
         tokens_per_minute=found.tokens_per_minute,
         weight=found.weight,
+        rollout=[
+            RolloutTarget(
+                version=r.version,
+                weight=w,
+                digest=r.digest,
+                path=r.path,
+                rank=r.rank,
+                alpha=r.alpha,
+            )
+            for r, w in found.rollout
+        ]
+        or None,
     )
 
 
