@@ -327,6 +327,8 @@ class _EngineServer(EngineLoop):
         else:
             if name == "register_stored":
                 self._stored[result.key] = (result, args[1])
+            elif name == "warm_stored":  # re-registered as register_stored's are
+                self._stored[args[0].key] = (args[0], args[1])
             elif name == "unregister":
                 for ref in result:
                     self._stored.pop(ref.key, None)
@@ -542,6 +544,8 @@ class ProcessEngine:
             self._calls.pop(call, None)
         if name in ("register_stored", "register_lora"):
             self._registered[result.key] = result
+        elif name == "warm_stored":
+            self._registered[args[0].key] = args[0]
         elif name == "unregister":
             for ref in result:
                 self._registered.pop(ref.key, None)

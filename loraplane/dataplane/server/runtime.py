@@ -46,6 +46,7 @@ from loraplane.dataplane.server.intake import FairPool, auto_workers
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.dataplane.server.metrics import ServerMetrics
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
+from loraplane.dataplane.server.rollout import Warmer
 from loraplane.dataplane.server.settings import ServerSettings
 from loraplane.dataplane.snapshot import EngineSnapshot
 
@@ -112,6 +113,7 @@ class Runtime:
         self._released = asyncio.Condition()
         self._loading: dict[str, asyncio.Future[LoRARef]] = {}
         self._reporter: PressureReporter | None = None
+        self.warmer: Warmer | None = None  # catalog mode: a rollout's versions, loaded ahead
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -141,6 +143,8 @@ class Runtime:
                 s.controlplane_url, s.service_token, self.base_model, ttl=s.resolve_ttl_s,
                 stale=s.resolve_stale_s,
             )  # fmt: skip
+            self.warmer = Warmer(self.command)  # a rollout's versions load before requests
+            self.catalog.picker.readiness = self.warmer
             replica = s.replica or f"{socket.gethostname()}:{s.port}"
             self._reporter = PressureReporter(
                 s.controlplane_url, s.service_token, s.pool, replica, self.snapshot, self.usage,
@@ -397,6 +401,9 @@ class Runtime:
 
         await self._wait_idle(keys)
         gone = await self.command("unregister", name, tenant)
+        if self.warmer is not None:
+            for ref in gone:
+                self.warmer.forget(ref.key)
         if not gone and self.static is None:
             raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
         self.metrics.cpu_evictions += len(gone)
