@@ -164,6 +164,27 @@ def test_promote_and_rollback_are_one_call_each_and_every_change_is_audited(read
     assert ended[-1] is not None and ended[-1]["rollout_ended"] == {"2": 90, "3": 10}
 
 
+def test_a_split_starts_with_its_heaviest_version_as_the_rollback_target(ready: Api) -> None:
+    """The GitOps way: the canary is pushed (and, following the latest, served) in the same
+    change that sets the split: the stable version is the split's heaviest, not the newest."""
+    key = ready.keys["acme"]
+    push(ready, key, 1)
+    push(ready, key, 2)
+    assert state(ready, key) == (2, 2, True)
+    assert set_split(ready, key, {"1": 90, "2": 10}).json()["current_version"] == 1
+    assert resolve(ready, key)["version"] == 1
+    assert set_split(ready, key, {"1": 40, "2": 60}).json()["current_version"] == 1  # running
+    assert set_split(ready, key, {"1": 0, "2": 50, "3": 50}).status_code == 404  # no v3
+    push(ready, key, 3)
+    moved = set_split(ready, key, {"1": 0, "2": 50, "3": 50}).json()  # v1 taken to 0: moves
+    assert moved["current_version"] == 2
+    r = ready.client.post("/v1/adapters/bot/rollout/rollback", headers=bearer(key))
+    assert r.json()["current_version"] == 2 and served(ready, key) == 2
+    detail = [d for a, _, d in audit_events(ready) if a == "adapter.rollout.set"]
+    assert detail[0] == {"from": None, "to": {"1": 90, "2": 10}, "current_version": 1,
+                         "current_before": 2}  # fmt: skip
+
+
 def test_a_deleted_adapter_pushed_again_starts_without_a_split(ready: Api) -> None:
     key = ready.keys["acme"]
     three_versions(ready, key)

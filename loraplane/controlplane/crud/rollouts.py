@@ -1,12 +1,15 @@
 """Weighted rollouts: an adapter's unpinned traffic split across versions by weight.
 
 A rollout is `{version: weight}` on the adapter row (`Adapter.rollout`, versions as text keys
-in JSON). `current_version` is left as it was: it is the version a rollback returns to and
-what a data plane that knows nothing of splits keeps serving. Setting a split holds the
-adapter (`follow_latest` false), as serving a chosen version does, so a push during a rollout
-never moves it. Promotion makes one version of the split current and ends the split; rollback
-ends it with `current_version` unchanged. `name@version` requests bypass the split (the
-resolve route answers a pin alone). Every change is audited.
+in JSON). `current_version` is the version a rollback returns to and what a data plane that
+knows nothing of splits keeps serving: when a split starts it becomes the split's heaviest
+version (of a tie, the one serving, else the older), so a canary pushed while the adapter
+followed its latest (the GitOps way: new source and split in one change) is not taken for the
+stable version; while the split runs it stays, unless a change takes its weight to 0. Setting
+a split holds the adapter (`follow_latest` false), as serving a chosen version does, so a push
+during a rollout never moves it. Promotion makes one version of the split current and ends
+the split; rollback ends it with `current_version` unchanged. `name@version` requests bypass
+the split (the resolve route answers a pin alone). Every change is audited.
 """
 
 from __future__ import annotations
@@ -82,6 +85,11 @@ def set_rollout(
     if len(live) == 1:
         return _promote(session, adapter, tenant, next(iter(live)), actor, via="rollout")
     before = parse(adapter.rollout)
+    previous = adapter.current_version
+    if not before or adapter.current_version not in live:
+        # the rollback target: what the split mostly serves as it starts (of a tie, the
+        # version serving now, else the older)
+        adapter.current_version = max(live, key=lambda v: (live[v], v == previous, -v))
     adapter.rollout = {str(v): int(w) for v, w in sorted(weights.items())}
     adapter.follow_latest = False
     audit.record(
@@ -93,6 +101,7 @@ def set_rollout(
             "from": _shown(before),
             "to": adapter.rollout,
             "current_version": adapter.current_version,
+            **({"current_before": previous} if previous != adapter.current_version else {}),
         },
     )
     session.commit()

@@ -66,6 +66,12 @@ class AdapterUpdate(Strict):
         return self
 
 
+class RolloutSet(Strict):
+    """The operator's: a LoRAAdapter's `spec.rollout` as a split, or null for none."""
+
+    rollout: dict[Annotated[int, Field(ge=1, le=INT32)], Weight] | None
+
+
 class RolloutPromote(Strict):
     """Which version of the running rollout to make current."""
 
