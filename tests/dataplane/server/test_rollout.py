@@ -160,3 +160,28 @@ def test_a_canary_set_by_patch_is_in_host_memory_before_its_first_request(
         pinned = client.completions.create(model="bot@1", prompt="hello", max_tokens=1)
         assert pinned.choices
         assert versions_served(r.metrics_url)["1"] == counted["1"] + 1  # a pin is not split
+
+
+def test_a_split_is_served_through_the_engine_process_and_counted_per_version(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The default layout (the engine in a process of its own): `warm_stored` crosses the
+    process boundary, both versions serve, and the metrics port counts each."""
+    from tests.factories import build_peft_adapter
+
+    with replica(tiny_llama_dir, tmp_path, {"acme": 1}, resolve_ttl_s=0.2) as r:
+        auth = {"Authorization": f"Bearer {r.keys['acme']}"}
+        for seed in (1, 2):
+            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
+            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
+                            files=files, headers=auth)  # fmt: skip
+            assert up.status_code == 201, up.text
+        split = {"rollout": {"1": 50, "2": 50}}
+        assert httpx.patch(r.cp + "/v1/adapters/bot", json=split, headers=auth).status_code == 200
+        client = r.client("acme")
+        for _ in range(30):
+            client.completions.create(model="bot", prompt="hello", max_tokens=1)
+        counted = versions_served(r.metrics_url)
+        assert counted.get("1", 0) + counted.get("2", 0) == 30
+        assert counted.get("1", 0) > 0 and counted.get("2", 0) > 0, counted
