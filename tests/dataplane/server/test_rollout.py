@@ -185,3 +185,37 @@ def test_a_split_is_served_through_the_engine_process_and_counted_per_version(
         counted = versions_served(r.metrics_url)
         assert counted.get("1", 0) + counted.get("2", 0) == 30
         assert counted.get("1", 0) > 0 and counted.get("2", 0) > 0, counted
+
+
+def test_a_5xx_answer_counts_as_an_error_of_the_version_the_request_ran_with() -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+
+    from loraplane.dataplane.server.request_metrics import RequestCounter
+
+    registry = CollectorRegistry()
+    labels = ["tenant", "adapter", "version"]
+    requests = PromCounter("r", "", ["tenant", "code"], registry=registry)
+    versions = PromCounter("v", "", labels, registry=registry)
+    errors = PromCounter("e", "", labels, registry=registry)
+
+    def app_answering(status: int) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            scope.setdefault("state", {}).update(tenant="acme", adapter_version=("bot", "2"))
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        return RequestCounter(app, requests, versions, errors)
+
+    async def run() -> None:
+        async def send(_: Any) -> None:
+            return None
+
+        for status in (200, 200, 503, 429):
+            scope = {"type": "http", "path": "/v1/completions"}
+            await app_answering(status)(scope, None, send)
+
+    asyncio.run(run())
+    got = {"tenant": "acme", "adapter": "bot", "version": "2"}
+    assert registry.get_sample_value("v_total", got) == 4
+    assert registry.get_sample_value("e_total", got) == 1  # the 503; a 429 is no server error
