@@ -472,3 +472,49 @@ def test_the_help_of_loraplane_lists_pools() -> None:
     )
     assert done.returncode == 0
     assert re.search(r"^\s+pools\s+list, show, create, update and delete pools", done.stdout, re.M)
+
+
+def test_rollout_set_promote_and_rollback_are_one_command_each(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], make_adapter: Maker,
+    controlplane: str,
+) -> None:  # fmt: skip
+    key = new_tenant(capsys, "canaries")
+    env.setenv("LORAPLANE_API_KEY", key)
+    for seed in (1, 2, 3):
+        push(capsys, make_adapter, "bot", seed)
+    assert cli(capsys, "adapters", "serve", "bot", "2", "--yes").code == 0
+
+    run = cli(capsys, "adapters", "rollout", "set", "bot", "2=90", "v3=10", "--yes")
+    assert run.code == 0, run.err
+    assert run.out == (
+        "rollout: bot v2 90%, v3 10% (rollback serves v2; `loraplane adapters rollout promote "
+        "bot` or `... rollback bot`)\n"
+    )
+    assert cli(capsys, "adapters", "list").out.splitlines()[1].split()[-1] == (
+        "rollout:v2=90,v3=10"
+    )
+    unasked = cli(capsys, "adapters", "rollout", "set", "bot", "2=50", "3=50")  # no terminal
+    assert unasked.code == 1 and "ConfirmationRequired" in unasked.err
+    bad = cli(capsys, "adapters", "rollout", "set", "bot", "2=90", "3=20", "--yes")
+    assert bad.code == 1 and bad.err == (
+        "error: InvalidRequest: a rollout's weights sum to 100; these (v2: 90, v3: 20) sum to 110\n"
+    )
+    assert cli(capsys, "adapters", "rollout", "set", "bot", "2:90", "--yes").code == 2
+
+    back = cli(capsys, "adapters", "rollout", "rollback", "bot", "--yes", "--json")
+    assert back.code == 0, back.err
+    assert (back.json()["current_version"], back.json()["rollout"]) == (2, None)
+    assert resolved(controlplane, key, "bot") == 2
+    none = cli(capsys, "adapters", "rollout", "rollback", "bot", "--yes")
+    assert none.code == 1 and none.err == (
+        "error: Conflict: adapter 'bot' has no rollout to roll back\n"
+    )
+
+    assert cli(capsys, "adapters", "rollout", "set", "bot", "2=90", "3=10", "--yes").code == 0
+    promoted = cli(capsys, "adapters", "rollout", "promote", "bot", "--yes")
+    assert promoted.code == 0, promoted.err
+    assert promoted.out == "serving: bot v3 alone (no rollout)\n"
+    assert resolved(controlplane, key, "bot") == 3
+    assert cli(capsys, "adapters", "rollout", "set", "bot", "1=10", "3=90", "--yes").code == 0
+    pinned = cli(capsys, "adapters", "rollout", "promote", "bot", "v1", "--yes")
+    assert pinned.code == 0 and resolved(controlplane, key, "bot") == 1

@@ -141,6 +141,11 @@ class Adapter(Base):
     `follow_latest`: a new version becomes current when it is pushed (the default). Serving a
     chosen version clears it, so later pushes leave that version serving until the tenant
     follows the latest again.
+
+    `rollout`: a weighted split of the unpinned name's traffic across versions, `{"3": 90,
+    "4": 10}` (version number as text -> integer weight, the weights summing to 100), or None:
+    everything to `current_version`, which stays the version a rollback returns to
+    (crud/rollouts.py; docs/controlplane.md, "Weighted rollouts").
     """
 
     __tablename__ = "adapters"
@@ -152,6 +157,7 @@ class Adapter(Base):
     base_model: Mapped[str] = mapped_column(String(200))
     current_version: Mapped[int | None]
     follow_latest: Mapped[bool] = mapped_column(default=True, server_default=true())
+    rollout: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     deleted: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

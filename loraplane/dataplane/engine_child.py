@@ -162,6 +162,8 @@ class _EngineServer(EngineLoop):
         else:
             if name == "register_stored":
                 self._stored[result.key] = (result, args[1])
+            elif name == "warm_stored":  # re-registered as register_stored's are
+                self._stored[args[0].key] = (args[0], args[1])
             elif name == "unregister":
                 for ref in result:
                     self._stored.pop(ref.key, None)

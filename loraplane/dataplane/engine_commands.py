@@ -5,6 +5,9 @@ it wants and passes arguments that pickle; the engine's side runs `run_command`,
 between steps, whichever process that loop is in. Results pickle too (refs, snapshots).
 
     register_stored(ref, store_path) -> LoRARef   a stored version, loaded on first use
+    warm_stored(ref, store_path) -> bool          the same, its load into host memory begun
+                                                  now (a rollout's version, before requests);
+                                                  whether it is in host memory already
     register_lora(name, path, tenant) -> LoRARef  a local adapter directory (AdapterRejected)
     unregister(name, tenant) -> list[LoRARef]     every version of (tenant, name), freed
     set_weight(tenant, weight) -> None            the tenant's share weight in the scheduler
@@ -17,10 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.snapshot import EngineSnapshot
 
 COMMANDS = (
     "register_stored",
+    "warm_stored",
     "register_lora",
     "unregister",
     "set_weight",
@@ -33,6 +38,8 @@ def run_command(engine: Engine, name: str, args: tuple[Any, ...]) -> Any:
     """Run command `name` on `engine` (on its loop, between steps); its result."""
     if name == "register_stored":
         return engine.loras.register_stored(*args)
+    if name == "warm_stored":
+        return warm_stored(engine, *args)
     if name == "register_lora":
         return engine.register_lora(*args)
     if name == "unregister":
@@ -44,3 +51,13 @@ def run_command(engine: Engine, name: str, args: tuple[Any, ...]) -> Any:
     if name == "gateway_snapshot":
         return EngineSnapshot.gateway(engine)
     raise ValueError(f"unknown engine command {name!r} (known: {', '.join(COMMANDS)})")
+
+
+def warm_stored(engine: Engine, ref: LoRARef, store_path: str) -> bool:
+    """Register a stored version and start loading it into host memory ahead of its requests
+    (the prefetch list is the waiting requests' again at the next step; a load begun now goes
+    on). Whether it is in host memory already."""
+    engine.loras.register_stored(ref, store_path)
+    if not engine.loras.in_host_memory(ref):
+        engine.loras.prefetch([ref])
+    return engine.loras.in_host_memory(ref)

@@ -278,6 +278,8 @@ class ProcessEngine:
             self._calls.pop(call, None)
         if name in ("register_stored", "register_lora"):
             self._registered[result.key] = result
+        elif name == "warm_stored":
+            self._registered[args[0].key] = args[0]
         elif name == "unregister":
             for ref in result:
                 self._registered.pop(ref.key, None)

@@ -6,6 +6,8 @@
   an adapter must be signed and the tenant's signing keys (404: no tenant has the namespace).
 - `DELETE /internal/v1/tenants/{tenant}/adapters/{name}` (service token): mark an adapter
   deleted, its versions kept (404: nothing to delete).
+- `PUT /internal/v1/tenants/{tenant}/adapters/{name}/rollout` (service token): a
+  LoRAAdapter's `spec.rollout`, the weighted split of its versions (or none).
 - `PUT/GET/DELETE /internal/v1/pools/{pool}?namespace=` (service token): mirror a ServingPool
   (the catalog names pools by namespace and name, as Kubernetes does), read the pressure and
   base model config its replicas report, forget it when the ServingPool is deleted.
@@ -84,6 +86,15 @@ class CatalogClient:
         """Mark an adapter deleted (versions kept); False if the catalog had none live."""
         path = f"/internal/v1/tenants/{tenant}/adapters/{name}"
         return self._api.request("DELETE", path, allow=(404,)).status_code != 404
+
+    def set_rollout(self, tenant: str, name: str, weights: dict[int, int] | None) -> dict[str, Any]:
+        """Serve `weights` ({version: weight}, summing to 100) for the adapter's plain name,
+        or no split (None: a running one is rolled back); the adapter as the catalog has it
+        (CatalogError 404: no such adapter or version yet)."""
+        path = f"/internal/v1/tenants/{tenant}/adapters/{name}/rollout"
+        split = None if weights is None else {str(v): w for v, w in weights.items()}
+        adapter: dict[str, Any] = json_of(self._api.request("PUT", path, json={"rollout": split}))
+        return adapter
 
     def _pool(
         self, method: str, namespace: str, name: str, body: Any = None, allow: tuple[int, ...] = ()

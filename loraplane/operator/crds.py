@@ -88,6 +88,21 @@ def _secret_key_ref(what: str) -> Schema:
     )
 
 
+def _rollout(description: str, rules: Any = None) -> Schema:
+    item = _obj({"version": _int(1, 2**31 - 1), "weight": _int(0, 100)}, ["version", "weight"])
+    out: Schema = {
+        "type": "array",
+        "maxItems": s.MAX_ROLLOUT_VERSIONS,
+        "items": item,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["version"],
+        "description": description,
+    }
+    if rules:
+        out["x-kubernetes-validations"] = rules
+    return out
+
+
 def adapter_schema() -> Schema:
     """The LoRAAdapter openAPIV3Schema."""
     spec = _obj(
@@ -123,6 +138,17 @@ def adapter_schema() -> Schema:
             "servedName": _str(
                 s.RESOURCE_NAME, 63, description="name in the API (default metadata.name)"
             ),
+            "rollout": _rollout(
+                "a weighted rollout: the plain name's requests split across recorded "
+                "versions by weight (integers summing to 100; one at 100 promotes it; "
+                "absent or empty: the current version serves, a running split is rolled back)",
+                rules=[
+                    {
+                        "rule": "self.map(x, x.weight).sum() == 100",
+                        "message": "spec.rollout's weights sum to 100",
+                    }
+                ],
+            ),
         },
         ["baseModel", "source"],
     )
@@ -139,6 +165,11 @@ def adapter_schema() -> Schema:
             "alpha": {"type": "number"},
             "targetModules": {"type": "array", "maxItems": 64, "items": _str(max_length=128)},
             "sizeBytes": _int(0, 2**62, fmt="int64"),
+            "rollout": _rollout("the split the catalog serves (absent: none runs)"),
+            "currentVersion": {
+                **_int(1, 2**31 - 1),
+                "description": "the version the plain name serves outside a split",
+            },
             "observedGeneration": _int(0, 2**62, fmt="int64"),
             "conditions": _conditions(),
             "kopf": _kopf_state(),

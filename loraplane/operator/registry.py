@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from loraplane.operator import adapters, pools
+from loraplane.operator import adapters, pools, rollouts
 from loraplane.operator.context import OperatorContext
 from loraplane.operator.settings import FINALIZER, OperatorSettings
 
@@ -57,5 +57,6 @@ def build_registry(
     kopf.on.cleanup(registry=registry)(cleanup)
     kopf.on.login(registry=registry)(login or kopf.login_via_client)
     adapters.register(registry)
+    rollouts.register(registry)  # after the adapter's: a new version is recorded first
     pools.register(registry, interval=pool_interval)
     return registry

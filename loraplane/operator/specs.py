@@ -68,6 +68,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
 
+MAX_ROLLOUT_VERSIONS = 4  # the catalog's bound (controlplane/crud/rollouts.py)
+
+
 class SpecError(ValueError):
     """A spec the operator can never act on (the CRD schema should have refused it)."""
 
@@ -118,6 +121,32 @@ class AdapterSpec:
     # `spec.source.signature` (base64, as cosign sign-blob prints it) and `signatureKeyId`
     signature: str | None = None
     signature_key_id: str | None = None
+
+    @classmethod
+    def parse_rollout(cls, spec: Mapping[str, Any]) -> dict[int, int] | None:
+        """`spec.rollout` as {version: weight} (None when absent or empty: no split); a
+        SpecError, in words, for a split the catalog would refuse."""
+        items = spec.get("rollout")
+        if not items:
+            return None
+        if not isinstance(items, list) or len(items) > MAX_ROLLOUT_VERSIONS:
+            raise SpecError(f"spec.rollout is a list of at most {MAX_ROLLOUT_VERSIONS} versions")
+        weights: dict[int, int] = {}
+        for item in items:
+            version = item.get("version") if isinstance(item, Mapping) else None
+            weight = item.get("weight") if isinstance(item, Mapping) else None
+            if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+                raise SpecError("spec.rollout[].version is a version number (1 or more)")
+            if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 100:
+                raise SpecError("spec.rollout[].weight is an integer from 0 to 100")
+            if version in weights:
+                raise SpecError(f"spec.rollout names version {version} twice")
+            weights[version] = weight
+        if sum(weights.values()) != 100:
+            raise SpecError(
+                f"spec.rollout's weights sum to 100; these sum to {sum(weights.values())}"
+            )
+        return weights
 
     @classmethod
     def parse(cls, spec: Mapping[str, Any]) -> AdapterSpec:

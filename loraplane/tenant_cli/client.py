@@ -131,6 +131,19 @@ class RestClient:
         result: dict[str, Any] = self.json("PATCH", f"/v1/adapters/{_seg(name)}", json=body)
         return result
 
+    def set_rollout(self, name: str, weights: dict[int, int]) -> dict[str, Any]:
+        """Split the plain name's requests across versions by weight (summing to 100)."""
+        body = {"rollout": {str(v): w for v, w in weights.items()}}
+        result: dict[str, Any] = self.json("PATCH", f"/v1/adapters/{_seg(name)}", json=body)
+        return result
+
+    def end_rollout(self, name: str, action: str, version: int | None = None) -> dict[str, Any]:
+        """`promote` (`version`, or the split's one besides the current) or `rollback`."""
+        body = {"version": version} if version is not None else None
+        path = f"/v1/adapters/{_seg(name)}/rollout/{action}"
+        result: dict[str, Any] = self.json("POST", path, json=body)
+        return result
+
     def delete_adapter(self, name: str) -> None:
         self.call("DELETE", f"/v1/adapters/{_seg(name)}")
 

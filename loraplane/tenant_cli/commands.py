@@ -287,12 +287,19 @@ def list_adapters(args: argparse.Namespace) -> int:
             str(a["current"]["rank"]) if a["current"] else "-",
             a["base_model"],
             f"sha256:{a['current']['digest'][:12]}" if a["current"] else "-",
-            _mode(a.get("follow_latest")),
+            _split(a.get("rollout")) or _mode(a.get("follow_latest")),
         ]
         for a in adapters
     ]
     header = ["NAME", "SERVING", "LATEST", "RANK", "BASE MODEL", "DIGEST", "MODE"]
     return _emit(args, adapters, _table(header, rows, "no adapters"))
+
+
+def _split(rollout: object) -> str:
+    """A running rollout as one word, `rollout:v2=90,v3=10` ("" for none)."""
+    if not isinstance(rollout, list) or not rollout:
+        return ""
+    return "rollout:" + ",".join(f"v{v['version']}={v['weight']}" for v in rollout)
 
 
 def _mode(follow_latest: object) -> str:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from loraplane.tenant_cli import admin, confirm, lifecycle, signing
+from loraplane.tenant_cli import admin, confirm, lifecycle, rollouts, signing
 from loraplane.tenant_cli import commands as cmd
 
 if TYPE_CHECKING:
@@ -196,6 +196,7 @@ def add_adapter_commands(adapters: SubParsers) -> None:
     )
     versions.add_argument("name", metavar="NAME", help="the adapter's name")
     _add_lifecycle_commands(adapters)
+    _add_rollout_commands(adapters)
 
 
 def _add_signing_commands(adapters: SubParsers) -> None:
@@ -311,6 +312,51 @@ def _add_lifecycle_commands(adapters: SubParsers) -> None:
     )
     delete.add_argument("name", metavar="NAME", help="the adapter's name")
     for parser in (serve, rollback, follow, delete):
+        _confirmed(parser)
+
+
+def _add_rollout_commands(adapters: SubParsers) -> None:
+    """`rollout set|promote|rollback` under `loraplane adapters`."""
+    group = adapters.add_parser(
+        "rollout", help="split an adapter's requests across versions by weight (a canary)"
+    )
+    sub = group.add_subparsers(dest="rollout_command", metavar="ACTION", required=True)
+    split = _add(
+        sub,
+        "set",
+        rollouts.set_split,
+        admin=False,
+        summary="split the adapter's requests across versions by weight (summing to 100)",
+        example="loraplane adapters rollout set support-bot 2=90 3=10",
+    )
+    split.add_argument("name", metavar="NAME", help="the adapter's name")
+    split.add_argument(
+        "weights", metavar="VERSION=WEIGHT", nargs="+", type=rollouts.weight_pair,
+        help="e.g. 2=90 3=10 (at most 4 versions; one at 100 promotes it)",
+    )  # fmt: skip
+    promote = _add(
+        sub,
+        "promote",
+        rollouts.promote,
+        admin=False,
+        summary="end the rollout by serving one of its versions alone (held)",
+        example="loraplane adapters rollout promote support-bot 3",
+    )
+    promote.add_argument("name", metavar="NAME", help="the adapter's name")
+    promote.add_argument(
+        "version", metavar="VERSION", type=_version, nargs="?",
+        help="a version of the split (default: its one version besides the current)",
+    )  # fmt: skip
+    back = _add(
+        sub,
+        "rollback",
+        rollouts.rollback,
+        admin=False,
+        summary="end the rollout: the version served before it serves alone again",
+        example="loraplane adapters rollout rollback support-bot",
+    )
+    back.add_argument("name", metavar="NAME", help="the adapter's name")
+    for parser in (split, promote, back):
         _confirmed(parser)
 
 

@@ -1,11 +1,12 @@
 // One of a tenant's adapters: what it serves and the actions that change that (serve a
-// version, roll back, follow latest, delete; each asked first), its versions, and how to
-// call it.
+// version, roll back, follow latest, a weighted rollout (rollout.js), delete; each asked
+// first), its versions, and how to call it.
 
 import { call } from "./api.js";
 import { confirm } from "./confirm.js";
 import { copyable, field, h, table } from "./dom.js";
 import { bytes, time } from "./format.js";
+import { rolloutControls, rolloutFact } from "./rollout.js";
 import { followsLatest } from "./tenant.js";
 
 const enc = encodeURIComponent;
@@ -218,6 +219,8 @@ export async function adapter(app, name) {
       h("dd", {}, a.base_model),
       h("dt", {}, "Serving"),
       h("dd", { id: "serving" }, servingText(a)),
+      h("dt", {}, "Rollout"),
+      h("dd", { id: "rollout" }, rolloutFact(a)),
       h("dt", {}, "Latest"),
       h("dd", {}, a.latest_version === null ? "" : `v${a.latest_version}`),
       h("dt", {}, "Updated"),
@@ -226,6 +229,7 @@ export async function adapter(app, name) {
       h("dd", { id: "signed-by" }, a.current ? signer(a.current) : ""),
     ),
     bar,
+    rolloutControls(app, a, versions, place),
     place,
     a.current_version === null ? null : howToCall(app, a),
     h(

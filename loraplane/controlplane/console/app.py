@@ -50,6 +50,7 @@ FILES = {
     "admin.js": "text/javascript; charset=utf-8",
     "adapter.js": "text/javascript; charset=utf-8",
     "confirm.js": "text/javascript; charset=utf-8",
+    "rollout.js": "text/javascript; charset=utf-8",
 }
 # Codes that are plain strings rather than classes.
 OTHER_CODES = {

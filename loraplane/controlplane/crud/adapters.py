@@ -109,8 +109,9 @@ def set_current_version(
     session: Session, *, tenant: Tenant, name: str, version: int | None, actor: str
 ) -> Adapter:
     """Serve `version` and hold it (later pushes do not move it); with None, serve the latest
-    version and follow later pushes again. NotFound, naming the versions there are, for a
-    version that was never recorded."""
+    version and follow later pushes again. Either ends a running rollout (crud/rollouts.py):
+    the choice is what serves. NotFound, naming the versions there are, for a version that
+    was never recorded."""
     adapter = get_adapter(session, tenant=tenant, name=name)
     if version is not None:
         recorded = list(
@@ -126,6 +127,8 @@ def set_current_version(
                 f"{version_ranges(recorded)}"
             )
     previous = (adapter.current_version, adapter.follow_latest)
+    rollout_before = adapter.rollout
+    adapter.rollout = None
     if version is None:  # the newest when the row is written: a push racing this one counts
         newest = select(func.max(AdapterVersion.version)).where(
             AdapterVersion.adapter_id == adapter.id
@@ -133,7 +136,7 @@ def set_current_version(
         session.execute(
             update(Adapter)
             .where(Adapter.id == adapter.id)
-            .values(current_version=newest.scalar_subquery(), follow_latest=True)
+            .values(current_version=newest.scalar_subquery(), follow_latest=True, rollout=None)
         )
         session.refresh(adapter)
     else:
@@ -150,6 +153,7 @@ def set_current_version(
             "to": target,
             "follow_latest_before": previous[1],
             "follow_latest": adapter.follow_latest,
+            **({"rollout_ended": rollout_before} if rollout_before else {}),
         },
     )
     session.commit()
@@ -216,6 +220,7 @@ def _adapter_row(session: Session, *, tenant: Tenant, name: str, base_model: str
         check_adapter_quota(session, tenant=tenant, name=name)
         adapter.deleted = False
         adapter.current_version = None
+        adapter.rollout = None
         adapter.follow_latest = True  # a revived name starts afresh: it serves what is pushed
     return adapter
 

@@ -3,6 +3,9 @@
 One round trip: a single Core statement finds the key by its indexed prefix, its tenant, the
 adapter joined to the version it serves, and (as a scalar subquery) whether a pool serves a
 base model of that name. Rows come back as plain tuples: no ORM identity map on this path.
+An unpinned name under a weighted rollout (crud/rollouts.py) costs a second, prebuilt query
+for the split's versions: the answer carries them all with their weights, and the data plane
+picks one per request (its cached answer holds the split).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class Resolution:
     base_model: str
     adapter: str | None = None
     version: ResolvedVersion | None = None
+    # an unpinned name under a weighted rollout: each version of the split and its weight
+    # (`version` stays the current one, the rollback target)
+    rollout: tuple[tuple[ResolvedVersion, int], ...] = ()
 
 
 def split_model(model: str) -> tuple[str, int | None]:
@@ -75,6 +81,8 @@ def _statement(*, pinned: bool) -> Select[*tuple[Any, ...]]:
             Tenant.tokens_per_minute,
             Tenant.weight,
             Adapter.name.label("adapter"),
+            Adapter.id.label("adapter_id"),
+            Adapter.rollout,
             AdapterVersion.version,
             AdapterVersion.digest,
             AdapterVersion.path,
@@ -100,6 +108,16 @@ def _statement(*, pinned: bool) -> Select[*tuple[Any, ...]]:
 # Built once: constructing a statement costs more than running it on this path.
 _CURRENT = _statement(pinned=False)
 _PINNED = _statement(pinned=True)
+_SPLIT = select(
+    AdapterVersion.version,
+    AdapterVersion.digest,
+    AdapterVersion.path,
+    AdapterVersion.rank,
+    AdapterVersion.alpha,
+).where(
+    AdapterVersion.adapter_id == bindparam("adapter_id", type_=Integer),
+    AdapterVersion.version.in_(bindparam("versions", expanding=True)),
+)
 
 
 def resolve(conn: Connection, *, secret: str, model: str) -> Resolution:
@@ -123,7 +141,25 @@ def resolve(conn: Connection, *, secret: str, model: str) -> Resolution:
     tenant = (row.tenant, row.requests_per_minute, row.tokens_per_minute, row.weight)
     if row.version is not None:
         found = ResolvedVersion(row.version, row.digest, row.path, row.rank, row.alpha)
-        return Resolution(*tenant, row.base_model, adapter=row.adapter, version=found)
+        split = _split(conn, row.adapter_id, row.rollout) if pin is None else ()
+        return Resolution(
+            *tenant, row.base_model, adapter=row.adapter, version=found, rollout=split
+        )
     if pin is None and row.served_base_model is not None:
         return Resolution(*tenant, row.served_base_model)
     raise NotFound(f"model {model!r} not found")
+
+
+def _split(
+    conn: Connection, adapter_id: int, rollout: dict[str, Any] | None
+) -> tuple[tuple[ResolvedVersion, int], ...]:
+    """The versions of a running rollout with their weights, versions ascending (() when none
+    runs). Versions are never deleted, so each one of the split is found."""
+    if not rollout:
+        return ()
+    weights = {int(v): int(w) for v, w in rollout.items()}
+    rows = conn.execute(_SPLIT, {"adapter_id": adapter_id, "versions": sorted(weights)})
+    found = sorted(
+        ((ResolvedVersion(*r), weights[r.version]) for r in rows), key=lambda p: p[0].version
+    )
+    return tuple(found)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import date, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from loraplane.controlplane.schemas.common import (
     INT32,
@@ -33,16 +33,61 @@ class AdapterImport(Strict):
     )
 
 
+Weight = Annotated[int, Field(ge=0, le=100)]
+
+
 class AdapterUpdate(Strict):
-    """Choose what the adapter's plain name serves."""
+    """Choose what the adapter's plain name serves: one version, or a weighted rollout (the
+    body names exactly one of `current_version` and `rollout`)."""
 
     current_version: int | None = Field(
+        default=None,
         ge=1,
         le=INT32,
         description="a recorded version: serve it and hold it (later pushes do not change "
         "what is served; roll back or forward with it); null: serve the latest version and "
-        "follow later pushes again",
+        "follow later pushes again. Either ends a running rollout",
     )
+    rollout: dict[Annotated[int, Field(ge=1, le=INT32)], Weight] | None = Field(
+        default=None,
+        description='a weighted split of the plain name\'s traffic, `{"3": 90, "4": 10}`: '
+        "version -> integer weight, 1 to 4 versions, the weights summing to 100; "
+        "`name@version` requests are not split. One version at 100 promotes it",
+    )
+
+    @model_validator(mode="after")
+    def _one_choice(self) -> AdapterUpdate:
+        chosen = self.model_fields_set & {"current_version", "rollout"}
+        if len(chosen) != 1:
+            raise ValueError("name exactly one of current_version and rollout")
+        if "rollout" in chosen and self.rollout is None:
+            raise ValueError("rollout is an object of version -> weight (end one with "
+                             "POST /v1/adapters/{name}/rollout/rollback)")  # fmt: skip
+        return self
+
+
+class RolloutSet(Strict):
+    """The operator's: a LoRAAdapter's `spec.rollout` as a split, or null for none."""
+
+    rollout: dict[Annotated[int, Field(ge=1, le=INT32)], Weight] | None
+
+
+class RolloutPromote(Strict):
+    """Which version of the running rollout to make current."""
+
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        le=INT32,
+        description="a version of the rollout; omitted: its one version besides the current",
+    )
+
+
+class RolloutVersion(BaseModel):
+    """One version's share of an adapter's unpinned traffic."""
+
+    version: int
+    weight: int
 
 
 class VersionPublic(Public):
@@ -79,6 +124,11 @@ class AdapterPublic(BaseModel):
     follow_latest: bool = Field(
         description="true: a push serves the new version; false: a chosen version "
         "(current_version) keeps serving until PATCH current_version null"
+    )
+    rollout: list[RolloutVersion] | None = Field(
+        default=None,
+        description="the weighted split of the plain name's traffic while a rollout runs "
+        "(null: current_version takes it all; a rollback returns to current_version)",
     )
     created_at: datetime
     updated_at: datetime

@@ -22,8 +22,24 @@ from loraplane.controlplane.schemas.common import (
 Counter = Field(default=0, ge=0, le=BIG)
 
 
+class RolloutTarget(BaseModel):
+    """One version of a weighted rollout, with what the data plane needs to load it."""
+
+    version: int
+    weight: int
+    digest: str
+    path: str
+    rank: int
+    alpha: float
+
+
 class Resolved(BaseModel):
-    """What a model name means for one tenant: an adapter version or the base model."""
+    """What a model name means for one tenant: an adapter version or the base model.
+
+    `rollout`, for an unpinned name under a weighted rollout: every version of the split and
+    its weight (the data plane picks one per request by weight and loads each ahead); the
+    fields of `version` stay the current one (what a data plane that ignores `rollout`
+    serves, and what a rollback returns to)."""
 
     tenant: str
     base_model: str
@@ -38,6 +54,7 @@ class Resolved(BaseModel):
     # the tenant's share of a contended replica's seats and served tokens, relative to the
     # other tenants' weights (a data plane that finds none, an older control plane, uses 1)
     weight: float
+    rollout: list[RolloutTarget] | None = None
 
 
 class AdapterUsage(Strict):

@@ -77,7 +77,12 @@ def create_app(
     app.include_router(responses.router)
     app.include_router(tokenize_routes.router)
     app.include_router(admin_routes.router)
-    app.add_middleware(RequestCounter, counter=runtime.metrics.requests)
+    app.add_middleware(
+        RequestCounter,
+        counter=runtime.metrics.requests,
+        versions=runtime.metrics.version_requests,
+        version_errors=runtime.metrics.version_errors,
+    )
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_request_bytes, refused=runtime.metrics.refused
     )

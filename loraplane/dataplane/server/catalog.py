@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loraplane.dataplane.server.errors import ModelNotFound, Unauthorized
+from loraplane.dataplane.server.rollout import SplitVersion
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class Resolved:
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     weight: float = DEFAULT_WEIGHT
+    # a weighted rollout's versions (catalog mode, an unpinned name): the catalog narrows the
+    # answer to one of them per request (rollout.py); empty for everything a route sees
+    rollout: tuple[SplitVersion, ...] = ()
 
 
 def weight_of(value: object, tenant: str) -> float:

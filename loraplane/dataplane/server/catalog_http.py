@@ -39,6 +39,7 @@ from loraplane.dataplane.server.errors import (
     Unavailable,
     UpstreamError,
 )
+from loraplane.dataplane.server.rollout import Picker, SplitVersion
 from loraplane.internal_api import (
     INVALID_RESPONSE,
     AsyncInternalAPIClient,
@@ -104,6 +105,9 @@ class HttpCatalog:
         self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
         self._refused: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
         self._models: OrderedDict[str, _Models] = OrderedDict()  # sha256(key) -> last list
+        # a weighted rollout's answer is narrowed to one version per request (rollout.py); the
+        # runtime gives it a Warmer so a version takes requests only once in host memory
+        self.picker = Picker()
 
     async def resolve(self, api_key: str | None, model: str) -> Resolved:
         """See Catalog.resolve."""
@@ -115,7 +119,7 @@ class HttpCatalog:
         hit = self._cache.get(cache_key)
         if hit is not None and hit.expires > now:
             self._cache.move_to_end(cache_key)
-            return _unwrap(hit.result)
+            return await self._one_version(_unwrap(hit.result))
         refused = self._refused.get(cache_key)
         if refused is not None and refused.expires > now:
             return _unwrap(refused.result)
@@ -132,11 +136,16 @@ class HttpCatalog:
             self._went_down(now)
             if hit is not None and hit.good_until > now:
                 self.stale_answers += 1
-                return _unwrap(hit.result)  # a tenant it knows: served through the outage
+                # a tenant it knows: served through the outage
+                return await self._one_version(_unwrap(hit.result))
             raise
         self._refused.pop(cache_key, None)
         _put(self._cache, cache_key, _Entry(now + self.ttl, result, now + self.stale), self.entries)
-        return result
+        return await self._one_version(result)
+
+    async def _one_version(self, result: Resolved) -> Resolved:
+        """The answer for one request: a rollout's split narrowed to one version by weight."""
+        return await self.picker.pick(result) if result.rollout else result
 
     def _check_down(self, now: float) -> None:
         """CatalogDown while the control plane is left alone after a failed call."""
@@ -163,6 +172,7 @@ class HttpCatalog:
             requests_per_minute=int(data.get("requests_per_minute") or 0),
             tokens_per_minute=int(data.get("tokens_per_minute") or 0),
             weight=weight_of(data.get("weight"), data["tenant"]),
+            rollout=_split_of(data.get("rollout")),
         )
 
     async def _get(
@@ -236,6 +246,30 @@ def _api_error(err: InternalAPIError, model: str) -> APIError:
     if err.code == INVALID_RESPONSE:
         return UpstreamError("the catalog answered invalid JSON")
     return UpstreamError(f"the catalog answered HTTP {err.status}")
+
+
+def _split_of(value: object) -> tuple[SplitVersion, ...]:
+    """A resolve answer's `rollout` (absent from a control plane without rollouts) as split
+    versions; anything malformed is no split (the answer's current version serves)."""
+    if not isinstance(value, list):
+        return ()
+    split: list[SplitVersion] = []
+    for item in value:
+        if not isinstance(item, dict):
+            return ()
+        version, weight = item.get("version"), item.get("weight")
+        digest, path, rank = item.get("digest"), item.get("path"), item.get("rank")
+        if not (
+            isinstance(version, int) and isinstance(weight, int) and weight >= 0
+            and isinstance(digest, str) and digest and isinstance(path, str) and path
+        ):  # fmt: skip
+            return ()
+        split.append(
+            SplitVersion(
+                str(version), weight, digest, path, rank if isinstance(rank, int) else None
+            )
+        )
+    return tuple(split)
 
 
 def _put(cache: OrderedDict[K, V], key: K, value: V, limit: int) -> None:

@@ -232,6 +232,20 @@ class ServerMetrics:
             ["tenant", "code"],
             registry=self.registry,
         )
+        # a rollout judged per version (docs/controlplane.md, "Weighted rollouts"): requests
+        # for an adapter by the version they ran with, and those answered with a 5xx
+        self.version_requests = PromCounter(
+            "loraplane_adapter_version_requests",
+            "Generation requests per tenant, adapter and adapter version",
+            ["tenant", "adapter", "version"],
+            registry=self.registry,
+        )
+        self.version_errors = PromCounter(
+            "loraplane_adapter_version_errors",
+            "Generation requests per tenant, adapter and version answered with a server error",
+            ["tenant", "adapter", "version"],
+            registry=self.registry,
+        )
         self.tokens = PromCounter(
             "loraplane_tokens",
             "Prompt and completion tokens per tenant",

@@ -223,6 +223,8 @@ async def admit(
     The cheap refusals come first (queue caps, rate limit): a refused request costs no
     tokenizer or compiler time; from the lease on, every failure gives the lease back."""
     request.state.tenant = resolved.tenant  # for loraplane_requests_total{tenant,code}
+    if resolved.adapter is not None and resolved.version is not None:  # per-version counts
+        request.state.adapter_version = (resolved.adapter, resolved.version)
     forced = tools.constraint if tools is not None else None
     constraint = forced or body.constraint()  # parsed (a malformed one is a 400), not compiled
     # the sampling parameters checked now (a bad one is a 400 before any work), set after intake

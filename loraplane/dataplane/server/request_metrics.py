@@ -1,4 +1,7 @@
-"""`loraplane_requests_total{tenant,code}`: every generation request, by tenant and status.
+"""`loraplane_requests_total{tenant,code}`: every generation request, by tenant and status;
+`loraplane_adapter_version_requests_total{tenant,adapter,version}` and `..._errors_total`
+(a 5xx answer) for requests the route resolved to an adapter version (a rollout is judged by
+them; the version is the one the request ran with, a split's pick included).
 
 A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would buffer streaming
 responses and hide client disconnects): it reads the status from the response's first message
@@ -23,9 +26,16 @@ COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/respo
 class RequestCounter:
     """Counts generation requests per tenant and HTTP status code."""
 
-    def __init__(self, app: ASGIApp, counter: Counter) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        counter: Counter,
+        versions: Counter | None = None,
+        version_errors: Counter | None = None,
+    ) -> None:
         self.app = app
         self.counter = counter
+        self.versions, self.version_errors = versions, version_errors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") not in COUNTED_PATHS:
@@ -34,8 +44,15 @@ class RequestCounter:
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                tenant = scope.get("state", {}).get("tenant") or "unknown"
+                state = scope.get("state", {})
+                tenant = state.get("tenant") or "unknown"
                 self.counter.labels(tenant=tenant, code=str(message["status"])).inc()
+                ran = state.get("adapter_version")  # (adapter, version), set by the route
+                if ran is not None and self.versions is not None:
+                    labels = {"tenant": tenant, "adapter": ran[0], "version": ran[1]}
+                    self.versions.labels(**labels).inc()
+                    if message["status"] >= 500 and self.version_errors is not None:
+                        self.version_errors.labels(**labels).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)

@@ -50,6 +50,7 @@ from loraplane.dataplane.server.intake import FairPool, auto_workers
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.dataplane.server.metrics import ServerMetrics
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
+from loraplane.dataplane.server.rollout import Warmer
 from loraplane.dataplane.server.settings import ServerSettings
 from loraplane.dataplane.snapshot import EngineSnapshot
 
@@ -118,6 +119,7 @@ class Runtime:
         self._released = asyncio.Condition()
         self._loading: dict[str, asyncio.Future[LoRARef]] = {}
         self._reporter: PressureReporter | None = None
+        self.warmer: Warmer | None = None  # catalog mode: a rollout's versions, loaded ahead
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -147,6 +149,8 @@ class Runtime:
                 s.controlplane_url, s.service_token, self.base_model, ttl=s.resolve_ttl_s,
                 stale=s.resolve_stale_s,
             )  # fmt: skip
+            self.warmer = Warmer(self.command)  # a rollout's versions load before requests
+            self.catalog.picker.readiness = self.warmer
             replica = s.replica or f"{socket.gethostname()}:{s.port}"
             self._reporter = PressureReporter(
                 s.controlplane_url, s.service_token, s.pool, replica, self.snapshot, self.usage,
@@ -423,6 +427,9 @@ class Runtime:
             self._unloading[(tenant, name)] -= 1
             if not self._unloading[(tenant, name)]:
                 del self._unloading[(tenant, name)]
+        if self.warmer is not None:
+            for ref in gone:
+                self.warmer.forget(ref.key)
         if not gone and self.static is None:
             raise NotFound(f"adapter {lora_name!r} is not loaded", param="lora_name")
         self.metrics.cpu_evictions += len(gone)

@@ -20,6 +20,7 @@ from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.api.routes.uploads import UPLOADS_PATH, job_public
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud
+from loraplane.controlplane.crud import rollouts
 from loraplane.controlplane.errors import InvalidRequest, PayloadTooLarge, describe_errors
 from loraplane.controlplane.ingestion import (
     fetch_import,
@@ -31,6 +32,8 @@ from loraplane.controlplane.schemas.adapters import (
     AdapterImport,
     AdapterPublic,
     AdapterUpdate,
+    RolloutPromote,
+    RolloutVersion,
     StagedAdapter,
     UploadJobPublic,
     UploadResult,
@@ -90,6 +93,8 @@ def adapter_public(view: crud.AdapterView) -> AdapterPublic:
         current_version=a.current_version,
         latest_version=view.latest_version,
         follow_latest=a.follow_latest,
+        rollout=[RolloutVersion(version=v, weight=w) for v, w in rollouts.parse(a.rollout).items()]
+        or None,
         created_at=a.created_at,
         updated_at=a.updated_at,
         current=VersionPublic.model_validate(view.current) if view.current else None,
@@ -325,16 +330,44 @@ def update_adapter(
 
     `{"current_version": n}` serves version n and holds it: later pushes add versions but n
     keeps serving (roll back, or forward, by choosing another). `{"current_version": null}`
-    serves the latest version and follows later pushes again. A version never recorded is
-    404, naming the versions there are. Replicas pick the change up within their resolve
-    cache's lifetime (seconds); `name@version` requests are not affected."""
-    crud.set_current_version(
-        session,
-        tenant=caller.tenant,
-        name=name,
-        version=body.current_version,
-        actor=caller.actor,
-    )
+    serves the latest version and follows later pushes again. Either ends a running rollout.
+    `{"rollout": {"3": 90, "4": 10}}` splits the plain name's requests across versions by
+    weight (integers summing to 100, at most 4 versions; one at 100 promotes it) and holds
+    the adapter; replicas load each version with weight before its first request. A version
+    never recorded is 404, naming the versions there are. Replicas pick the change up within
+    their resolve cache's lifetime (seconds); `name@version` requests are not affected."""
+    if body.rollout is not None:
+        rollouts.set_rollout(
+            session, tenant=caller.tenant, name=name, weights=body.rollout, actor=caller.actor
+        )
+    else:
+        crud.set_current_version(
+            session,
+            tenant=caller.tenant,
+            name=name,
+            version=body.current_version,
+            actor=caller.actor,
+        )
+    return adapter_public(crud.get_adapter_view(session, tenant=caller.tenant, name=name))
+
+
+@router.post("/{name}/rollout/promote", response_model=AdapterPublic, responses=errors(404, 409))
+def promote_rollout(
+    name: str, session: SessionDep, caller: CallerDep, body: RolloutPromote | None = None
+) -> AdapterPublic:
+    """End the running rollout by serving one of its versions alone (held, as a chosen
+    version is): `{"version": n}`, or with no body the rollout's one version besides the
+    current. 409 when no rollout runs or the version to promote is ambiguous."""
+    version = body.version if body is not None else None
+    rollouts.promote(session, tenant=caller.tenant, name=name, version=version, actor=caller.actor)
+    return adapter_public(crud.get_adapter_view(session, tenant=caller.tenant, name=name))
+
+
+@router.post("/{name}/rollout/rollback", response_model=AdapterPublic, responses=errors(404, 409))
+def rollback_rollout(name: str, session: SessionDep, caller: CallerDep) -> AdapterPublic:
+    """End the running rollout: the plain name serves `current_version` (the version it
+    served before the rollout) alone again. 409 when no rollout runs."""
+    rollouts.rollback(session, tenant=caller.tenant, name=name, actor=caller.actor)
     return adapter_public(crud.get_adapter_view(session, tenant=caller.tenant, name=name))
 
 

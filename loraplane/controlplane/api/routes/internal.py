@@ -13,9 +13,11 @@ from starlette.concurrency import run_in_threadpool
 from loraplane.controlplane import basemodels
 from loraplane.controlplane.api.deps import ContextDep, PoolNamespace, ServiceDep, SessionDep
 from loraplane.controlplane.api.responses import errors
+from loraplane.controlplane.api.routes.adapters import adapter_public
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import pools as crud_pools
+from loraplane.controlplane.crud import rollouts as crud_rollouts
 from loraplane.controlplane.crud.pools import pool_ref
 from loraplane.controlplane.crud.resolve import Resolution, resolve
 from loraplane.controlplane.crud.signing_keys import policy_for
@@ -23,11 +25,17 @@ from loraplane.controlplane.crud.tenants import get_tenant_by_namespace
 from loraplane.controlplane.crud.usage import add_usage
 from loraplane.controlplane.errors import InvalidRequest
 from loraplane.controlplane.models import DEFAULT_NAMESPACE, utcnow
-from loraplane.controlplane.schemas.adapters import UploadResult, VersionPublic
+from loraplane.controlplane.schemas.adapters import (
+    AdapterPublic,
+    RolloutSet,
+    UploadResult,
+    VersionPublic,
+)
 from loraplane.controlplane.schemas.internal import (
     PressureAccepted,
     PressureReport,
     Resolved,
+    RolloutTarget,
     SigningKeyEntry,
     SigningPolicy,
     VersionRecord,
@@ -65,6 +73,18 @@ async def resolve_model(
         requests_per_minute=found.requests_per_minute,
         tokens_per_minute=found.tokens_per_minute,
         weight=found.weight,
+        rollout=[
+            RolloutTarget(
+                version=r.version,
+                weight=w,
+                digest=r.digest,
+                path=r.path,
+                rank=r.rank,
+                alpha=r.alpha,
+            )
+            for r, w in found.rollout
+        ]
+        or None,
     )
 
 
@@ -229,3 +249,25 @@ def delete_adapter(tenant: str, name: str, session: SessionDep, actor: ServiceDe
     `tenant` is the LoRAAdapter's namespace."""
     owner = get_tenant_by_namespace(session, namespace=tenant)
     crud_adapters.delete_adapter(session, tenant=owner, name=name, actor=actor)
+
+
+@router.put(
+    "/tenants/{tenant}/adapters/{name}/rollout",
+    response_model=AdapterPublic,
+    responses=errors(404),
+)
+def put_rollout(
+    tenant: str, name: str, body: RolloutSet, session: SessionDep, actor: ServiceDep
+) -> AdapterPublic:
+    """A LoRAAdapter's `spec.rollout` (GitOps): the split to serve, as the tenant's PATCH
+    sets it (one version at 100 promotes it), or null: no split (a running one is rolled
+    back; none running, nothing changes). `tenant` is the LoRAAdapter's namespace. 404 for
+    an adapter or a version the catalog does not have yet (the operator retries)."""
+    owner = get_tenant_by_namespace(session, namespace=tenant)
+    if body.rollout is not None:
+        crud_rollouts.set_rollout(
+            session, tenant=owner, name=name, weights=body.rollout, actor=actor
+        )
+    elif crud_adapters.get_adapter(session, tenant=owner, name=name).rollout:
+        crud_rollouts.rollback(session, tenant=owner, name=name, actor=actor)
+    return adapter_public(crud_adapters.get_adapter_view(session, tenant=owner, name=name))

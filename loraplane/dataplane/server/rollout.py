@@ -1,0 +1,152 @@
+"""Weighted rollouts on the data plane: one version per request, picked by weight, and every
+version with weight loaded ahead of its first request.
+
+The control plane's resolve answer for an unpinned name under a rollout carries the split
+(every version, its weight and where to load it; docs/controlplane.md, "Weighted rollouts").
+The catalog caches that answer as any other and asks `Picker.pick` for each request, so the
+split holds per request, not per cache entry. A version gets requests on this replica only
+once it is in host memory here: until then its share goes to the current version (the one the
+answer names, the rollback target), and `Warmer` registers it and starts its load in the
+background the moment the split is first seen. A canary therefore never meets its first
+request cold, and the few requests that arrive during its load (milliseconds for an adapter
+on local disk) are the split's only deviation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from loraplane.dataplane.sequence import LoRARef
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.server.catalog import Resolved
+
+log = logging.getLogger(__name__)
+
+RECHECK_S = 0.05  # a version still loading is asked about again this much later at most
+
+
+@dataclass(frozen=True, slots=True)
+class SplitVersion:
+    """One version of a rollout: its weight and what loading it needs."""
+
+    version: str
+    weight: int
+    digest: str
+    path: str
+    rank: int | None = None
+
+
+class Readiness(Protocol):
+    """Which versions of a split may take requests on this replica now."""
+
+    async def ready(self, tenant: str, adapter: str, split: tuple[SplitVersion, ...]) -> set[str]:
+        """The versions (of weight > 0) in host memory here; loads start for the others."""
+        ...
+
+
+class Warmer:
+    """Registers a rollout's versions with the engine and starts their loads into host memory
+    before requests need them (engine command `warm_stored`), and remembers which are there.
+
+    `command` is the runtime's engine command call. A version is asked about once when the
+    split is first seen and then at most every RECHECK_S while it loads (a failed load is
+    retried by the engine's own rule), so a split costs the request path nothing once warm.
+    """
+
+    def __init__(self, command: Callable[..., Awaitable[Any]]) -> None:
+        self._command = command
+        self._warm: set[str] = set()  # ref keys known in host memory
+        self._asked: dict[str, float] = {}  # ref key -> when it was last asked about
+        self._pending: dict[str, asyncio.Future[Any]] = {}
+
+    async def ready(self, tenant: str, adapter: str, split: tuple[SplitVersion, ...]) -> set[str]:
+        """See Readiness.ready."""
+        now = time.monotonic()
+        ready: set[str] = set()
+        asks: list[tuple[str, str, asyncio.Future[Any]]] = []
+        for v in split:
+            if v.weight <= 0:
+                continue
+            ref = LoRARef(adapter, tenant, v.digest)
+            if ref.key in self._warm:
+                ready.add(v.version)
+                continue
+            pending = self._pending.get(ref.key)
+            if pending is None and now - self._asked.get(ref.key, -RECHECK_S) >= RECHECK_S:
+                self._asked[ref.key] = now
+                pending = asyncio.ensure_future(self._command("warm_stored", ref, v.path))
+                self._pending[ref.key] = pending
+                pending.add_done_callback(functools.partial(self._done, ref.key))
+            if pending is not None:
+                asks.append((v.version, ref.key, pending))
+        for version, key, pending in asks:
+            try:
+                in_host = await asyncio.shield(pending)
+            except Exception as e:  # a bad path or a dead engine: the version waits, requests flow
+                log.warning("warming %s/%s v%s failed: %s", tenant, adapter, version, e)
+                continue
+            if in_host:
+                ready.add(version)
+                self._warm.add(key)
+        return ready
+
+    def _done(self, key: str, _: asyncio.Future[Any]) -> None:
+        self._pending.pop(key, None)
+
+    def forget(self, ref_key: str) -> None:
+        """`ref_key` left host memory (unloaded): ask about it again next time."""
+        self._warm.discard(ref_key)
+        self._asked.pop(ref_key, None)
+
+
+class Picker:
+    """Picks a rollout's version for each request by weight, among the versions ready here.
+
+    `rng` is seeded in tests (a reproducible split); the weights of versions not yet ready go
+    to the answer's current version."""
+
+    def __init__(
+        self, readiness: Readiness | None = None, rng: random.Random | None = None
+    ) -> None:
+        self.readiness = readiness
+        self._rng = rng or random.Random()  # noqa: S311 - a traffic split, not a secret
+
+    async def pick(self, resolved: Resolved) -> Resolved:
+        """`resolved` (a catalog `Resolved` with a split) narrowed to one version of it."""
+        split: tuple[SplitVersion, ...] = resolved.rollout
+        ready = (
+            await self.readiness.ready(resolved.tenant, resolved.adapter or "", split)
+            if self.readiness is not None
+            else {v.version for v in split}
+        )
+        weights = [
+            (v, v.weight if v.version in ready or v.version == resolved.version else 0)
+            for v in split
+        ]
+        moved = sum(v.weight for v, w in weights if w == 0)
+        weights = [(v, w + (moved if v.version == resolved.version else 0)) for v, w in weights]
+        total = sum(w for _, w in weights)
+        if total <= 0:  # the current version is outside the split and nothing is warm yet
+            return dataclasses.replace(resolved, rollout=())
+        point = self._rng.random() * total
+        for v, w in weights:
+            point -= w
+            if w > 0 and point < 0:
+                return dataclasses.replace(
+                    resolved, version=v.version, digest=v.digest, path=v.path,
+                    rank=v.rank, rollout=(),
+                )  # fmt: skip
+        last = next(v for v, w in reversed(weights) if w > 0)
+        return dataclasses.replace(
+            resolved, version=last.version, digest=last.digest, path=last.path, rank=last.rank,
+            rollout=(),
+        )  # fmt: skip

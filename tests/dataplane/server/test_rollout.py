@@ -1,0 +1,221 @@
+"""Weighted rollouts on the data plane: 2,000 picks at 90/10 land within 2 points of the
+split; a version takes requests only once it is in host memory here; and end to end, against
+the real control plane, a canary set by PATCH is loaded before its first request and every
+request is counted per version on the metrics port."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.server.catalog import Resolved
+from loraplane.dataplane.server.catalog_http import _split_of
+from loraplane.dataplane.server.rollout import Picker, SplitVersion, Warmer
+from tests.dataplane.server.test_tenant_shares import replica
+
+SPLIT = (SplitVersion("1", 90, "a" * 64, "adapters/t/bot/v1"),
+         SplitVersion("2", 10, "b" * 64, "adapters/t/bot/v2"))  # fmt: skip
+ANSWER = Resolved("acme", "bot", "1", "a" * 64, "adapters/t/bot/v1", rollout=SPLIT)
+
+
+class Ready:
+    """A readiness stand-in: the versions it names are in host memory."""
+
+    def __init__(self, versions: set[str]) -> None:
+        self.versions = versions
+
+    async def ready(self, tenant: str, adapter: str, split: tuple[SplitVersion, ...]) -> set[str]:
+        return set(self.versions)
+
+
+def picks(picker: Picker, n: int) -> dict[str, int]:
+    async def run() -> dict[str, int]:
+        seen: dict[str, int] = {}
+        for _ in range(n):
+            one = await picker.pick(ANSWER)
+            assert one.rollout == () and one.path and one.digest
+            assert one.digest[0] == {"1": "a", "2": "b"}[one.version or ""]
+            seen[one.version or ""] = seen.get(one.version or "", 0) + 1
+        return seen
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_2000_picks_at_90_10_land_within_2_points_of_the_split(seed: int) -> None:
+    seen = picks(Picker(Ready({"1", "2"}), random.Random(seed)), 2000)
+    assert abs(seen["2"] / 2000 - 0.10) <= 0.02, seen
+    assert seen["1"] + seen["2"] == 2000
+
+
+def test_a_version_not_yet_in_host_memory_gets_no_request_its_share_goes_to_the_current() -> None:
+    assert picks(Picker(Ready({"1"}), random.Random(0)), 500) == {"1": 500}
+    # the canary alone warm (the current version evicted): the current still takes its share
+    seen = picks(Picker(Ready({"2"}), random.Random(0)), 2000)
+    assert abs(seen["2"] / 2000 - 0.10) <= 0.02
+
+
+def test_the_warmer_asks_the_engine_once_then_remembers_a_version_in_host_memory() -> None:
+    calls: list[tuple[str, LoRARef, str]] = []
+    answers = {"a": iter([False, True]), "b": iter([True])}  # v1 loads a while, v2 is there
+
+    async def command(name: str, ref: LoRARef, path: str) -> bool:
+        calls.append((name, ref, path))
+        return next(answers[ref.digest[0]])
+
+    async def run() -> list[set[str]]:
+        warmer = Warmer(command)
+        first = await warmer.ready("acme", "bot", SPLIT)
+        again = await warmer.ready("acme", "bot", SPLIT)  # within RECHECK_S: not asked
+        await asyncio.sleep(0.06)
+        warm = await warmer.ready("acme", "bot", SPLIT)
+        later = await warmer.ready("acme", "bot", SPLIT)
+        return [first, again, warm, later]
+
+    assert asyncio.run(run()) == [{"2"}, {"2"}, {"1", "2"}, {"1", "2"}]
+    # each version asked about once, then only the one still loading, RECHECK_S later
+    assert [(c[0], c[1].digest[0], c[2]) for c in calls] == [
+        ("warm_stored", "a", "adapters/t/bot/v1"), ("warm_stored", "b", "adapters/t/bot/v2"),
+        ("warm_stored", "a", "adapters/t/bot/v1"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, "x", [1], [{"version": 1, "weight": 90}], [{"version": "1", "weight": 90,
+     "digest": "a", "path": "p"}], [{"version": 1, "weight": -1, "digest": "a", "path": "p"}]],
+)  # fmt: skip
+def test_a_malformed_split_in_a_resolve_answer_is_no_split(value: Any) -> None:
+    assert _split_of(value) == ()
+
+
+def versions_served(metrics_url: str) -> dict[str, float]:
+    text = httpx.get(metrics_url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "loraplane_adapter_version_requests":
+            return {
+                s.labels["version"]: s.value
+                for s in family.samples
+                if s.name.endswith("_total") and s.labels["adapter"] == "bot"
+            }
+    return {}
+
+
+def test_a_canary_set_by_patch_is_in_host_memory_before_its_first_request(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from tests.factories import build_peft_adapter
+
+    with replica(
+        tiny_llama_dir, tmp_path, {"acme": 1}, engine_process=False, resolve_ttl_s=0.2
+    ) as r:
+        key = r.keys["acme"]
+        auth = {"Authorization": f"Bearer {key}"}
+        for seed in (1, 2):
+            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
+            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
+                            files=files, headers=auth)  # fmt: skip
+            assert up.status_code == 201, up.text
+        versions = httpx.get(r.cp + "/v1/adapters/bot/versions", headers=auth).json()
+        digest = {str(v["version"]): v["digest"] for v in versions}
+        assert httpx.patch(r.cp + "/v1/adapters/bot", json={"current_version": 1},
+                           headers=auth).status_code == 200  # fmt: skip
+        loras = r.runtime.engine.engine.loras  # type: ignore[union-attr]
+        held: list[tuple[str, bool]] = []  # (digest, in host memory when its request came)
+        hold = r.runtime._hold
+
+        async def watched(resolved: Resolved, model: str) -> Any:
+            if resolved.digest is not None:
+                ref = LoRARef(resolved.adapter or "", resolved.tenant, resolved.digest)
+                held.append((resolved.digest, loras.in_host_memory(ref)))
+            return await hold(resolved, model)
+
+        r.runtime._hold = watched  # type: ignore[method-assign]
+        client = r.client("acme")
+
+        def ask(n: int) -> None:
+            for _ in range(n):
+                client.completions.create(model="bot", prompt="hello", max_tokens=1)
+
+        ask(3)
+        assert {d for d, _ in held} == {digest["1"]}
+        split = {"rollout": {"1": 50, "2": 50}}
+        assert httpx.patch(r.cp + "/v1/adapters/bot", json=split, headers=auth).status_code == 200
+        time.sleep(0.3)  # past the replica's resolve TTL: the next request learns the split
+        ask(40)
+        canary = [warm for d, warm in held if d == digest["2"]]
+        assert canary, "no request ran on the canary"
+        assert all(canary), "the canary met a request before it was in host memory"
+        counted = versions_served(r.metrics_url)
+        assert counted["1"] + counted["2"] == 43 and counted["2"] == len(canary)
+        pinned = client.completions.create(model="bot@1", prompt="hello", max_tokens=1)
+        assert pinned.choices
+        assert versions_served(r.metrics_url)["1"] == counted["1"] + 1  # a pin is not split
+
+
+def test_a_split_is_served_through_the_engine_process_and_counted_per_version(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The default layout (the engine in a process of its own): `warm_stored` crosses the
+    process boundary, both versions serve, and the metrics port counts each."""
+    from tests.factories import build_peft_adapter
+
+    with replica(tiny_llama_dir, tmp_path, {"acme": 1}, resolve_ttl_s=0.2) as r:
+        auth = {"Authorization": f"Bearer {r.keys['acme']}"}
+        for seed in (1, 2):
+            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
+            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
+                            files=files, headers=auth)  # fmt: skip
+            assert up.status_code == 201, up.text
+        split = {"rollout": {"1": 50, "2": 50}}
+        assert httpx.patch(r.cp + "/v1/adapters/bot", json=split, headers=auth).status_code == 200
+        client = r.client("acme")
+        for _ in range(30):
+            client.completions.create(model="bot", prompt="hello", max_tokens=1)
+        counted = versions_served(r.metrics_url)
+        assert counted.get("1", 0) + counted.get("2", 0) == 30
+        assert counted.get("1", 0) > 0 and counted.get("2", 0) > 0, counted
+
+
+def test_a_5xx_answer_counts_as_an_error_of_the_version_the_request_ran_with() -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+
+    from loraplane.dataplane.server.request_metrics import RequestCounter
+
+    registry = CollectorRegistry()
+    labels = ["tenant", "adapter", "version"]
+    requests = PromCounter("r", "", ["tenant", "code"], registry=registry)
+    versions = PromCounter("v", "", labels, registry=registry)
+    errors = PromCounter("e", "", labels, registry=registry)
+
+    def app_answering(status: int) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            scope.setdefault("state", {}).update(tenant="acme", adapter_version=("bot", "2"))
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        return RequestCounter(app, requests, versions, errors)
+
+    async def run() -> None:
+        async def send(_: Any) -> None:
+            return None
+
+        for status in (200, 200, 503, 429):
+            scope = {"type": "http", "path": "/v1/completions"}
+            await app_answering(status)(scope, None, send)
+
+    asyncio.run(run())
+    got = {"tenant": "acme", "adapter": "bot", "version": "2"}
+    assert registry.get_sample_value("v_total", got) == 4
+    assert registry.get_sample_value("e_total", got) == 1  # the 503; a 429 is no server error
