@@ -49,6 +49,8 @@ def main(config: EngineConfig, rank: int, address: str, errors: Any) -> None:
     device = device_of(config, rank)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(shard.size))
+    else:  # Triton launches on the current device, and NCCL binds to it
+        torch.cuda.set_device(device)
     try:
         comm = join(shard, address, device, JOIN_TIMEOUT_S)
     except Exception as e:
