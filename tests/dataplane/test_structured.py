@@ -19,6 +19,10 @@ import torch
 
 from loraplane.dataplane.sampler import Sampler
 from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.server.structured_fields import (
+    from_response_format,
+    from_structured_outputs,
+)
 from loraplane.dataplane.structured import (
     Constraint,
     GrammarCompiler,
@@ -27,8 +31,6 @@ from loraplane.dataplane.structured import (
     allocate_bitmask,
     apply_bitmask,
     fill_bitmasks,
-    from_response_format,
-    from_structured_outputs,
 )
 from loraplane.dataplane.tokenizer import Tokenizer
 from loraplane.demo.build import build_tokenizer

@@ -16,14 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from loraplane.dataplane.sampling import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, SamplingParams
 from loraplane.dataplane.server.errors import InvalidRequest
 from loraplane.dataplane.server.settings import MAX_N
-from loraplane.dataplane.server.tools import Tool, ToolPlan, plan
-from loraplane.dataplane.structured import (
-    CompiledGrammar,
-    Constraint,
-    GrammarError,
+from loraplane.dataplane.server.structured_fields import (
     from_response_format,
     from_structured_outputs,
 )
+from loraplane.dataplane.server.tools import Tool, ToolPlan, plan
+from loraplane.dataplane.structured import CompiledGrammar, Constraint, GrammarError
 
 MAX_STOP = 16  # stop strings per request at most
 
