@@ -11,7 +11,7 @@ import torch
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.dataplane.kernels import sgmv_cpu
 from loraplane.dataplane.lora import LoadedAdapter, LoRAPool, LoRAWeights, load_lora
-from loraplane.dataplane.lora.pool import PARALLEL_GRAIN, copy_serial
+from loraplane.dataplane.lora.host_form import PARALLEL_GRAIN, copy_serial
 
 SPEC = BaseModelSpec("tiny", "llama", 2, 64, 128, 4, 2, 16)
 

@@ -313,7 +313,7 @@ def load_lora(
 def _as_float(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """`t` as a float32 numpy array (an fp32 tensor's own memory, not copied). In numpy, not
     torch: a torch cast of a large tensor on a loader thread would start an OpenMP team that
-    competes with the engine's step for its cores (see `pool.copy_serial`)."""
+    competes with the engine's step for its cores (see `host_form.copy_serial`)."""
     if t.dtype == torch.bfloat16:  # the high half of an f32
         bits = t.view(torch.int16).numpy().view(np.uint16)
         return (bits.astype(np.uint32) << 16).view(np.float32)

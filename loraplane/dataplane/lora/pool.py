@@ -28,80 +28,14 @@ from torch import nn
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.devices import torch_device
-from loraplane.dataplane.kernels import sgmv_cpu
-from loraplane.dataplane.lora import dora
-from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+from loraplane.dataplane.lora import dora, host_form
+from loraplane.dataplane.lora.loader import LoadedAdapter
 
 if TYPE_CHECKING:
+    from loraplane.dataplane.kernels import sgmv_cpu
     from loraplane.dataplane.kernels.sgmv_torch import CheckedPair
     from loraplane.dataplane.kernels.slot_weights import SlotWeights
     from loraplane.dataplane.lora.arena import KVArena, Placement
-
-
-# ATen runs an element-wise op over this many elements or more on its OpenMP thread team
-# (at::internal::GRAIN_SIZE). Started from a loader thread, such an op makes that thread a
-# team of its own, whose threads then spin on the cores the engine's step computes on.
-PARALLEL_GRAIN = 32768
-
-
-def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) for 1-D or 2-D tensors of one shape (any strides), in pieces small
-    enough to run on the calling thread alone: how loader threads convert adapters without
-    taking cores from the step."""
-    if dst.shape != src.shape or dst.dim() not in (1, 2):
-        raise ValueError(f"copy_serial needs 1-D or 2-D tensors of one shape: {dst.shape}, "
-                         f"{src.shape}")  # fmt: skip
-    if dst.numel() < PARALLEL_GRAIN:  # one op, serial already (most adapter tensors)
-        dst.copy_(src)
-        return
-    piece = PARALLEL_GRAIN - 1
-    if dst.dim() == 1:
-        for i in range(0, dst.numel(), piece):
-            dst[i : i + piece].copy_(src[i : i + piece])
-        return
-    rows, cols = dst.shape
-    if cols > piece:  # rows longer than a piece: row by row
-        for r in range(rows):
-            copy_serial(dst[r], src[r])
-        return
-    step = max(1, piece // max(1, cols))
-    for r in range(0, rows, step):
-        dst[r : r + step].copy_(src[r : r + step])
-
-
-def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
-    """When `tensors` (host, one dtype, contiguous) lie back to back in one storage, covering
-    one range of it once (the loader's views of a stored version's file): that range as one
-    flat tensor, and its storage offset. Else None."""
-    if not tensors:
-        return None
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    for t in tensors:
-        if (
-            t.dtype != first.dtype
-            or t.device.type != "cpu"
-            or not t.is_contiguous()
-            or t.untyped_storage().data_ptr() != storage
-        ):
-            return None
-    ordered = sorted(tensors, key=lambda t: int(t.storage_offset()))
-    start = end = int(ordered[0].storage_offset())
-    for t in ordered:
-        if t.storage_offset() != end:
-            return None
-        end += t.numel()
-    return ordered[0].as_strided((end - start,), (1,)), start
-
-
-def _own(magnitude: torch.Tensor | None) -> torch.Tensor | None:
-    """A DoRA magnitude vector as an fp32 tensor of its own: not a view that would keep the
-    loader's whole file buffer alive beside the converted host copy."""
-    if magnitude is None:
-        return None
-    own = torch.empty(magnitude.shape, dtype=torch.float32)
-    copy_serial(own, magnitude)
-    return own
 
 
 # Phi-3 / Phi-4 checkpoints, and so the decoder serving them and their adapters, keep q/k/v
@@ -251,68 +185,14 @@ class LoRAPool:
         """True when slots hold B transposed (an arena lays out its own copies)."""
         return self.b_transposed and self.arena is None
 
-    def _in_host_form(self, t: torch.Tensor, role: str) -> bool:
-        dense = t.t().is_contiguous() if role == "b" and self._transposing() else t.is_contiguous()
-        return dense and t.dtype == self.dtype and t.device.type == "cpu"
-
     def host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
-        """`adapter` with its A and B in this pool's dtype and layout (B transposed where
-        `b_transposed`), back to back in one host buffer (pinned when the pool is on CUDA):
+        """`adapter` in this pool's dtype and layout, in one host buffer (lora/host_form.py):
         what the loader threads hand over, so that `load` reads it in place on CPU and copies
-        it without conversion on CUDA, and the engine's step does none of that work. Returned
-        as is when already in that form.
-
-        Into fp32 (CPU pools) the native library converts the whole adapter in one call
-        (`sgmv_cpu.convert_f32`); torch operations do it otherwise, two per tensor."""
+        it without conversion on CUDA, and the engine's step does none of that work."""
         self.check_dora(adapter)
-        tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
-        if all(
-            self._in_host_form(w.a, "a") and self._in_host_form(w.b, "b")
-            for w in adapter.modules.values()
-        ):
-            return adapter
-        buffer = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype)
-        if self.device.type == "cuda":
-            buffer = buffer.pin_memory()
-        transposing = self._transposing()
-        parts = [(t, transposing and i % 2 == 1) for i, t in enumerate(tensors)]
-        if self.device.type == "cpu" and sgmv_cpu.convert_f32(parts, buffer):  # one C call
-            return self._views_of(adapter, buffer, transposing)
-        run = None if transposing else _one_run(tensors)
-        if run is not None:  # a stored version as the loader reads it: one conversion
-            whole, start = run
-            copy_serial(buffer, whole)
-            offsets = [int(t.storage_offset()) - start for t in tensors]
-            views = iter(  # tensors holds each module's A then B
-                buffer[o : o + t.numel()].view(t.shape)
-                for o, t in zip(offsets, tensors, strict=True)
-            )
-            modules = {
-                key: LoRAWeights(next(views), next(views), w.scale, _own(w.magnitude))
-                for key, w in adapter.modules.items()
-            }
-            return LoadedAdapter(adapter.source, modules, adapter.digest)
-        host = self._views_of(adapter, buffer, transposing)  # then two copies per module
-        for w, h in zip(adapter.modules.values(), host.modules.values(), strict=True):
-            copy_serial(h.a, w.a)
-            copy_serial(h.b, w.b)
-        return host
-
-    @staticmethod
-    def _views_of(adapter: LoadedAdapter, buffer: torch.Tensor, transposed: bool) -> LoadedAdapter:
-        """`adapter`'s modules as views of `buffer`, each A then B back to back in module
-        order, each B a [out, r] view of a dense [r, out] where `transposed`."""
-        modules = {}
-        offset = 0
-        for key, w in adapter.modules.items():
-            (rank, fan_in), (fan_out, _) = w.a.shape, w.b.shape
-            a = buffer.as_strided((rank, fan_in), (fan_in, 1), offset)
-            offset += rank * fan_in
-            b_strides = (1, fan_out) if transposed else (rank, 1)
-            b = buffer.as_strided((fan_out, rank), b_strides, offset)
-            offset += fan_out * rank
-            modules[key] = LoRAWeights(a=a, b=b, scale=w.scale, magnitude=_own(w.magnitude))
-        return LoadedAdapter(adapter.source, modules, adapter.digest)
+        return host_form.convert(
+            adapter, self.dtype, transposed=self._transposing(), cuda=self.device.type == "cuda"
+        )
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a

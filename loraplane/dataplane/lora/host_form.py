@@ -1,0 +1,145 @@
+"""An adapter in a pool's host form: its A and B in the pool's dtype and layout (B transposed
+where the CPU kernels read it so), back to back in one host buffer (pinned for a CUDA pool).
+
+The loader threads convert each adapter they read (`LoRAPool.host_form` calls `convert`), so a
+CPU slot reads the host copy in place and a CUDA slot copies it without conversion, and the
+engine's step does none of that work. Into fp32 (CPU pools) the native library converts a whole
+adapter in one call (`sgmv_cpu.convert_f32`); torch operations do it otherwise, in pieces small
+enough not to start an OpenMP team on a loader thread (`copy_serial`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane.dataplane.kernels import sgmv_cpu
+from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+
+# ATen runs an element-wise op over this many elements or more on its OpenMP thread team
+# (at::internal::GRAIN_SIZE). Started from a loader thread, such an op makes that thread a
+# team of its own, whose threads then spin on the cores the engine's step computes on.
+PARALLEL_GRAIN = 32768
+
+
+def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for 1-D or 2-D tensors of one shape (any strides), in pieces small
+    enough to run on the calling thread alone: how loader threads convert adapters without
+    taking cores from the step."""
+    if dst.shape != src.shape or dst.dim() not in (1, 2):
+        raise ValueError(f"copy_serial needs 1-D or 2-D tensors of one shape: {dst.shape}, "
+                         f"{src.shape}")  # fmt: skip
+    if dst.numel() < PARALLEL_GRAIN:  # one op, serial already (most adapter tensors)
+        dst.copy_(src)
+        return
+    piece = PARALLEL_GRAIN - 1
+    if dst.dim() == 1:
+        for i in range(0, dst.numel(), piece):
+            dst[i : i + piece].copy_(src[i : i + piece])
+        return
+    rows, cols = dst.shape
+    if cols > piece:  # rows longer than a piece: row by row
+        for r in range(rows):
+            copy_serial(dst[r], src[r])
+        return
+    step = max(1, piece // max(1, cols))
+    for r in range(0, rows, step):
+        dst[r : r + step].copy_(src[r : r + step])
+
+
+def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+    """When `tensors` (host, one dtype, contiguous) lie back to back in one storage, covering
+    one range of it once (the loader's views of a stored version's file): that range as one
+    flat tensor, and its storage offset. Else None."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (
+            t.dtype != first.dtype
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+    ordered = sorted(tensors, key=lambda t: int(t.storage_offset()))
+    start = end = int(ordered[0].storage_offset())
+    for t in ordered:
+        if t.storage_offset() != end:
+            return None
+        end += t.numel()
+    return ordered[0].as_strided((end - start,), (1,)), start
+
+
+def _own(magnitude: torch.Tensor | None) -> torch.Tensor | None:
+    """A DoRA magnitude vector as an fp32 tensor of its own: not a view that would keep the
+    loader's whole file buffer alive beside the converted host copy."""
+    if magnitude is None:
+        return None
+    own = torch.empty(magnitude.shape, dtype=torch.float32)
+    copy_serial(own, magnitude)
+    return own
+
+
+def _dense(t: torch.Tensor, transposed_b: bool) -> bool:
+    return t.t().is_contiguous() if transposed_b else t.is_contiguous()
+
+
+def is_host_form(adapter: LoadedAdapter, dtype: torch.dtype, transposed: bool) -> bool:
+    """Whether `adapter` already is in the host form `convert` makes."""
+    return all(
+        t.dtype == dtype and t.device.type == "cpu" and _dense(t, transposed and role == "b")
+        for w in adapter.modules.values()
+        for role, t in (("a", w.a), ("b", w.b))
+    )
+
+
+def convert(
+    adapter: LoadedAdapter, dtype: torch.dtype, *, transposed: bool, cuda: bool
+) -> LoadedAdapter:
+    """`adapter` with its A and B in `dtype`, each B the [out, r] view of a dense [r, out]
+    where `transposed`, back to back in one host buffer (pinned when `cuda`); returned as is
+    when already in that form."""
+    if is_host_form(adapter, dtype, transposed):
+        return adapter
+    tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
+    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype)
+    if cuda:
+        buffer = buffer.pin_memory()
+    parts = [(t, transposed and i % 2 == 1) for i, t in enumerate(tensors)]
+    if not cuda and sgmv_cpu.convert_f32(parts, buffer):  # one C call
+        return _views_of(adapter, buffer, transposed)
+    run = None if transposed else _one_run(tensors)
+    if run is not None:  # a stored version as the loader reads it: one conversion
+        whole, start = run
+        copy_serial(buffer, whole)
+        offsets = [int(t.storage_offset()) - start for t in tensors]
+        views = iter(  # tensors holds each module's A then B
+            buffer[o : o + t.numel()].view(t.shape) for o, t in zip(offsets, tensors, strict=True)
+        )
+        modules = {
+            key: LoRAWeights(next(views), next(views), w.scale, _own(w.magnitude))
+            for key, w in adapter.modules.items()
+        }
+        return LoadedAdapter(adapter.source, modules, adapter.digest)
+    host = _views_of(adapter, buffer, transposed)  # then two copies per module
+    for w, h in zip(adapter.modules.values(), host.modules.values(), strict=True):
+        copy_serial(h.a, w.a)
+        copy_serial(h.b, w.b)
+    return host
+
+
+def _views_of(adapter: LoadedAdapter, buffer: torch.Tensor, transposed: bool) -> LoadedAdapter:
+    """`adapter`'s modules as views of `buffer`, each A then B back to back in module order,
+    each B a [out, r] view of a dense [r, out] where `transposed`."""
+    modules = {}
+    offset = 0
+    for key, w in adapter.modules.items():
+        (rank, fan_in), (fan_out, _) = w.a.shape, w.b.shape
+        a = buffer.as_strided((rank, fan_in), (fan_in, 1), offset)
+        offset += rank * fan_in
+        b_strides = (1, fan_out) if transposed else (rank, 1)
+        b = buffer.as_strided((fan_out, rank), b_strides, offset)
+        offset += fan_out * rank
+        modules[key] = LoRAWeights(a=a, b=b, scale=w.scale, magnitude=_own(w.magnitude))
+    return LoadedAdapter(adapter.source, modules, adapter.digest)
