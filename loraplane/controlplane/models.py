@@ -93,6 +93,9 @@ class Tenant(Base):
     # Every adapter version must carry a valid signature by one of the tenant's signing keys
     # (the admin sets it, as a quota; docs/security.md, "Signed adapters").
     require_signature: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # Bytes of pinned adapter memory the tenant may ask for: each pin costs its version's
+    # size times its replicas (0, the default and rows before 0007: pins only by the admin).
+    max_pinned_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     deleted: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -273,3 +276,23 @@ class UploadJob(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+
+
+class AdapterPin(Base):
+    """An adapter version kept resident on `replicas` replicas of a pool (docs/dataplane.md,
+    "Pinned adapters"): the control plane assigns the copies to the pool's live replicas in
+    its pressure answers; a replica keeps the versions assigned to it on the device."""
+
+    __tablename__ = "adapter_pins"
+    __table_args__ = (UniqueConstraint("version_id", "pool_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    version_id: Mapped[int] = mapped_column(ForeignKey("adapter_versions.id"))
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id"), index=True)
+    replicas: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(200), default="")
+
+    version: Mapped[AdapterVersion] = relationship(lazy="joined", innerjoin=True)
+    pool: Mapped[Pool] = relationship(lazy="joined", innerjoin=True)
