@@ -250,6 +250,15 @@ class Pool(Base):
         """The base model as the API shows it: its name and config location."""
         return {"name": self.base_model_name, "uri": self.base_model_uri}
 
+    # loaded only when read (the pool's view for the operator), never with each report
+    pins: Mapped[list[AdapterPin]] = relationship(viewonly=True, lazy="select")
+
+    @property
+    def pinned_replicas(self) -> int:
+        """The most replicas one pin of this pool asks for (0: none pinned): the operator
+        keeps at least that many (docs/controlplane.md, "Pinned adapters")."""
+        return max((p.replicas for p in self.pins), default=0)
+
 
 class UploadJob(Base):
     """An upload ingested in the background (embedded mode, big files or `Prefer:

@@ -53,9 +53,14 @@ def test_a_tenant_pins_a_version_on_k_replicas_and_unpins_it_in_one_call(api: Ap
     assert answer["tenant"] == "acme" and answer["adapter"] == "bot"
     assert answer["digest"] == v1["digest"] and answer["path"].startswith("adapters/acme/bot/v1-")
     assert [p["version"] for p in api.client.get("/v1/pins", headers=bearer(key)).json()] == [1]
+    # the operator reads the pool: it keeps at least 2 replicas while this pin holds
+    pool = api.client.get("/internal/v1/pools/pool-a", headers=SERVICE_H).json()
+    assert pool["pinned_replicas"] == 2
     r = api.client.delete(PIN.format(v=1), params={"pool": "pool-a"}, headers=bearer(key))
     assert r.status_code == 204
     assert pinned_on(api, replicas) == {r: [] for r in replicas}
+    pool = api.client.get("/internal/v1/pools/pool-a", headers=SERVICE_H).json()
+    assert pool["pinned_replicas"] == 0
     r = api.client.delete(PIN.format(v=1), params={"pool": "pool-a"}, headers=bearer(key))
     assert r.status_code == 404 and "is not pinned" in r.json()["error"]["message"]
 
