@@ -1,10 +1,10 @@
 """Pinned adapters under a flood: a pinned adapter's time to first token stays as it was.
 
-One replica (the CPU benchmark model, engine_cpu.py's shape) serves a closed loop of
-background requests, `--in-flight` at a time, while two probe adapters are asked in turn, one
-request in flight at a time, every few background completions: P, pinned (`LoRAManager.pin`),
-and Q, not pinned (the control). Two loads, the same engine settings (adapter memory for 20
-adapters, a host tier of 32):
+One replica (a small CPU model: engine_cpu.py's vocabulary, 4 layers of 256) serves a closed
+loop of background requests, `--in-flight` at a time, while two probe adapters are asked in
+turn, one request in flight at a time, every PROBE_PERIOD steps: P, pinned
+(`LoRAManager.pin`), and Q, not pinned (the control). Two loads, the same engine settings
+(adapter memory for 24 adapters, a host tier of 32):
 - unflooded: the background spread over 16 adapters, all of which stay resident;
 - flood: the background drawn by Zipf(1.0) over `--adapters` stored adapters (2,000), so
   adapters are evicted from the device and host memory all the time.
@@ -12,8 +12,8 @@ The loads alternate over `--rounds` rounds (each figure: the median round).
 Figures: each probe's TTFT p99 in each load and its flood / unflooded ratio (goal for P:
 <= 1.2; Q's is the control, with no goal), the probes that found their adapter off the
 device (goal for P in the flood: 0), and the flood's device evictions.
-Run: .venv/bin/python benchmarks/pins.py [--adapters 2000] [--requests 320] [--rounds 3]
-(--smoke: 24 adapters, 48 requests, one round on the smoke model)
+Run: .venv/bin/python benchmarks/pins.py [--adapters 2000] [--requests 160] [--rounds 3]
+(--smoke: 24 adapters, 32 requests, one round on the smoke model)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from _common import add_smoke_flag, goal, report
-from engine_cpu import shape
+from engine_cpu import SHAPE, SMOKE_SHAPE
 from tiers import qv_adapter
 
 from loraplane.adapters.base_model import BaseModelSpec
@@ -41,7 +41,11 @@ from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.demo.build import build_llama
 
-PROBE_EVERY = 4  # background completions between a probe's answer and its next request
+# a small model: what is measured is adapter residency, not compute, and the flood's 2,000
+# adapters are ingested in well under a minute on two cores
+SMALL_SHAPE = {**SHAPE, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 688}  # fmt: skip
+PROBE_PERIOD = 8  # engine steps between two requests of one probe
 
 
 def p99(xs: list[float]) -> float:
@@ -53,18 +57,20 @@ def p99(xs: list[float]) -> float:
 def run_load(engine: Engine, background: list[LoRARef], weights: list[float],
              probes: dict[str, LoRARef], requests: int, in_flight: int,
              seed: int) -> dict[str, tuple[list[float], int]]:  # fmt: skip
-    """Closed loop of `requests` background requests; each probe asked again once
-    PROBE_EVERY background requests finished after its last answer. Per probe label: the
-    TTFTs, and how many of its requests found its adapter off the device."""
+    """Closed loop of `requests` background requests (4 to 12 tokens each, so that they do
+    not end in waves); each probe asked every PROBE_PERIOD steps, the probes half a period
+    apart (never in one step) and one request each at a time. Per probe label: the TTFTs,
+    and how many of its requests found its adapter off the device."""
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(4, 13)]
     probe_params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     arrived: dict[str, float] = {}
     label_of: dict[str, str] = {}
     ttft: dict[str, list[float]] = {label: [] for label in probes}
     cold = dict.fromkeys(probes, 0)
+    answered: set[str] = set()
     sent = done = failed = 0
-    waiting = dict.fromkeys(probes, 0)  # probe label -> background completions since its answer
+    phase = {label: i * PROBE_PERIOD // len(probes) for i, label in enumerate(probes)}
     idle = set(probes)  # probes with no request in flight
 
     def prompt() -> list[int]:
@@ -74,6 +80,7 @@ def run_load(engine: Engine, background: list[LoRARef], weights: list[float],
         nonlocal sent
         rid = f"b{sent}"
         arrived[rid] = time.perf_counter()
+        params = rng.choice(lengths)
         engine.add_request(rid, prompt(), params, rng.choices(background, weights)[0])
         sent += 1
 
@@ -87,26 +94,25 @@ def run_load(engine: Engine, background: list[LoRARef], weights: list[float],
 
     for _ in range(in_flight):
         send()
-    asked = 0
+    asked = steps = 0
     while done < requests:
+        steps += 1
         for label in sorted(idle):
-            if waiting[label] >= PROBE_EVERY:
-                waiting[label] = 0
+            if steps % PROBE_PERIOD == phase[label]:
                 asked += 1
                 ask(label, asked)
         for out in engine.step():
             failed += bool(out.error)
             label = label_of.get(out.request_id)
             if label is not None:
-                if out.token_ids and len(out.token_ids) == 1:
+                if out.token_ids and out.request_id not in answered:
+                    answered.add(out.request_id)
                     ttft[label].append(time.perf_counter() - arrived[out.request_id])
                 if out.finished:
                     idle.add(label)
                 continue
             if out.finished:
                 done += 1
-                for name in waiting:
-                    waiting[name] += 1
                 if sent < requests:
                     send()
     while not idle >= set(probes):  # the probes in flight end
@@ -122,20 +128,20 @@ def run_load(engine: Engine, background: list[LoRARef], weights: list[float],
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=int, default=2000)
-    parser.add_argument("--requests", type=int, default=320)
+    parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     add_smoke_flag(parser)
     args = parser.parse_args()
     adapters, requests, rounds = args.adapters, args.requests, args.rounds
     if args.smoke:
-        adapters, requests, rounds = 24, 48, 1
+        adapters, requests, rounds = 24, 32, 1
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         root = Path(tmp)
         print("building the benchmark model ...", flush=True)
         model = root / "model"
-        build_llama(model, **shape(args.smoke))
+        build_llama(model, **(SMOKE_SHAPE if args.smoke else SMALL_SHAPE))
         spec = BaseModelSpec.from_dir(model)
         store = LocalStore(root / "store")
         print(f"ingesting {adapters} adapters and the two probes ...", flush=True)
@@ -163,13 +169,13 @@ def main() -> int:
                       for k, v in probe_versions.items()}  # fmt: skip
             return e, refs, probes
 
-        # the adapter memory: 20 adapters of this size (pins may take half of it)
+        # the adapter memory: 24 adapters of this size (pins may take half of it)
         sizer, _, probes = engine(1 << 30)
         sizer.loras.pin(probes["pinned"])
         sizer.loras.wait_for([probes["pinned"]], timeout=60)
         size = sizer.loras.device_bytes(probes["pinned"])
         sizer.close()
-        memory = 20 * size
+        memory = 24 * size
         zipf = [1.0 / (k + 1) for k in range(adapters)]
         runs: dict[str, dict[str, list[float]]] = {}
         evictions: list[float] = []
@@ -183,7 +189,9 @@ def main() -> int:
                 e, refs, probes = engine(memory)
                 e.loras.pin(probes["pinned"])
                 e.loras.wait_for([probes["pinned"]], timeout=60)
-                e.generate([[5, 6, 7]], SamplingParams(max_tokens=1), [probes["pinned"]])
+                # the engine's first steps run slow (allocations): a short load first
+                run_load(e, refs[:16], [1.0] * 16, probes, 16, args.in_flight, seed=100)
+                start = time.perf_counter()
                 evicted = e.loras.device_stats.evictions
                 background, weights = (refs[:16], [1.0] * 16) if load == "unflooded" else (
                     refs, zipf)  # fmt: skip
@@ -194,6 +202,7 @@ def main() -> int:
                     run.setdefault("p99", []).append(p99(xs))
                     run.setdefault("n", []).append(float(len(xs)))
                     run.setdefault("cold", []).append(float(cold))
+                print(f"  {time.perf_counter() - start:.1f} s", flush=True)
                 if load == "flood":
                     evictions.append(float(e.loras.device_stats.evictions - evicted))
                 e.close()
