@@ -89,6 +89,12 @@ class BaseModelPending(Conflict):
     code = "BaseModelPending"
 
 
+class PinsDoNotFit(ControlPlaneError):
+    """Pinned versions would not fit on the pool's replicas (the message names the numbers)."""
+
+    code = "PinsDoNotFit"
+
+
 class QuotaExceeded(ControlPlaneError):
     """A tenant quota that is not a property of one adapter (the adapter count) is used up."""
 
@@ -153,6 +159,7 @@ STATUS: dict[type[ControlPlaneError], int] = {
     AlreadyExists: 409,
     Conflict: 409,
     QuotaExceeded: 409,
+    PinsDoNotFit: 409,
     PayloadTooLarge: 413,
     UnknownBaseModel: 422,
     InvalidBaseModel: 422,

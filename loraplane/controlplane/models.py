@@ -93,6 +93,9 @@ class Tenant(Base):
     # Every adapter version must carry a valid signature by one of the tenant's signing keys
     # (the admin sets it, as a quota; docs/security.md, "Signed adapters").
     require_signature: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # Bytes of pinned adapter memory the tenant may ask for: each pin costs its version's
+    # size times its replicas (0, the default and rows before 0008: pins only by the admin).
+    max_pinned_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     deleted: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -253,6 +256,15 @@ class Pool(Base):
         """The base model as the API shows it: its name and config location."""
         return {"name": self.base_model_name, "uri": self.base_model_uri}
 
+    # loaded only when read (the pool's view for the operator), never with each report
+    pins: Mapped[list[AdapterPin]] = relationship(viewonly=True, lazy="select")
+
+    @property
+    def pinned_replicas(self) -> int:
+        """The most replicas one pin of this pool asks for (0: none pinned): the operator
+        keeps at least that many (docs/controlplane.md, "Pinned adapters")."""
+        return max((p.replicas for p in self.pins), default=0)
+
 
 class UploadJob(Base):
     """An upload ingested in the background (embedded mode, big files or `Prefer:
@@ -279,3 +291,23 @@ class UploadJob(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+
+
+class AdapterPin(Base):
+    """An adapter version kept resident on `replicas` replicas of a pool (docs/dataplane.md,
+    "Pinned adapters"): the control plane assigns the copies to the pool's live replicas in
+    its pressure answers; a replica keeps the versions assigned to it on the device."""
+
+    __tablename__ = "adapter_pins"
+    __table_args__ = (UniqueConstraint("version_id", "pool_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    version_id: Mapped[int] = mapped_column(ForeignKey("adapter_versions.id"))
+    pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id"), index=True)
+    replicas: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(200), default="")
+
+    version: Mapped[AdapterVersion] = relationship(lazy="joined", innerjoin=True)
+    pool: Mapped[Pool] = relationship(lazy="joined", innerjoin=True)

@@ -11,6 +11,8 @@ between steps, whichever process that loop is in. Results pickle too (refs, snap
     register_lora(name, path, tenant) -> LoRARef  a local adapter directory (AdapterRejected)
     unregister(name, tenant) -> list[LoRARef]     every version of (tenant, name), freed
     set_weight(tenant, weight) -> None            the tenant's share weight in the scheduler
+    pin(ref) -> str                               keep a registered version resident (PinRefused)
+    unpin(ref) -> bool                            let it be evicted again
     snapshot() -> EngineSnapshot                  the metrics port's reading
     gateway_snapshot() -> EngineSnapshot          the inference gateway's (cheap) reading
 """
@@ -29,6 +31,8 @@ COMMANDS = (
     "register_lora",
     "unregister",
     "set_weight",
+    "pin",
+    "unpin",
     "snapshot",
     "gateway_snapshot",
 )
@@ -46,6 +50,10 @@ def run_command(engine: Engine, name: str, args: tuple[Any, ...]) -> Any:
         return engine.loras.unregister(*args)
     if name == "set_weight":
         return engine.scheduler.set_weight(*args)
+    if name == "pin":
+        return engine.loras.pin(*args)
+    if name == "unpin":
+        return engine.loras.unpin(*args)
     if name == "snapshot":
         return EngineSnapshot.of(engine)
     if name == "gateway_snapshot":

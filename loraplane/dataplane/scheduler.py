@@ -21,7 +21,9 @@ preempted ones first, then the tenant with the fewest running sequences (tenants
 then age. No starvation: once a request has been deferred in more than `max_deferral_steps`
 steps, the oldest such request whose adapter is ready raises a barrier: only its adapter's
 requests (first) and base model requests are admitted, so running adapters drain and it takes
-the first memory that frees up. A request still waiting for its adapter's load never raises the
+the first memory that frees up. Pinned versions (`Adapters.pins`) are placed every step and
+count as running adapters, in the budget and in their tenants' adapter memory, and are never
+given up. A request still waiting for its adapter's load never raises the
 barrier (a slow store must not stop every other tenant). With room for one adapter and other
 adapters' requests finishing within M steps of admission, a request waits at most
 max_deferral_steps + M + 1 steps after its adapter is ready (see test_scheduler.py).
@@ -76,6 +78,11 @@ class Adapters(Protocol):
         memory is held by sequences' KV blocks)."""
         ...
 
+    def pins(self) -> list[LoRARef]:
+        """The pinned versions ready to run (in host memory): kept on the device every step,
+        counted in the budget and in their tenants' adapter memory."""
+        ...
+
 
 class _AllReady:
     """No adapter tiers (tests of the scheduler alone): every adapter is ready and free."""
@@ -90,6 +97,9 @@ class _AllReady:
 
     def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str]) -> bool:
         return True
+
+    def pins(self) -> list[LoRARef]:
+        return []
 
 
 _ALL_READY = _AllReady()
@@ -108,6 +118,15 @@ class _Room:
         for seq in running:
             if seq.lora is not None and seq.lora.key not in self.keys:
                 self.add(seq.lora)
+        # pinned versions hold their memory and a slot whether or not a request runs them:
+        # placed now (a no-op when resident), they count as running adapters
+        self.pinned: dict[str, LoRARef] = {}
+        for ref in adapters.pins():
+            if ref.key in self.keys:
+                self.pinned[ref.key] = ref
+            elif self.fits(ref) and adapters.place(ref, self.keys, ()):
+                self.pinned[ref.key] = ref
+                self.add(ref)
 
     def fits(self, ref: LoRARef) -> bool:
         """Could `ref` (ready, not running) run beside the running adapters?"""
@@ -485,9 +504,11 @@ class Scheduler:
         users: dict[str, list[Sequence]] = {}
         refs: dict[str, LoRARef] = {}
         held: dict[str, float] = {}
+        for pin in room.pinned.values():  # counted in its tenant's share, never given up
+            held[pin.tenant] = held.get(pin.tenant, 0.0) + cost(pin)
         for seq in self.running:
             ref = seq.lora
-            if ref is None or ref.key not in room.keys:
+            if ref is None or ref.key not in room.keys or ref.key in room.pinned:
                 continue
             users.setdefault(ref.key, []).append(seq)
             if ref.key not in refs:

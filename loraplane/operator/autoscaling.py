@@ -10,6 +10,8 @@ within [min, max], is the *need*.
   long has passed since the last scale; then scale to the highest need seen in the window
   (as an HPA's stabilization window does), never below min.
 - No fresh pressure (no replica reported lately): hold, and restart both windows.
+- Pins: the floor is at least the most replicas one of the pool's pinned versions asks for
+  (`with_pins`, within max), so a scale-down never drops a pin's copies.
 
 Each scale restarts both windows, so a pool cannot flap faster than its windows allow.
 """
@@ -76,6 +78,14 @@ class Decision:
     def scaled(self) -> bool:
         """Whether the decision changes the replica count."""
         return self.reason != "Hold"
+
+
+def with_pins(policy: ScalePolicy, pinned_replicas: int) -> ScalePolicy:
+    """`policy` with its floor raised to the most replicas one of the pool's pins asks for
+    (within max): scaling down below it would leave a pinned version on fewer replicas than
+    asked, and the control plane spreads each pin's copies over the replicas there are."""
+    floor = min(max(policy.min_replicas, pinned_replicas), policy.max_replicas)
+    return replace(policy, min_replicas=floor)
 
 
 def needed_replicas(policy: ScalePolicy, pressure: Pressure) -> int:

@@ -256,6 +256,12 @@ def _policy(pool: PoolSpec) -> autoscaling.ScalePolicy:
     )
 
 
+def _pinned(catalog_pool: dict[str, Any] | None) -> int:
+    """The most replicas one pinned version of the pool asks for (0: none, or unknown)."""
+    value = (catalog_pool or {}).get("pinned_replicas", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _state(memo: kopf.Memo, status: kopf.Status) -> autoscaling.ScaleState:
     """This pool's policy state; after a restart, the last scale time comes from status."""
     state = memo.get("scale_state")
@@ -309,7 +315,7 @@ async def observe_pool(
             "replicasReporting": pressure.replicas_reporting,
         }
     desired = current
-    policy = _policy(pool)
+    policy = autoscaling.with_pins(_policy(pool), _pinned(catalog_pool))
     if pool.autoscaling.operator_scales:
         decision = autoscaling.decide(policy, _state(memo, status), current, pressure, time.time())
         memo["scale_state"] = decision.state

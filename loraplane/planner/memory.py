@@ -14,7 +14,10 @@
 - adapters running at once: as many as fit in the adapter memory, at most the pool's slots
   (`EngineConfig.lora_slots`: `--max-loras`, or for `auto` `max_num_seqs`);
 - host tier: `max_cpu_loras` copies (auto: twice the slots), each the rank-exact bytes;
-- disk tier: every adapter's stored file.
+- disk tier: every adapter's stored file;
+- pinned adapters (`AdapterProfile.pinned`): resident on every replica, counted in the adapter
+  memory (`pinned_bytes`, `adapters_unpinned` is what the rest of the traffic has), and refused
+  past half the adapter memory or slots, as the data plane caps them.
 
 Split over N ranks (`EngineConfig.tensor_parallel_size`, `planner/parallel.py`) every figure
 above is one rank's, each rank the same: its shard of the weights, its KV heads, its slice of
@@ -52,6 +55,7 @@ class AdapterProfile:
     modules: tuple[str, ...] = SUPPORTED_MODULES
     popularity: str = "zipf:1.0"  # zipf:S or uniform (see fleet.popularity_weights)
     stored_dtype: str | None = None  # dtype of the stored files; None: the serving dtype
+    pinned: int = 0  # of them, pinned on each replica (kept resident: docs/dataplane.md)
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
@@ -66,6 +70,10 @@ class AdapterProfile:
             )
         if self.stored_dtype is not None and self.stored_dtype not in DTYPE_BYTES:
             raise ValueError(f"stored dtype must be one of {', '.join(DTYPE_BYTES)}")
+        if isinstance(self.pinned, bool) or not isinstance(self.pinned, int) or self.pinned < 0:
+            raise ValueError(f"pinned adapters must be an integer >= 0, got {self.pinned!r}")
+        if self.pinned > self.count:
+            raise ValueError(f"pinned adapters ({self.pinned}) exceed the adapters ({self.count})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +101,13 @@ class MemoryPlan:
     tensor_parallel_size: int = 1  # devices (ranks) the replica is split over
     model_weights_bytes: int = 0  # the whole model's weights, unsplit
     adapter_full_bytes: int = 0  # one adapter unsplit (what a load reads), rank-exact
+    adapters_pinned: int = 0  # of adapters_resident, pinned: always there, for their tenants
+    pinned_bytes: int = 0  # the device bytes they hold
+
+    @property
+    def adapters_unpinned(self) -> int:
+        """Adapters the rest of the traffic can have on the device at once (pins set aside)."""
+        return self.adapters_resident - self.adapters_pinned
 
     @property
     def devices(self) -> int:
@@ -248,6 +263,8 @@ def plan_memory(
     )
     full = adapter_elements(whole, profile)
     stored = full * DTYPE_BYTES[profile.stored_dtype or dtype]
+    pinned_bytes = profile.pinned * device_bytes
+    _check_pins(profile.pinned, pinned_bytes, budget, config.lora_slots)
     cpu_loras = config.max_cpu_loras or config.lora_slots
     return MemoryPlan(
         device_memory=device_memory,
@@ -270,7 +287,30 @@ def plan_memory(
         tensor_parallel_size=size,
         model_weights_bytes=total if size > 1 else weights,
         adapter_full_bytes=full * DTYPE_BYTES[dtype],
+        adapters_pinned=profile.pinned,
+        pinned_bytes=pinned_bytes,
     )
+
+
+PIN_FRACTION = 0.5  # lora/manager.PIN_FRACTION: pins take at most half the memory and slots
+
+
+def _check_pins(pinned: int, pinned_bytes: int, budget: int, slots: int) -> None:
+    """ValueError naming the numbers when `pinned` adapters would not be let in: a replica
+    pins at most half its adapter memory and half its slots."""
+    cap_slots = max(1, int(slots * PIN_FRACTION))
+    if pinned > cap_slots:
+        raise ValueError(
+            f"{pinned} pinned adapters per replica exceed its cap of {cap_slots} (half of its"
+            f" {slots} adapter slots)"
+        )
+    cap = int(budget * PIN_FRACTION)
+    if pinned_bytes > cap:
+        raise ValueError(
+            f"{pinned} pinned adapters take {pinned_bytes:,} bytes of adapter memory, more than"
+            f" the {cap:,} bytes pins may take (half of the {budget:,}-byte adapter memory,"
+            " --lora-memory)"
+        )
 
 
 def shared_pool_blocks(plan: MemoryPlan) -> int:

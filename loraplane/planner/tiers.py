@@ -62,6 +62,10 @@ class SimTiers:
         """The adapter memory."""
         return self._budget
 
+    def pins(self) -> list[LoRARef]:
+        """No pinned versions in the simulation (pinned memory is taken off the budget)."""
+        return []
+
     def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str]) -> bool:
         """Make `ref` resident, evicting idle residents (never those in `in_use`; those in
         `wanted` last); False when every resident is in use."""

@@ -144,6 +144,23 @@ class RestClient:
         result: dict[str, Any] = self.json("POST", path, json=body)
         return result
 
+    def pin_version(
+        self, name: str, version: int, pool: str, namespace: str, replicas: int
+    ) -> dict[str, Any]:
+        """Keep `version` resident on `replicas` replicas of the pool."""
+        body = {"pool": pool, "namespace": namespace, "replicas": replicas}
+        path = f"/v1/adapters/{_seg(name)}/versions/{version}/pin"
+        result: dict[str, Any] = self.json("PUT", path, json=body)
+        return result
+
+    def unpin_version(self, name: str, version: int, pool: str, namespace: str) -> None:
+        path = f"/v1/adapters/{_seg(name)}/versions/{version}/pin"
+        self.call("DELETE", path, params={"pool": pool, "namespace": namespace})
+
+    def list_pins(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.json("GET", "/v1/pins")
+        return result
+
     def delete_adapter(self, name: str) -> None:
         self.call("DELETE", f"/v1/adapters/{_seg(name)}")
 

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from loraplane.tenant_cli import admin, confirm, lifecycle, rollouts, signing
+from loraplane.tenant_cli import admin, confirm, lifecycle, pins, rollouts, signing
 from loraplane.tenant_cli import commands as cmd
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
         ("max-bytes", "bytes of one adapter's weights (at least 1)"),
         ("requests-per-minute", "requests per minute, over all replicas (0: unlimited)"),
         ("tokens-per-minute", "tokens per minute, over all replicas (0: unlimited)"),
+        ("max-pinned-bytes", "adapter memory its pins may take, size x replicas (0: admin only)"),
     ):
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
     parser.add_argument(
@@ -197,6 +198,7 @@ def add_adapter_commands(adapters: SubParsers) -> None:
     versions.add_argument("name", metavar="NAME", help="the adapter's name")
     _add_lifecycle_commands(adapters)
     _add_rollout_commands(adapters)
+    _add_pin_commands(adapters)
 
 
 def _add_signing_commands(adapters: SubParsers) -> None:
@@ -270,6 +272,44 @@ def add_signing_key_commands(sub: SubParsers) -> None:
     )
     revoke.add_argument("key_id", metavar="KEY_ID", help="from `signing-keys list`")
     _confirmed(revoke)
+
+
+def _add_pin_commands(adapters: SubParsers) -> None:
+    """`pin`, `unpin` and `pins` under `loraplane adapters`."""
+    pin = _add(
+        adapters,
+        "pin",
+        pins.pin,
+        admin=False,
+        summary="keep a version resident on K replicas of a pool (within max_pinned_bytes)",
+        example="loraplane adapters pin support-bot 2 --pool pool-a --replicas 2",
+    )
+    unpin = _add(
+        adapters,
+        "unpin",
+        pins.unpin,
+        admin=False,
+        summary="stop keeping a version resident (replicas evict it like any other again)",
+        example="loraplane adapters unpin support-bot 2 --pool pool-a",
+    )
+    for parser in (pin, unpin):
+        parser.add_argument("name", metavar="NAME", help="the adapter's name")
+        parser.add_argument("version", metavar="VERSION", type=_version, help="e.g. 2 or v2")
+        parser.add_argument("--pool", required=True, metavar="POOL", help="the pool's name")
+        parser.add_argument(
+            "--namespace", default="default", metavar="NS", help="the pool's namespace"
+        )
+    pin.add_argument(
+        "--replicas", type=int, default=1, metavar="K", help="replicas to keep it on (default 1)"
+    )
+    _add(
+        adapters,
+        "pins",
+        pins.list_pins,
+        admin=False,
+        summary="list your pinned versions: pool, replicas and the bytes each counts",
+        example="loraplane adapters pins",
+    )
 
 
 def _add_lifecycle_commands(adapters: SubParsers) -> None:

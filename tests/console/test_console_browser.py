@@ -585,6 +585,12 @@ def test_the_admin_sees_each_tenants_weight_and_sets_it_at_create_and_with_the_q
     browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()
     wait(browser, lambda d: tenant_weight("weighted") == 0.5)
     assert stack.admin("GET", "/v1/tenants/weighted").json()["max_adapters"] == 100  # kept
+    # the pin quota (issue 33) is edited beside the others; 0 lets only the admin pin
+    assert browser.find_element(By.ID, "quota-max_pinned_bytes").get_attribute("value") == "0"
+    set_value("quota-max_pinned_bytes", "1048576")
+    browser.find_element(By.XPATH, "//button[text()='Save quotas']").click()
+    wait(browser, lambda d: stack.admin("GET", "/v1/tenants/weighted").json()["max_pinned_bytes"]
+         == 1 << 20)  # fmt: skip
     shots(browser, "13-tenant-weight")
     assert go(browser, "#/tenants") == "Tenants"
     assert (weights()["weighted"], weights()["acme"]) == ("0.5", "1")

@@ -15,7 +15,15 @@ from sqlalchemy import MetaData, Table, delete, insert, inspect, select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane import db
-from loraplane.controlplane.models import AdapterVersion, Base, Pool, SigningKey, Tenant
+from loraplane.controlplane.models import (
+    Adapter,
+    AdapterPin,
+    AdapterVersion,
+    Base,
+    Pool,
+    SigningKey,
+    Tenant,
+)
 from tests.controlplane import pg
 
 TABLES = {
@@ -207,5 +215,49 @@ def test_0006_leaves_existing_rows_unsigned_and_unrequired_and_downgrades_with_k
         assert "signing_key_id" not in {c["name"] for c in names.get_columns("adapter_versions")}
         assert "require_signature" not in {c["name"] for c in names.get_columns("tenants")}
         db.upgrade(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_0008_gives_existing_tenants_no_pin_quota_and_downgrades_with_pins(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """0008 adds pins and the tenant's max_pinned_bytes (0 for rows already there: only the
+    admin pins for them); the downgrade drops both with pins recorded."""
+    engine = db.make_engine(fresh_url(backend, tmp_path, request))
+    now = datetime.now(UTC)
+    row = {
+        "name": "acme", "namespace": "acme", "max_adapters": 10, "max_rank": 16,
+        "max_bytes": 1 << 20, "requests_per_minute": 60, "tokens_per_minute": 1000,
+        "deleted": False, "created_at": now, "updated_at": now,
+    }  # fmt: skip
+    try:
+        db.upgrade(engine, "0007")
+        with engine.begin() as conn:
+            tenants = Table("tenants", MetaData(), autoload_with=conn)
+            conn.execute(insert(tenants).values(**row))
+        db.upgrade(engine)
+        with Session(engine) as session:
+            (acme,) = session.scalars(select(Tenant))
+            assert acme.max_pinned_bytes == 0
+            pool = Pool(name="p", base_model_name="b", base_model_uri="/m", max_lora_rank=8,
+                        max_loras=4, max_cpu_loras=8)  # fmt: skip
+            adapter = Adapter(tenant_id=acme.id, name="bot", base_model="b")
+            session.add_all([pool, adapter])
+            session.flush()
+            version = AdapterVersion(adapter_id=adapter.id, version=1, digest="0" * 64, path="x",
+                                     rank=8, alpha=16.0, target_modules=["q_proj"],
+                                     size_bytes=100, base_model="b")  # fmt: skip
+            session.add(version)
+            session.flush()
+            session.add(AdapterPin(tenant_id=acme.id, version_id=version.id, pool_id=pool.id,
+                                   replicas=2))  # fmt: skip
+            session.commit()
+        db.downgrade(engine, "0007")
+        assert "max_pinned_bytes" not in {c["name"] for c in inspect(engine).get_columns("tenants")}
+        assert "adapter_pins" not in inspect(engine).get_table_names()
     finally:
         engine.dispose()

@@ -58,15 +58,18 @@ def adapter(name: str, tenant: str = "t") -> LoRARef:
 
 
 class Tiers:
-    """Adapter tiers as admission sees them: names still loading, bytes per adapter, a budget."""
+    """Adapter tiers as admission sees them: names still loading, bytes per adapter, a budget,
+    pinned versions."""
 
     def __init__(
         self,
         loading: set[str] | None = None,
         sizes: dict[str, int] | None = None,
         budget_bytes: int | None = None,
+        pinned: list[LoRARef] | None = None,
     ) -> None:
         self.loading = loading or set()
+        self.pinned = pinned or []  # pinned versions: kept resident, counted every step
         self.sizes = sizes or {}
         self.budget_bytes = budget_bytes
         self.placed_with: list[set[str]] = []  # the `wanted` set of each placement
@@ -80,6 +83,9 @@ class Tiers:
     def place(self, ref: LoRARef, in_use: object, wanted: object) -> bool:
         self.placed_with.append(set(wanted))  # type: ignore[call-overload]
         return True
+
+    def pins(self) -> list[LoRARef]:
+        return [r for r in self.pinned if self.ready(r)]
 
 
 def step(

@@ -11,6 +11,7 @@ from loraplane.operator.autoscaling import (
     aggregate,
     decide,
     needed_replicas,
+    with_pins,
 )
 
 POLICY = ScalePolicy(
@@ -119,3 +120,24 @@ def test_aggregate_sums_fresh_replica_reports_and_ignores_stale_ones() -> None:
         aggregate({"replicas": {"gone": report["replicas"]["gone"]}}, now.timestamp(), 60) is None
     )
     assert aggregate(None, now.timestamp(), 60) is None
+
+
+def test_a_pool_with_a_pin_on_k_replicas_never_scales_below_k_within_its_max() -> None:
+    policy = with_pins(POLICY, 3)
+    assert policy.min_replicas == 3 and with_pins(POLICY, 0) == POLICY
+    assert with_pins(POLICY, 9).min_replicas == POLICY.max_replicas  # never past max
+    idle = Pressure(deferred=0, waiting_adapters=0)
+    # no load at all: the pool scales down to the pin's 3, not to min 1
+    state, current = ScaleState(), 5
+    for now in range(0, 600, 15):
+        decision = decide(policy, state, current, idle, float(now))
+        state, current = decision.state, decision.replicas
+    assert current == 3
+    # a pool below the pin's count is brought up to it at once
+    assert decide(policy, ScaleState(), 1, idle, 0.0).replicas == 3
+    # the control: without the pin the same idle series ends at min
+    state, current = ScaleState(), 5
+    for now in range(0, 600, 15):
+        decision = decide(POLICY, state, current, idle, float(now))
+        state, current = decision.state, decision.replicas
+    assert current == 1

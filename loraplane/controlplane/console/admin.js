@@ -16,6 +16,11 @@ const QUOTAS = [
 ];
 // The rate limits take 0 for "no limit"; the other quotas refuse 0 (the API says why).
 const UNLIMITED_AT_ZERO = new Set(["requests_per_minute", "tokens_per_minute"]);
+// Edited beside them, not a column of the list: adapter memory the tenant's pins may take
+// (each pin: its version's size times its replicas); 0 lets only the admin pin for it.
+const FORM_QUOTAS = [...QUOTAS, ["max_pinned_bytes", "Max pinned bytes"]];
+const ZERO_MEANS = { max_pinned_bytes: "0: only the admin pins" };
+for (const key of UNLIMITED_AT_ZERO) ZERO_MEANS[key] = "0: unlimited";
 
 /** A per-minute limit as people read it: 0 is "unlimited". */
 function rate(n) {
@@ -79,9 +84,9 @@ export async function tenants(app) {
 }
 
 function quotaForm(app, tenant) {
-  const inputs = QUOTAS.map(([key]) => {
-    const min = UNLIMITED_AT_ZERO.has(key) ? "0" : "1";
-    return h("input", { type: "number", min, step: "1", value: String(tenant[key]), dataset: { key } });
+  const inputs = FORM_QUOTAS.map(([key]) => {
+    const min = key in ZERO_MEANS ? "0" : "1";
+    return h("input", { type: "number", min, step: "1", value: String(tenant[key] ?? 0), dataset: { key } });
   });
   const share = weightInput(tenant.weight ?? 1);
   const place = h("div", {});
@@ -100,9 +105,7 @@ function quotaForm(app, tenant) {
       "form",
       { class: "row", novalidate: true, on: { submit: save } },
       field("quota-weight", "Weight", share, WEIGHT_HINT),
-      QUOTAS.map(([key, label], i) =>
-        field(`quota-${key}`, label, inputs[i], UNLIMITED_AT_ZERO.has(key) ? "0: unlimited" : null),
-      ),
+      FORM_QUOTAS.map(([key, label], i) => field(`quota-${key}`, label, inputs[i], ZERO_MEANS[key] ?? null)),
       h("div", { class: "field" }, h("button", { type: "submit" }, "Save quotas")),
     ),
     place,

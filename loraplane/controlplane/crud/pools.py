@@ -209,14 +209,22 @@ def last_usage_batch(pool: Pool, replica: str) -> str | None:
     return batch if isinstance(batch, str) else None
 
 
-def live_replicas(pool: Pool, *, window_s: float = LIVE_REPLICA_SECONDS) -> int:
-    """Replicas of `pool` that reported within `window_s` seconds (at least 1)."""
+def live_replica_reports(
+    pool: Pool, *, window_s: float = LIVE_REPLICA_SECONDS
+) -> dict[str, dict[str, Any]]:
+    """The latest report of each replica of `pool` that reported within `window_s` seconds,
+    by replica name."""
     horizon = utcnow().timestamp() - window_s
-    live = 0
-    for entry in ((pool.pressure or {}).get("replicas") or {}).values():
+    live: dict[str, dict[str, Any]] = {}
+    for name, entry in ((pool.pressure or {}).get("replicas") or {}).items():
         try:
             if datetime.fromisoformat(str(entry.get("time"))).timestamp() >= horizon:
-                live += 1
+                live[name] = entry
         except (AttributeError, ValueError):
             continue
-    return max(1, live)
+    return live
+
+
+def live_replicas(pool: Pool, *, window_s: float = LIVE_REPLICA_SECONDS) -> int:
+    """Replicas of `pool` that reported within `window_s` seconds (at least 1)."""
+    return max(1, len(live_replica_reports(pool, window_s=window_s)))

@@ -26,6 +26,7 @@ DIGEST = r"^[0-9a-f]{64}$"
 MAX_COUNT = 1_000_000
 MAX_RANK = 4096
 MAX_BYTES = 1 << 50
+MAX_PIN_REPLICAS = 64  # copies of one pinned version in a pool, at most
 MAX_PER_MINUTE = 1_000_000_000
 # A tenant's share of a contended replica, relative to the other tenants' (1: an equal share).
 MAX_WEIGHT = 1000.0
@@ -70,6 +71,8 @@ RULES: dict[str, Rule] = {
     "rank_quota": Rule(f"an integer from 1 to {MAX_RANK} ({_NOT_UNLIMITED})"),
     "bytes": Rule(f"an integer from 1 to {MAX_BYTES} (bytes; {_NOT_UNLIMITED})"),
     "per_minute": Rule(f"an integer from 0 to {MAX_PER_MINUTE} (0: unlimited)"),
+    "pinned_bytes": Rule(f"an integer from 0 to {MAX_BYTES} (bytes; 0: only the admin pins)"),
+    "replicas": Rule(f"an integer from 1 to {MAX_PIN_REPLICAS}"),
     "weight": Rule(f"a number greater than 0 and at most {MAX_WEIGHT:g}"),
 }
 
@@ -121,6 +124,8 @@ Rank = Annotated[int, _number("rank", ge=1, le=MAX_RANK), _worded("rank")]
 RankQuota = Annotated[int, _number("rank_quota", ge=1, le=MAX_RANK), _worded("rank_quota")]
 Bytes = Annotated[int, _number("bytes", ge=1, le=MAX_BYTES), _worded("bytes")]
 PerMinute = Annotated[int, _number("per_minute", ge=0, le=MAX_PER_MINUTE), _worded("per_minute")]
+PinnedBytes = Annotated[int, _number("pinned_bytes", ge=0, le=MAX_BYTES), _worded("pinned_bytes")]
+PinReplicas = Annotated[int, _number("replicas", ge=1, le=MAX_PIN_REPLICAS), _worded("replicas")]
 Weight = Annotated[
     float, _number("weight", gt=0, le=MAX_WEIGHT, allow_inf_nan=False), _worded("weight")
 ]

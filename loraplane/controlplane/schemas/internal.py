@@ -18,6 +18,7 @@ from loraplane.controlplane.schemas.common import (
     Strict,
     TenantName,
 )
+from loraplane.controlplane.schemas.pins import PinAssignment
 
 Counter = Field(default=0, ge=0, le=BIG)
 
@@ -121,6 +122,9 @@ class PressureAccepted(BaseModel):
     replicas: int = 1
     # whether the pool has its base model's config.json (the replica stops sending its own)
     base_model_config_known: bool
+    # the pinned versions this replica keeps resident (crud/pins.py assigns each pin's copies
+    # to the pool's live replicas); those left out are unpinned there
+    pins: list[PinAssignment] = []
 
 
 class VersionRecord(Strict):

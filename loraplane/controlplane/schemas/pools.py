@@ -80,6 +80,11 @@ class PoolPublic(Public):
     max_loras: int
     max_cpu_loras: int
     require_signed_adapters: bool = False
+    pinned_replicas: int = Field(
+        default=0,
+        description="the most replicas one pinned version of this pool asks for (0: none): "
+        "the operator never scales the pool below it",
+    )
     pressure: dict[str, Any] | None
     pressure_at: datetime | None
     created_at: datetime

@@ -11,6 +11,7 @@ from loraplane.controlplane.schemas.common import (
     AdapterCount,
     Bytes,
     PerMinute,
+    PinnedBytes,
     Public,
     RankQuota,
     Strict,
@@ -25,6 +26,7 @@ class TenantCreate(Strict):
     Quotas: `requests_per_minute` and `tokens_per_minute` take 0 for unlimited;
     `max_adapters`, `max_rank` and `max_bytes` (each adapter's weights) are at least 1.
     `require_signature`: every upload must be signed by one of the tenant's signing keys.
+    `max_pinned_bytes`: adapter memory its pins may take (size x replicas; 0: admin pins only).
     """
 
     name: TenantName
@@ -36,6 +38,7 @@ class TenantCreate(Strict):
     tokens_per_minute: PerMinute = 1_000_000
     weight: Weight = DEFAULT_WEIGHT
     require_signature: bool = False
+    max_pinned_bytes: PinnedBytes = 0
 
 
 class TenantUpdate(Strict):
@@ -48,6 +51,7 @@ class TenantUpdate(Strict):
     tokens_per_minute: PerMinute | None = None
     weight: Weight | None = None
     require_signature: bool | None = None
+    max_pinned_bytes: PinnedBytes | None = None
 
 
 class TenantPublic(Public):
@@ -68,6 +72,10 @@ class TenantPublic(Public):
     require_signature: bool = Field(
         description="every upload of this tenant must carry a valid signature by one of its "
         "signing keys (else 422 SignatureRequired)"
+    )
+    max_pinned_bytes: int = Field(
+        description="adapter memory the tenant may pin: each pin costs its version's size times"
+        " its replicas (0: only the admin pins for this tenant)"
     )
     created_at: datetime
     updated_at: datetime

@@ -23,6 +23,12 @@ scheduler admits a request once `ready` says its adapter is in host memory. A lo
 version failed for `retry_after_s`: the engine fails only the requests that need it, and the
 next request after that window tries again. An adapter larger than the whole budget fails
 the same way.
+
+Pinned versions (`pin`, docs/dataplane.md "Pinned adapters") never go cold: once in host
+memory they are never evicted from it, the scheduler places them on the device each step and
+counts them in the budget and in their tenant's adapter memory, and no eviction (budget, host
+tier, KV reclaim, forgetting idle versions) takes them. Pins may take at most `pin_fraction`
+of the adapter memory (and of the slots): more is refused (`PinRefused`, naming the numbers).
 """
 
 from __future__ import annotations
@@ -89,6 +95,14 @@ def _lower_priority(nice: int) -> None:
     for a descheduled thread), while a GPU step leaves the CPU to them anyway. Linux only."""
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+class PinRefused(Exception):
+    """A pin that would not fit: pinned adapters would take more than their cap of the
+    adapter memory or of the slots. `str()` names the numbers."""
+
+
+PIN_FRACTION = 0.5  # of the adapter memory and of the slots, at most, pinned
 
 
 class State(enum.Enum):
@@ -177,6 +191,10 @@ class LoRAManager:
         self._loading: set[str] = set()  # ref.keys being loaded
         self._names: dict[tuple[str, str], str] = {}  # (tenant, name) -> newest ref.key
         self._slots: dict[int, str] = {}  # slot -> ref.key
+        # ref.key -> whether its size was checked against the cap (known once in host memory)
+        self._pins: dict[str, bool] = {}
+        self.pin_refusals: dict[str, str] = {}  # ref.key -> why its pin was dropped at load
+        self.pin_fraction = PIN_FRACTION
         self._lock = threading.RLock()
         self._load_ended = threading.Condition(self._lock)  # notified as each load ends
         self._loads_in_flight = 0
@@ -237,11 +255,137 @@ class LoRAManager:
                 e for e in self._entries.values() if (e.ref.tenant, e.ref.name) == (tenant, name)
             ]
             for entry in gone:
+                self._pins.pop(entry.ref.key, None)
                 self._drop_slot(entry)
                 entry.host = None
                 self._hosted.pop(entry.ref.key, None)
                 del self._entries[entry.ref.key]
         return [e.ref for e in gone]
+
+    # -- pins -------------------------------------------------------------------------------
+
+    @property
+    def pin_cap_bytes(self) -> int | None:
+        """Device bytes all pinned versions together may take (None: no byte budget)."""
+        budget = self.device_budget_bytes
+        return None if budget is None else int(budget * self.pin_fraction)
+
+    @property
+    def pin_cap_slots(self) -> int:
+        """How many versions may be pinned at once: a fraction of the slots, at least one."""
+        return max(1, int(self.pool.max_loras * self.pin_fraction))
+
+    @property
+    def pinned(self) -> list[LoRARef]:
+        """The pinned versions, loaded or not."""
+        with self._lock:
+            return [self._entries[k].ref for k in sorted(self._pins)]
+
+    def pinned_bytes(self, tenant: str | None = None) -> int:
+        """Device bytes of the pinned versions (of `tenant`; 0 for those not loaded yet)."""
+        with self._lock:
+            entries = [self._entries[k] for k in self._pins]
+        return sum(e.device_bytes for e in entries if tenant is None or e.ref.tenant == tenant)
+
+    def pin(self, ref: LoRARef) -> str:
+        """Keep `ref` (registered) resident from now on; its `pin_state`. A version not in
+        host memory starts loading now; the scheduler places it on the device once it is.
+        KeyError when `ref` is not registered; PinRefused when the pins would take more than
+        their cap of the slots or (size known) of the adapter memory. A version whose size is
+        learnt at load and does not fit is unpinned then, the reason in `pin_refusals`."""
+        with self._lock:
+            entry = self._entries.get(ref.key)
+            if entry is None:
+                raise KeyError(f"adapter {ref.key} is not registered")
+            if ref.key not in self._pins:
+                self._check_pin(entry)
+                self._pins[ref.key] = entry.host is not None
+                self.pin_refusals.pop(ref.key, None)
+                self._load_pin(entry)
+            return self._pin_state(entry)
+
+    def unpin(self, ref: LoRARef) -> bool:
+        """Let `ref` be evicted again like any idle version; False when it was not pinned."""
+        with self._lock:
+            return self._pins.pop(ref.key, None) is not None
+
+    def pin_state(self, ref: LoRARef) -> str:
+        """'resident' (in a device slot), 'host' (placed in the next step), 'loading',
+        'failed: <why>' (loaded again after the retry window), 'refused: <why>' or
+        'unpinned'."""
+        with self._lock:
+            refused = self.pin_refusals.get(ref.key)
+            if refused is not None:
+                return f"refused: {refused}"
+            entry = self._entries.get(ref.key)
+            if entry is None or ref.key not in self._pins:
+                return "unpinned"
+            return self._pin_state(entry)
+
+    def _pin_state(self, entry: _Entry) -> str:
+        if entry.slot is not None:
+            return "resident"
+        if entry.state is State.FAILED:
+            return f"failed: {entry.error}"
+        return "host" if entry.host is not None else "loading"
+
+    def _check_pin(self, entry: _Entry) -> None:
+        """PinRefused unless `entry` fits beside the other pins (under the lock)."""
+        name = entry.ref.name
+        others = [self._entries[k] for k in self._pins if k != entry.ref.key]
+        slots = self.pin_cap_slots
+        if len(others) + 1 > slots:
+            raise PinRefused(
+                f"pinning {name} would pin {len(others) + 1} adapters on this replica, more"
+                f" than its cap of {slots} ({self.pin_fraction:.0%} of its"
+                f" {self.pool.max_loras} adapter slots)"
+            )
+        cap = self.pin_cap_bytes
+        if cap is None or entry.host is None:
+            return
+        used = sum(e.device_bytes for e in others)
+        if used + entry.device_bytes > cap:
+            raise PinRefused(
+                f"pinning {name} needs {entry.device_bytes} bytes of adapter memory beside the"
+                f" {used} bytes pinned already, more than the {cap} bytes pins may take"
+                f" ({self.pin_fraction:.0%} of the {self.device_budget_bytes}-byte adapter"
+                " memory, --lora-memory)"
+            )
+
+    def _load_pin(self, entry: _Entry) -> None:
+        """Start loading pinned `entry` if it is cold (or failed, past the retry window)."""
+        if entry.state is State.FAILED:
+            if time.monotonic() - entry.failed_at < self.retry_after_s:
+                return
+            entry.state = State.COLD
+        if entry.state is State.COLD and not self._closed:
+            self._begin_load(entry)
+
+    def pins(self) -> list[LoRARef]:
+        """The pinned versions in host memory, for the scheduler to keep on the device each
+        step; a load starts for each pinned one that is not (a first load, or a retry). One
+        whose size, learnt at load, does not fit beside the other pins is unpinned with the
+        reason in `pin_refusals`."""
+        if not self._pins:
+            return []
+        ready: list[LoRARef] = []
+        with self._lock:
+            for key, checked in sorted(self._pins.items()):
+                entry = self._entries[key]
+                if entry.host is None:
+                    self._load_pin(entry)
+                    continue
+                if not checked:
+                    try:
+                        self._check_pin(entry)
+                    except PinRefused as e:
+                        del self._pins[key]
+                        self.pin_refusals[key] = str(e)
+                        log.warning("pin of %s dropped: %s", key, e)
+                        continue
+                    self._pins[key] = True
+                ready.append(entry.ref)
+        return ready
 
     def is_registered(self, ref: LoRARef) -> bool:
         """Whether `ref` is known; a hit counts as a use (it is not forgotten as idle now)."""
@@ -553,7 +697,7 @@ class LoRAManager:
         for victim in sorted(self._hosted.values(), key=lambda e: e.last_used):
             if excess <= 0:
                 break
-            if victim.slot is not None or victim.ref.key in in_use:
+            if victim.slot is not None or victim.ref.key in in_use or victim.ref.key in self._pins:
                 continue
             victim.host, victim.state = None, State.COLD
             del self._hosted[victim.ref.key]
@@ -576,6 +720,7 @@ class LoRAManager:
                 and e.state in (State.COLD, State.FAILED)
                 and e.touched < horizon
                 and e.ref.key not in keep
+                and e.ref.key not in self._pins
             ]
             for entry in idle:
                 del self._entries[entry.ref.key]
@@ -699,8 +844,11 @@ class LoRAManager:
             raise
 
     def _victims(self, keep: set[str], wanted: set[str]) -> list[_Entry]:
-        """Idle residents, the first to evict (none waits for it, least recently used) last."""
-        idle = [self._entries[k] for k in self._slots.values() if k not in keep]
+        """Idle residents, the first to evict (none waits for it, least recently used) last;
+        pinned versions are never among them."""
+        idle = [
+            self._entries[k] for k in self._slots.values() if k not in keep and k not in self._pins
+        ]
         return sorted(idle, key=lambda e: (e.ref.key not in wanted, -e.last_used))
 
     def reclaim_blocks(self, short: int, in_use: Iterable[str], wanted: Iterable[str]) -> None:

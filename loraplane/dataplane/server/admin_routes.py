@@ -18,8 +18,10 @@ by the client is refused: the server never loads a client-given path); `/v1/unlo
 stops new requests for the adapter at once (in catalog mode they are refused with 404
 `model_unloading` while it drains), waits for its running ones (at most
 LORAPLANE_UNLOAD_TIMEOUT_S, then 503 `unload_timeout` and nothing changed), then frees its
-memory and answers. Both need the admin token (`--admin-token` / LORAPLANE_ADMIN_TOKEN); without
-one they answer 404.
+memory and answers. `/v1/pin_lora_adapter` keeps a --lora-modules adapter resident (never
+evicted; 409 PinsDoNotFit past half the adapter memory or slots), `/v1/unpin_lora_adapter` lets
+it go (in catalog mode the control plane assigns pins). All four need the admin token
+(`--admin-token` / LORAPLANE_ADMIN_TOKEN); without one they answer 404.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from loraplane.dataplane.server.deps import AdminDep, RuntimeDep
 from loraplane.dataplane.server.errors import InvalidRequest
-from loraplane.dataplane.server.protocol import LoadLoRARequest, UnloadLoRARequest
+from loraplane.dataplane.server.protocol import (
+    LoadLoRARequest,
+    PinLoRARequest,
+    UnloadLoRARequest,
+)
 from loraplane.dataplane.server.runtime import Runtime
 
 router = APIRouter(tags=["operations"])
@@ -98,3 +104,22 @@ async def unload_lora_adapter(
     Then it is freed; 503 unload_timeout if they outlast LORAPLANE_UNLOAD_TIMEOUT_S."""
     await runtime.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed.")
+
+
+@router.post("/v1/pin_lora_adapter")
+async def pin_lora_adapter(body: PinLoRARequest, runtime: RuntimeDep, _: AdminDep) -> JSONResponse:
+    """Keep a --lora-modules adapter resident: its state ('host' until the next step places
+    it, then 'resident'; 'loading' while it is read)."""
+    runtime.require_engine()
+    state = await runtime.pin_static(body.lora_name)
+    return JSONResponse({"lora_name": body.lora_name, "pinned": True, "state": state})
+
+
+@router.post("/v1/unpin_lora_adapter")
+async def unpin_lora_adapter(
+    body: PinLoRARequest, runtime: RuntimeDep, _: AdminDep
+) -> JSONResponse:
+    """Let a pinned adapter be evicted again like any idle one."""
+    runtime.require_engine()
+    await runtime.pin_static(body.lora_name, pin=False)
+    return JSONResponse({"lora_name": body.lora_name, "pinned": False})

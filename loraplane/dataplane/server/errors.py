@@ -115,6 +115,13 @@ class NotFound(APIError):
     code = "not_found"
 
 
+class PinsDoNotFit(APIError):
+    """A pin past this replica's cap of pinned adapter memory or slots (409)."""
+
+    status = 409
+    code = "PinsDoNotFit"
+
+
 class RateLimited(APIError):
     """The tenant is over its requests or tokens per minute (429 with Retry-After)."""
 

@@ -17,7 +17,8 @@ The pool is named by its namespace and name (LORAPLANE_POOL_NAMESPACE, LORAPLANE
 carry the config.json the replica loaded its base model from until an answer says the pool has
 one: a pool whose model is only on its replicas' volume learns it this way. A config the control
 plane refuses (422) is not sent again; the next report goes without it. Reports go through
-`loraplane.internal_api.AsyncInternalAPIClient`; whatever its error, no usage is lost.
+`loraplane.internal_api.AsyncInternalAPIClient`; whatever its error, no usage is lost. An
+answer's `pins` (the versions this replica keeps resident) go to `on_pins` when they change.
 
 With a spool folder (LORAPLANE_USAGE_SPOOL_DIR, usage_spool.py) undelivered usage also survives
 a crash: the batch in flight and the log are written to disk before a batch is first sent,
@@ -38,6 +39,8 @@ from typing import Any
 import httpx
 
 from loraplane import fileaccess
+from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.server.pins import assigned
 from loraplane.dataplane.server.usage_spool import Key, UsageSpool
 from loraplane.dataplane.snapshot import EngineSnapshot
 from loraplane.internal_api import AsyncInternalAPIClient, InternalAPIError
@@ -177,6 +180,9 @@ class PressureReporter:
         # usage sent but not acknowledged: sent again, as it is, with its batch id, until an
         # answer comes (the control plane counts a batch once); new usage waits in the log
         self._pending: tuple[str, dict[Key, list[int]]] | None = None
+        # told the versions each answer assigns to this replica when they change (pins.py)
+        self.on_pins: Callable[[list[tuple[LoRARef, str]]], Awaitable[None]] | None = None
+        self._pins: list[tuple[LoRARef, str]] | None = None  # the last assignment applied
 
     async def report_once(self) -> bool:
         """Send one report; True when the control plane accepted it."""
@@ -219,7 +225,24 @@ class PressureReporter:
         if known:
             self.base_model_config = None
         self.reports_ok += 1
+        await self._apply_pins(response)
         return True
+
+    async def _apply_pins(self, response: httpx.Response) -> None:
+        """Hand a changed pin assignment to `on_pins` (a failure is logged and tried again
+        with the next answer: pins never stop the reports)."""
+        try:
+            pins = assigned(response.json())
+        except ValueError:
+            return
+        if pins is None or self.on_pins is None or pins == self._pins:
+            return
+        try:
+            await self.on_pins(pins)
+        except Exception:
+            log.exception("applying this replica's pins failed (tried again next report)")
+            return
+        self._pins = pins
 
     def _spool_state(self) -> tuple[int, str | None]:
         return self._usage.changes, None if self._pending is None else self._pending[0]

@@ -354,6 +354,13 @@ class LoadLoRARequest(BaseModel):
     lora_path: str | None = None
 
 
+class PinLoRARequest(BaseModel):
+    """`POST /v1/pin_lora_adapter` and `/v1/unpin_lora_adapter`: a --lora-modules name."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=300)
+
+
 class UnloadLoRARequest(BaseModel):
     """`POST /v1/unload_lora_adapter` (vLLM's shape)."""
 

@@ -33,6 +33,7 @@ from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.engine_process import EngineGone, ProcessEngine
 from loraplane.dataplane.engine_setup import StartupError, build_engine
 from loraplane.dataplane.heap import freeze_startup_heap
+from loraplane.dataplane.lora.manager import PinRefused
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.admission import QueueLimits
 from loraplane.dataplane.server.catalog import DEFAULT_TENANT, Catalog, Resolved, StaticCatalog
@@ -42,6 +43,7 @@ from loraplane.dataplane.server.errors import (
     ModelNotFound,
     ModelUnloading,
     NotFound,
+    PinsDoNotFit,
     Unavailable,
     UnloadTimeout,
     UpstreamError,
@@ -49,6 +51,7 @@ from loraplane.dataplane.server.errors import (
 from loraplane.dataplane.server.intake import FairPool, auto_workers
 from loraplane.dataplane.server.limits import RateLimiter
 from loraplane.dataplane.server.metrics import ServerMetrics
+from loraplane.dataplane.server.pins import PinSync
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
 from loraplane.dataplane.server.rollout import Warmer
 from loraplane.dataplane.server.settings import ServerSettings
@@ -120,6 +123,7 @@ class Runtime:
         self._loading: dict[str, asyncio.Future[LoRARef]] = {}
         self._reporter: PressureReporter | None = None
         self.warmer: Warmer | None = None  # catalog mode: a rollout's versions, loaded ahead
+        self.pins = PinSync(self.command)  # this replica's pinned versions (pins.py)
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -158,6 +162,7 @@ class Runtime:
                 base_model_config=await asyncio.to_thread(self._base_model_config),
                 spool_dir=s.usage_spool_dir,
             )  # fmt: skip
+            self._reporter.on_pins = self.pins.apply
             self._reporter.start()
         else:
             self.static = StaticCatalog(
@@ -454,3 +459,25 @@ class Runtime:
                 param="lora_name",
                 retry_after=timeout,
             ) from None
+
+    async def pin_static(self, name: str, pin: bool = True) -> str:
+        """Pin (or unpin) static adapter `name`: its pin state ('unpinned' after an unpin).
+        Catalog mode: the control plane assigns pins (InvalidRequest here)."""
+        if self.static is None:
+            raise InvalidRequest(
+                "in catalog mode the control plane assigns pins: PUT"
+                " /v1/adapters/{name}/versions/{version}/pin there",
+                param="lora_name",
+            )
+        adapter = self.static.get(name)
+        if adapter is None:
+            raise NotFound(f"no adapter {name!r} is served", param="lora_name")
+        ref = LoRARef(name, DEFAULT_TENANT, adapter.digest)
+        if not pin:
+            await self.command("unpin", ref)
+            return "unpinned"
+        try:
+            state: str = await self.command("pin", ref)
+        except PinRefused as e:
+            raise PinsDoNotFit(str(e), param="lora_name") from e
+        return state

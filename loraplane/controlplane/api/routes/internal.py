@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from loraplane.controlplane import basemodels
@@ -16,6 +17,7 @@ from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.api.routes.adapters import adapter_public
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud_adapters
+from loraplane.controlplane.crud import pins as crud_pins
 from loraplane.controlplane.crud import pools as crud_pools
 from loraplane.controlplane.crud import rollouts as crud_rollouts
 from loraplane.controlplane.crud.pools import pool_ref
@@ -24,7 +26,7 @@ from loraplane.controlplane.crud.signing_keys import policy_for
 from loraplane.controlplane.crud.tenants import get_tenant_by_namespace
 from loraplane.controlplane.crud.usage import add_usage
 from loraplane.controlplane.errors import InvalidRequest
-from loraplane.controlplane.models import DEFAULT_NAMESPACE, utcnow
+from loraplane.controlplane.models import DEFAULT_NAMESPACE, AdapterPin, utcnow
 from loraplane.controlplane.schemas.adapters import (
     AdapterPublic,
     RolloutSet,
@@ -40,6 +42,7 @@ from loraplane.controlplane.schemas.internal import (
     SigningPolicy,
     VersionRecord,
 )
+from loraplane.controlplane.schemas.pins import PinAssignment
 from loraplane.controlplane.schemas.pools import PoolCreate, PoolPublic
 from loraplane.controlplane.signatures import SignatureClaim, signature_check, signed_fields
 
@@ -131,6 +134,18 @@ def report_pressure(
         usage_duplicate=duplicate,
         replicas=crud_pools.live_replicas(pool),
         base_model_config_known=pool.base_model_config is not None,
+        pins=[
+            _assignment(session, p)
+            for p in crud_pins.pins_for_replica(session, pool=pool, replica=body.replica)
+        ],
+    )
+
+
+def _assignment(session: Session, pin: AdapterPin) -> PinAssignment:
+    tenant, adapter = crud_pins.names(session, pin)
+    v = pin.version
+    return PinAssignment(
+        tenant=tenant, adapter=adapter, version=v.version, digest=v.digest, path=v.path
     )
 
 

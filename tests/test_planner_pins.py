@@ -1,0 +1,44 @@
+"""The planner accounts for pinned adapters: their bytes in the adapter memory, what is left
+for the rest of the traffic, and the data plane's cap (half the memory and slots)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.lora.manager import PIN_FRACTION
+from loraplane.planner.memory import PIN_FRACTION as PLANNER_PIN_FRACTION
+from loraplane.planner.memory import AdapterProfile, plan_memory
+from loraplane.planner.shapes import named_shape
+
+QV_R16 = 13_631_488  # a q/v rank-16 adapter of Llama 3 8B in bf16 (test_planner.py)
+
+
+def plan(pinned: int, lora_memory: int = 1 << 30, **config: object):  # type: ignore[no-untyped-def]
+    engine = EngineConfig(model="m", dtype="bfloat16", device="cpu", lora_memory=lora_memory,
+                          **config)  # type: ignore[arg-type]  # fmt: skip
+    profile = AdapterProfile(100, 16, ("q_proj", "v_proj"), pinned=pinned)
+    return plan_memory(named_shape("llama-3-8b"), engine, 64 << 30, profile)
+
+
+def test_pinned_adapters_take_their_bytes_from_what_the_rest_of_the_traffic_has() -> None:
+    p = plan(pinned=10)
+    assert p.adapters_resident == (1 << 30) // QV_R16 == 78
+    assert p.adapters_pinned == 10 and p.pinned_bytes == 10 * QV_R16
+    assert p.adapters_unpinned == 68
+    assert plan(pinned=0).adapters_unpinned == 78
+
+
+def test_pins_past_half_the_adapter_memory_or_slots_are_refused_naming_the_numbers() -> None:
+    assert plan(pinned=39).pinned_bytes == 39 * QV_R16  # 531 MB of 1,073 MB: fits
+    with pytest.raises(ValueError, match=r"40 pinned adapters take 545,259,520 bytes .* more"
+                       r" than the 536,870,912 bytes pins may take"):  # fmt: skip
+        plan(pinned=40)
+    with pytest.raises(ValueError, match=r"5 pinned adapters per replica exceed its cap of 4"):
+        plan(pinned=5, max_loras=8)
+    with pytest.raises(ValueError, match="exceed the adapters"):
+        AdapterProfile(3, pinned=4)
+
+
+def test_the_planner_caps_pins_as_the_data_plane_does() -> None:
+    assert PLANNER_PIN_FRACTION == PIN_FRACTION
