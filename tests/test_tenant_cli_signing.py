@@ -132,3 +132,30 @@ def test_the_admin_sets_a_pools_signature_policy(
     assert "require_signed_adapters  True" in shown
     run = cli(capsys, "pools", "update", "pool-a", "--no-require-signed-adapters", "--json")
     assert run.json()["require_signed_adapters"] is False
+
+
+def test_adapters_sign_reads_cosigns_encrypted_key_with_its_password(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from tests.adapters.test_cosign_key import cosign_key_file
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cosign = tmp_path / "cosign.key"
+    cosign.write_bytes(cosign_key_file(key, b"hunter2", "ENCRYPTED SIGSTORE PRIVATE KEY"))
+    digest = "sha256:" + "cd" * 32
+    sign = ("adapters", "sign", "--key", str(cosign), "--digest", digest, "--json")
+    env.delenv("LORAPLANE_SIGNING_KEY_PASSWORD", raising=False)
+    env.delenv("COSIGN_PASSWORD", raising=False)
+    run = cli(capsys, *sign)
+    assert run.code == 2 and "COSIGN_PASSWORD" in run.json()["error"]["message"]
+    env.setenv("COSIGN_PASSWORD", "wrong")
+    run = cli(capsys, *sign)
+    assert run.code == 2 and "wrong password" in run.json()["error"]["message"]
+    env.setenv("COSIGN_PASSWORD", "hunter2")
+    run = cli(capsys, *sign)
+    assert run.code == 0, run.err
+    doc = run.json()
+    key.public_key().verify(
+        base64.b64decode(doc["signature"]), digest.encode(), ec.ECDSA(hashes.SHA256())
+    )
+    assert doc["key_id"] == signing.public_key_id(key)

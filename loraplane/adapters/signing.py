@@ -33,6 +33,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
+from loraplane.adapters import cosign_key
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 
 KEY_ID_HEX = 16
@@ -124,15 +125,22 @@ def parse_public_key(pem: str) -> PublicKeyInfo:
 
 
 def load_private_key(data: bytes, password: bytes | None = None) -> PrivateKey:
-    """A PEM private key (PKCS#8 or SEC1; encrypted with `password`). KeyFormatError otherwise."""
+    """A PEM private key (PKCS#8 or SEC1, encrypted with `password` or not) or cosign's
+    encrypted `cosign.key` (`cosign_key.py`, opened with `password`). KeyFormatError otherwise."""
     try:
-        key = serialization.load_pem_private_key(data, password=password)
+        if cosign_key.is_cosign_key(data):
+            der = cosign_key.private_key_der(data, password)
+            key = serialization.load_der_private_key(der, password=None)
+        else:
+            key = serialization.load_pem_private_key(data, password=password)
     except TypeError as exc:  # encrypted without a password, or a password for a plain key
         raise KeyFormatError(f"the key file: {exc}") from None
+    except cosign_key.CosignKeyError as exc:
+        raise KeyFormatError(f"the cosign key file: {exc}") from None
     except (ValueError, UnsupportedAlgorithm):
         raise KeyFormatError(
-            "the key file is not a PEM private key (cosign's encrypted cosign.key is not read: "
-            "sign with `cosign sign-blob` over `loraplane adapters digest` instead)"
+            "the key file is not a PEM private key (PKCS#8 or SEC1, as openssl writes them) "
+            "nor cosign's encrypted cosign.key"
         ) from None
     if isinstance(key, ed25519.Ed25519PrivateKey):
         return key

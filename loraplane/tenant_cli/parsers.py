@@ -226,9 +226,10 @@ def _add_signing_commands(adapters: SubParsers) -> None:
     )
     sign.description = (
         "Sign sha256:<canonical digest> of an adapter with a PEM private key (ECDSA P-256 or\n"
-        "Ed25519; encrypted: $LORAPLANE_SIGNING_KEY_PASSWORD), as cosign sign-blob would,\n"
-        "and print the base64 signature and the key id. Send it with `adapters push\n"
-        "--signature`, or push with --key to sign and send at once."
+        "Ed25519) or cosign's encrypted cosign.key, as cosign sign-blob would, and print\n"
+        "the base64 signature and the key id. An encrypted key's password comes from\n"
+        "$LORAPLANE_SIGNING_KEY_PASSWORD, else $COSIGN_PASSWORD. Send the signature with\n"
+        "`adapters push --signature`, or push with --key to sign and send at once."
     )
     sign.add_argument("path", metavar="PATH", nargs="?", help="adapter folder or archive")
     sign.add_argument("--key", required=True, metavar="KEY.pem", help="the private key file")

@@ -15,6 +15,7 @@ class SignerInputError(ValueError):
 
 
 PASSWORD_ENV = "LORAPLANE_SIGNING_KEY_PASSWORD"  # noqa: S105  (the variable's name)
+COSIGN_PASSWORD_ENV = "COSIGN_PASSWORD"  # noqa: S105  (cosign's own, for its cosign.key)
 
 
 def local_digest(path: Path) -> str:
@@ -27,14 +28,15 @@ def local_digest(path: Path) -> str:
 
 def sign_with(key_file: Path, digest: str) -> tuple[str, str]:
     """(signature, key id) of `digest` by the private key in `key_file` (PEM, P-256 or
-    Ed25519; encrypted ones with $LORAPLANE_SIGNING_KEY_PASSWORD)."""
+    Ed25519; or cosign's encrypted cosign.key; encrypted ones opened with
+    $LORAPLANE_SIGNING_KEY_PASSWORD, else $COSIGN_PASSWORD)."""
     from loraplane.adapters import signing
 
     try:
         data = key_file.read_bytes()
     except OSError as exc:
         raise SignerInputError(f"cannot read the key file: {exc}") from None
-    password = os.environ.get(PASSWORD_ENV)
+    password = os.environ.get(PASSWORD_ENV) or os.environ.get(COSIGN_PASSWORD_ENV)
     try:
         key = signing.load_private_key(data, password.encode() if password else None)
         return signing.sign_digest(key, digest), signing.public_key_id(key)
