@@ -159,3 +159,19 @@ def test_adapters_sign_reads_cosigns_encrypted_key_with_its_password(
         base64.b64decode(doc["signature"]), digest.encode(), ec.ECDSA(hashes.SHA256())
     )
     assert doc["key_id"] == signing.public_key_id(key)
+
+
+def test_the_admin_keeps_a_tenants_key_registration_with_signing_keys_by_admin(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    env.setenv("LORAPLANE_API_KEY", new_tenant(capsys, "locked"))
+    run = cli(capsys, "tenants", "update", "locked", "--signing-keys-by-admin", "--json")
+    assert run.code == 0, run.err
+    assert run.json()["signing_keys_by_admin"] is True
+    _, public = key_files(tmp_path, ed25519.Ed25519PrivateKey.generate(), "ed")
+    refused = cli(capsys, "signing-keys", "add", str(public))
+    assert refused.code == 1
+    assert refused.err.startswith("error: SigningKeysByAdmin: signing keys of tenant 'locked'")
+    assert cli(capsys, "signing-keys", "list", "--json").json() == []
+    assert cli(capsys, "tenants", "update", "locked", "--no-signing-keys-by-admin").code == 0
+    assert cli(capsys, "signing-keys", "add", str(public)).code == 0

@@ -64,6 +64,12 @@ class Unauthorized(ControlPlaneError):
     code = "Unauthorized"
 
 
+class Forbidden(ControlPlaneError):
+    """The caller is known but this action is not theirs to take (the message says whose)."""
+
+    code = "Forbidden"
+
+
 class NotFound(ControlPlaneError):
     """No such resource for this caller (another tenant's resource is not found either)."""
 
@@ -155,6 +161,7 @@ class DatabaseUnavailable(RetryLater):
 STATUS: dict[type[ControlPlaneError], int] = {
     InvalidRequest: 400,
     Unauthorized: 401,
+    Forbidden: 403,
     NotFound: 404,
     AlreadyExists: 409,
     Conflict: 409,
@@ -175,6 +182,7 @@ STORE_UNAVAILABLE = ("StoreUnavailable", 503)
 HTTP_CODES = {
     400: "InvalidRequest",
     401: "Unauthorized",
+    403: "Forbidden",
     404: "NotFound",
     405: "MethodNotAllowed",
     413: "PayloadTooLarge",

@@ -93,6 +93,10 @@ class Tenant(Base):
     # Every adapter version must carry a valid signature by one of the tenant's signing keys
     # (the admin sets it, as a quota; docs/security.md, "Signed adapters").
     require_signature: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # Only the admin registers the tenant's signing keys (rows before 0009: the tenant may);
+    # the tenant still lists and revokes its own. A stolen tenant API key then cannot add a
+    # key of its own to sign with.
+    signing_keys_by_admin: Mapped[bool] = mapped_column(default=False, server_default=false())
     # Bytes of pinned adapter memory the tenant may ask for: each pin costs its version's
     # size times its replicas (0, the default and rows before 0008: pins only by the admin).
     max_pinned_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

@@ -411,7 +411,7 @@ def revoke_key(args: argparse.Namespace) -> int:
 # The quota flags of `tenants create` and `tenants update`: the API's field names.
 QUOTA_FIELDS = (
     "weight", "max_adapters", "max_rank", "max_bytes", "requests_per_minute", "tokens_per_minute",
-    "require_signature", "max_pinned_bytes",
+    "require_signature", "signing_keys_by_admin", "max_pinned_bytes",
 )  # fmt: skip
 
 

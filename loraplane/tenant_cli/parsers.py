@@ -66,6 +66,13 @@ def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
         help="every upload must be signed by one of the tenant's signing keys "
         + ("(default: no)" if creating else ""),
     )
+    parser.add_argument(
+        "--signing-keys-by-admin",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="only the admin registers the tenant's signing keys, so a stolen tenant API key "
+        "cannot add one " + ("(default: no)" if creating else ""),
+    )
 
 
 def _version(text: str) -> int:

@@ -261,3 +261,35 @@ def test_0008_gives_existing_tenants_no_pin_quota_and_downgrades_with_pins(
         assert "adapter_pins" not in inspect(engine).get_table_names()
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_0009_lets_existing_tenants_register_their_own_signing_keys(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """0009 adds `signing_keys_by_admin`, false for rows already there; the downgrade drops it."""
+    engine = db.make_engine(fresh_url(backend, tmp_path, request))
+    now = datetime.now(UTC)
+    row = {
+        "name": "acme", "namespace": "acme", "max_adapters": 10, "max_rank": 16,
+        "max_bytes": 1 << 20, "requests_per_minute": 60, "tokens_per_minute": 1000,
+        "deleted": False, "created_at": now, "updated_at": now,
+    }  # fmt: skip
+    try:
+        db.upgrade(engine, "0008")
+        with engine.begin() as conn:
+            tenants = Table("tenants", MetaData(), autoload_with=conn)
+            conn.execute(insert(tenants).values(**row))
+        db.upgrade(engine)
+        with Session(engine) as session:
+            (acme,) = session.scalars(select(Tenant))
+            assert acme.signing_keys_by_admin is False
+            acme.signing_keys_by_admin = True
+            session.commit()
+        db.downgrade(engine, "0008")
+        columns = {c["name"] for c in inspect(engine).get_columns("tenants")}
+        assert "signing_keys_by_admin" not in columns and "max_pinned_bytes" in columns
+    finally:
+        engine.dispose()

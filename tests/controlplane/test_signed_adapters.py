@@ -197,3 +197,37 @@ def test_operator_versions_and_signing_policy_use_the_same_rule(ready: Api) -> N
     r = ready.client.post("/internal/v1/versions", json=good, headers=SERVICE_H)
     assert r.status_code == 201, r.text
     assert r.json()["version"]["signing_key_id"] == key_id
+
+
+def test_signing_keys_by_admin_keeps_registration_to_the_admin(ready: Api) -> None:
+    """With `signing_keys_by_admin`, a tenant's API key (perhaps stolen) cannot register a key
+    to sign with (403 SigningKeysByAdmin, nothing stored); the admin can, and the tenant still
+    lists and revokes its keys. Off again, the tenant registers its own."""
+    acme = bearer(ready.keys["acme"])
+    turned = ready.client.patch(
+        "/v1/tenants/acme", json={"signing_keys_by_admin": True}, headers=ADMIN_H
+    )
+    assert turned.status_code == 200 and turned.json()["signing_keys_by_admin"] is True
+    thief = new_key("ed25519")
+    refused = ready.client.post("/v1/signing-keys", json={"public_key": pem(thief)}, headers=acme)
+    status, code, message = refusal(refused)
+    assert (status, code) == (403, "SigningKeysByAdmin")
+    assert "/v1/tenants/acme/signing-keys" in message
+    assert ready.client.get("/v1/signing-keys", headers=acme).json() == []
+
+    key = new_key("p256")
+    added = ready.client.post(
+        "/v1/tenants/acme/signing-keys", json={"public_key": pem(key)}, headers=ADMIN_H
+    )
+    assert added.status_code == 201, added.text
+    key_id = added.json()["key_id"]
+    assert [k["key_id"] for k in ready.client.get("/v1/signing-keys", headers=acme).json()] == [
+        key_id
+    ]
+    folder = ready.adapter_dir(seed=5)
+    stored = ready.upload(ready.keys["acme"], "bot", folder, fields=signed(key, folder, key_id))
+    assert stored.status_code == 201, stored.text
+    assert ready.client.delete(f"/v1/signing-keys/{key_id}", headers=acme).status_code == 204
+
+    ready.client.patch("/v1/tenants/acme", json={"signing_keys_by_admin": False}, headers=ADMIN_H)
+    register(ready, "acme", thief)

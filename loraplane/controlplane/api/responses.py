@@ -10,6 +10,7 @@ _WHY = {
     400: "refused as sent (InvalidRequest): the message names each field and what it must be "
     "(`errors` lists them), or what is wrong with the body's shape, content type or parts",
     401: "missing, unknown or wrong kind of credential (Unauthorized)",
+    403: "an action the admin keeps for itself for this tenant (Forbidden, or the code named)",
     404: "no such resource for this caller (NotFound)",
     409: "conflicts with existing state (AlreadyExists, Conflict, QuotaExceeded), or "
     "BaseModelPending (retry later)",

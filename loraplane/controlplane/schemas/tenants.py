@@ -26,6 +26,7 @@ class TenantCreate(Strict):
     Quotas: `requests_per_minute` and `tokens_per_minute` take 0 for unlimited;
     `max_adapters`, `max_rank` and `max_bytes` (each adapter's weights) are at least 1.
     `require_signature`: every upload must be signed by one of the tenant's signing keys.
+    `signing_keys_by_admin`: only the admin registers the tenant's signing keys.
     `max_pinned_bytes`: adapter memory its pins may take (size x replicas; 0: admin pins only).
     """
 
@@ -38,6 +39,7 @@ class TenantCreate(Strict):
     tokens_per_minute: PerMinute = 1_000_000
     weight: Weight = DEFAULT_WEIGHT
     require_signature: bool = False
+    signing_keys_by_admin: bool = False
     max_pinned_bytes: PinnedBytes = 0
 
 
@@ -51,6 +53,7 @@ class TenantUpdate(Strict):
     tokens_per_minute: PerMinute | None = None
     weight: Weight | None = None
     require_signature: bool | None = None
+    signing_keys_by_admin: bool | None = None
     max_pinned_bytes: PinnedBytes | None = None
 
 
@@ -72,6 +75,11 @@ class TenantPublic(Public):
     require_signature: bool = Field(
         description="every upload of this tenant must carry a valid signature by one of its "
         "signing keys (else 422 SignatureRequired)"
+    )
+    signing_keys_by_admin: bool = Field(
+        description="only the admin registers this tenant's signing keys (the tenant's own "
+        "POST /v1/signing-keys answers 403 SigningKeysByAdmin); the tenant still lists and "
+        "revokes them"
     )
     max_pinned_bytes: int = Field(
         description="adapter memory the tenant may pin: each pin costs its version's size times"

@@ -10,6 +10,7 @@ from loraplane.controlplane.api.deps import AdminDep, CallerDep, SessionDep
 from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.crud import signing_keys as crud
 from loraplane.controlplane.crud.tenants import get_tenant
+from loraplane.controlplane.errors import Forbidden
 from loraplane.controlplane.schemas.tenants import SigningKeyCreate, SigningKeyPublic
 
 router = APIRouter(tags=["tenant: signing keys"], responses=errors(400, 401))
@@ -22,13 +23,24 @@ CREATED = {
 
 
 @router.post(
-    TENANT, response_model=SigningKeyPublic, status_code=status.HTTP_201_CREATED, responses=CREATED
+    TENANT,
+    response_model=SigningKeyPublic,
+    status_code=status.HTTP_201_CREATED,
+    responses={**CREATED, **errors(403)},
 )
 def register_key(
     body: SigningKeyCreate, response: Response, session: SessionDep, caller: CallerDep
 ) -> SigningKeyPublic:
     """Register a public key (PEM, ECDSA P-256 or Ed25519) to sign adapters with: 201 with its
-    `key_id`; 200 when it is registered already; 409 for a key that was revoked."""
+    `key_id`; 200 when it is registered already; 409 for a key that was revoked; 403
+    SigningKeysByAdmin when the admin registers this tenant's keys (`signing_keys_by_admin`)."""
+    if caller.tenant.signing_keys_by_admin:
+        raise Forbidden(
+            f"signing keys of tenant {caller.tenant.name!r} are registered by the admin "
+            "(signing_keys_by_admin): ask the admin to add this key "
+            f"(POST /v1/tenants/{caller.tenant.name}/signing-keys)",
+            code="SigningKeysByAdmin",
+        )
     row, created = crud.register_key(
         session, tenant=caller.tenant, public_key=body.public_key, name=body.name,
         actor=caller.actor,
