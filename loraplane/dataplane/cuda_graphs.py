@@ -248,7 +248,7 @@ class DecodeGraphs:
         if not count or count > self.max_batch or any(len(r.tokens) != 1 for r in rows):
             return None
         host = host_step(rows, self.block_size)
-        used = host.parts.get("seg_slots")
+        used = None if host.lora is None else host.lora.seg_slots
         if used is not None and not self._refresh(used.tolist()):
             self.fallbacks += 1
             return None
@@ -263,22 +263,21 @@ class DecodeGraphs:
         previous step's copies out of the staging buffers are done."""
         if self._copied is not None:
             self._copied.synchronize()
-        p = host.parts
         i64, i32, tables = self._i64_host, self._i32_host, self._tables_host
-        i64[0, :count] = torch.from_numpy(p["ids"])
-        i64[1, :count] = torch.from_numpy(p["positions"])
-        i64[2, :count] = torch.from_numpy(p["slot_mapping"])
+        i64[0, :count] = torch.from_numpy(host.ids)
+        i64[1, :count] = torch.from_numpy(host.positions)
+        i64[2, :count] = torch.from_numpy(host.slot_mapping)
         i64[0:2, count:b] = 0
         i64[2, count:b] = self.pad_slot
-        i32[1, :count] = torch.from_numpy(p["ctx"])
+        i32[1, :count] = torch.from_numpy(host.ctx)
         i32[1, count:b] = 1
         width = host.width
-        tables[:count, :width] = torch.from_numpy(p["tables"].reshape(count, width))
+        tables[:count, :width] = torch.from_numpy(host.tables)
         tables[count:b, 0] = self.pad_slot // self.block_size  # (other columns: never read)
-        if "order" in p:
-            n = len(p["order"])
-            i64[3, :n] = torch.from_numpy(p["order"])
-            i64[4, :n] = torch.from_numpy(p["sorted_slots"])
+        if host.lora is not None:
+            n = len(host.lora.order)
+            i64[3, :n] = torch.from_numpy(host.lora.order)
+            i64[4, :n] = torch.from_numpy(host.lora.sorted_slots)
             i64[3, n:b] = 0
             i64[4, n:b] = BASE_SLOT  # base and padding rows: their programs exit at once
         self._i64[:, :b].copy_(i64[:, :b], non_blocking=True)

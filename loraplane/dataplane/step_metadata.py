@@ -53,23 +53,48 @@ class StepInputs:
 
 
 @dataclass(frozen=True, slots=True)
+class HostSegments:
+    """A step's adapter tokens grouped by slot, on the host (int64)."""
+
+    order: np.ndarray  # [Ta] the adapter tokens' indices, grouped by slot (stable)
+    sorted_slots: np.ndarray  # [Ta] each of those tokens' slot
+    seg_slots: np.ndarray  # [S] each segment's slot, ascending
+    bounds: np.ndarray  # [S + 1] each segment's first index into `order`
+
+
+@dataclass(frozen=True, slots=True)
 class HostStep:
-    """A step's integer arrays on the host (int64), before they go to the device.
+    """A step's integer arrays on the host (int64), before they go to the device."""
 
-    `parts` holds ids, positions, cu (query offsets), ctx (context lengths), tables (block
-    tables, [rows, width] flattened, padded with -1) and slot_mapping; with adapter tokens also
-    order (adapter tokens grouped by slot), sorted_slots, seg_slots and bounds.
-    """
-
-    parts: dict[str, np.ndarray]
-    width: int  # block table columns
+    ids: np.ndarray  # [T] token ids
+    positions: np.ndarray  # [T] RoPE positions
     cu: np.ndarray  # [B + 1] query offsets
     ctx: np.ndarray  # [B] context lengths
+    tables: np.ndarray  # [B, width] block tables, padded with -1
+    slot_mapping: np.ndarray  # [T] each new token's cache slot
+    lora: HostSegments | None  # None: no token uses an adapter slot (or none asked for)
+
+    @property
+    def width(self) -> int:
+        """Block table columns."""
+        return int(self.tables.shape[1])
 
     @property
     def has_lora(self) -> bool:
         """True when some token uses an adapter slot."""
-        return "order" in self.parts
+        return self.lora is not None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array by name (flat), in the order `_to_device` packs them."""
+        named = {
+            "ids": self.ids, "positions": self.positions, "cu": self.cu, "ctx": self.ctx,
+            "tables": self.tables.reshape(-1), "slot_mapping": self.slot_mapping,
+        }  # fmt: skip
+        if self.lora is not None:
+            s = self.lora
+            named.update(order=s.order, sorted_slots=s.sorted_slots, seg_slots=s.seg_slots,
+                         bounds=s.bounds)  # fmt: skip
+        return named
 
 
 def host_step(rows: Sequence[StepRow], block_size: int, with_lora: bool = True) -> HostStep:
@@ -104,14 +129,7 @@ def host_step(rows: Sequence[StepRow], block_size: int, with_lora: bool = True) 
     ids = np.fromiter(
         (t for r in rows for t in r.tokens), dtype=np.int64, count=num_tokens
     )  # fmt: skip
-    parts: dict[str, np.ndarray] = {
-        "ids": ids,
-        "positions": positions,
-        "cu": cu,
-        "ctx": ctx,
-        "tables": tables.reshape(-1),
-        "slot_mapping": slot_mapping,
-    }
+    segments = None
     if with_lora:
         token_slots = np.repeat(
             np.fromiter((r.slot for r in rows), dtype=np.int64, count=len(rows)), q_lens
@@ -123,9 +141,8 @@ def host_step(rows: Sequence[StepRow], block_size: int, with_lora: bool = True) 
             seg_slots, counts = np.unique(sorted_slots, return_counts=True)
             bounds = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=bounds[1:])
-            parts.update(order=order, sorted_slots=sorted_slots, seg_slots=seg_slots,
-                         bounds=bounds)  # fmt: skip
-    return HostStep(parts, width, cu, ctx)
+            segments = HostSegments(order, sorted_slots, seg_slots, bounds)
+    return HostStep(ids, positions, cu, ctx, tables, slot_mapping, segments)
 
 
 def build_step(
@@ -135,9 +152,9 @@ def build_step(
     block table does not cover its context or holds a negative block id."""
     device = torch_device(device)
     host = host_step(rows, block_size, with_lora)
-    parts, cu, ctx = host.parts, host.cu, host.ctx
+    cu, ctx = host.cu, host.ctx
     num_tokens = int(cu[-1])
-    views = _to_device(parts, device)
+    views = _to_device(host.arrays(), device)
     attn = AttentionMetadata(
         cu_seqlens_q=views["cu"].to(torch.int32),
         context_lens=views["ctx"].to(torch.int32),
@@ -147,12 +164,12 @@ def build_step(
         host_context_lens=ctx.tolist(),
     )
     lora = None
-    if host.has_lora:
+    if host.lora is not None:
         lora = LoRABatch(
             num_tokens=num_tokens,
             token_order=views["order"],
-            seg_slots=tuple(parts["seg_slots"].tolist()),
-            seg_bounds=tuple(parts["bounds"].tolist()),
+            seg_slots=tuple(host.lora.seg_slots.tolist()),
+            seg_bounds=tuple(host.lora.bounds.tolist()),
             seg_slots_t=views["seg_slots"].to(torch.int32),
             seg_bounds_t=views["bounds"].to(torch.int32),
             token_slots=views["sorted_slots"],
