@@ -10,7 +10,7 @@ last record, per tier:
 
     engine.observers.append(watch)
 
-Loads are reported here by the tiers' `TierStats` (lora/manager.py): a host load ("cpu": disk
+Loads are reported here by the tiers' `TierStats` (lora/entry.py): a host load ("cpu": disk
 or store into host memory) ends on a loader thread, between steps, and reaches the next record;
 a device load ("gpu": host memory into the device pool) happens while the scheduler admits, and
 reaches that step's record. Loads that end while the engine has no work reach the observers in

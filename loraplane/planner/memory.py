@@ -292,7 +292,7 @@ def plan_memory(
     )
 
 
-PIN_FRACTION = 0.5  # lora/manager.PIN_FRACTION: pins take at most half the memory and slots
+PIN_FRACTION = 0.5  # lora/pins.PIN_FRACTION: pins take at most half the memory and slots
 
 
 def _check_pins(pinned: int, pinned_bytes: int, budget: int, slots: int) -> None:

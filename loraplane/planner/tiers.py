@@ -3,12 +3,12 @@
 `SimTiers` implements the scheduler's `Adapters` protocol (`ready`, `device_bytes`,
 `budget_bytes`, `place`) over simulated time, and the engine-side housekeeping around it:
 - host tier: `max_cpu_loras` copies, least recently used first out, never one on the device,
-  in the step or running (`LoRAManager._evict_host`); a copy arrives `load_s` after its load
+  in the step or running (`HostTier.evict`); a copy arrives `load_s` after its load
   starts, on `loads_in_flight` loader threads that go on down the prefetch list (the waiting
   requests' first `max_cpu_loras / 2` distinct adapters, `LoRAManager.prefetch`);
 - device pool: as many adapters as the slots and the adapter memory hold; placing one evicts
   idle residents, those no waiting request wants first, least recently used first
-  (`LoRAManager._victims`). A step's adapters become the most recently used
+  (`DeviceTier._victims`). A step's adapters become the most recently used
   (`LoRAManager.make_resident`).
 
 Simplification: with adapters inside the KV cache the engine may keep idle adapters in blocks

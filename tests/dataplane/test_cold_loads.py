@@ -175,7 +175,7 @@ def test_a_tenant_whose_objects_hang_does_not_hold_another_tenants_load(
     hung, (fine,) = refs_of(m, hung_versions), refs_of(m, fine_versions)
     assert m.max_loads_in_flight == 2
     m.prefetch(hung)  # alone, the tenant takes both loader threads: both of its loads hang
-    assert m._tenant_loads["hung"] == 2
+    assert m.loads._tenant_loads["hung"] == 2
     start = time.monotonic()
     m.prefetch([*hung, fine])  # its requests are older, but the other tenant's load starts
     m.wait_for([fine], timeout=10)
@@ -183,7 +183,9 @@ def test_a_tenant_whose_objects_hang_does_not_hold_another_tenants_load(
     assert time.monotonic() - start < 5
     # and the hung tenant starts no third load while over its share
     assert [m.in_host_memory(r) for r in hung] == [False] * 3
-    assert m._tenant_loads["hung"] == 2 and m._entries[hung[2].key].state is State.COLD
+    assert (
+        m.loads._tenant_loads["hung"] == 2 and m.registry.entries[hung[2].key].state is State.COLD
+    )
     store.release.set()
     m.wait_for(hung, timeout=30)
     assert all(m.in_host_memory(r) for r in hung)
@@ -203,13 +205,13 @@ def test_the_loader_takes_tenants_in_turn_and_the_depth_is_shared(
             v = ingest(peft_adapters[n], tenant, n, spec, AdapterLimits(), store)
             refs.append(m.register_stored(LoRARef(n, tenant, v.digest), v.path))
     order: list[str] = []
-    real = m._read
+    real = m.registry.read
 
     def recording(entry: Any) -> Any:
         order.append(f"{entry.ref.tenant}/{entry.ref.name}")
         return real(entry)
 
-    m._read = recording  # type: ignore[method-assign]
+    m.registry.read = recording  # type: ignore[method-assign]
     m.prefetch(refs)  # a's four are older than b's one, and the depth is four
     m.wait_for(refs, timeout=30)
     # b's adapter second, not after a's (nor left out by the depth): a's fourth waits instead

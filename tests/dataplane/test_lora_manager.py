@@ -206,7 +206,7 @@ def test_a_prefetch_list_longer_than_the_depth_loads_only_its_head(
     m, refs = stored_manager(tiny_llama_dir, peft_adapters, tmp_path, prefetch_depth=2)
     m.prefetch(refs)
     m.wait_for(refs, timeout=5)
-    states = [m._entries[r.key].state for r in refs]  # the tier's own state
+    states = [m.registry.entries[r.key].state for r in refs]  # the tier's own state
     assert states[:2] == [State.HOST, State.HOST] and states[2:] == [State.COLD, State.COLD]
     m.close()
 
@@ -241,7 +241,7 @@ def test_a_step_never_scans_the_registry_however_many_versions_are_registered(
     ref = engine.loras.register_stored(LoRARef("r4", "acme", v.digest), v.path)
     for i in range(5000):  # a catalog replica that has seen many versions
         engine.loras.register_stored(LoRARef(f"x{i}", "acme", f"{i:064x}"), v.path)
-    engine.loras._entries = CountingDict(engine.loras._entries)
+    engine.loras.registry.entries = CountingDict(engine.loras.registry.entries)
     CountingDict.scans = 0
     (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4), [ref])
     assert out.error is None and len(out.token_ids) == 4
@@ -277,7 +277,7 @@ def test_loader_threads_run_at_the_configured_low_priority(
 ) -> None:  # fmt: skip
     import os
 
-    from loraplane.dataplane.lora import manager as module
+    from loraplane.dataplane.lora import registry as module
 
     seen: list[int] = []
     real = module.load_lora

@@ -9,7 +9,7 @@ or held. Each pressure answer tells the reporting replica the versions it keeps.
 
 A pin must fit: at most the pool's live replicas; per replica, pins may take at most half its
 adapter memory (`gpu_bytes_capacity` in its reports; the versions' stored sizes are counted)
-and half its slots (`max_loras`), as the data plane caps them (lora/manager.py); and a tenant
+and half its slots (`max_loras`), as the data plane caps them (lora/pins.py); and a tenant
 (not the admin) within `max_pinned_bytes`, each pin costing its size times its replicas.
 A refusal names the numbers (409 PinsDoNotFit / QuotaExceeded) and is audited.
 """

@@ -1,6 +1,6 @@
 """Fair shares of the loader threads: whose adapter loads next.
 
-The host tier's loader (`lora.manager.LoRAManager`) has `limit` threads for every tenant's cold
+The host tier's loader (`lora.loads.Loads`) has `limit` threads for every tenant's cold
 loads. Served in arrival order, one tenant's slow or dead objects would hold them all and every
 other tenant's loads would queue behind. The rule instead, per start:
 - A tenant alone (no other tenant has a load to start) may use every thread.

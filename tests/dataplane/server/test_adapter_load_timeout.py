@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loraplane.dataplane.lora import manager as manager_module
+from loraplane.dataplane.lora import registry as registry_module
 from tests.dataplane.server.conftest import API_KEY, server_settings, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -27,14 +27,14 @@ def test_an_adapter_that_does_not_load_in_time_answers_504_naming_it_and_no_path
     slow_dir, fast_dir = peft_adapters["r4"], peft_adapters["r16"]
     held = threading.Event()
     release = threading.Event()
-    real = manager_module.load_lora
+    real = registry_module.load_lora
 
     def load(path: Any, *args: Any, **kwargs: Any) -> Any:
         if held.is_set() and Path(path) == slow_dir:  # the slow adapter's read hangs
             release.wait(timeout=30)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "load_lora", load)
+    monkeypatch.setattr(registry_module, "load_lora", load)
     settings = server_settings(
         tiny_llama_dir,
         {"slowbot": slow_dir, "fastbot": fast_dir},

@@ -1,0 +1,117 @@
+"""The host tier: adapters in host memory, in the pool's host form, at most `max_cpu_loras` of
+them; the least recently used copy goes first, never one in a device slot, in use or pinned.
+
+Copies arrive from the loader threads (loads.py) and from static registration; a version whose
+load or placement failed loses its copy (the copy may be what is wrong) and is marked FAILED.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.dataplane.lora.entry import Entry, State, TierStats
+from loraplane.dataplane.lora.loader import LoadedAdapter
+from loraplane.dataplane.lora.pool import LoRAPool
+from loraplane.dataplane.lora.registry import Registry
+from loraplane.dataplane.lora.scrub import without_paths
+from loraplane.dataplane.sequence import LoRARef
+
+
+class HostTier:
+    """Host copies of adapter versions, keyed by `LoRARef.key`, under the registry's lock.
+
+    Per-step work must not grow with what is registered: the copies are kept in `hosted`,
+    apart from the registry, and only they are scanned.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        pool: LoRAPool,
+        max_cpu_loras: int | None,
+        shard: Callable[[LoadedAdapter], LoadedAdapter] | None,
+    ) -> None:
+        self._registry, self._pool = registry, pool
+        # a tensor-parallel rank's part of each adapter read (parallel/shard.py), validated
+        # against the whole base model first; the pool holds that part
+        self._shard = shard
+        self.max_cpu_loras = max_cpu_loras or pool.max_loras
+        if self.max_cpu_loras < pool.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({pool.max_loras})"
+            )
+        self.hosted: dict[str, Entry] = {}  # ref.key -> entry with a host copy
+        self.stats = TierStats("cpu")
+
+    def host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
+        """`adapter` as the pool holds it (this rank's part of it, with tensor parallelism);
+        AdapterRejected for a DoRA adapter under tensor parallelism."""
+        if self._shard is not None and adapter.is_dora:
+            raise AdapterRejected(
+                ReasonCode.DORA_NOT_SUPPORTED,
+                "DoRA adapters are not served with tensor parallelism (tensor_parallel_size > "
+                "1): DoRA's norm ||W + s B A|| runs over a whole row of the base weight, which "
+                "is split over the ranks; serve it on a replica without tensor parallelism",
+            )
+        return self._pool.host_form(adapter if self._shard is None else self._shard(adapter))
+
+    def add(self, entry: Entry, adapter: LoadedAdapter) -> None:
+        """Keep `adapter` (in host form) as `entry`'s host copy, the most recently used (under
+        the lock). Evicts nothing: this may run on a loader thread while the engine thread is
+        between `ready` and `make_resident`; the engine thread trims the tier in
+        `make_resident` (device_tier.py)."""
+        entry.host, entry.state, entry.error = adapter, State.HOST, None
+        entry.device_bytes = self._pool.bytes_needed(adapter)
+        entry.touched = time.monotonic()
+        self.hosted[entry.ref.key] = entry
+        entry.last_used = self._registry.tick()
+        self.stats.loads += 1
+
+    def fail(self, entry: Entry, message: str) -> None:
+        """Mark `entry` FAILED with `message` (under the lock): its waiting requests fail with
+        it, and it loads again from its source after the retry window."""
+        entry.state, entry.error = State.FAILED, without_paths(message)
+        entry.failed_at = time.monotonic()
+        if entry.host is not None:  # the host copy may be what is wrong: read it again
+            self.drop(entry)
+
+    def drop(self, entry: Entry) -> None:
+        """Forget `entry`'s host copy, if any (under the lock)."""
+        entry.host = None
+        self.hosted.pop(entry.ref.key, None)
+
+    def evict(self, in_use: Iterable[str] = ()) -> None:
+        """Drop the least recently used copies beyond `max_cpu_loras` (under the lock), none in
+        a device slot, in `in_use` or pinned: the tier may stay over its size until they go."""
+        excess = len(self.hosted) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        in_use = set(in_use)
+        pinned = self._registry.pinned
+        for victim in sorted(self.hosted.values(), key=lambda e: e.last_used):
+            if excess <= 0:
+                break
+            if victim.slot is not None or victim.ref.key in in_use or victim.ref.key in pinned:
+                continue
+            victim.host, victim.state = None, State.COLD
+            del self.hosted[victim.ref.key]
+            self.stats.evictions += 1
+            excess -= 1
+
+    def copy(self, ref: LoRARef) -> LoadedAdapter:
+        """The adapter's weights in host memory (KeyError if it is not loaded there)."""
+        host = self._registry.entries[ref.key].host
+        if host is None:
+            raise KeyError(f"adapter {ref.key} is not in host memory")
+        return host
+
+    def holds(self, ref: LoRARef) -> bool:
+        """Whether `ref` is in host memory now."""
+        entry = self._registry.entries.get(ref.key)
+        return entry is not None and entry.state is State.HOST
+
+    def refs(self) -> list[LoRARef]:
+        """Adapters in host memory now."""
+        return [e.ref for e in list(self._registry.entries.values()) if e.host is not None]

@@ -1,0 +1,271 @@
+"""Loads from disk into host memory, on background threads off the engine's critical path.
+
+The engine hands `prefetch` the waiting requests' adapters each step, oldest request first
+(the waiting queue is the prefetch list), `max_loads_in_flight` at a time, each loader thread
+taking the next one as it finishes, so the requests next in line get their adapters first while
+the current batch runs. Fair across tenants: the list keeps `prefetch_depth` adapters taken
+from the tenants in turn (each tenant's in its own order; one of each, when more tenants wait)
+and the loader threads are shared as `tiers/load_order.py` says, so one tenant's slow or dead
+objects delay only its own loads. A load that fails (any exception: digest mismatch, store
+unreachable after retries, a bad path) marks the version failed for `retry_after_s`: the
+engine fails only the requests that need it, and the next request after that window tries
+again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+from loraplane.adapters.errors import AdapterRejected, StoreError
+from loraplane.dataplane.lora.entry import Entry, State
+from loraplane.dataplane.lora.host_tier import HostTier
+from loraplane.dataplane.lora.registry import Registry
+from loraplane.dataplane.sequence import LoRARef
+from loraplane.dataplane.tiers.load_order import in_turn, next_tenant
+
+log = logging.getLogger(__name__)
+
+NICE_ENV = "LORAPLANE_LOADER_NICE"
+
+
+def loader_nice() -> int:
+    """The loader threads' nice value, from LORAPLANE_LOADER_NICE (default 19; 0 leaves them
+    at the engine's priority). ValueError naming the variable when it is not 0..19."""
+    text = os.environ.get(NICE_ENV, "19").strip()
+    if not text.isdigit() or not 0 <= int(text) <= 19:
+        raise ValueError(f"{NICE_ENV} must be an integer in 0..19, got {text!r}")
+    return int(text)
+
+
+def _lower_priority(nice: int) -> None:
+    """Loader threads run at a low CPU priority: they fill the CPU time the step leaves idle
+    instead of taking cores from its compute threads (on a CPU device an OpenMP barrier waits
+    for a descheduled thread), while a GPU step leaves the CPU to them anyway. Linux only."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+class Loads:
+    """The loader threads, the prefetch list and each version's retry window. Its state is
+    guarded by the registry's lock, which the engine thread and the loader threads take;
+    `_load_ended` is a condition on that lock."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        host: HostTier,
+        prefetch: bool,
+        retry_after_s: float,
+        max_loads_in_flight: int,
+        prefetch_depth: int | None,
+    ) -> None:
+        self._registry, self._host = registry, host
+        self.prefetch_enabled = prefetch
+        self.retry_after_s = retry_after_s
+        self.max_loads_in_flight = max_loads_in_flight
+        # adapters loaded ahead at most: half the host tier, so a prefetched copy is not
+        # evicted by later prefetches before its request runs
+        self.prefetch_depth = prefetch_depth or max(1, host.max_cpu_loras // 2)
+        self._queue: list[Entry] = []  # the latest prefetch list, in load order
+        self._loading: set[str] = set()  # ref.keys being loaded
+        self._load_ended = threading.Condition(registry.lock)  # notified as each load ends
+        self._loads_in_flight = 0
+        self._tenant_loads: Counter[str] = Counter()  # tenant -> its loads in flight
+        self._served: dict[str, int] = {}  # tenant -> when its last load started (a counter)
+        self._starts = 0
+        self.closed = False
+        nice = loader_nice()
+        self._pool = ThreadPoolExecutor(  # room for the threads lent beyond the limit
+            max_workers=2 * max_loads_in_flight,
+            thread_name_prefix="lora-load",
+            initializer=functools.partial(_lower_priority, nice) if nice else None,
+        )
+
+    def ready(self, ref: LoRARef) -> bool:
+        """True when `ref` can run in the next step (in host memory). With prefetch off, a
+        cold adapter is loaded right now (stalling the step); with prefetch on, loads start
+        only in `prefetch`, in the order the engine gives."""
+        entry = self._registry.entries.get(ref.key)
+        if entry is None:
+            return False
+        if entry.state is State.HOST:
+            return True
+        if not self.prefetch_enabled:
+            self._load_now(entry)
+        return entry.host is not None  # loaded now (prefetch off), or by a racing load
+
+    def prefetch(self, refs: Iterable[LoRARef]) -> int:
+        """Load the adapters that waiting requests need in the background, in the order given
+        (the engine passes the oldest request's first) within each tenant and taking tenants
+        in turn: `prefetch_depth` of them (or one of each tenant's, when more tenants wait),
+        `max_loads_in_flight` at a time, fairly across tenants (see the module's docstring).
+        Replaces the previous list; returns the loads started now (each loader thread goes on
+        with the next adapter as it finishes)."""
+        if not self.prefetch_enabled:
+            return 0
+        started = 0
+        with self._registry.lock:
+            by_tenant: dict[str, list[Entry]] = {}
+            for ref in refs:
+                entry = self._registry.entries.get(ref.key)
+                if entry is not None:
+                    mine = by_tenant.setdefault(ref.tenant, [])
+                    if len(mine) < self.prefetch_depth:  # more of one could never be kept
+                        mine.append(entry)
+            queue = in_turn(by_tenant.values())
+            # every waiting tenant has a place: another tenant's loads, however slow, never
+            # fill the list
+            self._queue = queue[: max(self.prefetch_depth, len(by_tenant))]
+            # the turns of tenants that neither wait nor load are forgotten: the map stays small
+            self._served = {
+                t: n for t, n in self._served.items() if t in by_tenant or self._tenant_loads[t]
+            }
+            while (entry := self._next_load()) is not None:
+                self._begin_load(entry)
+                started += 1
+        return started
+
+    def forget_unregistered(self) -> None:
+        """Drop the versions no longer registered from the prefetch list (under the lock)."""
+        self._queue = [e for e in self._queue if e.ref.key in self._registry.entries]
+
+    def _next_load(self) -> Entry | None:
+        """The adapter of the prefetch list to load now, or None (under the lock): the first
+        one needing a load of the tenant `load_order.next_tenant` picks."""
+        now = time.monotonic()
+        first: dict[str, Entry] = {}  # tenant -> its first adapter needing a load
+        for entry in self._queue:
+            tenant = entry.ref.tenant
+            if tenant not in first and (
+                entry.state is State.COLD
+                or (entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s)
+            ):
+                first[tenant] = entry
+        chosen = next_tenant(first, self._tenant_loads, self._served, self.max_loads_in_flight)
+        return None if chosen is None else first[chosen]
+
+    def _begin_load(self, entry: Entry) -> None:
+        """Hand `entry` to a loader thread (under the lock)."""
+        entry.state = State.LOADING
+        self._loading.add(entry.ref.key)
+        self._loads_in_flight += 1
+        self._tenant_loads[entry.ref.tenant] += 1
+        self._starts += 1
+        self._served[entry.ref.tenant] = self._starts
+        entry.future = self._pool.submit(self._load, entry)
+
+    def _due(self, entry: Entry) -> bool:
+        """Whether `entry` needs a load now: cold, or failed before the retry window (then
+        cold again). Under the lock."""
+        if entry.state is State.FAILED:
+            if time.monotonic() - entry.failed_at < self.retry_after_s:
+                return False
+            entry.state = State.COLD
+        return entry.state is State.COLD
+
+    def load_if_due(self, entry: Entry) -> None:
+        """Start loading `entry` if it is cold (or failed, past the retry window) and the
+        loader threads still run (under the lock): how pinned versions load."""
+        if self._due(entry) and not self.closed:
+            self._begin_load(entry)
+
+    def _load_now(self, entry: Entry) -> None:
+        """Load `entry` and wait for it (prefetch off), unless it failed too recently."""
+        with self._registry.lock:
+            if self._due(entry):
+                self._begin_load(entry)
+            elif entry.state is State.FAILED:  # too recently: its requests fail meanwhile
+                return
+            future = entry.future
+        if future is not None:
+            future.result()
+
+    def pending(self) -> set[str]:
+        """Keys of the adapters being loaded now or queued to load (the prefetch list)."""
+        with self._registry.lock:
+            return self._pending()
+
+    def _pending(self) -> set[str]:
+        return self._loading | {e.ref.key for e in self._queue if e.state is State.COLD}
+
+    def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> None:
+        """Block until none of `refs` is loading or queued to load, for at most `timeout`
+        seconds."""
+        keys = {r.key for r in refs}
+        deadline = time.monotonic() + timeout
+        with self._load_ended:
+            while True:
+                if not keys & self._pending():
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._load_ended.wait(left)
+
+    def wait_for_load(self, timeout: float) -> bool:
+        """Block until a background load ends, for at most `timeout` seconds; False at once
+        when none is in flight. The engine calls it when every waiting request waits for an
+        adapter: spinning empty steps would only take the CPU (and the GIL) from the loads."""
+        with self._load_ended:
+            if self._loads_in_flight == 0:
+                return False
+            self._load_ended.wait(timeout)
+            return True
+
+    def failure(self, entry: Entry) -> str | None:
+        """Why `entry`'s last load failed, while within the retry window; else None."""
+        if entry.state is State.FAILED and time.monotonic() - entry.failed_at < self.retry_after_s:
+            return entry.error
+        return None
+
+    def _load(self, entry: Entry) -> None:
+        """A loader thread's work: load `entry`, then go on down the prefetch list."""
+        try:
+            self._load_once(entry)
+        finally:
+            with self._load_ended:
+                self._loads_in_flight -= 1
+                self._tenant_loads[entry.ref.tenant] -= 1
+                if self._tenant_loads[entry.ref.tenant] <= 0:
+                    del self._tenant_loads[entry.ref.tenant]
+                self._loading.discard(entry.ref.key)
+                self._load_ended.notify_all()
+                if self.prefetch_enabled and not self.closed:
+                    following = self._next_load()  # go on down the prefetch list
+                    if following is not None:
+                        self._begin_load(following)
+
+    def _load_once(self, entry: Entry) -> None:
+        # read and converted without the lock: the engine's step goes on meanwhile
+        start = time.perf_counter()
+        try:
+            adapter = self._host.host_form(self._registry.read(entry))
+        except Exception as e:  # whatever the cause, the version fails, never stays LOADING
+            message = (
+                str(e)
+                if isinstance(e, AdapterRejected | StoreError | OSError)
+                else (f"{type(e).__name__}: {e}")
+            )
+            with self._registry.lock:
+                self._host.fail(entry, message)
+                self._host.stats.failures += 1
+            log.warning("loading adapter %s failed: %s", entry.ref.key, message)
+            return
+        with self._registry.lock:
+            if entry.ref.key in self._registry.entries:  # not unregistered meanwhile
+                self._host.add(entry, adapter)
+                self._host.stats.load_ended(entry.ref.key, start)
+
+    def close(self) -> None:
+        """Stop the loader threads."""
+        with self._registry.lock:
+            self.closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
