@@ -16,16 +16,37 @@ projection (FP8, 4-bit), and tensor parallelism (lora/manager.py), where W is sp
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from loraplane.dataplane.lora.loader import LoRAWeights
 
 if TYPE_CHECKING:
     from loraplane.dataplane.lora.metadata import LoRABatch
     from loraplane.dataplane.lora.pool import ModuleSlots
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# elements of a base weight a fingerprint hashes besides its row norms (`base_print`)
+PRINT_SAMPLES = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DoRAWeights(LoRAWeights):
+    """A DoRA module of a pool's host copy (`LoRAPool.host_form`): its A, B, scale and m,
+    and g = m / ||W + s B A||_row computed from that pool's base weight, so that filling a
+    slot only copies g (or, on CPU, reads it in place)."""
+
+    g: torch.Tensor  # [out] fp32, on the host (pinned for a CUDA pool)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of A, B, m and g."""
+        m = self.magnitude.nbytes if self.magnitude is not None else 0
+        return self.a.nbytes + self.b.nbytes + m + self.g.nbytes
 
 
 def refusal(base: nn.Module | None) -> str | None:
@@ -49,6 +70,22 @@ def row_norms_sq(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out] fp
     (the pool keeps it per module once the first DoRA adapter there needed it)."""
     norms: torch.Tensor = torch.linalg.vector_norm(weight.float(), dim=1, dtype=torch.float64)
     return norms.square()
+
+
+@torch.no_grad()
+def base_print(weight: torch.Tensor, base_sq: torch.Tensor) -> bytes:
+    """A fingerprint of a base weight W [out, in]: its shape, dtype, row norms (`base_sq`,
+    fp64) and PRINT_SAMPLES of its elements spread over it. What the norm cache keys g on
+    (lora/dora_cache.py): another W with the same fingerprint would need every row's norm
+    equal to the last bit and the same sampled elements (a checkpoint with rows permuted
+    within themselves and no sampled element moved), not a case of real checkpoints."""
+    flat = weight.detach().reshape(-1)
+    stride = max(1, flat.numel() // PRINT_SAMPLES)
+    sample = flat[::stride][:PRINT_SAMPLES].float().cpu()
+    h = hashlib.sha256(f"{tuple(weight.shape)} {weight.dtype}".encode())
+    h.update(base_sq.double().cpu().numpy().tobytes())
+    h.update(sample.numpy().tobytes())
+    return h.digest()
 
 
 @torch.no_grad()
