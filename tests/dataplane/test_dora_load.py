@@ -208,3 +208,48 @@ def test_a_g_not_finite_is_served_but_not_kept(tmp_path: Path) -> None:
     cache.put("k", {"0.q_proj": torch.tensor([1.0, float("inf")])})
     assert cache.get("k", {"0.q_proj": 2}) is None
     assert not list(tmp_path.iterdir())
+
+
+def test_an_engine_over_a_remote_store_keeps_g_beside_its_disk_tier_across_a_restart(
+    base: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored DoRA version served from S3 (moto) through the disk tier: its g lands in the
+    tier's root (`NORM_FOLDER`); an engine started again over that root serves the same
+    tokens and log-probs without computing DoRA's norm."""
+    from loraplane.adapters.ingest import ingest
+    from loraplane.adapters.limits import AdapterLimits
+    from loraplane.adapters.store import S3Store
+    from loraplane.dataplane.config import EngineConfig
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.lora.dora_cache import NORM_FOLDER
+    from loraplane.dataplane.sampling import SamplingParams
+    from loraplane.dataplane.sequence import LoRARef
+    from loraplane.dataplane.tiers.disk import DiskTier
+    from tests import s3server
+
+    model_dir, dora_dir, _ = base
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+
+    def serve(store: S3Store, version: Any) -> tuple[list[int], list[float]]:
+        disk = DiskTier(store, tmp_path / "disk")
+        config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                              num_kv_blocks=64, block_size=4, max_loras=1)  # fmt: skip
+        engine = Engine(config, disk=disk)
+        try:
+            ref = engine.loras.register_stored(LoRARef("d", "acme", version.digest), version.path)
+            (out,) = engine.generate([[5, 17, 33, 60]], params, [ref])
+        finally:
+            engine.close()
+        assert out.error is None, out.error
+        return out.token_ids, out.logprobs
+
+    with s3server.moto_s3_server() as endpoint:
+        client = s3server.s3_client(endpoint)
+        client.create_bucket(Bucket="dora")
+        store = S3Store("dora", "root", client=client)
+        spec = BaseModelSpec.from_dir(model_dir)
+        version = ingest(dora_dir, "acme", "d", spec, AdapterLimits(), store)
+        first = serve(store, version)
+        assert len(list((tmp_path / "disk" / NORM_FOLDER).glob("*.safetensors"))) == 1
+        forbid_norms(monkeypatch, row_norms=True)  # the restart fingerprints W, no more
+        assert serve(store, version) == first

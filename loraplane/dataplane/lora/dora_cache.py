@@ -8,13 +8,15 @@ engine thread only copies g (on CPU, reads it in place).
 
 `NormCache` keeps what was computed so a load again does not recompute it: in memory (LRU by
 bytes: a host copy evicted and needed again) and, given a folder, on disk (a pod restarted
-with that folder kept), one safetensors file per key. The key (`norm_key`) hashes the
-adapter's canonical digest, the pool's dtype (A and B are rounded to it before the norm), each
-DoRA module's name, rank, scale and a fingerprint of its base weight (`dora.base_print`). A
-file is written to a temporary name and renamed, and read defensively: a missing module, a
-shape or dtype not the expected one, a value not finite, or a file that does not parse, and g
-is computed again (the bad file removed), never served. A g that is not finite everywhere (a
-row of W + s B A all zero: PEFT's inf) is served but not kept.
+with that folder kept), one safetensors file per key: the engine gives it `NORM_FOLDER` in the
+disk tier's root (tiers/disk.py) when adapters come from a remote store. The key (`norm_key`)
+hashes the adapter's canonical digest, the pool's dtype (A and B are rounded to it before the
+norm), each DoRA module's name, rank, scale and a fingerprint of its base weight
+(`dora.base_print`). A file is written to a temporary name and renamed, and read
+defensively: a missing module, a shape or dtype not the expected one, a value not finite, or
+a file that does not parse, and g is computed again (the bad file removed), never served. A g
+that is not finite everywhere (a row of W + s B A all zero: PEFT's inf) is served but not
+kept.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from loraplane.dataplane.lora.pool import ModuleSlots
 
 log = logging.getLogger(__name__)
+# the cache's folder in a disk tier's root (model_runner.py; not a digest: the tier skips it)
+NORM_FOLDER = "dora-norms"
 FORMAT = b"loraplane-dora-norms-v1"  # in every key: a change of what g means changes it
 SUFFIX = ".safetensors"
 
