@@ -98,7 +98,8 @@ class NormCache:
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
         self.memory_bytes, self.disk_bytes = memory_bytes, disk_bytes
-        self._memory: OrderedDict[str, Scales] = OrderedDict()
+        self._memory: OrderedDict[str, tuple[Scales, int]] = OrderedDict()  # key -> g, bytes
+        self._memory_used = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.rejected = 0  # rejected: a file found but not served
 
@@ -110,11 +111,11 @@ class NormCache:
         """The g of each module `rows` names (name -> its [rows] fp32), or None: not kept,
         or a kept copy that is not exactly that (then removed)."""
         with self._lock:
-            found = self._memory.get(key)
-            if found is not None:
+            held = self._memory.get(key)
+            if held is not None:
                 self._memory.move_to_end(key)
                 self.hits += 1
-                return found
+                return held[0]
         found = self._read(key, rows)
         with self._lock:
             if found is None:
@@ -148,7 +149,7 @@ class NormCache:
 
     def put(self, key: str, scales: Scales) -> None:
         """Keep `scales` (each [out] fp32, host) under `key`, unless a value is not finite."""
-        if not all(bool(torch.isfinite(g).all()) for g in scales.values()):
+        if not bool(torch.isfinite(torch.cat(list(scales.values()))).all()):
             return
         with self._lock:
             self._remember(key, scales)
@@ -167,11 +168,14 @@ class NormCache:
             log.warning("DoRA norm cache: cannot write %s: %s", key[:12], e)
 
     def _remember(self, key: str, scales: Scales) -> None:
-        self._memory[key] = scales
-        self._memory.move_to_end(key)
-        total = sum(_bytes(s) for s in self._memory.values())
-        while total > self.memory_bytes and self._memory:
-            total -= _bytes(self._memory.popitem(last=False)[1])
+        old = self._memory.pop(key, None)
+        if old is not None:
+            self._memory_used -= old[1]
+        nbytes = sum(g.nbytes for g in scales.values())
+        self._memory[key] = (scales, nbytes)
+        self._memory_used += nbytes
+        while self._memory_used > self.memory_bytes and self._memory:
+            self._memory_used -= self._memory.popitem(last=False)[1][1]
 
     def _evict_disk(self) -> None:
         assert self.root is not None
@@ -197,13 +201,9 @@ def _wrong(found: Scales, rows: dict[str, int]) -> str | None:
     for name, g in found.items():
         if g.dtype != torch.float32 or tuple(g.shape) != (rows[name],):
             return f"{name}: {g.dtype} {tuple(g.shape)}"
-        if not bool(torch.isfinite(g).all()):
-            return f"{name}: a value not finite"
+    if not bool(torch.isfinite(torch.cat(list(found.values()))).all()):
+        return "a value not finite"
     return None
-
-
-def _bytes(scales: Scales) -> int:
-    return sum(g.nbytes for g in scales.values())
 
 
 def with_norms(

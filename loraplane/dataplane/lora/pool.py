@@ -177,10 +177,12 @@ class LoRAPool:
 
     def check_dora(self, adapter: LoadedAdapter) -> None:
         """AdapterRejected (DoRANotSupported) when `adapter` is DoRA and a module it adapts
-        cannot serve DoRA (its base projection quantized, or not registered)."""
+        cannot serve DoRA (its base projection quantized, or not registered). A host copy's
+        modules with their g (`host_form` made them, after this check) are not checked again:
+        filling a slot does not pay for it."""
         for (layer, module), w in adapter.modules.items():
             table = self._modules.get((layer, module))
-            if w.magnitude is None or table is None:
+            if w.magnitude is None or table is None or isinstance(w, dora.DoRAWeights):
                 continue
             why = dora.refusal(table.base)
             if why is not None:
