@@ -39,10 +39,12 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     return model_dir, dora, plain
 
 
-def pool_for(model_dir: Path, cache: NormCache | None = None, slots: int = 2) -> LoRAPool:
+def pool_for(
+    model_dir: Path, cache: NormCache | None = None, slots: int = 2, device: str = "cpu"
+) -> LoRAPool:
     spec = BaseModelSpec.from_dir(model_dir)
-    model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    pool = LoRAPool(slots, spec, torch.float32, "cpu", norm_cache=cache)
+    model = load_model(model_dir, torch.float32, torch.device(device))
+    pool = LoRAPool(slots, spec, torch.float32, device, norm_cache=cache)
     install_lora(model, pool)
     return pool
 
@@ -52,8 +54,9 @@ def peft_g(pool: LoRAPool, adapter: LoadedAdapter, key: tuple[int, str]) -> torc
     w, table = adapter.modules[key], pool.module_slots(*key)
     weight = getattr(table.base, "weight")  # noqa: B009 - typed nn.Module | None
     assert w.magnitude is not None
-    full = weight.double() + w.scale * (w.b.double() @ w.a.double())
-    return (w.magnitude.double() / torch.linalg.norm(full, dim=1)).float()
+    a, b, m = (t.to(weight.device, torch.float64) for t in (w.a, w.b, w.magnitude))
+    full = weight.double() + w.scale * (b @ a)
+    return (m / torch.linalg.norm(full, dim=1)).float()
 
 
 def forbid_norms(monkeypatch: pytest.MonkeyPatch, row_norms: bool = False) -> None:
@@ -96,6 +99,27 @@ def test_placing_a_host_copy_computes_no_norm_and_serves_pefts_g(
     pool.free(1)
     assert pool.load(1, pool.host_form(load_lora(plain_dir, spec)))
     assert pool.module_slots(0, "q_proj").dora[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_g_is_made_on_the_device_kept_pinned_and_placed_in_one_copy(
+    base: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir, dora_dir, _ = base
+    pool = pool_for(model_dir, device="cuda")
+    raw = load_lora(dora_dir, pool.spec)
+    host = pool.host_form(raw)
+    gs = [w.g for w in host.modules.values() if isinstance(w, DoRAWeights)]
+    assert len(gs) == len(raw.modules)
+    assert all(g.device.type == "cpu" and g.is_pinned() for g in gs)
+    forbid_norms(monkeypatch)
+    assert pool.load(0, host)
+    torch.cuda.synchronize()
+    placed = [pool.module_slots(*key).dora[0] for key in raw.modules]
+    assert all(g is not None and g.device.type == "cuda" for g in placed)
+    assert len({g.untyped_storage().data_ptr() for g in placed if g is not None}) == 1
+    check_g(pool, 0, raw)
 
 
 def test_the_host_copy_and_the_slot_count_g_in_their_bytes(base: tuple[Path, Path, Path]) -> None:
