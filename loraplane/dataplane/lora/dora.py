@@ -6,9 +6,18 @@ PEFT's DoRA layer computes, for a linear of weight W [out, in] and bias b,
 
 where m is the adapter's magnitude vector and the norm, per output row over the input
 dimension, is detached: it depends on the weights alone. So `dora_scale` computes g once per
-module when the pool places the adapter (on the pool's device, in fp32), and serving a DoRA
-token costs the plain LoRA update plus `rescale`: its rows of y, bias taken out, times g.
-Rows of plain LoRA adapters and of the base model are not touched.
+module, in fp32 on the pool's device, when the pool makes the adapter's host copy
+(`LoRAPool.host_form`, on the manager's loader threads: lora/dora_cache.py, which also keeps g
+per node), and the host copy carries it (`DoRAWeights`); filling a slot on the engine thread
+only copies g (on CPU, reads it in place). Serving a DoRA token costs the plain LoRA update
+plus `rescale`: its rows of y, bias taken out, times g. Rows of plain LoRA adapters and of
+the base model are not touched.
+
+Measured (`benchmarks/lora_cpu.py`, the benchmark model's q/v at rank 16, one torch thread, CPU
+time, three runs): filling a slot 1.5-1.6x a plain adapter's (188-205 against 125-131 us); a
+first-ever cold load 6.1-6.4x (14.5-15.3 against 2.4-2.5 ms: the norm, one [out, in] x [in, r]
+product per module, is most of it, on a loader thread); with g in the norm cache's folder
+(a restart) 1.4-1.5x (3.5-3.6 ms).
 
 What needs the base weight W in full and on one device is refused (`refusal`): a quantized
 projection (FP8, 4-bit), and tensor parallelism (lora/manager.py), where W is split.
