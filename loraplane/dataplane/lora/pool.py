@@ -22,7 +22,6 @@ g, or on CPU reads it in place. Its bytes count with the slot's.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -279,9 +278,10 @@ class LoRAPool:
         elif all(g.device == self.device for g in hosted):
             scales = hosted  # host copies are never written: the slot reads them in place
         elif (run := host_form._one_run(hosted)) is not None:
-            flat = run[0].to(self.device, non_blocking=True)  # pinned host -> device
-            ends = list(itertools.accumulate(g.numel() for g in hosted))
-            scales = [flat[end - g.numel() : end] for g, end in zip(hosted, ends, strict=True)]
+            whole, start = run
+            flat = whole.to(self.device, non_blocking=True)  # pinned host -> device
+            at = [int(g.storage_offset()) - start for g in hosted]
+            scales = [flat[o : o + g.numel()] for g, o in zip(hosted, at, strict=True)]
         else:
             scales = [g.to(self.device, non_blocking=True) for g in hosted]
         for ((layer, module), _), g in zip(items, scales, strict=True):
