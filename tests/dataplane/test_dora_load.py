@@ -277,3 +277,28 @@ def test_an_engine_over_a_remote_store_keeps_g_beside_its_disk_tier_across_a_res
         assert len(list((tmp_path / "disk" / NORM_FOLDER).glob("*.safetensors"))) == 1
         forbid_norms(monkeypatch, row_norms=True)  # the restart fingerprints W, no more
         assert serve(store, version) == first
+
+
+def test_an_engine_step_that_fills_a_dora_slot_computes_no_norm(
+    base: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registering reads the adapter and makes its host copy (the norm runs there); the
+    engine's step that puts it in a slot, and those that serve it, compute no norm."""
+    from loraplane.dataplane.config import EngineConfig
+    from loraplane.dataplane.engine import Engine
+    from loraplane.dataplane.sampling import SamplingParams
+
+    model_dir, dora_dir, _ = base
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                          num_kv_blocks=64, block_size=4, max_loras=1)  # fmt: skip
+    engine = Engine(config)
+    try:
+        ref = engine.register_lora("d", dora_dir, "t")
+        assert engine.runner.pool.free_slots() == [0]  # not in a slot yet
+        forbid_norms(monkeypatch)
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        (out,) = engine.generate([[5, 17, 33, 60]], params, [ref])
+    finally:
+        engine.close()
+    assert out.error is None and len(out.token_ids) == 3
+    assert engine.runner.pool.module_slots(0, "q_proj").dora[0] is not None
