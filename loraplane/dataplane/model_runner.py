@@ -28,6 +28,7 @@ from loraplane.dataplane.cuda_graphs import (
 )
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.host_copy import HostCopy
+from loraplane.dataplane.lora.dora_cache import NORM_FOLDER, NormCache
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
 from loraplane.dataplane.model_step import (
@@ -94,6 +95,8 @@ class ModelRunner:
             self.close()
             raise
         self.model, self.pool, self._vocab_size = built.model, built.pool, built.vocab_size
+        if disk is not None and not disk.local:  # DoRA's g kept beside the downloaded copies
+            self.pool.norm_cache = NormCache(disk.root / NORM_FOLDER)
         self.lora_budget_bytes = lora_budget_bytes(config.lora_memory, self.device)
         self.loras = LoRAManager(
             self.pool,

@@ -14,8 +14,10 @@ through `ModuleSlots`, one per (layer, module), whose per-slot lists the kernels
 slot id.
 
 A DoRA adapter's slot also holds, per module, its per-row scale g = m / ||W + s B A|| ([out],
-fp32; lora/dora.py), computed from the base weight W when the slot is filled: the LoRA layers
-register their base layer with their table (`install_lora`). Its bytes count with the slot's.
+fp32; lora/dora.py), computed from the base weight W (the LoRA layers register their base
+layer with their table: `install_lora`) when the host copy is made, on a loader thread
+(`host_form`, lora/dora_cache.py, which also keeps it per node): filling the slot only copies
+g, or on CPU reads it in place. Its bytes count with the slot's.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from torch import nn
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.devices import torch_device
-from loraplane.dataplane.lora import dora, host_form
-from loraplane.dataplane.lora.loader import LoadedAdapter
+from loraplane.dataplane.lora import dora, dora_cache, host_form
+from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
     from loraplane.dataplane.kernels import sgmv_cpu
@@ -75,8 +77,10 @@ class ModuleSlots:
         # the base projection the LoRA layer wraps (install_lora): DoRA's norm reads its weight
         self.base: nn.Module | None = None
         # ||W_i||^2 per row of that weight [out] fp64, once a DoRA adapter needed it (every
-        # later one starts from it: lora/dora.py)
+        # later one starts from it: lora/dora.py), and the weight's fingerprint
+        # (dora.base_print: the norm cache's key)
         self.base_sq: torch.Tensor | None = None
+        self.base_print: bytes | None = None
 
     def clear(self, slot: int) -> None:
         """Forget the slot's tensors (the pool frees its buffer)."""
@@ -106,6 +110,7 @@ class LoRAPool:
         dtype: torch.dtype,
         device: torch.device | str,
         b_transposed: bool | None = None,
+        norm_cache: dora_cache.NormCache | None = None,
     ) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
@@ -119,6 +124,8 @@ class LoRAPool:
             probe = torch.empty(0, dtype=dtype, device=self.device)
             b_transposed = dispatch.backend(probe) in ("torch", "native")
         self.b_transposed = b_transposed
+        # DoRA's g per adapter, kept (in memory only unless given a folder): lora/dora_cache.py
+        self.norm_cache = norm_cache if norm_cache is not None else dora_cache.NormCache()
         self._modules = {
             (layer, module): ModuleSlots(max_loras, self.device)
             for layer in range(model_spec.num_layers)
@@ -169,10 +176,12 @@ class LoRAPool:
 
     def check_dora(self, adapter: LoadedAdapter) -> None:
         """AdapterRejected (DoRANotSupported) when `adapter` is DoRA and a module it adapts
-        cannot serve DoRA (its base projection quantized, or not registered)."""
+        cannot serve DoRA (its base projection quantized, or not registered). A host copy's
+        modules with their g (`host_form` made them, after this check) are not checked again:
+        filling a slot does not pay for it."""
         for (layer, module), w in adapter.modules.items():
             table = self._modules.get((layer, module))
-            if w.magnitude is None or table is None:
+            if w.magnitude is None or table is None or isinstance(w, dora.DoRAWeights):
                 continue
             why = dora.refusal(table.base)
             if why is not None:
@@ -186,19 +195,22 @@ class LoRAPool:
         return self.b_transposed and self.arena is None
 
     def host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
-        """`adapter` in this pool's dtype and layout, in one host buffer (lora/host_form.py):
-        what the loader threads hand over, so that `load` reads it in place on CPU and copies
-        it without conversion on CUDA, and the engine's step does none of that work."""
+        """`adapter` in this pool's dtype and layout, in one host buffer (lora/host_form.py),
+        a DoRA module with its g (lora/dora_cache.py: read from `norm_cache` or computed on
+        this pool's device): what the loader threads hand over, so that `load` reads it in
+        place on CPU and copies it without conversion on CUDA, and the engine's step does
+        none of that work."""
         self.check_dora(adapter)
-        return host_form.convert(
-            adapter, self.dtype, transposed=self._transposing(), cuda=self.device.type == "cuda"
-        )
+        cuda = self.device.type == "cuda"
+        host = host_form.convert(adapter, self.dtype, transposed=self._transposing(), cuda=cuda)
+        return dora_cache.with_norms(host, self._modules, self.dtype, self.norm_cache, pin=cuda)
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a
         copy, unless the host copy already is that: then it is read in place). With an arena,
         a copy into KV blocks; False when no run of blocks is free now. A DoRA adapter's
-        per-row scales are computed here, on the pool's device (`_place_dora`)."""
+        per-row scales come with its host copy (`host_form`) and are copied (`_place_dora`);
+        only an adapter not made by `host_form` has them computed here."""
         self._check_slot(slot)
         self.check_dora(adapter)
         if self._buffers[slot] is not None:
@@ -253,24 +265,41 @@ class LoRAPool:
         return True
 
     def _place_dora(self, slot: int, adapter: LoadedAdapter) -> list[torch.Tensor]:
-        """Each DoRA module's per-row scale g [out] (fp32, on the device), from the slot's A
-        and B as now placed and the base weight; set in the tables. The list of them."""
-        scales = []
-        for (layer, module), w in adapter.modules.items():
-            if w.magnitude is None:
-                continue
+        """Each DoRA module's per-row scale g [out] (fp32, on the device), set in the tables:
+        the host copy's (`host_form`), read in place on CPU, else copied in one piece where
+        they lie back to back; computed here from the slot's A and B and the base weight
+        only for an adapter `host_form` did not make. The list of them."""
+        items = [(key, w) for key, w in adapter.modules.items() if w.magnitude is not None]
+        if not items:
+            return []
+        hosted = [w.g for _, w in items if isinstance(w, dora.DoRAWeights)]
+        if len(hosted) < len(items):
+            scales = [self._compute_dora(slot, key, w) for key, w in items]
+        elif all(g.device == self.device for g in hosted):
+            scales = hosted  # host copies are never written: the slot reads them in place
+        elif (run := host_form._one_run(hosted)) is not None:
+            whole, start = run
+            flat = whole.to(self.device, non_blocking=True)  # pinned host -> device
+            at = [int(g.storage_offset()) - start for g in hosted]
+            scales = [flat[o : o + g.numel()] for g, o in zip(hosted, at, strict=True)]
+        else:
+            scales = [g.to(self.device, non_blocking=True) for g in hosted]
+        for ((layer, module), _), g in zip(items, scales, strict=True):
             table = self._modules[(layer, module)]
-            a, b, base = table.lora_a[slot], table.lora_b[slot], table.base
-            weight = getattr(base, "weight", None)
-            if a is None or b is None or not isinstance(weight, torch.Tensor):
-                raise ValueError(f"layer {layer} {module}: no base weight for DoRA")
-            if table.base_sq is None:  # the first DoRA adapter here: ||W_i||^2, kept
-                table.base_sq = dora.row_norms_sq(weight)
-            g = dora.dora_scale(weight, a, b, w.scale, w.magnitude, table.base_sq)
             table.dora[slot] = g
             table.dora_mask |= 1 << slot
-            scales.append(g)
         return scales
+
+    def _compute_dora(self, slot: int, key: tuple[int, str], w: LoRAWeights) -> torch.Tensor:
+        """g [out] fp32 of one module, from the slot's A and B as placed (engine thread)."""
+        table = self._modules[key]
+        a, b, base = table.lora_a[slot], table.lora_b[slot], table.base
+        weight = getattr(base, "weight", None)
+        if a is None or b is None or not isinstance(weight, torch.Tensor) or w.magnitude is None:
+            raise ValueError(f"layer {key[0]} {key[1]}: no base weight for DoRA")
+        if table.base_sq is None:  # the first DoRA adapter here: ||W_i||^2, kept
+            table.base_sq = dora.row_norms_sq(weight)
+        return dora.dora_scale(weight, a, b, w.scale, w.magnitude, table.base_sq)
 
     def _take(self, slot: int, storage: list[torch.Tensor], nbytes: int | None = None) -> None:
         self.slot_generation[slot] += 1
