@@ -19,7 +19,8 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.safetensors_io import TensorInfo
 from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.lora import load_lora, loader
-from loraplane.dataplane.lora.loader import _tensor_view
+from loraplane.dataplane.lora import stored as stored_read
+from loraplane.dataplane.lora.stored import _tensor_view
 from loraplane.demo.build import build_adapter
 
 
@@ -162,7 +163,7 @@ def test_a_tensor_at_an_unaligned_offset_is_copied_not_viewed() -> None:
 
 @pytest.fixture
 def no_known_layouts() -> None:
-    loader._layouts.clear()
+    stored_read._layouts.clear()
 
 
 def test_a_version_of_a_known_layout_is_read_without_validating_again_and_digest_checked(
@@ -225,6 +226,6 @@ def test_a_layout_is_remembered_only_once_its_digest_matched(
     folder = tmp_path / "store" / version.path
     with pytest.raises(IntegrityError):
         load_lora(folder, spec, expected_digest="0" * 64)
-    assert not loader._layouts
+    assert not stored_read._layouts
     load_lora(folder, spec, expected_digest=version.digest)
-    assert len(loader._layouts) == 1
+    assert len(stored_read._layouts) == 1

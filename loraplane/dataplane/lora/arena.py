@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplane.dataplane.block_manager import BlockManager
-from loraplane.dataplane.lora.loader import LoadedAdapter
+from loraplane.dataplane.lora.weights import LoadedAdapter
 
 Key = tuple[int, str]  # (layer, module)
 ALIGN_BYTES = 16  # every view's first byte: the kernels' widest vector load, the graphs' promise

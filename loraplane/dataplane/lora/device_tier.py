@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 from loraplane.dataplane.lora.entry import Entry, TierStats
 from loraplane.dataplane.lora.host_tier import HostTier
-from loraplane.dataplane.lora.loader import LoadedAdapter
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.lora.registry import Registry
+from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.sequence import LoRARef
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from loraplane.dataplane.lora.loader import LoRAWeights
+from loraplane.dataplane.lora.weights import LoRAWeights
 
 if TYPE_CHECKING:
     from loraplane.dataplane.lora.metadata import LoRABatch

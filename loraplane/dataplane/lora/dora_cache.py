@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplane.dataplane.lora import dora
-from loraplane.dataplane.lora.loader import LoadedAdapter
+from loraplane.dataplane.lora.weights import LoadedAdapter
 
 if TYPE_CHECKING:
     from loraplane.dataplane.lora.pool import ModuleSlots

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplane.dataplane.lora.loader import LoadedAdapter
+from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.step_observer import AdapterLoad, Tier
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from loraplane.dataplane.kernels import sgmv_cpu
-from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+from loraplane.dataplane.lora.weights import LoadedAdapter, LoRAWeights
 
 # ATen runs an element-wise op over this many elements or more on its OpenMP thread team
 # (at::internal::GRAIN_SIZE). Started from a loader thread, such an op makes that thread a

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.lora.entry import Entry, State, TierStats
-from loraplane.dataplane.lora.loader import LoadedAdapter
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.lora.registry import Registry
 from loraplane.dataplane.lora.scrub import without_paths
+from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.sequence import LoRARef
 
 

@@ -25,11 +25,11 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.device_tier import DeviceTier
 from loraplane.dataplane.lora.entry import State, TierStats
 from loraplane.dataplane.lora.host_tier import HostTier
-from loraplane.dataplane.lora.loader import LoadedAdapter
 from loraplane.dataplane.lora.loads import Loads
 from loraplane.dataplane.lora.pins import PIN_FRACTION, PinRefused, Pins
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.lora.registry import Registry
+from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier
 

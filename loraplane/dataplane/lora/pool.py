@@ -31,7 +31,7 @@ from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.lora import dora, dora_cache, host_form
-from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+from loraplane.dataplane.lora.weights import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
     from loraplane.dataplane.kernels import sgmv_cpu

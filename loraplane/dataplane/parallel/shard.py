@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec, tensor_parallel_problem
-from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+from loraplane.dataplane.lora.weights import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
 
 # Phi-3's fused qkv_proj ([q | k | v] rows) and gate_up_proj ([gate | up]) split part by part
