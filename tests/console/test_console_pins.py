@@ -21,7 +21,7 @@ from tests.console.test_console_actions import (
     text_of,
     width,
 )
-from tests.console.test_console_browser import sign_in, wait
+from tests.console.test_console_browser import sign_in, unlabelled, wait
 
 __all__ = ["browser", "chrome", "pytestmark", "stack"]  # the fixtures and marks, shared
 
@@ -47,6 +47,7 @@ def test_the_pins_view_shows_held_and_refused_replicas_and_unpins_after_asking(
     cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
     assert cells[1:5] == ["v1", f"default/{stack.pool['name']}", "2", "1 of 2"]
     assert cells[5] == f"replica-1: {WHY}"
+    assert unlabelled(browser) == []
 
     press(browser, "Unpin")
     box = dialog(browser)
