@@ -14,8 +14,15 @@ and `canary_cold_requests`: requests that ran on the canary while it was not in 
 (a load the shift caused on the request path). Goals: the share within 2 points of 10%, and 0
 cold requests on the canary.
 
-Run: .venv/bin/python benchmarks/rollout.py [--requests 2000] [--concurrency 8] (about 40 s on
-2 cores; --smoke: a smaller model, the same 2,000 requests)
+With `--sticky K` each request carries the OpenAI `user` field, one of K keys in turn (each
+key asked requests/K times): a key's version is then its bucket's (server/rollout.py), so the
+canary's requests are exactly those whose key's bucket lies in the top 10%, bar the requests
+that came while the canary loaded. Figures beside the split: `sticky_expected_canary` (what
+the buckets say) and `sticky_mismatch_requests` (how far the metrics' count is from it);
+reported as `rollout_sticky`.
+
+Run: .venv/bin/python benchmarks/rollout.py [--requests 2000] [--concurrency 8] [--sticky 500]
+(about 40 s on 2 cores; --smoke: a smaller model, the same 2,000 requests)
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.app import create_app as create_dataplane
 from loraplane.dataplane.server.catalog import Resolved
 from loraplane.dataplane.server.metrics_port import create_metrics_app
+from loraplane.dataplane.server.rollout import bucket
 from loraplane.dataplane.server.settings import ServerSettings
 from loraplane.demo.build import build_llama
 
@@ -73,8 +81,14 @@ def versions_served(metrics_url: str) -> dict[str, float]:
     return counts
 
 
-async def load(url: str, key: str, n: int, concurrency: int) -> list[int]:
-    """`n` completions of `bot` (one token each), `concurrency` at a time: their statuses."""
+def sticky_user(i: int, keys: int) -> str | None:
+    """Request `i`'s `user` under `--sticky keys` (None without)."""
+    return f"user-{i % keys}" if keys else None
+
+
+async def load(url: str, key: str, n: int, concurrency: int, keys: int = 0) -> list[int]:
+    """`n` completions of `bot` (one token each), `concurrency` at a time, each with its
+    sticky `user` when `keys`: their statuses."""
     statuses: list[int] = []
     left = iter(range(n))
     body = {"model": "bot", "prompt": "hello", "max_tokens": 1, "temperature": 0}
@@ -83,8 +97,10 @@ async def load(url: str, key: str, n: int, concurrency: int) -> list[int]:
     ) as client:
 
         async def worker() -> None:
-            for _ in left:
-                statuses.append((await client.post("/v1/completions", json=body)).status_code)
+            for i in left:
+                user = sticky_user(i, keys)
+                sent = body if user is None else {**body, "user": user}
+                statuses.append((await client.post("/v1/completions", json=sent)).status_code)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return statuses
@@ -95,6 +111,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--warm", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--sticky", type=int, default=0, metavar="K",
+                        help="each request's `user` one of K keys (sticky versions)")  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rollout-") as tmp:
@@ -169,7 +187,7 @@ def run(args: argparse.Namespace, cp: str, model: Path, sources: list[Path], roo
             time.sleep(TTL_S + 0.2)  # the replica's cached answer expires: the next asks anew
             shifted = len(held)
             start = time.perf_counter()
-            statuses = asyncio.run(load(url, key, args.requests, args.concurrency))
+            statuses = asyncio.run(load(url, key, args.requests, args.concurrency, args.sticky))
             seconds = time.perf_counter() - start
             after = versions_served(metrics_url)
     counted = {v: after.get(v, 0.0) - before.get(v, 0.0) for v in ("1", "2")}
@@ -188,15 +206,28 @@ def run(args: argparse.Namespace, cp: str, model: Path, sources: list[Path], roo
         "canary_cold_requests": float(sum(not w for w in canary)),
         "requests_per_s": args.requests / seconds,
     }
+    goals = []
+    if args.sticky:
+        # v1 (weight 90) first in the split: a key whose bucket is at 0.9 or above gets v2
+        users = [sticky_user(i, args.sticky) or "" for i in range(args.requests)]
+        expected = sum(bucket(TENANT, "bot", u) >= 0.9 for u in users)
+        figures["sticky_keys"] = float(args.sticky)
+        figures["sticky_expected_canary"] = float(expected)
+        figures["sticky_mismatch_requests"] = abs(counted["2"] - expected)
+        # the requests that came while the canary loaded ran on v1: at most 1% of them
+        goals.append(goal(figures, "sticky_mismatch_requests", "<=", 0.01 * args.requests))
     cold = figures["canary_cold_requests"]
     print(f"observed split over {total:.0f} requests: v1 {100 - share:.2f}%, v2 {share:.2f}% "
           f"(set 90/10); the canary's cold requests: {cold:.0f}")  # fmt: skip
-    goals = [
+    goals += [
         goal(figures, "split_error_points", "<=", 2.0),
         goal(figures, "canary_cold_requests", "<=", 0.0),
         goal(figures, "canary_requests_watched", ">=", 1.0),
         goal(figures, "ok_requests", ">=", float(args.requests)),
     ]
+    if args.sticky:
+        variant = "sticky"
+        return report(f"rollout_{variant}", figures, goals, smoke=args.smoke)
     return report("rollout", figures, goals, smoke=args.smoke)
 
 

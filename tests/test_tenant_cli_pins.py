@@ -44,6 +44,16 @@ def test_a_tenant_pins_lists_and_unpins_a_version_within_its_quota(
     assert pinned.json()["replicas"] == 1 and pinned.json()["version"] == 1
     listed = cli(capsys, "adapters", "pins")
     assert listed.code == 0 and "bot v1 on 1 replica(s) of pool default/pool-a" in listed.out
+    assert "; held by 0 of 1" in listed.out and "refused" not in listed.out
+    # the replica's next report: its engine would not keep it
+    why = "refused: pinning bot would pin 3 adapters, more than its cap of 2"
+    state = {"tenant": "pinner", "adapter": "bot", "digest": pinned.json()["digest"], "state": why}
+    r = httpx.post(controlplane + "/internal/v1/pressure",
+                   json={"pool": "pool-a", "replica": "r0", "pin_states": [state]},
+                   headers={"Authorization": f"Bearer {SERVICE}"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    listed = cli(capsys, "adapters", "pins")
+    assert "; held by 0 of 1; refused by r0: pinning bot would pin 3 adapters" in listed.out
     gone = cli(capsys, "adapters", "unpin", "bot", "1", "--pool", "pool-a")
     assert gone.code == 0 and "unpinned: bot v1 on pool default/pool-a" in gone.out
     assert cli(capsys, "adapters", "pins").out.strip() == "no pinned versions"

@@ -13,6 +13,7 @@ between steps, whichever process that loop is in. Results pickle too (refs, snap
     set_weight(tenant, weight) -> None            the tenant's share weight in the scheduler
     pin(ref) -> str                               keep a registered version resident (PinRefused)
     unpin(ref) -> bool                            let it be evicted again
+    pin_states(refs) -> list[str]                 each version's pin state (LoRAManager.pin_state)
     snapshot() -> EngineSnapshot                  the metrics port's reading
     gateway_snapshot() -> EngineSnapshot          the inference gateway's (cheap) reading
 """
@@ -33,6 +34,7 @@ COMMANDS = (
     "set_weight",
     "pin",
     "unpin",
+    "pin_states",
     "snapshot",
     "gateway_snapshot",
 )
@@ -54,6 +56,8 @@ def run_command(engine: Engine, name: str, args: tuple[Any, ...]) -> Any:
         return engine.loras.pin(*args)
     if name == "unpin":
         return engine.loras.unpin(*args)
+    if name == "pin_states":
+        return [engine.loras.pin_state(ref) for ref in args[0]]
     if name == "snapshot":
         return EngineSnapshot.of(engine)
     if name == "gateway_snapshot":

@@ -63,6 +63,16 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
 def _auto_int(text: str) -> int | None:
     if text == "auto":
         return None
@@ -189,6 +199,13 @@ def add_commands(subparsers: Any) -> None:
     adapters.add_argument(
         "--popularity", default="zipf:1.0", metavar="zipf:S|uniform",
         help="how requests spread over the adapters",
+    )  # fmt: skip
+    adapters.add_argument(
+        "--pinned", type=_count, default=0, metavar="N",
+        help="of the adapters, pinned on every replica (kept on the device whatever the"
+        " traffic, as `loraplane adapters pin` does): their bytes and slots come off what the"
+        " rest of the traffic has, in the memory split and the fleet's simulation; more than"
+        " half the adapter memory or slots is refused, as the data plane refuses it",
     )  # fmt: skip
     engine = plan.add_argument_group("engine settings (as `loraplane serve`)")
     engine.add_argument(

@@ -77,12 +77,15 @@ class ReplicaSettings:
 
     @classmethod
     def from_plan(cls, plan: MemoryPlan, config: EngineConfig) -> ReplicaSettings:
-        """The settings of a replica of `config` whose memory `plan` works out."""
+        """The settings of a replica of `config` whose memory `plan` works out. Pinned
+        adapters' slots and bytes are taken off what the simulated traffic has (their own
+        requests are simulated among the rest, so with pins the replicas found are an upper
+        bound)."""
         return cls(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            lora_slots=plan.lora_slots,
-            lora_budget_bytes=plan.lora_budget_bytes,
+            lora_slots=plan.lora_slots - plan.adapters_pinned,
+            lora_budget_bytes=plan.lora_budget_bytes - plan.pinned_bytes,
             # a load reads the whole adapter (a tensor-parallel rank then keeps its slices)
             adapter_bytes=plan.adapter_full_bytes or plan.adapter_bytes,
             adapter_device_bytes=plan.adapter_device_bytes,

@@ -63,6 +63,7 @@ class PlanReport:
             "adapter_device_bytes": plan.adapter_device_bytes,
             "kv_bytes_per_token": plan.kv_bytes_per_token,
             "adapters_resident": plan.adapters_resident,
+            "adapters_unpinned": plan.adapters_unpinned,
             "host_tier_bytes": plan.host_tier_bytes,
             "disk_tier_bytes": plan.disk_tier_bytes,
             "adapters": dataclasses.asdict(self.profile),
@@ -118,6 +119,7 @@ class PlanReport:
             f"{'the device' if plan.devices == 1 else 'each GPU: its slices'})",
             f"  running at once  {plan.adapters_resident:,} per replica (of"
             f" {plan.lora_slots} slots)",
+            *_pinned_lines(plan),
             f"  host tier        {min(plan.max_cpu_loras, self.profile.count):,} adapters,"
             f" {plan.host_tier_bytes / gb:.1f} GB (max_cpu_loras {plan.max_cpu_loras}"
             f"{'; rank 0 holds its slices' if plan.devices > 1 else ''})",
@@ -288,6 +290,17 @@ def _machine() -> str:
     return f"{os.cpu_count()} cores {platform.machine()}, Python {platform.python_version()}"
 
 
+def _pinned_lines(plan: MemoryPlan) -> list[str]:
+    """The pins' line (none without pins): their bytes, and what the rest of the traffic has."""
+    if not plan.adapters_pinned:
+        return []
+    return [
+        f"  pinned           {plan.adapters_pinned:,} per replica,"
+        f" {plan.pinned_bytes / 1e6:,.1f} MB of the adapter memory;"
+        f" {plan.adapters_unpinned:,} at once left for the rest"
+    ]
+
+
 def run_plan(args: argparse.Namespace) -> PlanReport:
     """Work out the plan `args` (the `plan` command's flags) ask for."""
     shape = _shape(args)
@@ -296,7 +309,7 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
     gpu = _gpu(args)
     try:
         profile = AdapterProfile(args.adapters, args.adapter_rank, tuple(args.adapter_modules),
-                                 args.popularity)  # fmt: skip
+                                 args.popularity, pinned=getattr(args, "pinned", 0))  # fmt: skip
 
         def make_config(layout: Layout) -> EngineConfig:
             return EngineConfig(

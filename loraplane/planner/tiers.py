@@ -63,7 +63,8 @@ class SimTiers:
         return self._budget
 
     def pins(self) -> list[LoRARef]:
-        """No pinned versions in the simulation (pinned memory is taken off the budget)."""
+        """No pinned versions in the simulation (their slots and memory are taken off the
+        replica's: `ReplicaSettings.from_plan`)."""
         return []
 
     def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str]) -> bool:

@@ -4,7 +4,8 @@ adapters").
 `pin NAME VERSION --pool P --replicas K` keeps the version resident on K replicas of the pool,
 within the tenant's max_pinned_bytes (each pin counts its size times its replicas); a pin that
 does not fit is refused with the numbers (exit 1). `unpin` lets the replicas evict it again.
-`pins` lists them.
+`pins` lists them, each with how many of its replicas hold it and those that refused it, with
+the reason (from the replicas' last reports).
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ from loraplane.tenant_cli.commands import _connect, _emit, _v
 
 
 def _line(pin: dict[str, Any]) -> str:
-    return (
+    line = (
         f"{pin['adapter']} {_v(pin['version'])} on {pin['replicas']} replica(s) of pool"
         f" {pin['namespace']}/{pin['pool']} ({pin['pinned_bytes']:,} bytes of your"
         " max_pinned_bytes)"
     )
+    if "held" not in pin:  # a control plane from before replicas reported their pins
+        return line
+    line += f"; held by {pin['held']} of {pin['replicas']}"
+    for refusal in pin.get("refused") or []:
+        line += f"; refused by {refusal['replica']}: {refusal['reason']}"
+    return line
 
 
 def pin(args: argparse.Namespace) -> int:

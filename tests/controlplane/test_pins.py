@@ -155,3 +155,50 @@ def test_the_assignment_spreads_copies_evenly_and_moves_few_when_a_replica_leave
     assert all("pool-0" in before[d] for d in moved)  # only the leaving replica's copies move
     assert all(set(after[d]) - {"pool-0"} >= set(before[d]) - {"pool-0"} for d in digests)
     assert assign(digests[0], ["a"], 3) == ["a"]
+
+
+def test_the_pin_view_shows_which_replicas_hold_a_pin_and_which_refused_it_and_why(
+    api: Api,
+) -> None:
+    key, (v1, _) = setup(api, quota=1 << 30)
+    replicas = ["r0", "r1", "r2"]
+    pinned_on(api, replicas)
+    r = api.client.put(PIN.format(v=1), json={"pool": "pool-a", "replicas": 2},
+                       headers=bearer(key))  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["held"] == 0 and r.json()["refused"] == []
+    kept = sorted(r for r, v in pinned_on(api, replicas).items() if v)
+    assert kept == sorted(assign(v1["digest"], replicas, 2))
+    # nothing said yet: the assigned replicas are pending
+    (pin,) = api.client.get("/v1/pins", headers=bearer(key)).json()
+    assert pin["placement"] == [{"replica": r, "state": "pending"} for r in kept]
+    assert pin["held"] == 0 and pin["resident"] == 0 and pin["refused"] == []
+    # the next reports say what became of it: one keeps it, the other's engine refused it
+    state = {"tenant": "acme", "adapter": "bot", "digest": v1["digest"]}
+    why = "pinning bot would pin 5 adapters on this replica, more than its cap of 4"
+    for replica, said in ((kept[0], "resident"), (kept[1], f"refused: {why}")):
+        body = {"pool": "pool-a", "replica": replica,
+                "pin_states": [{**state, "state": said}]}  # fmt: skip
+        r = api.client.post("/internal/v1/pressure", json=body, headers=SERVICE_H)
+        assert r.status_code == 200, r.text
+    (pin,) = api.client.get("/v1/pins", headers=bearer(key)).json()
+    assert pin["held"] == 1 and pin["resident"] == 1
+    assert pin["refused"] == [{"replica": kept[1], "reason": why}]
+    assert {p["replica"]: p["state"] for p in pin["placement"]} == {
+        kept[0]: "resident", kept[1]: f"refused: {why}",
+    }  # fmt: skip
+    # the admin's pin answer says the same
+    r = api.client.put("/v1/tenants/acme/adapters/bot/versions/1/pin",
+                       json={"pool": "pool-a", "replicas": 2}, headers=ADMIN_H)  # fmt: skip
+    assert r.json()["held"] == 1 and r.json()["refused"][0]["replica"] == kept[1]
+    # another tenant's version of the same digest, or a bad state, is not this pin's
+    other = {**state, "tenant": "globex", "state": "resident"}
+    body = {"pool": "pool-a", "replica": kept[1], "pin_states": [other]}
+    r = api.client.post("/internal/v1/pressure", json=body, headers=SERVICE_H)
+    assert r.status_code == 200, r.text
+    (pin,) = api.client.get("/v1/pins", headers=bearer(key)).json()
+    assert pin["held"] == 1 and pin["refused"] == []
+    assert {p["replica"]: p["state"] for p in pin["placement"]}[kept[1]] == "pending"
+    body = {"pool": "pool-a", "replica": kept[1], "pin_states": [{**state, "digest": "x"}]}
+    r = api.client.post("/internal/v1/pressure", json=body, headers=SERVICE_H)
+    assert r.status_code == 400 and "digest" in r.text

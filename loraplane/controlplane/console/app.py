@@ -51,6 +51,7 @@ FILES = {
     "adapter.js": "text/javascript; charset=utf-8",
     "confirm.js": "text/javascript; charset=utf-8",
     "rollout.js": "text/javascript; charset=utf-8",
+    "pins.js": "text/javascript; charset=utf-8",
 }
 # Codes that are plain strings rather than classes.
 OTHER_CODES = {

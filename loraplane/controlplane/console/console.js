@@ -5,6 +5,7 @@ import * as adapter from "./adapter.js";
 import * as admin from "./admin.js";
 import { ApiError, call, meta, session } from "./api.js";
 import { h } from "./dom.js";
+import * as pins from "./pins.js";
 import * as tenant from "./tenant.js";
 import * as upload from "./upload.js";
 import * as usage from "./usage.js";
@@ -14,6 +15,7 @@ const SECTIONS = {
     { path: "adapters", title: "Adapters", view: tenant.adapters, detail: adapter.adapter },
     { path: "upload", title: "Upload", view: upload.view },
     { path: "usage", title: "Usage", view: usage.view },
+    { path: "pins", title: "Pins", view: pins.view },
   ],
   admin: [
     { path: "tenants", title: "Tenants", view: admin.tenants, detail: admin.tenant },

@@ -5,7 +5,9 @@ the pool's live replicas (those that reported pressure in the last 30 s) by rend
 hashing (`assign`): each version ranks the replicas by sha256(digest/replica) and the first k
 keep it. Every replica computes the same answer from the same names, the copies of many pins
 spread evenly over the pool, and a replica that joins or leaves moves only the pins it takes
-or held. Each pressure answer tells the reporting replica the versions it keeps.
+or held. Each pressure answer tells the reporting replica the versions it keeps, and its next
+reports say what became of each (`pin_states`: held, or refused by its engine and why), which
+`replica_states` reads back for the pin's views.
 
 A pin must fit: at most the pool's live replicas; per replica, pins may take at most half its
 adapter memory (`gpu_bytes_capacity` in its reports; the versions' stored sizes are counted)
@@ -214,3 +216,20 @@ def names(session: Session, pin: AdapterPin) -> tuple[str, str]:
     if adapter is None or tenant is None:  # pragma: no cover - foreign keys
         raise NotFound("the pin's adapter is gone")
     return tenant.name, adapter.name
+
+
+def replica_states(pin: AdapterPin, tenant: str, adapter: str) -> list[tuple[str, str]]:
+    """(replica, state) for each live replica `pin` is assigned to, the state as its last
+    pressure report says (`pin_states`; `pending` when it does not say yet)."""
+    reports = live_replica_reports(pin.pool)
+    digest = pin.version.digest
+    out = []
+    for replica in assign(digest, sorted(reports), pin.replicas):
+        state = "pending"
+        for item in reports[replica].get("pin_states") or []:
+            if (item.get("tenant"), item.get("adapter"), item.get("digest")) == (
+                tenant, adapter, digest,
+            ):  # fmt: skip
+                state = str(item.get("state") or "pending")
+        out.append((replica, state))
+    return out

@@ -18,7 +18,7 @@ from loraplane.controlplane.schemas.common import (
     Strict,
     TenantName,
 )
-from loraplane.controlplane.schemas.pins import PinAssignment
+from loraplane.controlplane.schemas.pins import PinAssignment, PinState
 
 Counter = Field(default=0, ge=0, le=BIG)
 
@@ -97,6 +97,9 @@ class PressureReport(Strict):
     # the config.json the replica loaded its base model from: sent until the answer says the
     # pool has one (a pool whose model is only on the replicas' volume learns it this way)
     base_model_config: dict[str, Any] | None = None
+    # what became of each version the last answer assigned to this replica (held or refused,
+    # and why): GET /v1/pins shows it per pin
+    pin_states: list[PinState] = Field(default_factory=list, max_length=10_000)
 
     @field_validator("base_model_config")
     @classmethod

@@ -87,8 +87,12 @@ class ModelEntry:
 class Catalog(Protocol):
     """Tenants and their adapters, as the data plane sees them."""
 
-    async def resolve(self, api_key: str | None, model: str) -> Resolved:
-        """The caller's tenant and what `model` (`name`, `name@version`, the base model) is.
+    async def resolve(
+        self, api_key: str | None, model: str, *, rollout_key: str | None = None
+    ) -> Resolved:
+        """The caller's tenant and what `model` (`name`, `name@version`, the base model) is;
+        under a weighted rollout, one version picked by weight (by `rollout_key`'s bucket
+        when given: rollout.py).
 
         Raises Unauthorized (bad key), ModelNotFound, or Unavailable (catalog unreachable).
         """
@@ -156,8 +160,10 @@ class StaticCatalog:
             raise Unauthorized("Incorrect API key provided: send Authorization: Bearer <key>.")
         return DEFAULT_TENANT
 
-    async def resolve(self, api_key: str | None, model: str) -> Resolved:
-        """See Catalog.resolve."""
+    async def resolve(
+        self, api_key: str | None, model: str, *, rollout_key: str | None = None
+    ) -> Resolved:
+        """See Catalog.resolve (no rollouts here: `rollout_key` changes nothing)."""
         tenant = self._authenticate(api_key)
         rpm, tpm = self._rpm, self._tpm
         if model == self.base_model:

@@ -109,7 +109,9 @@ class HttpCatalog:
         # runtime gives it a Warmer so a version takes requests only once in host memory
         self.picker = Picker()
 
-    async def resolve(self, api_key: str | None, model: str) -> Resolved:
+    async def resolve(
+        self, api_key: str | None, model: str, *, rollout_key: str | None = None
+    ) -> Resolved:
         """See Catalog.resolve."""
         if not api_key:
             raise Unauthorized("send Authorization: Bearer <your API key>")
@@ -119,7 +121,7 @@ class HttpCatalog:
         hit = self._cache.get(cache_key)
         if hit is not None and hit.expires > now:
             self._cache.move_to_end(cache_key)
-            return await self._one_version(_unwrap(hit.result))
+            return await self._one_version(_unwrap(hit.result), rollout_key)
         refused = self._refused.get(cache_key)
         if refused is not None and refused.expires > now:
             return _unwrap(refused.result)
@@ -137,15 +139,16 @@ class HttpCatalog:
             if hit is not None and hit.good_until > now:
                 self.stale_answers += 1
                 # a tenant it knows: served through the outage
-                return await self._one_version(_unwrap(hit.result))
+                return await self._one_version(_unwrap(hit.result), rollout_key)
             raise
         self._refused.pop(cache_key, None)
         _put(self._cache, cache_key, _Entry(now + self.ttl, result, now + self.stale), self.entries)
-        return await self._one_version(result)
+        return await self._one_version(result, rollout_key)
 
-    async def _one_version(self, result: Resolved) -> Resolved:
-        """The answer for one request: a rollout's split narrowed to one version by weight."""
-        return await self.picker.pick(result) if result.rollout else result
+    async def _one_version(self, result: Resolved, rollout_key: str | None) -> Resolved:
+        """The answer for one request: a rollout's split narrowed to one version by weight
+        (by the sticky key's bucket when there is one)."""
+        return await self.picker.pick(result, rollout_key) if result.rollout else result
 
     def _check_down(self, now: float) -> None:
         """CatalogDown while the control plane is left alone after a failed call."""

@@ -8,6 +8,7 @@ from fastapi import Depends, Header, Request
 
 from loraplane.dataplane.server.catalog import Catalog, check_api_key
 from loraplane.dataplane.server.errors import Forbidden, NotFound, Unauthorized
+from loraplane.dataplane.server.rollout import ROLLOUT_KEY_HEADER
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.redact import key_problem
 
@@ -53,6 +54,17 @@ def caller_key(runtime: RuntimeDep, token: TokenDep) -> str | None:
 
 
 CallerKeyDep = Annotated[str | None, Depends(caller_key)]
+
+# a weighted rollout's sticky key (rollout.py): the same key gets the same version
+RolloutKeyDep = Annotated[
+    str | None,
+    Header(
+        alias=ROLLOUT_KEY_HEADER,
+        max_length=1024,
+        description="under a weighted rollout, requests with the same key (this header, else"
+        " the body's `user`) get the same version while the weights stay (default: random)",
+    ),
+]
 
 
 def get_catalog(runtime: RuntimeDep) -> Catalog:

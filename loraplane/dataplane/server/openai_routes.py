@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from loraplane.dataplane.engine import RequestOutput
 from loraplane.dataplane.server import openai_format as fmt
 from loraplane.dataplane.server.catalog import ModelEntry, Resolved
-from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RuntimeDep
+from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RolloutKeyDep, RuntimeDep
 from loraplane.dataplane.server.errors import APIError, InvalidRequest, ModelNotFound
 from loraplane.dataplane.server.generation import (
     Choice,
@@ -41,6 +41,8 @@ from loraplane.dataplane.server.generation import (
 )
 from loraplane.dataplane.server.limits import estimate_tokens
 from loraplane.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest, Generation
+from loraplane.dataplane.server.request_metrics import stream_failed
+from loraplane.dataplane.server.rollout import sticky_key
 from loraplane.dataplane.server.runtime import Lease, Runtime
 from loraplane.dataplane.server.streaming import ClientGone, EventStream, unless_disconnected
 from loraplane.dataplane.server.tools import ToolPlan, ToolStream
@@ -89,10 +91,13 @@ async def completions(
     runtime: RuntimeDep,
     catalog: CatalogDep,
     key: CallerKeyDep,
+    rollout_key: RolloutKeyDep = None,
 ) -> Response:
     """Text completion of one or more prompts."""
     body.check_supported()
-    resolved = await catalog.resolve(key, body.model)
+    resolved = await catalog.resolve(
+        key, body.model, rollout_key=sticky_key(rollout_key, body.user)
+    )
     engine = runtime.require_engine()
     tokenizer, vocab = engine.tokenizer, engine.vocab_size
     texts = body.prompts()
@@ -123,11 +128,14 @@ async def chat_completions(
     runtime: RuntimeDep,
     catalog: CatalogDep,
     key: CallerKeyDep,
+    rollout_key: RolloutKeyDep = None,
 ) -> Response:
     """Chat completion, the prompt rendered with the base model's chat template."""
     body.check_supported()
     tools = body.tool_plan(runtime.settings.tool_call_parser)
-    resolved = await catalog.resolve(key, body.model)
+    resolved = await catalog.resolve(
+        key, body.model, rollout_key=sticky_key(rollout_key, body.user)
+    )
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await _serve(
         request, runtime, resolved, body, chat_intake(runtime, body, tools), None, top, chat=True,
@@ -201,7 +209,8 @@ async def _serve(
     if body.stream:
         usage, continuous = body.include_usage, body.continuous_usage
         events = _events(runtime, job, created, model, top, chat=chat, usage=usage,
-                         continuous=continuous)  # fmt: skip
+                         continuous=continuous,
+                         on_error=functools.partial(stream_failed, request))  # fmt: skip
         return EventStream(events, on_close=lease.release)
     return await _answer(request, runtime, job, lease, created, model, top, chat)
 
@@ -380,10 +389,12 @@ async def _events(
     chat: bool,
     usage: bool,
     continuous: bool = False,
+    on_error: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE stream of a job. With `usage`, every chunk has `usage` (null, or with
     `continuous` the usage of its choice so far, as vLLM's continuous_usage_stats) and a last
-    chunk without choices carries the request's usage."""
+    chunk without choices carries the request's usage. A failure once started is an error
+    event, its status told to `on_error` (the version's error count)."""
     rid = job.request_id
 
     def so_far(choice: Choice, unshown: int = 0) -> dict[str, Any] | None:
@@ -442,8 +453,12 @@ async def _events(
                           usage_body=fmt.usage(job))
             )  # fmt: skip
     except APIError as e:
+        if on_error is not None:
+            on_error(e.status)
         yield fmt.sse(e.body())
     except Exception:
         log.exception("stream %s failed", rid)
+        if on_error is not None:
+            on_error(500)
         yield fmt.sse(APIError("internal server error").body())
     yield fmt.DONE

@@ -5,6 +5,10 @@ replica (`pins`: tenant, adapter, version, digest, store path); `PinSync.apply` 
 new ones, pins them in the engine (which loads them at once and keeps them on the device) and
 unpins those no longer named. A pin the engine refuses (`PinRefused`: past half the adapter
 memory or slots) is logged and left out; the next change of the assignment tries again.
+`PinSync.states` tells the control plane, in each pressure report (`pin_states`), what became
+of every assigned version here: `resident`, `host`, `loading`, `failed: <why>` or
+`refused: <why>` (refused at pin time, or unpinned by the engine once its size was known), so
+`GET /v1/pins` shows which replicas hold a pin and which refused it, and why.
 Standalone, the admin pins a --lora-modules adapter by name (`/v1/pin_lora_adapter`).
 """
 
@@ -18,6 +22,7 @@ from loraplane.dataplane.lora.manager import PinRefused
 from loraplane.dataplane.sequence import LoRARef
 
 log = logging.getLogger(__name__)
+MAX_STATE = 1000  # characters of a state sent (the control plane's PinState.state bound)
 Command = Callable[..., Awaitable[Any]]
 
 
@@ -43,11 +48,15 @@ class PinSync:
         self._command = command
         self.pinned: set[LoRARef] = set()  # what this replica pinned on the assignment's word
         self.refused: dict[str, str] = {}  # ref.key -> why the engine refused its pin
+        self.assigned: list[LoRARef] = []  # the last assignment, in its order
 
     async def apply(self, pins: list[tuple[LoRARef, str]]) -> None:
         """Pin the versions of `pins` (registering those the engine does not know) and unpin
         those pinned before that it no longer names."""
         wanted = {ref for ref, _ in pins}
+        self.assigned = [ref for ref, _ in pins]
+        keys = {ref.key for ref in wanted}
+        self.refused = {k: why for k, why in self.refused.items() if k in keys}
         for ref in sorted(self.pinned - wanted, key=lambda r: r.key):
             await self._command("unpin", ref)
             self.pinned.discard(ref)
@@ -64,3 +73,19 @@ class PinSync:
             self.refused.pop(ref.key, None)
             self.pinned.add(ref)
             log.info("pinned %s (%s)", ref.key, state)
+
+    async def states(self) -> list[dict[str, str]]:
+        """Each assigned version's pin state here, for the pressure report (`pin_states`):
+        the engine's word (`pin_state`) for those it took, `refused: <why>` for the others."""
+        taken = [ref for ref in self.assigned if ref in self.pinned]
+        engine: list[str] = list(await self._command("pin_states", taken)) if taken else []
+        said = dict(zip((ref.key for ref in taken), engine, strict=True))
+        out = []
+        for ref in self.assigned:
+            state = said.get(ref.key)
+            if state is None:
+                why = self.refused.get(ref.key)
+                state = f"refused: {why}" if why is not None else "pending"
+            out.append({"tenant": ref.tenant, "adapter": ref.name, "digest": ref.digest,
+                        "state": state[:MAX_STATE]})  # fmt: skip
+        return out

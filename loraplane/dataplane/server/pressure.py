@@ -18,7 +18,10 @@ carry the config.json the replica loaded its base model from until an answer say
 one: a pool whose model is only on its replicas' volume learns it this way. A config the control
 plane refuses (422) is not sent again; the next report goes without it. Reports go through
 `loraplane.internal_api.AsyncInternalAPIClient`; whatever its error, no usage is lost. An
-answer's `pins` (the versions this replica keeps resident) go to `on_pins` when they change.
+answer's `pins` (the versions this replica keeps resident) go to `on_pins` when they change,
+and the next reports carry what became of each (`pin_states`, from `pin_states`: held or
+refused, and why), sent only while some are assigned (a control plane from before pins
+assigns none and would refuse the unknown field).
 
 With a spool folder (LORAPLANE_USAGE_SPOOL_DIR, usage_spool.py) undelivered usage also survives
 a crash: the batch in flight and the log are written to disk before a batch is first sent,
@@ -183,6 +186,8 @@ class PressureReporter:
         # told the versions each answer assigns to this replica when they change (pins.py)
         self.on_pins: Callable[[list[tuple[LoRARef, str]]], Awaitable[None]] | None = None
         self._pins: list[tuple[LoRARef, str]] | None = None  # the last assignment applied
+        # what became of each assigned version here (PinSync.states), sent in each report
+        self.pin_states: Callable[[], Awaitable[list[dict[str, str]]]] | None = None
 
     async def report_once(self) -> bool:
         """Send one report; True when the control plane accepted it."""
@@ -198,6 +203,9 @@ class PressureReporter:
         )  # fmt: skip
         if rows:
             body["usage_batch"] = batch
+        states = await self._pin_states()
+        if states:
+            body["pin_states"] = states
         try:
             response = await self._api.request("POST", PRESSURE_PATH, json=body)
         except InternalAPIError as e:
@@ -227,6 +235,17 @@ class PressureReporter:
         self.reports_ok += 1
         await self._apply_pins(response)
         return True
+
+    async def _pin_states(self) -> list[dict[str, str]]:
+        """The assigned versions' states, or none when there are none or the engine cannot say
+        now (the report goes without them: pins never stop the reports)."""
+        if self.pin_states is None or not self._pins:
+            return []
+        try:
+            return await self.pin_states()
+        except Exception as e:
+            log.warning("this replica's pin states are left out of the report: %s", e)
+            return []
 
     async def _apply_pins(self, response: httpx.Response) -> None:
         """Hand a changed pin assignment to `on_pins` (a failure is logged and tried again

@@ -1,7 +1,10 @@
 """`loraplane_requests_total{tenant,code}`: every generation request, by tenant and status;
 `loraplane_adapter_version_requests_total{tenant,adapter,version}` and `..._errors_total`
 (a 5xx answer) for requests the route resolved to an adapter version (a rollout is judged by
-them; the version is the one the request ran with, a split's pick included).
+them; the version is the one the request ran with, a split's pick included). A stream that
+fails after its 200 went out (the engine died mid-way: its last event is an error) is counted
+as its version's error too: the stream notes the error's status (`stream_failed`) and the
+middleware reads it once the response is over.
 
 A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would buffer streaming
 responses and hide client disconnects): it reads the status from the response's first message
@@ -14,6 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from prometheus_client import Counter
+from starlette.requests import Request
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -21,6 +25,12 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+STREAM_ERROR = "stream_error"  # request state: the status of the error a started stream hit
+
+
+def stream_failed(request: Request, status: int) -> None:
+    """Note that `request`'s stream, its 200 sent, ended with an error of HTTP `status`."""
+    setattr(request.state, STREAM_ERROR, status)
 
 
 class RequestCounter:
@@ -42,8 +52,11 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
 
+        started: list[int] = []  # the status sent
+
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
+                started.append(message["status"])
                 state = scope.get("state", {})
                 tenant = state.get("tenant") or "unknown"
                 self.counter.labels(tenant=tenant, code=str(message["status"])).inc()
@@ -56,3 +69,10 @@ class RequestCounter:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+        state = scope.get("state", {})
+        late, ran = state.get(STREAM_ERROR), state.get("adapter_version")
+        # a 5xx answered at once was counted above; a started stream's 5xx only now
+        late_5xx = late is not None and late >= 500 and bool(started) and started[0] < 500
+        if late_5xx and ran is not None and self.version_errors is not None:
+            tenant = state.get("tenant") or "unknown"
+            self.version_errors.labels(tenant=tenant, adapter=ran[0], version=ran[1]).inc()

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -39,11 +40,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loraplane.dataplane.server import responses_format as rfmt
-from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RuntimeDep
+from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RolloutKeyDep, RuntimeDep
 from loraplane.dataplane.server.errors import APIError, InvalidRequest, NotFound
 from loraplane.dataplane.server.generation import Job, collect, run_job
 from loraplane.dataplane.server.openai_routes import admit, chat_intake
 from loraplane.dataplane.server.protocol import NOT_IMPLEMENTED, ChatCompletionRequest
+from loraplane.dataplane.server.request_metrics import stream_failed
+from loraplane.dataplane.server.rollout import sticky_key
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.streaming import ClientGone, EventStream, unless_disconnected
 from loraplane.dataplane.server.tools import ToolCall, ToolStream
@@ -355,13 +358,16 @@ async def create_response(
     runtime: RuntimeDep,
     catalog: CatalogDep,
     key: CallerKeyDep,
+    rollout_key: RolloutKeyDep = None,
 ) -> Response:
     """A model response to text or a conversation (with tools and structured outputs)."""
     try:
         chat = body.to_chat()
         chat.check_supported()
         tools = chat.tool_plan(runtime.settings.tool_call_parser)
-        resolved = await catalog.resolve(key, body.model)
+        resolved = await catalog.resolve(
+            key, body.model, rollout_key=sticky_key(rollout_key, body.user)
+        )
         intake = chat_intake(runtime, chat, tools)
         admitted = await admit(
             request, runtime, resolved, chat, intake, None, None, tools=tools, prefix="resp_"
@@ -373,7 +379,8 @@ async def create_response(
     job, lease = admitted
     created, echo = int(time.time()), body.echo()
     if body.stream:
-        return EventStream(_events(runtime, job, created, echo), on_close=lease.release)
+        events = _events(runtime, job, created, echo, functools.partial(stream_failed, request))
+        return EventStream(events, on_close=lease.release)
     try:
         await unless_disconnected(request, asyncio.create_task(collect(runtime, job)))
     except ClientGone:
@@ -398,11 +405,16 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 async def _events(
-    runtime: Runtime, job: Job, created: int, echo: dict[str, Any]
+    runtime: Runtime,
+    job: Job,
+    created: int,
+    echo: dict[str, Any],
+    on_error: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The stream: created, in_progress, each item's events as the text comes, then completed
     (or incomplete) with the whole response and its usage; a failure once started is a
-    `response.failed` event with the error and the output so far."""
+    `response.failed` event with the error and the output so far, its status told to
+    `on_error` (the version's error count)."""
     numbers = iter(range(1 << 62))
 
     def emit(*events: rfmt.Event) -> bytes:
@@ -439,6 +451,8 @@ async def _events(
         else:
             log.exception("response stream %s failed", rid)
             error = {"code": "server_error", "message": "internal server error"}
+        if on_error is not None:
+            on_error(e.status if isinstance(e, APIError) else 500)
         failed = rfmt.response(rid, created, echo, "failed", output.so_far(), rfmt.usage(job),
                                error=error)  # fmt: skip
         yield emit({"type": "response.failed", "response": failed})

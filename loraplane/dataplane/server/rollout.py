@@ -10,6 +10,14 @@ answer names, the rollback target), and `Warmer` registers it and starts its loa
 background the moment the split is first seen. A canary therefore never meets its first
 request cold, and the few requests that arrive during its load (milliseconds for an adapter
 on local disk) are the split's only deviation.
+
+A request may carry a sticky key (`X-LoRAplane-Rollout-Key`, else the OpenAI `user` field):
+then its version follows from sha256(tenant, adapter, key), a point in [0, 1) laid over the
+split's weights in version order, so the same key under the same weights always gets the same
+version on every replica, and raising the newest version's weight moves keys to it without
+moving any back. Without a key the pick is random. Either way a version not yet warm here
+gives its share to the current one, so a sticky key can land on the current version during a
+canary's first load.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import logging
 import random
 import time
@@ -32,6 +41,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECHECK_S = 0.05  # a version still loading is asked about again this much later at most
+ROLLOUT_KEY_HEADER = "X-LoRAplane-Rollout-Key"  # a sticky key, before the body's `user`
+
+
+def sticky_key(header: str | None, user: str | None) -> str | None:
+    """A request's sticky rollout key: the header's, else the body's `user` (None: random)."""
+    return header or user or None
+
+
+def bucket(tenant: str, adapter: str, key: str) -> float:
+    """The key's point in [0, 1): the same for the same tenant, adapter and key everywhere."""
+    digest = hashlib.sha256(f"{tenant}\0{adapter}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +141,9 @@ class Picker:
         self.readiness = readiness
         self._rng = rng or random.Random()  # noqa: S311 - a traffic split, not a secret
 
-    async def pick(self, resolved: Resolved) -> Resolved:
-        """`resolved` (a catalog `Resolved` with a split) narrowed to one version of it."""
+    async def pick(self, resolved: Resolved, key: str | None = None) -> Resolved:
+        """`resolved` (a catalog `Resolved` with a split) narrowed to one version of it: by
+        the sticky `key`'s bucket when given, at random otherwise."""
         split: tuple[SplitVersion, ...] = resolved.rollout
         ready = (
             await self.readiness.ready(resolved.tenant, resolved.adapter or "", split)
@@ -137,7 +159,8 @@ class Picker:
         total = sum(w for _, w in weights)
         if total <= 0:  # the current version is outside the split and nothing is warm yet
             return dataclasses.replace(resolved, rollout=())
-        point = self._rng.random() * total
+        at = bucket(resolved.tenant, resolved.adapter or "", key) if key else self._rng.random()
+        point = at * total
         for v, w in weights:
             point -= w
             if w > 0 and point < 0:

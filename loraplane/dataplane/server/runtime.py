@@ -163,6 +163,7 @@ class Runtime:
                 spool_dir=s.usage_spool_dir,
             )  # fmt: skip
             self._reporter.on_pins = self.pins.apply
+            self._reporter.pin_states = self.pins.states
             self._reporter.start()
         else:
             self.static = StaticCatalog(

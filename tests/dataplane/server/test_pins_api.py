@@ -100,3 +100,25 @@ def test_a_pressure_answer_s_pins_reach_the_replica_once_per_change() -> None:
     asyncio.run(run())
     assert applied == [[], [f"acme/a@{'d' * 64} adapters/acme/a/v1"]]
     assert assigned({"replicas": 1}) is None  # a control plane from before pins: no change
+
+
+def test_the_pin_states_say_held_or_refused_per_assigned_version_and_forget_old_refusals() -> None:
+    async def command(name: str, *args: Any) -> Any:
+        if name == "pin" and args[0].name == "big":
+            raise PinRefused("pinning big needs 9 bytes")
+        if name == "pin_states":
+            return ["resident" if ref.name == "a" else "loading" for ref in args[0]]
+        return "loading" if name == "pin" else None
+
+    a, b, big = (LoRARef(n, "acme", f"{n:0>64}") for n in ("a", "b", "big"))
+    sync = PinSync(command)
+    asyncio.run(sync.apply([(a, "p/a"), (big, "p/big")]))
+    states = asyncio.run(sync.states())
+    assert states == [
+        {"tenant": "acme", "adapter": "a", "digest": a.digest, "state": "resident"},
+        {"tenant": "acme", "adapter": "big", "digest": big.digest,
+         "state": "refused: pinning big needs 9 bytes"},
+    ]  # fmt: skip
+    asyncio.run(sync.apply([(b, "p/b")]))
+    assert [s["state"] for s in asyncio.run(sync.states())] == ["loading"]
+    assert sync.refused == {}  # no longer assigned: its refusal is not reported again

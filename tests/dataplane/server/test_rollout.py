@@ -6,7 +6,9 @@ request is counted per version on the metrics port."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.catalog import Resolved
 from loraplane.dataplane.server.catalog_http import _split_of
-from loraplane.dataplane.server.rollout import Picker, SplitVersion, Warmer
+from loraplane.dataplane.server.rollout import Picker, SplitVersion, Warmer, bucket
 from tests.dataplane.server.test_tenant_shares import replica
 
 SPLIT = (SplitVersion("1", 90, "a" * 64, "adapters/t/bot/v1"),
@@ -54,6 +56,47 @@ def test_2000_picks_at_90_10_land_within_2_points_of_the_split(seed: int) -> Non
     seen = picks(Picker(Ready({"1", "2"}), random.Random(seed)), 2000)
     assert abs(seen["2"] / 2000 - 0.10) <= 0.02, seen
     assert seen["1"] + seen["2"] == 2000
+
+
+def test_a_sticky_key_gets_one_version_everywhere_and_2000_keys_split_within_2_points() -> None:
+    async def run() -> dict[str, int]:
+        # two replicas' pickers, their random generators apart: a key still gets one version
+        here, there = (Picker(Ready({"1", "2"}), random.Random(seed)) for seed in (0, 1))
+        seen: dict[str, int] = {}
+        for i in range(2000):
+            key = f"user-{i}"
+            first = (await here.pick(ANSWER, key)).version or ""
+            again = [(await p.pick(ANSWER, key)).version for p in (there, here, there)]
+            assert again == [first] * 3, key
+            seen[first] = seen.get(first, 0) + 1
+        return seen
+
+    seen = asyncio.run(run())
+    assert abs(seen["2"] / 2000 - 0.10) <= 0.02, seen
+    assert seen["1"] + seen["2"] == 2000
+
+
+def test_raising_the_canary_s_weight_moves_sticky_keys_to_it_never_back() -> None:
+    def split(canary: int) -> Resolved:
+        versions = (SplitVersion("1", 100 - canary, "a" * 64, "p/v1"),
+                    SplitVersion("2", canary, "b" * 64, "p/v2"))  # fmt: skip
+        return Resolved("acme", "bot", "1", "a" * 64, "p/v1", rollout=versions)
+
+    async def versions(canary: int) -> dict[str, str]:
+        picker = Picker(Ready({"1", "2"}))
+        return {
+            k: (await picker.pick(split(canary), k)).version or "" for k in map(str, range(500))
+        }
+
+    at10, at30 = asyncio.run(versions(10)), asyncio.run(versions(30))
+    assert {k for k, v in at10.items() if v == "2"} < {k for k, v in at30.items() if v == "2"}
+    assert all(at30[k] == ("2" if bucket("acme", "bot", k) >= 0.7 else "1") for k in at30)
+
+
+def test_without_a_key_the_same_caller_is_split_at_random() -> None:
+    """The negative control: no key, no stickiness (200 picks at 90/10 from one caller)."""
+    seen = picks(Picker(Ready({"1", "2"}), random.Random(3)), 200)
+    assert seen["1"] and seen["2"]
 
 
 def test_a_version_not_yet_in_host_memory_gets_no_request_its_share_goes_to_the_current() -> None:
@@ -219,3 +262,73 @@ def test_a_5xx_answer_counts_as_an_error_of_the_version_the_request_ran_with() -
     got = {"tenant": "acme", "adapter": "bot", "version": "2"}
     assert registry.get_sample_value("v_total", got) == 4
     assert registry.get_sample_value("e_total", got) == 1  # the 503; a 429 is no server error
+
+
+def version_series(metrics_url: str, family: str) -> dict[str, float]:
+    """`family`'s samples for adapter bot, by version."""
+    text = httpx.get(metrics_url + "/metrics", timeout=30).text
+    for f in text_string_to_metric_families(text):
+        if f.name == family:
+            return {s.labels["version"]: s.value for s in f.samples
+                    if s.name.endswith("_total") and s.labels["adapter"] == "bot"}  # fmt: skip
+    return {}
+
+
+def test_sticky_keys_over_http_and_a_stream_that_fails_mid_way_counts_as_its_version_s_error(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Through the replica's OpenAI API, against the real control plane, the engine in its
+    own process: at 50/50 a request with `user` (or the X-LoRAplane-Rollout-Key header, which
+    wins) gets the version its key's bucket says, every time; then a stream of version 1 whose
+    engine is killed mid-way (its 200 long sent, its last event an error) is counted in
+    loraplane_adapter_version_errors_total for version 1."""
+    from tests.factories import build_peft_adapter
+
+    with replica(tiny_llama_dir, tmp_path, {"acme": 1}, resolve_ttl_s=0.2) as r:
+        auth = {"Authorization": f"Bearer {r.keys['acme']}"}
+        for seed in (1, 2):
+            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
+            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
+                            files=files, headers=auth)  # fmt: skip
+            assert up.status_code == 201, up.text
+        split = {"rollout": {"1": 50, "2": 50}}
+        assert httpx.patch(r.cp + "/v1/adapters/bot", json=split, headers=auth).status_code == 200
+        client = r.client("acme")
+        deadline = time.monotonic() + 60
+        while versions_served(r.metrics_url).get("2", 0) == 0:  # until v2 is warm here
+            assert time.monotonic() < deadline, "version 2 never served"
+            client.completions.create(model="bot", prompt="hello", max_tokens=1)
+
+        def served(**kw: Any) -> str:
+            before = versions_served(r.metrics_url)
+            client.completions.create(model="bot", prompt="hello", max_tokens=1, **kw)
+            after = versions_served(r.metrics_url)
+            (version,) = [v for v in after if after[v] != before.get(v, 0)]
+            return version
+
+        def expected(key: str) -> str:
+            return "1" if bucket("acme", "bot", key) < 0.5 else "2"
+
+        keys = [f"user-{i}" for i in range(8)]
+        assert {expected(k) for k in keys} == {"1", "2"}  # both versions among them
+        for key in keys:
+            assert [served(user=key) for _ in range(3)] == [expected(key)] * 3, key
+        header = next(k for k in keys if expected(k) != expected(keys[0]))
+        by_header = served(user=keys[0], extra_headers={"X-LoRAplane-Rollout-Key": header})
+        assert by_header == expected(header)
+
+        assert version_series(r.metrics_url, "loraplane_adapter_version_errors") == {}
+        pid = r.runtime.engine.pid  # type: ignore[union-attr]
+        body = {"model": "bot@1", "prompt": "hello", "max_tokens": 240, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", r.url + "/v1/completions", json=body, headers=auth,
+                          timeout=30) as s:  # fmt: skip
+            assert s.status_code == 200, s.read()
+            lines = s.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert any('"error"' in line for line in rest), rest[-3:]
+        errors = version_series(r.metrics_url, "loraplane_adapter_version_errors")
+        assert errors == {"1": 1.0}

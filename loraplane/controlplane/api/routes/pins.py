@@ -15,7 +15,7 @@ from loraplane.controlplane.crud import pins as crud
 from loraplane.controlplane.crud.tenants import get_tenant
 from loraplane.controlplane.models import DEFAULT_NAMESPACE, AdapterPin, Tenant
 from loraplane.controlplane.schemas.common import Namespace, ResourceName
-from loraplane.controlplane.schemas.pins import PinCreate, PinPublic
+from loraplane.controlplane.schemas.pins import PinCreate, PinPublic, PinReplica
 
 router = APIRouter(tags=["pins"], responses=errors(400, 401))
 PIN = "/v1/adapters/{name}/versions/{version}/pin"
@@ -26,7 +26,10 @@ NamespaceQuery = Annotated[Namespace, Query(description="the pool's namespace")]
 
 def _public(session: Session, pin: AdapterPin) -> PinPublic:
     tenant, adapter = crud.names(session, pin)
-    return PinPublic.of(pin, tenant, adapter)
+    placement = [
+        PinReplica(replica=r, state=state) for r, state in crud.replica_states(pin, tenant, adapter)
+    ]
+    return PinPublic.of(pin, tenant, adapter, placement)
 
 
 def _pin(
@@ -68,7 +71,8 @@ def unpin_version(
 
 @router.get("/v1/pins", response_model=list[PinPublic])
 def list_pins(session: SessionDep, caller: CallerDep) -> list[PinPublic]:
-    """The caller's pins."""
+    """The caller's pins, each with the replicas that hold it and those that refused it (with
+    the reason), from the replicas' last pressure reports."""
     return [_public(session, p) for p in crud.list_pins(session, tenant=caller.tenant)]
 
 
