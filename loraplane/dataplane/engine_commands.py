@@ -5,9 +5,11 @@ it wants and passes arguments that pickle; the engine's side runs `run_command`,
 between steps, whichever process that loop is in. Results pickle too (refs, snapshots).
 
     register_stored(ref, store_path) -> LoRARef   a stored version, loaded on first use
-    warm_stored(ref, store_path) -> bool          the same, its load into host memory begun
+    warm_stored(ref, store_path) -> bool | str    the same, its load into host memory begun
                                                   now (a rollout's version, before requests);
-                                                  whether it is in host memory already
+                                                  True: in host memory, False: loading, a
+                                                  string: why it cannot load (its last load
+                                                  failed; the engine's retry rule applies)
     register_lora(name, path, tenant) -> LoRARef  a local adapter directory (AdapterRejected)
     unregister(name, tenant) -> list[LoRARef]     every version of (tenant, name), freed
     set_weight(tenant, weight) -> None            the tenant's share weight in the scheduler
@@ -65,11 +67,16 @@ def run_command(engine: Engine, name: str, args: tuple[Any, ...]) -> Any:
     raise ValueError(f"unknown engine command {name!r} (known: {', '.join(COMMANDS)})")
 
 
-def warm_stored(engine: Engine, ref: LoRARef, store_path: str) -> bool:
+def warm_stored(engine: Engine, ref: LoRARef, store_path: str) -> bool | str:
     """Register a stored version and start loading it into host memory ahead of its requests
     (the prefetch list is the waiting requests' again at the next step; a load begun now goes
-    on). Whether it is in host memory already."""
+    on). True when it is in host memory already, False while it loads, else why it cannot
+    run (its last load failed and the retry window is open, or it is over the budget)."""
     engine.loras.register_stored(ref, store_path)
-    if not engine.loras.in_host_memory(ref):
-        engine.loras.prefetch([ref])
+    if engine.loras.in_host_memory(ref):
+        return True
+    failed = engine.loras.failure(ref)
+    if failed is not None:
+        return failed
+    engine.loras.prefetch([ref])
     return engine.loras.in_host_memory(ref)

@@ -246,6 +246,15 @@ class ServerMetrics:
             ["tenant", "adapter", "version"],
             registry=self.registry,
         )
+        # requests the split meant for a version that was not warm here, run on the current
+        # version instead: "loading" (its first load) or "failed" (its loads keep failing)
+        self.version_diverted = PromCounter(
+            "loraplane_adapter_version_diverted",
+            "Requests of a weighted rollout meant for a version not in host memory on this "
+            "replica, served by the current version instead, per reason (loading, failed)",
+            ["tenant", "adapter", "version", "reason"],
+            registry=self.registry,
+        )
         self.tokens = PromCounter(
             "loraplane_tokens",
             "Prompt and completion tokens per tenant",

@@ -15,9 +15,13 @@ A request may carry a sticky key (`X-LoRAplane-Rollout-Key`, else the OpenAI `us
 then its version follows from sha256(tenant, adapter, key), a point in [0, 1) laid over the
 split's weights in version order, so the same key under the same weights always gets the same
 version on every replica, and raising the newest version's weight moves keys to it without
-moving any back. Without a key the pick is random. Either way a version not yet warm here
-gives its share to the current one, so a sticky key can land on the current version during a
-canary's first load.
+moving any back. Without a key the pick is random. Either way the pick is made over the
+split's own weights, and a request whose version is not warm here runs on the current one
+instead: it is counted as diverted (`Picker.diverted`: the metric
+`loraplane_adapter_version_diverted_total{tenant,adapter,version,reason}`, reason `loading`
+or `failed`), so a canary whose loads keep failing shows as such, not as a quiet 0% share. A
+sticky key can land on the current version during a canary's first load; it comes back to
+its own version once that is warm.
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ class Readiness(Protocol):
         """The versions (of weight > 0) in host memory here; loads start for the others."""
         ...
 
+    def failed(self, tenant: str, adapter: str, version: SplitVersion) -> str | None:
+        """Why `version` cannot load here (its last load failed), or None (loading)."""
+        ...
+
+
+# a request diverted from its split's version to the current one: (tenant, adapter, the
+# version it was meant for, why: "loading" or "failed")
+Diverted = Callable[[str, str, str, str], None]
+
 
 class Warmer:
     """Registers a rollout's versions with the engine and starts their loads into host memory
@@ -88,6 +101,7 @@ class Warmer:
         self._warm: set[str] = set()  # ref keys known in host memory
         self._asked: dict[str, float] = {}  # ref key -> when it was last asked about
         self._pending: dict[str, asyncio.Future[Any]] = {}
+        self._failed: dict[str, str] = {}  # ref key -> why its last load failed (until warm)
 
     async def ready(self, tenant: str, adapter: str, split: tuple[SplitVersion, ...]) -> set[str]:
         """See Readiness.ready."""
@@ -111,14 +125,26 @@ class Warmer:
                 asks.append((v.version, ref.key, pending))
         for version, key, pending in asks:
             try:
-                in_host = await asyncio.shield(pending)
+                answer = await asyncio.shield(pending)
             except Exception as e:  # a bad path or a dead engine: the version waits, requests flow
-                log.warning("warming %s/%s v%s failed: %s", tenant, adapter, version, e)
-                continue
-            if in_host:
+                answer = f"{type(e).__name__}: {e}"
+            if isinstance(answer, str):  # its load failed: said once per reason, asked again
+                if self._failed.get(key) != answer:
+                    log.warning("rollout %s/%s v%s cannot load here (its share runs on the "
+                                "current version): %s", tenant, adapter, version,
+                                answer)  # fmt: skip
+                self._failed[key] = answer
+            elif answer:
                 ready.add(version)
                 self._warm.add(key)
+                self._failed.pop(key, None)
+            else:
+                self._failed.pop(key, None)
         return ready
+
+    def failed(self, tenant: str, adapter: str, version: SplitVersion) -> str | None:
+        """See Readiness.failed."""
+        return self._failed.get(LoRARef(adapter, tenant, version.digest).key)
 
     def _done(self, key: str, _: asyncio.Future[Any]) -> None:
         self._pending.pop(key, None)
@@ -136,40 +162,51 @@ class Picker:
     to the answer's current version."""
 
     def __init__(
-        self, readiness: Readiness | None = None, rng: random.Random | None = None
+        self,
+        readiness: Readiness | None = None,
+        rng: random.Random | None = None,
+        diverted: Diverted | None = None,
     ) -> None:
         self.readiness = readiness
+        self.diverted = diverted
         self._rng = rng or random.Random()  # noqa: S311 - a traffic split, not a secret
 
     async def pick(self, resolved: Resolved, key: str | None = None) -> Resolved:
         """`resolved` (a catalog `Resolved` with a split) narrowed to one version of it: by
-        the sticky `key`'s bucket when given, at random otherwise."""
+        the sticky `key`'s bucket when given, at random otherwise, over the split's weights;
+        a version not warm here gives way to the current one (counted by `diverted`)."""
         split: tuple[SplitVersion, ...] = resolved.rollout
-        ready = (
-            await self.readiness.ready(resolved.tenant, resolved.adapter or "", split)
-            if self.readiness is not None
-            else {v.version for v in split}
-        )
-        weights = [
-            (v, v.weight if v.version in ready or v.version == resolved.version else 0)
-            for v in split
-        ]
-        moved = sum(v.weight for v, w in weights if w == 0)
-        weights = [(v, w + (moved if v.version == resolved.version else 0)) for v, w in weights]
-        total = sum(w for _, w in weights)
-        if total <= 0:  # the current version is outside the split and nothing is warm yet
-            return dataclasses.replace(resolved, rollout=())
-        at = bucket(resolved.tenant, resolved.adapter or "", key) if key else self._rng.random()
-        point = at * total
-        for v, w in weights:
-            point -= w
-            if w > 0 and point < 0:
-                return dataclasses.replace(
-                    resolved, version=v.version, digest=v.digest, path=v.path,
-                    rank=v.rank, rollout=(),
-                )  # fmt: skip
-        last = next(v for v, w in reversed(weights) if w > 0)
+        tenant, adapter = resolved.tenant, resolved.adapter or ""
+        # asked on every request, whichever version it gets: the loads of every version with
+        # weight start the moment the split is first seen, before any request picks them
+        ready = None
+        if self.readiness is not None:
+            ready = await self.readiness.ready(tenant, adapter, split)
+        chosen = _by_weight(split, bucket(tenant, adapter, key) if key else self._rng.random())
+        current = dataclasses.replace(resolved, rollout=())
+        if chosen is None or chosen.version == resolved.version:
+            return current
+        if ready is not None and self.readiness is not None and chosen.version not in ready:
+            if self.diverted is not None:
+                why = "failed" if self.readiness.failed(tenant, adapter, chosen) else "loading"
+                self.diverted(tenant, adapter, chosen.version, why)
+            return current
         return dataclasses.replace(
-            resolved, version=last.version, digest=last.digest, path=last.path, rank=last.rank,
-            rollout=(),
+            resolved, version=chosen.version, digest=chosen.digest, path=chosen.path,
+            rank=chosen.rank, rollout=(),
         )  # fmt: skip
+
+
+def _by_weight(split: tuple[SplitVersion, ...], at: float) -> SplitVersion | None:
+    """The version of `split` whose share of the weights holds the point `at` in [0, 1)
+    (None: no weight at all)."""
+    total = sum(max(v.weight, 0) for v in split)
+    if total <= 0:
+        return None
+    point = at * total
+    for v in split:
+        if v.weight > 0:
+            point -= v.weight
+            if point < 0:
+                return v
+    return next(v for v in reversed(split) if v.weight > 0)

@@ -155,6 +155,10 @@ class Runtime:
             )  # fmt: skip
             self.warmer = Warmer(self.command)  # a rollout's versions load before requests
             self.catalog.picker.readiness = self.warmer
+            diverted = self.metrics.version_diverted
+            self.catalog.picker.diverted = lambda tenant, adapter, version, why: diverted.labels(
+                tenant=tenant, adapter=adapter, version=version, reason=why
+            ).inc()
             replica = s.replica or f"{socket.gethostname()}:{s.port}"
             self._reporter = PressureReporter(
                 s.controlplane_url, s.service_token, s.pool, replica, self.snapshot, self.usage,

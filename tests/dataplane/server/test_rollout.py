@@ -29,13 +29,17 @@ ANSWER = Resolved("acme", "bot", "1", "a" * 64, "adapters/t/bot/v1", rollout=SPL
 
 
 class Ready:
-    """A readiness stand-in: the versions it names are in host memory."""
+    """A readiness stand-in: the versions it names are in host memory; those in `failing`
+    cannot load."""
 
-    def __init__(self, versions: set[str]) -> None:
-        self.versions = versions
+    def __init__(self, versions: set[str], failing: set[str] | None = None) -> None:
+        self.versions, self.failing = versions, failing or set()
 
     async def ready(self, tenant: str, adapter: str, split: tuple[SplitVersion, ...]) -> set[str]:
         return set(self.versions)
+
+    def failed(self, tenant: str, adapter: str, version: SplitVersion) -> str | None:
+        return "AdapterRejected: gone" if version.version in self.failing else None
 
 
 def picks(picker: Picker, n: int) -> dict[str, int]:
@@ -104,6 +108,57 @@ def test_a_version_not_yet_in_host_memory_gets_no_request_its_share_goes_to_the_
     # the canary alone warm (the current version evicted): the current still takes its share
     seen = picks(Picker(Ready({"2"}), random.Random(0)), 2000)
     assert abs(seen["2"] / 2000 - 0.10) <= 0.02
+
+
+@pytest.mark.parametrize(("failing", "reason"), [(set(), "loading"), ({"2"}, "failed")])
+def test_requests_meant_for_a_version_not_warm_here_are_counted_as_diverted(
+    failing: set[str], reason: str
+) -> None:
+    """What the split meant for the cold canary runs on the current version and is counted,
+    with the reason, so a canary whose loads keep failing shows (not a quiet 0% share)."""
+    diverted: dict[tuple[str, ...], int] = {}
+
+    def count(*labels: str) -> None:
+        diverted[labels] = diverted.get(labels, 0) + 1
+
+    picker = Picker(Ready({"1"}, failing), random.Random(0), diverted=count)
+    assert picks(picker, 2000) == {"1": 2000}
+    (labels, n), *rest = diverted.items()
+    assert not rest and labels == ("acme", "bot", "2", reason)
+    assert abs(n / 2000 - 0.10) <= 0.02, n
+    # the same picks with the canary warm: exactly the diverted ones go to it
+    assert picks(Picker(Ready({"1", "2"}), random.Random(0)), 2000)["2"] == n
+
+
+def test_a_sticky_key_diverted_while_its_version_loads_comes_back_to_it() -> None:
+    key = next(k for k in (f"user-{i}" for i in range(1000)) if bucket("acme", "bot", k) >= 0.9)
+    ready = Ready({"1"})
+    picker = Picker(ready)
+    assert asyncio.run(picker.pick(ANSWER, key)).version == "1"
+    ready.versions = {"1", "2"}
+    assert asyncio.run(picker.pick(ANSWER, key)).version == "2"
+
+
+def test_the_warmer_remembers_why_a_version_cannot_load_until_it_does() -> None:
+    answers = iter(["AdapterRejected: files missing", "AdapterRejected: files missing", True])
+
+    async def command(name: str, ref: LoRARef, path: str) -> bool | str:
+        return True if ref.digest[0] == "a" else next(answers)
+
+    async def run() -> list[tuple[set[str], str | None]]:
+        warmer = Warmer(command)
+        seen = []
+        for _ in range(3):
+            ready = await warmer.ready("acme", "bot", SPLIT)
+            seen.append((ready, warmer.failed("acme", "bot", SPLIT[1])))
+            await asyncio.sleep(0.06)
+        return seen
+
+    assert asyncio.run(run()) == [
+        ({"1"}, "AdapterRejected: files missing"),
+        ({"1"}, "AdapterRejected: files missing"),
+        ({"1", "2"}, None),
+    ]
 
 
 def test_the_warmer_asks_the_engine_once_then_remembers_a_version_in_host_memory() -> None:
@@ -332,3 +387,46 @@ def test_sticky_keys_over_http_and_a_stream_that_fails_mid_way_counts_as_its_ver
         assert any('"error"' in line for line in rest), rest[-3:]
         errors = version_series(r.metrics_url, "loraplane_adapter_version_errors")
         assert errors == {"1": 1.0}
+
+
+def test_a_canary_whose_files_are_gone_is_served_by_the_current_version_and_counted_failed(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """A canary that cannot load on this replica never fails a request: its share runs on the
+    current version, and the metrics port counts those requests as diverted, reason failed."""
+    import shutil
+
+    from tests.factories import build_peft_adapter
+
+    with replica(
+        tiny_llama_dir, tmp_path, {"acme": 1}, engine_process=False, resolve_ttl_s=0.2
+    ) as r:
+        auth = {"Authorization": f"Bearer {r.keys['acme']}"}
+        for seed in (1, 2):
+            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
+            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
+                            files=files, headers=auth)  # fmt: skip
+            assert up.status_code == 201, up.text
+        versions = httpx.get(r.cp + "/v1/adapters/bot/versions", headers=auth).json()
+        digest = {str(v["version"]): v["digest"] for v in versions}
+        (gone,) = (tmp_path / "store").glob(f"adapters/*/bot/v2-{digest['2'][:12]}")
+        shutil.rmtree(gone)
+        for change in ({"current_version": 1}, {"rollout": {"1": 50, "2": 50}}):
+            patched = httpx.patch(r.cp + "/v1/adapters/bot", json=change, headers=auth)
+            assert patched.status_code == 200, patched.text
+        client = r.client("acme")
+        for _ in range(30):
+            assert client.completions.create(model="bot", prompt="hi", max_tokens=1).choices
+        served = versions_served(r.metrics_url)
+        diverted = {
+            (s.labels["version"], s.labels["reason"]): s.value
+            for f in text_string_to_metric_families(httpx.get(r.metrics_url + "/metrics").text)
+            if f.name == "loraplane_adapter_version_diverted"
+            for s in f.samples
+            if s.name.endswith("_total")
+        }
+    assert served == {"1": 30.0}
+    assert set(diverted) <= {("2", "loading"), ("2", "failed")}
+    assert diverted.get(("2", "failed"), 0) > 0, diverted
+    assert sum(diverted.values()) >= 5  # about half of 30 meant for v2, all run on v1
