@@ -466,6 +466,8 @@ def test_plan_prints_json_with_the_memory_split_and_replicas(
     assert set(out["replicas"]) == {"round_robin", "lora_affinity", "bounded_k"}
     assert all(isinstance(n, int) and n >= 1 for n in out["replicas"].values())
     assert out["cost"]["kind"] == "roofline"
+    # a GPU plan says how far to trust it (issue 32): no GPU run has validated the roofline
+    assert out["cost"]["confidence"].startswith("unvalidated on GPUs")
 
 
 def test_plan_reads_a_model_folder_and_prints_the_split(
@@ -480,6 +482,7 @@ def test_plan_reads_a_model_folder_and_prints_the_split(
                                   + shape.num_kv_heads * shape.head_dim) * 2  # fmt: skip
     assert f"{one / 1e6:.1f} MB each" in text
     assert "memory per replica:" in text and "give --rate" in text
+    assert "confidence: unvalidated on GPUs" in text  # its cost model is a GPU roofline
 
 
 def test_plan_refuses_unknown_shapes_and_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -498,7 +501,9 @@ def test_plan_draws_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str])
                  "round_robin,bounded_k", "--plot", str(png)])  # fmt: skip
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot: {png}" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"plot: {png}" in text
+    assert "\nconfidence: unvalidated on GPUs" in text  # printed with every roofline plan
 
 
 # -- the simulator against the engine ------------------------------------------------------

@@ -128,6 +128,18 @@ def streamed_linear_params(shape: ModelShape, tokens: int) -> float:
     return total - experts + experts * expert_reach(shape, tokens)
 
 
+# What a plan from the roofline can be trusted for, printed with every GPU plan (issue 32).
+ROOFLINE_CONFIDENCE = (
+    "unvalidated on GPUs: no GPU run has checked the roofline's seconds (the simulator's rules"
+    " are checked against a real CPU replica, loraplane.planner.validate, not these costs). It"
+    " leaves out kernel efficiency below the assumed 80% of bandwidth and 50% of peak (small"
+    " batches, attention, SGMV over many adapters), host time beyond a fixed 2 ms a step"
+    " (Python scheduling, sampling, a long waiting queue), CUDA graphs, adapter copies that"
+    " contend with other PCIe traffic, and collectives' real latency: read its replica counts"
+    " as estimates, possibly optimistic, until a GPU run calibrates them (--calibrate)"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Roofline:
     """A step at the roofline of `gpu` for `shape` in `dtype` (see the module docstring)."""
@@ -223,6 +235,7 @@ class Roofline:
             "host_load_bandwidth": self.host_load_bandwidth,
             "tensor_parallel_size": self.tensor_parallel_size,
             "interconnect_efficiency": self.interconnect_efficiency,
+            "confidence": ROOFLINE_CONFIDENCE,
         }
 
 
