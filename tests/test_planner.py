@@ -572,3 +572,12 @@ def test_the_negative_controls_change_what_their_part_decides() -> None:
     assert no_barrier.deferred < (1 - TOLERANCE["deferred"]) * full.deferred
     assert unbounded.cold_loads == distinct
     assert unbounded.cold_loads < (1 - TOLERANCE["cold_loads"]) * full.cold_loads
+    # the validation's clock counts the loaders' work on the engine's core: with the loads
+    # off the core, the same run is shorter, by at most the loads' seconds (those that end
+    # while the engine waits for them cost the wait either way)
+    apart = simulate(dataclasses.replace(settings, loads_share_core=False), cost, "round_robin",
+                     1, VALIDATION)  # fmt: skip
+    tokens = sum(o for _, _, o in draw_requests(VALIDATION, VALIDATION.requests))
+    loads_s = full.cold_loads * cost.host_load_seconds(settings.adapter_bytes)
+    longer = tokens / full.tokens_per_s - tokens / apart.tokens_per_s
+    assert 0.1 * loads_s < longer <= loads_s, (longer, loads_s)
