@@ -222,6 +222,13 @@ def test_calibrated_costs_survive_a_round_trip_through_their_file(tmp_path: Path
     cost = LinearCost(0.01, 1e-4, 2e-4, 1e-6, 3e-4, 2e-9, "here", "m", (0.9, 1.1))
     cost.save(tmp_path / "c.json")
     assert LinearCost.load(tmp_path / "c.json") == cost
+    # a file from before the deferred-request term was measured reads it as 0
+    old = {k: v for k, v in cost.describe().items() if k != "per_deferred"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert LinearCost.load(tmp_path / "old.json") == cost
+    priced = dataclasses.replace(cost, per_deferred=1e-4)
+    shape = StepShape(10, 10, 100, 100, 2, 0, deferred=20)
+    assert priced.step_seconds(shape) == pytest.approx(cost.step_seconds(shape) + 20 * 1e-4)
     (tmp_path / "bad.json").write_text(json.dumps({"kind": "linear", "base": "x"}))
     with pytest.raises(ValueError, match="base must be a number"):
         LinearCost.load(tmp_path / "bad.json")

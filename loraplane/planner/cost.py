@@ -50,6 +50,7 @@ class StepShape:
     adapters: int  # distinct adapters in the step
     adapter_bytes: int  # their device bytes together
     placed_bytes: int = 0  # adapter bytes copied host -> device for this step
+    deferred: int = 0  # waiting requests the adapter rules held back (the scheduler's work)
 
 
 class CostModel(Protocol):
@@ -252,6 +253,9 @@ class LinearCost:
     measured_on: str = ""
     model: str = ""
     jitter: tuple[float, ...] = ()  # identical steps' times over their median, in order
+    # the engine's work per deferred request and step (the scheduler and the housekeeping go
+    # over the waiting queue): 0 in cost files from before it was measured
+    per_deferred: float = 0.0
 
     def step_seconds(self, step: StepShape) -> float:
         """The fitted linear model."""
@@ -261,6 +265,7 @@ class LinearCost:
             + self.per_seq * step.seqs
             + self.per_context * step.context
             + self.per_adapter * step.adapters
+            + self.per_deferred * step.deferred
         )
 
     def host_load_seconds(self, nbytes: int) -> float:
@@ -285,7 +290,7 @@ class LinearCost:
             raise ValueError(f"{path} is not a calibrated cost file (kind 'linear')")
         values: dict[str, Any] = {}
         for f in fields(cls):
-            value = data.get(f.name)
+            value = data.get(f.name, 0.0 if f.name == "per_deferred" else None)
             if f.name == "jitter":
                 value = value or []
                 if not isinstance(value, list) or not all(

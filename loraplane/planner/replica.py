@@ -152,7 +152,7 @@ def step_shape(out: SchedulerOutput, adapter_bytes: int, placed_bytes: int = 0) 
         attention += row.num_new_tokens * length
     adapters = len(out.lora_keys)
     return StepShape(tokens, len(out.scheduled), context, attention, adapters,
-                     adapters * adapter_bytes, placed_bytes)  # fmt: skip
+                     adapters * adapter_bytes, placed_bytes, out.num_deferred)  # fmt: skip
 
 
 @dataclass(slots=True)
