@@ -9,8 +9,9 @@ deferrals or cold loads far past the tolerances (`CONTROLS`): the comparison can
 
 Out of sample: the cost model is fitted (`calibrate.calibrate`) on an engine of the default
 settings (64 seats, no slot limit, adapters already in host memory) over full batches of 64, 16,
-32 and 8 rows and a closed loop of 48 in flight over 48 adapters, never the validation's
-4-slot, cold-loading batches.
+32 and 8 rows and a closed loop of 48 in flight over 48 adapters, and on a 16-slot engine with
+64 in flight over 48 warm adapters (to price the engine's work per deferred request); never the
+validation's 4-slot, cold-loading batches of about 9 rows.
 
 Both sides in the process's CPU time (`time.process_time`), the calibration's steps and loads
 and the real run alike. On a host shared with other processes wall time measures the
