@@ -518,8 +518,9 @@ def test_plan_draws_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 @pytest.mark.slow
 def test_the_simulator_agrees_with_a_real_replica_where_deferral_and_eviction_bind() -> None:
-    """Calibrate on a small CPU model (batches of other shapes, no slot limit, adapters warm),
-    then run one real replica where the planner's parts bind (`validate.VALIDATION`: 32 in
+    """Calibrate on a small CPU model (batches of other shapes, adapters warm: no slot limit,
+    and 16 slots with 64 in flight for the cost per deferred request), then run one real
+    replica where the planner's parts bind (`validate.VALIDATION`: 32 in
     flight over 4 adapter slots, the barrier after 16 deferred steps, a host tier of 8 under
     Zipf(1.3) over 60 adapters) and simulate the same requests. Tokens/s and p99 TTFT within
     15%, cold loads within 20%, deferrals within 15% (`validate.TOLERANCE`); and the same

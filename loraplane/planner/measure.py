@@ -143,7 +143,7 @@ class LoadRun:
     tokens_per_s: float
     ttft: list[float]  # in request order
     steps: list[tuple[StepShape, float]] = field(default_factory=list)
-    loads: int = 0
+    loads: int = 0  # loads into host memory that ended in the run (the step records')
     load_seconds: list[float] = field(default_factory=list)  # each load's, as the engine saw it
     cold: list[bool] = field(default_factory=list)  # per request: adapter not in host memory
     deferred: int = 0  # requests the adapter rules held back at least once (step records)
@@ -157,11 +157,12 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
     `fleet.draw_requests` gives them), `in_flight` at a time; a finished request sends the
     next at once. Tokens/s counts generated tokens from the first step to the last request's
     end, as `benchmarks/tiers.py` does. `clock` reads every time: wall time by default;
-    `time.thread_time` (this thread's CPU time) gives what wall time would be on a machine
-    the engine had to itself (the engine's thread is the one that steps; its waits for
-    loader threads do not count then). `engine_only`: time passes only inside `Engine.step()`
-    (arrivals, first tokens and the span read that time): the loop's own work, making the next
-    request and reading the outputs, is the client's (a server's API), not the replica's."""
+    `time.thread_time` (this thread's CPU time) leaves out the engine's waits for its loader
+    threads and their work; `time.process_time` counts both, as if on one core (what
+    `validate.py` reads, unmoved by other processes on a shared host). `engine_only`: time
+    passes only inside `Engine.step()` (arrivals, first tokens and the span read that time):
+    the loop's own work, making the next request and reading the outputs, is the client's (a
+    server's API), not the replica's."""
     from loraplane.dataplane.sampling import SamplingParams
 
     rng = random.Random(seed)  # noqa: S311 - a seeded workload, not secrets
