@@ -222,6 +222,13 @@ def test_calibrated_costs_survive_a_round_trip_through_their_file(tmp_path: Path
     cost = LinearCost(0.01, 1e-4, 2e-4, 1e-6, 3e-4, 2e-9, "here", "m", (0.9, 1.1))
     cost.save(tmp_path / "c.json")
     assert LinearCost.load(tmp_path / "c.json") == cost
+    # a file from before the deferred-request term was measured reads it as 0
+    old = {k: v for k, v in cost.describe().items() if k != "per_deferred"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert LinearCost.load(tmp_path / "old.json") == cost
+    priced = dataclasses.replace(cost, per_deferred=1e-4)
+    shape = StepShape(10, 10, 100, 100, 2, 0, deferred=20)
+    assert priced.step_seconds(shape) == pytest.approx(cost.step_seconds(shape) + 20 * 1e-4)
     (tmp_path / "bad.json").write_text(json.dumps({"kind": "linear", "base": "x"}))
     with pytest.raises(ValueError, match="base must be a number"):
         LinearCost.load(tmp_path / "bad.json")
@@ -466,6 +473,8 @@ def test_plan_prints_json_with_the_memory_split_and_replicas(
     assert set(out["replicas"]) == {"round_robin", "lora_affinity", "bounded_k"}
     assert all(isinstance(n, int) and n >= 1 for n in out["replicas"].values())
     assert out["cost"]["kind"] == "roofline"
+    # a GPU plan says how far to trust it (issue 32): no GPU run has validated the roofline
+    assert out["cost"]["confidence"].startswith("unvalidated on GPUs")
 
 
 def test_plan_reads_a_model_folder_and_prints_the_split(
@@ -480,6 +489,7 @@ def test_plan_reads_a_model_folder_and_prints_the_split(
                                   + shape.num_kv_heads * shape.head_dim) * 2  # fmt: skip
     assert f"{one / 1e6:.1f} MB each" in text
     assert "memory per replica:" in text and "give --rate" in text
+    assert "confidence: unvalidated on GPUs" in text  # its cost model is a GPU roofline
 
 
 def test_plan_refuses_unknown_shapes_and_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -498,52 +508,84 @@ def test_plan_draws_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str])
                  "round_robin,bounded_k", "--plot", str(png)])  # fmt: skip
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot: {png}" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"plot: {png}" in text
+    assert "\nconfidence: unvalidated on GPUs" in text  # printed with every roofline plan
 
 
 # -- the simulator against the engine ------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_the_simulator_predicts_tokens_within_15_percent_and_p99_ttft_within_20() -> None:
-    """Calibrate on a small CPU model, then run one real replica (200 stored adapters under
-    Zipf(1.0), 64 requests in flight, the host tier smaller than the adapters, so cold loads
-    go on all along) and simulate the same requests; tokens/s and p99 TTFT within 15%.
+def test_the_simulator_agrees_with_a_real_replica_where_deferral_and_eviction_bind() -> None:
+    """Calibrate on a small CPU model (batches of other shapes, adapters warm: no slot limit,
+    and 16 slots with 64 in flight for the cost per deferred request), then run one real
+    replica where the planner's parts bind (`validate.VALIDATION`: 32 in
+    flight over 4 adapter slots, the barrier after 16 deferred steps, a host tier of 8 under
+    Zipf(1.3) over 60 adapters) and simulate the same requests. Tokens/s and p99 TTFT within
+    15%, cold loads within 20%, deferrals within 15% (`validate.TOLERANCE`); and the same
+    comparison fails for each negative control: the simulator without its starvation barrier,
+    and with an unbounded host tier.
 
-    It runs in a process of its own (`python -m loraplane.planner.validate`): in this one, the
-    threads other tests leave (servers, engine loops) slowed the real runs by 9% and not the
-    calibrations. Several engineers share this machine's two cores, so wall time measures them
-    as much as the engine: engine time is read as the engine thread's CPU time
-    (`time.thread_time`, one torch thread), which is the wall time it would take on a machine
-    of its own, for the calibration and the runs alike. The loader threads run at the
-    engine's own priority (on a shared host, loaders at nice 19 wait behind other processes'
-    work, which the planner does not model). Calibrations and runs alternate (each run is
-    simulated with the mean of the calibrations on either side of it), and the verdict is the
-    median of five rounds' ratios: a neighbour's burst during one run, seen by no
-    calibration, moves one round only.
-
-    p99 TTFT is held to 20%, not 15%: on the 2-core CI machine (December 2026) the simulator's
-    p99 TTFT ran 12% to 15% below the real replica's, the median of the rounds 0.848 to 0.88
-    over six runs, at that session's first commit as after it, so 15% failed about one run in
-    six. Issue 32's first point reworks this validation (where deferral and eviction bind,
-    negative controls)."""
+    Robust on a shared host: it runs in a process of its own (threads other tests leave slow
+    the real runs, not the calibrations); both sides read the process's CPU time, so other
+    processes' load does not count (wall time did: the engine thread got a third of a core at
+    a load average of 5); calibrations and runs alternate, each run simulated with the mean of
+    the calibrations on either side of it, and each figure's verdict is the median of three
+    rounds' ratios. Cold loads and deferrals are counts, which the machine's load barely
+    moves."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_LOADER_NICE": "0"}
     done = subprocess.run(
         [sys.executable, "-m", "loraplane.planner.validate", "--json"],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+        env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    verdict = json.loads(done.stdout.strip().splitlines()[-1])
-    rounds = [(round(r["real_tokens_per_s"]), round(r["sim_tokens_per_s"]),
-               round(r["ttft_ratio"], 3), r["real_loads"], r["sim_loads"])
-              for r in verdict["rounds"]]  # fmt: skip
-    detail = (
-        f"tokens/s sim/real {verdict['tokens_ratio']:.3f}; p99 TTFT sim/real"
-        f" {verdict['ttft_ratio']:.3f} (pooled: real {verdict['real_ttft_p99_s']:.4f} s, sim"
-        f" {verdict['sim_ttft_p99_s']:.4f} s); rounds (real, sim tokens/s, TTFT ratio, real,"
-        f" sim loads) {rounds}; {verdict['seconds']:.0f} s"
-    )
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    verdicts, rounds = out["verdicts"], out["rounds"]
+    detail = json.dumps({"verdicts": verdicts, "rounds": rounds, "seconds": out["seconds"]})
     print(detail)
-    assert len(rounds) == 5 and all(r[3] > 20 for r in rounds), detail  # the tiers were used
-    assert 0.85 <= verdict["tokens_ratio"] <= 1.15, detail
-    assert 0.80 <= verdict["ttft_ratio"] <= 1.20, detail
+    assert len(rounds) == 3, detail
+    for r in rounds:  # where the parts bind: most requests deferred, cold loads all along
+        assert r["real"]["deferred"] > 150 and r["real"]["cold_loads"] > 100, detail
+    assert verdicts["simulator"]["agrees"], detail
+    assert verdicts["simulator"]["misses"] == [], detail
+    # the negative controls: what each part moves fails the comparison
+    assert "deferred" in verdicts["no_barrier"]["misses"], detail
+    assert "cold_loads" in verdicts["unbounded_host_tier"]["misses"], detail
+
+
+def test_the_negative_controls_change_what_their_part_decides() -> None:
+    """On the validation's settings in the simulator alone: without the barrier fewer requests
+    are deferred (others pass the starving ones), and with an unbounded host tier an adapter
+    loads once; the full simulator is deterministic against itself. Cheap (no engine), so it
+    runs in every test run."""
+    from loraplane.planner.replica import Parts
+    from loraplane.planner.validate import TOLERANCE, VALIDATION
+
+    settings = ReplicaSettings(max_num_seqs=32, max_num_batched_tokens=2048, lora_slots=4,
+                               lora_budget_bytes=10**9, adapter_bytes=229_376,
+                               adapter_device_bytes=229_376, max_cpu_loras=8, kv_blocks=512,
+                               block_size=16, max_deferral_steps=16, device_copies=False,
+                               loads_share_core=True)  # fmt: skip
+    cost = LinearCost(base=0.004, per_token=1e-4, per_seq=5e-5, per_context=1e-6,
+                      per_adapter=2e-5, load_seconds_per_byte=4e-9)  # fmt: skip
+    full = simulate(settings, cost, "round_robin", 1, VALIDATION)
+    assert full == simulate(settings, cost, "round_robin", 1, VALIDATION)
+    no_barrier = simulate(settings, cost, "round_robin", 1, VALIDATION, parts=Parts(barrier=False))
+    unbounded = simulate(settings, cost, "round_robin", 1, VALIDATION,
+                         parts=Parts(host_limit=False))  # fmt: skip
+    distinct = len({a for a, _, _ in draw_requests(VALIDATION, VALIDATION.requests)})
+    assert full.deferred > VALIDATION.requests // 2  # the slots bind
+    assert full.cold_loads > 3 * distinct  # the host tier evicts and reloads
+    assert no_barrier.deferred < (1 - TOLERANCE["deferred"]) * full.deferred
+    assert unbounded.cold_loads == distinct
+    assert unbounded.cold_loads < (1 - TOLERANCE["cold_loads"]) * full.cold_loads
+    # the validation's clock counts the loaders' work on the engine's core: with the loads
+    # off the core, the same run is shorter, by at most the loads' seconds (those that end
+    # while the engine waits for them cost the wait either way)
+    apart = simulate(dataclasses.replace(settings, loads_share_core=False), cost, "round_robin",
+                     1, VALIDATION)  # fmt: skip
+    tokens = sum(o for _, _, o in draw_requests(VALIDATION, VALIDATION.requests))
+    loads_s = full.cold_loads * cost.host_load_seconds(settings.adapter_bytes)
+    longer = tokens / full.tokens_per_s - tokens / apart.tokens_per_s
+    assert 0.1 * loads_s < longer <= loads_s, (longer, loads_s)

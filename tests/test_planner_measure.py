@@ -49,3 +49,28 @@ def test_load_adapters_times_each_load_through_the_engine_once(bench: Bench) -> 
         assert len(engine.observers) == 0
     finally:
         engine.loras.close()
+
+
+def test_a_closed_loop_counts_deferrals_from_the_records_and_can_time_the_engine_alone(
+    bench: Bench,
+) -> None:
+    """Deferrals are the step records' newly deferred requests, which is the scheduler's own
+    count; with `engine_only` the run's clock advances only inside `Engine.step()` (a clock
+    that ticks once per reading: the span is exactly one tick per step call)."""
+    from loraplane.dataplane.step_observer import StepRecord
+
+    engine, refs = make_engine(bench, max_num_seqs=6, max_loras=2, max_cpu_loras=6,
+                               num_kv_blocks=128)  # fmt: skip
+    calls: list[StepRecord] = []
+    engine.observers.append(lambda r: calls.append(r) if r.batch is not None else None)
+    ticks = iter(range(10**9))
+    try:
+        trace = [(i % 6, 5, 3) for i in range(18)]
+        run = closed_loop(engine, refs, trace, 6, clock=lambda: float(next(ticks)),
+                          engine_only=True)  # fmt: skip
+        assert run.deferred == engine.scheduler.deferred_total > 0  # 6 adapters, 2 slots
+        tokens = sum(o for _, _, o in trace)
+        assert tokens / run.tokens_per_s == pytest.approx(len(calls))
+        assert all(t >= 1 for t in run.ttft)  # at least the step that made the token
+    finally:
+        engine.loras.close()

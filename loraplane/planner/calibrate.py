@@ -1,7 +1,9 @@
 """`loraplane plan --calibrate`: measure this engine here and fit the planner's cost model.
 
 Timed `Engine.step()` calls over batches of several sizes, prompt lengths and numbers of
-distinct adapters (and one closed loop, for steps that mix prompt chunks and decodes) give
+distinct adapters (one closed loop, for steps that mix prompt chunks and decodes, and one on an
+engine of 16 adapter slots, where requests wait deferred: the engine goes over that queue
+every step) give
 (step shape, seconds) samples; `LinearCost`'s coefficients are their non-negative least-squares
 fit in relative error. Cold loads are timed through the engine's own loader threads (disk tier
 to host memory, digest checked), one at a time.
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 BATCHES = ((64, 4, 16, 5), (64, 48, 16, 24), (16, 16, 64, 3), (32, 8, 32, 3),
            (8, 1, 16, 6))  # fmt: skip
 LOAD_SAMPLES = 8
+# (in flight, distinct adapters, requests) on an engine of DEFERRAL_SLOTS slots: most requests
+# deferred, to price the engine's work per deferred request
+DEFERRAL_LOOP = (64, 48, 128)
+DEFERRAL_SLOTS = 16
 
 
 def load_adapters(engine: Engine, refs: list[LoRARef], timeout: float = 60.0) -> list[float]:
@@ -52,11 +58,28 @@ def load_adapters(engine: Engine, refs: list[LoRARef], timeout: float = 60.0) ->
     return times
 
 
-def fit(samples: list[tuple[StepShape, float]]) -> tuple[float, float, float, float, float]:
-    """(base, per_token, per_seq, per_context, per_adapter) >= 0 minimising the relative
-    squared error of the samples' times (features with a negative fit are dropped)."""
+def clocked_loads(engine: Engine, refs: list[LoRARef], clock: Clock,
+                  timeout: float = 60.0) -> list[float]:  # fmt: skip
+    """Load each of `refs` into host memory, one at a time, timed by `clock` around the load
+    while the engine thread waits: with the process's CPU time, the loader's CPU seconds (the
+    engine's own timing, `load_adapters`, is wall time)."""
+    times = []
+    for ref in refs:
+        began = clock()
+        engine.loras.prefetch([ref])
+        engine.loras.wait_for([ref], timeout)
+        times.append(clock() - began)
+        if not engine.loras.ready(ref):
+            raise RuntimeError(f"adapter {ref.key} did not load: {engine.loras.failure(ref)}")
+    return times
+
+
+def fit(samples: list[tuple[StepShape, float]]) -> tuple[float, ...]:
+    """(base, per_token, per_seq, per_context, per_adapter, per_deferred) >= 0 minimising the
+    relative squared error of the samples' times (features with a negative fit are dropped)."""
     x = np.array(
-        [[1.0, s.tokens, s.seqs, s.context, s.adapters] for s, _ in samples], dtype=np.float64
+        [[1.0, s.tokens, s.seqs, s.context, s.adapters, s.deferred] for s, _ in samples],
+        dtype=np.float64,
     )
     y = np.array([t for _, t in samples], dtype=np.float64)
     w = 1.0 / y
@@ -69,8 +92,7 @@ def fit(samples: list[tuple[StepShape, float]]) -> tuple[float, float, float, fl
             coef[active] = sol
             break
         active.pop(int(np.argmin(sol)))
-    base, per_token, per_seq, per_context, per_adapter = (float(c) for c in coef)
-    return base, per_token, per_seq, per_context, per_adapter
+    return tuple(float(c) for c in coef)
 
 
 def measure_steps(
@@ -97,22 +119,45 @@ def measure_steps(
     return samples, jitter
 
 
+def measure_deferrals(
+    bench: Bench, clock: Clock = time.perf_counter, **engine_settings: object
+) -> list[tuple[StepShape, float]]:
+    """Timed steps where the adapter rules defer requests (the engine's work over a queue of
+    deferred requests): `DEFERRAL_LOOP`'s requests over adapters already in host memory on an
+    engine with `DEFERRAL_SLOTS` adapter slots."""
+    in_flight, distinct, requests = DEFERRAL_LOOP
+    settings = {**engine_settings, "max_loras": DEFERRAL_SLOTS, "max_cpu_loras": 2 * distinct}
+    engine, refs = make_engine(bench, **settings)
+    try:
+        load_adapters(engine, refs[:distinct])
+        one = engine.loras.device_bytes(refs[0])
+        trace = [(i % distinct, 8 + i % 17, 4 + i % 9) for i in range(requests)]
+        return closed_loop(engine, refs, trace, in_flight, adapter_bytes=one, clock=clock).steps
+    finally:
+        engine.loras.close()
+
+
 def calibrate(bench: Bench, machine: str = "", clock: Clock = time.perf_counter,
               **engine_settings: object) -> LinearCost:  # fmt: skip
     """Measure the engine over `bench` (at least 64 + LOAD_SAMPLES stored adapters) and fit;
-    step times read `clock` (see `measure.closed_loop`), loads the engine's own timing."""
+    step times read `clock` (see `measure.closed_loop`), loads the engine's own timing (wall)
+    or, for another clock, `clock` (`clocked_loads`)."""
     need = max(n for _, n, _, _ in BATCHES) + LOAD_SAMPLES
     if len(bench.versions) < need:
         raise ValueError(f"calibration needs at least {need} stored adapters")
     engine, refs = make_engine(bench, **engine_settings)
     try:
-        loads = load_adapters(engine, refs[-LOAD_SAMPLES:])
+        if clock is time.perf_counter:
+            loads = load_adapters(engine, refs[-LOAD_SAMPLES:])
+        else:  # timed as the steps are
+            loads = clocked_loads(engine, refs[-LOAD_SAMPLES:], clock)
         load_bytes = engine.loras.device_bytes(refs[-1])
         load_adapters(engine, refs[: need - LOAD_SAMPLES])
         samples, jitter = measure_steps(engine, refs, clock)
     finally:
         engine.loras.close()
-    base, per_token, per_seq, per_context, per_adapter = fit(samples)
+    samples += measure_deferrals(bench, clock, **engine_settings)
+    base, per_token, per_seq, per_context, per_adapter, per_deferred = fit(samples)
     return LinearCost(
         base=base,
         per_token=per_token,
@@ -123,6 +168,7 @@ def calibrate(bench: Bench, machine: str = "", clock: Clock = time.perf_counter,
         measured_on=machine,
         model=str(bench.model),
         jitter=tuple(jitter),
+        per_deferred=per_deferred,
     )
 
 
@@ -139,4 +185,5 @@ def mean_cost(a: LinearCost, b: LinearCost) -> LinearCost:
         measured_on=a.measured_on,
         model=a.model,
         jitter=a.jitter + b.jitter,
+        per_deferred=(a.per_deferred + b.per_deferred) / 2,
     )

@@ -50,6 +50,7 @@ class StepShape:
     adapters: int  # distinct adapters in the step
     adapter_bytes: int  # their device bytes together
     placed_bytes: int = 0  # adapter bytes copied host -> device for this step
+    deferred: int = 0  # waiting requests the adapter rules held back (the scheduler's work)
 
 
 class CostModel(Protocol):
@@ -126,6 +127,18 @@ def streamed_linear_params(shape: ModelShape, tokens: int) -> float:
     k, n = shape.experts_per_tok, shape.num_experts
     experts = (total - active) * n / (n - k)  # every expert of every sparse layer
     return total - experts + experts * expert_reach(shape, tokens)
+
+
+# What a plan from the roofline can be trusted for, printed with every GPU plan (issue 32).
+ROOFLINE_CONFIDENCE = (
+    "unvalidated on GPUs: no GPU run has checked the roofline's seconds (the simulator's rules"
+    " are checked against a real CPU replica, loraplane.planner.validate, not these costs). It"
+    " leaves out kernel efficiency below the assumed 80% of bandwidth and 50% of peak (small"
+    " batches, attention, SGMV over many adapters), host time beyond a fixed 2 ms a step"
+    " (Python scheduling, sampling, a long waiting queue), CUDA graphs, adapter copies that"
+    " contend with other PCIe traffic, and collectives' real latency: read its replica counts"
+    " as estimates, possibly optimistic, until a GPU run calibrates them (--calibrate)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +236,7 @@ class Roofline:
             "host_load_bandwidth": self.host_load_bandwidth,
             "tensor_parallel_size": self.tensor_parallel_size,
             "interconnect_efficiency": self.interconnect_efficiency,
+            "confidence": ROOFLINE_CONFIDENCE,
         }
 
 
@@ -239,6 +253,9 @@ class LinearCost:
     measured_on: str = ""
     model: str = ""
     jitter: tuple[float, ...] = ()  # identical steps' times over their median, in order
+    # the engine's work per deferred request and step (the scheduler and the housekeeping go
+    # over the waiting queue): 0 in cost files from before it was measured
+    per_deferred: float = 0.0
 
     def step_seconds(self, step: StepShape) -> float:
         """The fitted linear model."""
@@ -248,6 +265,7 @@ class LinearCost:
             + self.per_seq * step.seqs
             + self.per_context * step.context
             + self.per_adapter * step.adapters
+            + self.per_deferred * step.deferred
         )
 
     def host_load_seconds(self, nbytes: int) -> float:
@@ -272,7 +290,7 @@ class LinearCost:
             raise ValueError(f"{path} is not a calibrated cost file (kind 'linear')")
         values: dict[str, Any] = {}
         for f in fields(cls):
-            value = data.get(f.name)
+            value = data.get(f.name, 0.0 if f.name == "per_deferred" else None)
             if f.name == "jitter":
                 value = value or []
                 if not isinstance(value, list) or not all(

@@ -21,7 +21,14 @@ import random
 from dataclasses import dataclass, field
 
 from loraplane.planner.cost import CostModel
-from loraplane.planner.replica import Replica, ReplicaSettings, Request, StepDone
+from loraplane.planner.replica import (
+    ALL_PARTS,
+    Parts,
+    Replica,
+    ReplicaSettings,
+    Request,
+    StepDone,
+)
 from loraplane.planner.routing import SCRAPE_INTERVAL_S, Policy, Snapshot, make_policy
 
 
@@ -115,6 +122,7 @@ class FleetResult:
     offered_rate: float  # requests/s sent after the warm-up
     served_rate: float  # requests/s finished after the warm-up (whenever they arrived)
     ttft_s: tuple[float, ...] = field(default=(), repr=False, compare=False)  # counted ones
+    deferred: int = 0  # requests the adapter rules held back at least once, all replicas
 
     @property
     def stable(self) -> bool:
@@ -131,10 +139,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class _Sim:
-    def __init__(self, settings: ReplicaSettings, cost: CostModel, policy: Policy,
-                 replicas: int, load: Workload, jitter_seed: int) -> None:  # fmt: skip
+    def __init__(self, settings: ReplicaSettings, cost: CostModel, policy: Policy, replicas: int,
+                 load: Workload, jitter_seed: int, parts: Parts) -> None:  # fmt: skip
         self.replicas = [
-            Replica(settings, cost, seed=jitter_seed * 100_003 + i) for i in range(replicas)
+            Replica(settings, cost, seed=jitter_seed * 100_003 + i, parts=parts)
+            for i in range(replicas)
         ]
         self.policy = policy
         self.load = load
@@ -245,6 +254,7 @@ class _Sim:
             offered_rate=len(counted) / span,
             served_rate=served / span,
             ttft_s=tuple(waits),
+            deferred=sum(r.deferred_total for r in self.replicas),
         )
 
 
@@ -258,16 +268,18 @@ def simulate(
     replicas: int,
     load: Workload,
     jitter_seed: int = 0,
+    parts: Parts = ALL_PARTS,
 ) -> FleetResult:
     """Run the fleet of `replicas` under `policy` on `load`; deterministic for the load's
     seed (the requests and arrivals) and `jitter_seed` (where each replica starts replaying
-    the cost model's jitter)."""
+    the cost model's jitter). `parts` switches parts of the simulator off, for negative
+    controls only (`replica.Parts`)."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     chosen = (
         make_policy(policy, replicas, settings.max_num_seqs) if isinstance(policy, str) else policy
     )
-    sim = _Sim(settings, cost, chosen, replicas, load, jitter_seed)
+    sim = _Sim(settings, cost, chosen, replicas, load, jitter_seed, parts)
     sim.run()
     return sim.result()
 

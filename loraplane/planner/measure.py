@@ -111,9 +111,11 @@ def make_engine(bench: Bench, **overrides: Any) -> tuple[Engine, list[LoRARef]]:
     return engine, refs
 
 
-def replica_settings(engine: Engine, adapter_bytes: int) -> ReplicaSettings:
+def replica_settings(engine: Engine, adapter_bytes: int,
+                     loads_share_core: bool = False) -> ReplicaSettings:  # fmt: skip
     """The simulator's settings for a replica that is `engine` (its config, KV blocks and
-    resolved adapter memory), with adapters of `adapter_bytes` each."""
+    resolved adapter memory), with adapters of `adapter_bytes` each; `loads_share_core` for
+    times read in the process's CPU time (`ReplicaSettings.loads_share_core`)."""
     config = engine.config
     return ReplicaSettings(
         max_num_seqs=config.max_num_seqs,
@@ -130,6 +132,7 @@ def replica_settings(engine: Engine, adapter_bytes: int) -> ReplicaSettings:
         device_copies=engine.runner.device.type == "cuda",
         enable_chunked_prefill=config.enable_chunked_prefill,
         max_model_len=config.max_model_len,
+        loads_share_core=loads_share_core,
     )
 
 
@@ -140,21 +143,26 @@ class LoadRun:
     tokens_per_s: float
     ttft: list[float]  # in request order
     steps: list[tuple[StepShape, float]] = field(default_factory=list)
-    loads: int = 0
+    loads: int = 0  # loads into host memory that ended in the run (the step records')
     load_seconds: list[float] = field(default_factory=list)  # each load's, as the engine saw it
     cold: list[bool] = field(default_factory=list)  # per request: adapter not in host memory
+    deferred: int = 0  # requests the adapter rules held back at least once (step records)
 
 
 def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int, int]],
                 in_flight: int, seed: int = 0, adapter_bytes: int = 0,
-                clock: Clock = time.perf_counter) -> LoadRun:  # fmt: skip
+                clock: Clock = time.perf_counter,
+                engine_only: bool = False) -> LoadRun:  # fmt: skip
     """Run the requests of `trace` ((adapter index, prompt tokens, output tokens) each, as
     `fleet.draw_requests` gives them), `in_flight` at a time; a finished request sends the
     next at once. Tokens/s counts generated tokens from the first step to the last request's
     end, as `benchmarks/tiers.py` does. `clock` reads every time: wall time by default;
-    `time.thread_time` (this thread's CPU time) gives what wall time would be on a machine
-    the engine had to itself (the engine's thread is the one that steps; its waits for
-    loader threads do not count then)."""
+    `time.thread_time` (this thread's CPU time) leaves out the engine's waits for its loader
+    threads and their work; `time.process_time` counts both, as if on one core (what
+    `validate.py` reads, unmoved by other processes on a shared host). `engine_only`: time
+    passes only inside `Engine.step()` (arrivals, first tokens and the span read that time):
+    the loop's own work, making the next request and reading the outputs, is the client's (a
+    server's API), not the replica's."""
     from loraplane.dataplane.sampling import SamplingParams
 
     rng = random.Random(seed)  # noqa: S311 - a seeded workload, not secrets
@@ -165,9 +173,18 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
     first: dict[int, float] = {}
     records: list[StepRecord] = []
 
+    deferred = 0
+    inside = 0.0  # time spent in Engine.step() so far
+
+    def now() -> float:
+        return inside if engine_only else clock()
+
     def observe(record: StepRecord) -> None:
+        nonlocal deferred
         records.append(record)
         load_seconds.extend(record.load_seconds("cpu"))
+        if record.batch is not None:
+            deferred += record.batch.num_newly_deferred
 
     def send() -> None:
         i = len(arrived)
@@ -175,10 +192,9 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
         params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
         cold.append(not engine.loras.ready(refs[adapter]))
-        arrived.append(clock())
+        arrived.append(now())
         engine.add_request(f"p{i}", prompt, params, refs[adapter])
 
-    loads_before = engine.loras.host_stats.loads
     engine.observers.flush_loads()  # loads that ended before this run are not its own
     engine.observers.append(observe)
     try:
@@ -186,27 +202,28 @@ def closed_loop(engine: Engine, refs: list[LoRARef], trace: list[tuple[int, int,
             send()
         steps: list[tuple[StepShape, float]] = []
         tokens = done = 0
-        start = clock()
+        start = now()
         while done < len(trace):
             records.clear()
             began = clock()
             results = engine.step()
             took = clock() - began
+            inside += took
             batch = records[-1].batch if records else None
             if batch is not None and batch.scheduled:
                 steps.append((step_shape(batch, adapter_bytes), took))
             for r in results:
                 i = int(r.request_id[1:])
                 if i not in first and r.token_ids:
-                    first[i] = clock() - arrived[i]
+                    first[i] = now() - arrived[i]
                 tokens += len(r.token_ids)
                 if r.finished:
                     done += 1
                     if len(arrived) < len(trace):
                         send()
-        elapsed = clock() - start
+        elapsed = now() - start
+        engine.observers.flush_loads()  # loads that ended after the last step are the run's
     finally:
         engine.observers.remove(observe)
-    loads = engine.loras.host_stats.loads - loads_before
     ttft = [first.get(i, 0.0) for i in range(len(trace))]
-    return LoadRun(tokens / elapsed, ttft, steps, loads, load_seconds, cold)
+    return LoadRun(tokens / elapsed, ttft, steps, len(load_seconds), load_seconds, cold, deferred)

@@ -16,10 +16,15 @@ time (`Engine.step`):
 
 Requests are real `Sequence`s with fake token ids, so the prefix cache is off (they would all
 share one prefix).
+
+`Parts` switches the simulator's distinctive parts off, for the validation's negative controls
+only (`validate.py`: a comparison that still passes without them could not detect them wrong):
+the scheduler's starvation barrier, and the host tier's bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -39,6 +44,24 @@ LOAD_WAIT_S = 0.02
 MAX_LOAD_WAIT_FRACTION = 0.5
 DEFAULT_TENANT = "sim"
 FAKE_TOKEN = 0  # every prompt token and every sampled one
+
+
+# a deferral limit no request reaches: the barrier never rises
+NO_BARRIER_STEPS = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Which of the simulator's parts run (all, except in a negative control): `barrier`, the
+    scheduler's starvation barrier (off: `max_deferral_steps` no request reaches);
+    `host_limit`, the host tier's `max_cpu_loras` bound (off: no host copy is ever evicted;
+    the prefetch list keeps its depth)."""
+
+    barrier: bool = True
+    host_limit: bool = True
+
+
+ALL_PARTS = Parts()
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +95,9 @@ class ReplicaSettings:
     max_deferral_steps: int = 32
     loads_in_flight: int = 2
     device_copies: bool = True  # placing an adapter copies it to the device (not on CPU)
+    # the loader threads share the engine's one core (times in the process's CPU seconds, as
+    # the validation measures): a load's seconds lengthen the step it ends in
+    loads_share_core: bool = False
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
 
@@ -109,10 +135,14 @@ class ReplicaSettings:
             max_model_len=self.max_model_len,
         )
 
-    def scheduler(self) -> Scheduler:
-        """A real scheduler over a real block manager of `kv_blocks` (prefix cache off)."""
+    def scheduler(self, parts: Parts = ALL_PARTS) -> Scheduler:
+        """A real scheduler over a real block manager of `kv_blocks` (prefix cache off);
+        without `parts.barrier`, one whose deferral limit is never reached."""
         blocks = BlockManager(self.kv_blocks, self.block_size, enable_prefix_caching=False)
-        return Scheduler(self.scheduler_config(), blocks, eos_token_id=None)
+        config = self.scheduler_config()
+        if not parts.barrier:
+            config = dataclasses.replace(config, max_deferral_steps=NO_BARRIER_STEPS)
+        return Scheduler(config, blocks, eos_token_id=None)
 
 
 def step_shape(out: SchedulerOutput, adapter_bytes: int, placed_bytes: int = 0) -> StepShape:
@@ -125,7 +155,7 @@ def step_shape(out: SchedulerOutput, adapter_bytes: int, placed_bytes: int = 0) 
         attention += row.num_new_tokens * length
     adapters = len(out.lora_keys)
     return StepShape(tokens, len(out.scheduled), context, attention, adapters,
-                     adapters * adapter_bytes, placed_bytes)  # fmt: skip
+                     adapters * adapter_bytes, placed_bytes, out.num_deferred)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -143,13 +173,15 @@ class StepDone:
 class Replica:
     """A replica's scheduler, adapter tiers and step loop; the fleet drives it in time."""
 
-    def __init__(self, settings: ReplicaSettings, cost: CostModel, seed: int = 0) -> None:
+    def __init__(self, settings: ReplicaSettings, cost: CostModel, seed: int = 0,
+                 parts: Parts = ALL_PARTS) -> None:  # fmt: skip
         self.s = settings
         self.cost = cost
+        self.parts = parts
         self.jitter = cost.jitter
         # replayed from a seeded offset (each replica its own), so slow spells stay together
         self.jitter_at = random.Random(seed).randrange(len(self.jitter)) if self.jitter else 0  # noqa: S311
-        self.scheduler = settings.scheduler()
+        self.scheduler = settings.scheduler(parts)
         self.tiers = SimTiers(settings.lora_slots, settings.lora_budget_bytes,
                               settings.adapter_device_bytes, settings.max_cpu_loras,
                               cost.host_load_seconds(settings.adapter_bytes),
@@ -247,6 +279,9 @@ class Replica:
         if self.jitter:
             seconds *= self.jitter[self.jitter_at % len(self.jitter)]
             self.jitter_at += 1
+        if s.loads_share_core:
+            ending = sum(1 for at, _ in tiers.loading if at <= now + seconds)
+            seconds += ending * tiers.load_s
         end = now + seconds
         self.step_ewma = (
             seconds if not self.steps else self.step_ewma + 0.2 * (seconds - self.step_ewma)
@@ -256,7 +291,7 @@ class Replica:
         # the model runner's make_resident: the step's adapters are the most recently used;
         # host copies beyond max_cpu_loras go, never a running one
         tiers.touch(out.lora_keys)
-        if len(tiers.host) > s.max_cpu_loras:
+        if self.parts.host_limit and len(tiers.host) > s.max_cpu_loras:
             tiers.trim_host(set(out.lora_keys) | sched.running_lora_keys)
         return self._finish_step(out, now, end)
 

@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplane.dataplane.config import EngineConfig
-from loraplane.planner.cost import GPUS, CostModel, GPUSpec, LinearCost, Roofline
+from loraplane.planner.cost import (
+    GPUS,
+    ROOFLINE_CONFIDENCE,
+    CostModel,
+    GPUSpec,
+    LinearCost,
+    Roofline,
+)
 from loraplane.planner.fleet import FleetResult, Workload
 from loraplane.planner.layout import (
     LAYOUTS,
@@ -127,6 +134,8 @@ class PlanReport:
             f" {plan.disk_tier_bytes / gb:.1f} GB",
             f"cost model: {_describe_cost(self.cost)}",
         ]
+        if self.cost.describe()["kind"] == "roofline":
+            lines.append(f"confidence: {ROOFLINE_CONFIDENCE}")
         if self.load is None:
             lines.append("(give --rate to size the fleet for a load)")
             return "\n".join(lines)
