@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -156,7 +157,22 @@ def _catalog(cp: str, tiny_llama_dir: Path, peft_adapters: dict[str, Path]) -> d
                 headers={"Authorization": f"Bearer {keys[tenant]}"},
             )
             assert r.status_code == 201, r.text
+    _rollout(cp, keys["acme"], peft_adapters)
     return keys
+
+
+def _rollout(cp: str, key: str, peft_adapters: dict[str, Path]) -> None:
+    """acme's `r4` in a 50/50 rollout with a second version whose stored files are then
+    deleted: the canary cannot load, so its share runs on v1 and counts as diverted."""
+    auth = {"Authorization": f"Bearer {key}"}
+    src = peft_adapters["r8-qv"]
+    files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+    r = httpx.post(cp + "/v1/adapters", data={"name": "r4", "base_model": BASE}, files=files,
+                   headers=auth)  # fmt: skip
+    assert r.status_code == 201, r.text
+    assert r.json()["version"]["version"] == 2
+    for change in ({"current_version": 1}, {"rollout": {"1": 50, "2": 50}}):
+        assert httpx.patch(cp + "/v1/adapters/r4", json=change, headers=auth).status_code == 200
 
 
 def _wait_for_scrapes(prom: str) -> None:
@@ -223,6 +239,8 @@ def test_every_dashboard_query_returns_data_from_live_components(
     store = tmp_path / "cp" / "store"
     with split_controlplane(tmp_path / "cp") as (cp, cp_internal, _):
         keys = _catalog(cp, tiny_llama_dir, peft_adapters)
+        (canary,) = store.glob("adapters/*/r4/v2-*")
+        shutil.rmtree(canary)  # the rollout's canary cannot load: its share is diverted
         settings = ServerSettings(
             model=str(tiny_llama_dir), served_model_name=BASE, controlplane_url=cp_internal,
             service_token=SERVICE, store=str(store), pool=POOL, pool_namespace=PLATFORM,
