@@ -186,6 +186,8 @@ class PressureReporter:
         # told the versions each answer assigns to this replica when they change (pins.py)
         self.on_pins: Callable[[list[tuple[LoRARef, str]]], Awaitable[None]] | None = None
         self._pins: list[tuple[LoRARef, str]] | None = None  # the last assignment applied
+        # whether an unchanged assignment is due to be applied again (PinSync.retry_due)
+        self.pins_retry: Callable[[], bool] | None = None
         # what became of each assigned version here (PinSync.states), sent in each report
         self.pin_states: Callable[[], Awaitable[list[dict[str, str]]]] | None = None
 
@@ -248,13 +250,16 @@ class PressureReporter:
             return []
 
     async def _apply_pins(self, response: httpx.Response) -> None:
-        """Hand a changed pin assignment to `on_pins` (a failure is logged and tried again
-        with the next answer: pins never stop the reports)."""
+        """Hand a changed pin assignment to `on_pins`, or an unchanged one when `pins_retry`
+        says so (a failure is logged and tried again with the next answer: pins never stop
+        the reports)."""
         try:
             pins = assigned(response.json())
         except ValueError:
             return
-        if pins is None or self.on_pins is None or pins == self._pins:
+        if pins is None or self.on_pins is None:
+            return
+        if pins == self._pins and not (self.pins_retry is not None and self.pins_retry()):
             return
         try:
             await self.on_pins(pins)

@@ -168,6 +168,7 @@ class Runtime:
             )  # fmt: skip
             self._reporter.on_pins = self.pins.apply
             self._reporter.pin_states = self.pins.states
+            self._reporter.pins_retry = self.pins.retry_due
             self._reporter.start()
         else:
             self.static = StaticCatalog(

@@ -88,17 +88,22 @@ def test_a_pressure_answer_s_pins_reach_the_replica_once_per_change() -> None:
     async def on_pins(pins: list[tuple[LoRARef, str]]) -> None:
         applied.append([f"{ref.key} {path}" for ref, path in pins])
 
-    async def run() -> None:
+    async def run(retry: bool) -> None:
         client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, UsageLog(),
                                     client=client)  # fmt: skip
         reporter.on_pins = on_pins
+        reporter.pins_retry = lambda: retry
         for _ in range(4):
             assert await reporter.report_once()
         await client.aclose()
 
-    asyncio.run(run())
-    assert applied == [[], [f"acme/a@{'d' * 64} adapters/acme/a/v1"]]
+    asyncio.run(run(retry=False))
+    one = [f"acme/a@{'d' * 64} adapters/acme/a/v1"]
+    assert applied == [[], one]
+    applied.clear()
+    asyncio.run(run(retry=True))  # a version not held here: the same assignment goes again
+    assert applied == [one] * 4
     assert assigned({"replicas": 1}) is None  # a control plane from before pins: no change
 
 
@@ -122,3 +127,45 @@ def test_the_pin_states_say_held_or_refused_per_assigned_version_and_forget_old_
     asyncio.run(sync.apply([(b, "p/b")]))
     assert [s["state"] for s in asyncio.run(sync.states())] == ["loading"]
     assert sync.refused == {}  # no longer assigned: its refusal is not reported again
+
+
+def test_an_unchanged_assignment_is_applied_again_while_a_version_is_not_held_here(
+    tiny_llama_dir: Any, peft_adapters: dict[str, Any]
+) -> None:
+    """A real manager drops a pin when its version is unregistered (an unload) and refuses one
+    past its cap; the replica's reporter applies the same assignment again after RETRY_S, so
+    both come back once they can (before, only a change of the assignment tried again)."""
+    from tests.dataplane.test_lora_manager import manager
+
+    m = manager(tiny_llama_dir, None, slots=4)  # pins: half the slots, 2
+    names = ["r4", "r8-qv", "r16"]
+    refs = {n: m.register(n, peft_adapters[n], "acme") for n in names}
+
+    async def command(name: str, *args: Any) -> Any:  # the engine commands, on the real manager
+        if name == "register_stored":
+            ref = args[0]
+            return m.register(ref.name, peft_adapters[ref.name], ref.tenant)
+        if name == "pin_states":
+            return [m.pin_state(ref) for ref in args[0]]
+        return getattr(m, name)(*args)
+
+    sync = PinSync(command)
+    sync.retry_s = 0.0
+    assignment = [(refs[n], f"p/{n}") for n in names]
+
+    def states() -> dict[str, str]:
+        return {s["adapter"]: s["state"] for s in asyncio.run(sync.states())}
+
+    asyncio.run(sync.apply(assignment))
+    first = states()
+    assert first["r16"].startswith("refused:") and "cap of 2" in first["r16"]
+    assert sync.retry_due()
+    m.unregister("r4", "acme")  # an unload: the engine lets go of r4's pin
+    assert states()["r4"] == "unpinned" and sync.retry_due()
+    asyncio.run(sync.apply(assignment))  # the same assignment again: r4 back, r16 still past the cap
+    again = states()
+    assert again["r4"] in ("host", "loading", "resident") and again["r16"].startswith("refused:")
+    asyncio.run(sync.apply(assignment[1:]))  # r4 no longer assigned: room for r16
+    assert set(states().values()) <= {"host", "loading", "resident"}
+    assert not sync.retry_due()
+    m.close()
