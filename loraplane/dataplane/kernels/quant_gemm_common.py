@@ -4,7 +4,7 @@ steps. Each kernel adds only how it dequantizes a weight tile:
 
     rows = x.reshape(-1, K)                              # [M, K] in fp16, bf16 or fp32
     for each (BLOCK_M x BLOCK_N) tile of y (grid: row blocks, column blocks):
-        acc = 0 (fp32)
+        acc = 0 (fp32)                                   # tile(...): its rows and columns
         for each BLOCK_K step: acc += load_x_tile(...) @ dequantized weight tile^T
         store_tile(acc + bias) into y                    # [M, N] in x's dtype
 
@@ -27,6 +27,14 @@ import triton.language as tl  # type: ignore[import-untyped]
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # x's and y's
 # (rows, y, grid, tile and precision keyword arguments) -> None: the kernel's launch
 Launch = Callable[[torch.Tensor, torch.Tensor, tuple[int, int], dict[str, Any]], None]
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """This program's tile of y: (offs_m [BLOCK_M], offs_n [BLOCK_N], their in-bounds masks)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
 
 
 @triton.jit

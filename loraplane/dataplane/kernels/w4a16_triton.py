@@ -54,10 +54,7 @@ def _w4a16_kernel(  # type: ignore[no-untyped-def]
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = common.tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)

@@ -46,10 +46,7 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = common.tile(M, N, BLOCK_M, BLOCK_N)
     if PER_CHANNEL:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]  # [BLOCK_N, 1]
     else:
