@@ -6,7 +6,7 @@ adapters in fp32 slots, one torch thread) over 42 distinct adapters, the number 
 Zipf(1.0) step over 2,000 adapters touches, and over 8: a decode step (1-2 tokens per adapter)
 and a step that mixes prompts and decodes. Three ways, through `dispatch.lora_apply` with
 `LORAPLANE_SGMV` set: `native` (kernels/sgmv_cpu.c, the CPU default), `torch` on a pool with
-B transposed (`LoRAPool(b_transposed=True)`, the CPU default) and `torch` with B as stored
+B transposed (`LoRAPool(b_transposed=True)`, the engine's CPU layout) and `torch` with B as stored
 (the layout before). Each runs twice, alternating, caches flushed before each pass (a step's
 adapters come from memory, not from cache); a figure is the best pass, in microseconds per
 layer.
@@ -178,7 +178,8 @@ def dora_figures(spec: BaseModelSpec, passes: int) -> dict[str, float]:
     n = 8
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as root:
-        pool = LoRAPool(2 * n, spec, torch.float32, "cpu", norm_cache=NormCache(Path(root) / "g"))
+        cache = NormCache(Path(root) / "g")
+        pool = LoRAPool(2 * n, spec, torch.float32, "cpu", b_transposed=True, norm_cache=cache)
         context = install_lora(model, pool)  # type: ignore[arg-type]
         layers = [m for m in model.modules() if type(m).__name__ == "LinearWithLoRA"]
         lengths = [random.Random(1).choice((1, 1, 2)) for _ in range(n)]

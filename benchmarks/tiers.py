@@ -87,7 +87,7 @@ def cold_load(root: Path, repeats: int, big: BaseModelSpec) -> dict[str, float]:
         with open(weights, "rb") as f:
             f.read()
         raw.append(time.perf_counter() - start)
-        pool = LoRAPool(1, big, torch.float16, "cpu")
+        pool = LoRAPool(1, big, torch.float16, "cpu", b_transposed=True)  # as the engine's
         manager = LoRAManager(pool, big, 64, disk=DiskTier(store), prefetch=False)
         ref = manager.register_stored(LoRARef(f"big{i}", "bench", version.digest), version.path)
         drop_cache(weights)

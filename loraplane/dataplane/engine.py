@@ -11,7 +11,8 @@ requests, each with its own adapter (or none), as many distinct adapters per ste
 adapter memory (`lora_memory`) holds.
 
 Each step is recorded for `engine.observers` (step_observer.py): what ran, what it cost, what
-loaded.
+loaded. What a step puts out per request (text deltas, log-probabilities, finish reasons) is
+emission.py's; what happens when a step or an adapter fails is isolation.py's.
 
 `Engine(config, detokenize=False)` outputs token ids with no text and never checks stop
 strings: the engine process's mode (engine_process.py), where the API server's process turns
@@ -33,30 +34,39 @@ from loraplane.dataplane import kv_quant
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import Capture
-from loraplane.dataplane.detokenizer import IncrementalDetokenizer
+from loraplane.dataplane.emission import (
+    Emitter,
+    RequestOutput,
+    failure_message,
+    record_prompt_logprobs,
+)
+from loraplane.dataplane.isolation import ADAPTER_LOAD_TIMEOUT, Computed, FaultIsolation
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
 from loraplane.dataplane.parallel.comm import WorkerLost
-from loraplane.dataplane.prompt_logprobs import PromptScores
-from loraplane.dataplane.sampler import Sampler, SamplerOutput, make_generator
+from loraplane.dataplane.sampler import Sampler, make_generator
 from loraplane.dataplane.sampling import SamplingParams
-from loraplane.dataplane.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from loraplane.dataplane.sequence import (
-    FinishReason,
-    LoRARef,
-    PromptLogprob,
-    Sequence,
-    SequenceStatus,
-)
+from loraplane.dataplane.scheduler import Scheduler, SchedulerOutput
+from loraplane.dataplane.sequence import LoRARef, Sequence, SequenceStatus
 from loraplane.dataplane.step_observer import StepObservers
 from loraplane.dataplane.structured import GrammarCompiler, Matcher
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
+# what the engine's callers import from here (RequestOutput and failure_message: emission.py;
+# ADAPTER_LOAD_TIMEOUT: isolation.py)
+__all__ = [
+    "ADAPTER_LOAD_TIMEOUT",
+    "LOAD_WAIT_S",
+    "MAX_LOAD_WAIT_FRACTION",
+    "Completion",
+    "Engine",
+    "EngineStats",
+    "RequestOutput",
+    "failure_message",
+]
 
-# a step's sampled tokens, and the prompt scores of requests that want prompt log-probabilities
-Computed = tuple[SamplerOutput, dict[str, PromptScores]]
+log = logging.getLogger(__name__)
 
 # A step with nothing to run because every waiting request's adapter is loading waits this
 # long at most for a load to end (a new request arriving meanwhile waits as long).
@@ -66,45 +76,6 @@ LOAD_WAIT_S = 0.02
 # pays for a wait of up to n / r of a step's time. The engine waits at most that long (and at
 # most half a step), and only while such loads run.
 MAX_LOAD_WAIT_FRACTION = 0.5
-# RequestOutput.error_code of a request whose adapter was still not in host memory
-# adapter_load_timeout_s after it arrived (the server answers 504 AdapterLoadTimeout)
-ADAPTER_LOAD_TIMEOUT = "AdapterLoadTimeout"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step produced for one request: the new tokens and text since the last output
-    (no text from an engine that does not detokenize: its API server's process adds it)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    error: str | None = None  # set when the request failed (e.g. its adapter could not load)
-    error_code: str | None = None  # what kind of failure, where callers tell kinds apart
-    # per token, its best alternatives (token id, log-probability), when the request asked
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    # with the first token, per prompt token after the first, when the request asked
-    prompt_logprobs: list[PromptLogprob] | None = None
-    # prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details)
-    num_cached_tokens: int = 0
-    # the token is a stop token (EOS among them) that ended the output: its text is hidden
-    # unless include_stop_str_in_output (what a detokenizer outside the engine needs to know)
-    stop_token: bool = False
-
-    @classmethod
-    def failed(
-        cls, request_id: str, error: str, num_prompt_tokens: int, num_output_tokens: int,
-        code: str | None = None,
-    ) -> RequestOutput:  # fmt: skip
-        """The last output of a request that failed with `error`: no tokens, no text."""
-        return cls(request_id=request_id, token_ids=[], text="", finished=True,
-                   finish_reason="error", logprobs=None, num_prompt_tokens=num_prompt_tokens,
-                   num_output_tokens=num_output_tokens, error=error, error_code=code)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -162,8 +133,8 @@ class Engine:
         self.loras.host_stats.report = self.observers.load_ended
         self.loras.device_stats.report = self.observers.load_ended
         self.detokenize = detokenize  # text and stop strings here (else: ids only)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._sent_logprobs: dict[str, int] = {}
+        self.emitter = Emitter(self.scheduler, self.tokenizer, detokenize)
+        self.isolation = FaultIsolation(self.scheduler, self.loras, self.emitter)
         self._step_seconds = 0.0  # moving average of a step's time
         self._swept = time.monotonic()  # the last sweep of idle stored versions
         self.last_batch: list[str] = []  # request ids of the step being run (see step)
@@ -234,16 +205,13 @@ class Engine:
         if params.grammar is not None:
             seq.matcher = Matcher(params.grammar)
         self.scheduler.add(seq)
-        if self.detokenize:
-            self._detok[request_id] = IncrementalDetokenizer.for_request(self.tokenizer, params)
-        self._sent_logprobs[request_id] = 0
+        self.emitter.add(request_id, params)
         return seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; False if it is unknown or already done."""
         seq = self.scheduler.abort(request_id)
-        self._detok.pop(request_id, None)
-        self._sent_logprobs.pop(request_id, None)
+        self.emitter.forget(request_id)
         return seq is not None
 
     def request_ids(self) -> list[str]:
@@ -264,7 +232,7 @@ class Engine:
         Anything else raises, with `last_batch` naming the requests of the failed step."""
         self.last_batch = []
         self.broken = False
-        failed = self._fail_unloadable()
+        failed = self.isolation.fail_unloadable(self.config.adapter_load_timeout_s)
         self._housekeeping()
         start = time.perf_counter()
         out = self.scheduler.schedule(self.loras)
@@ -283,8 +251,9 @@ class Engine:
             if self.runner.workers is not None:  # a rank may have stopped mid-step: the
                 # ranks' collectives are out of step, and rerunning parts would hang them
                 raise WorkerLost(f"a step of the split model failed: {error!r}") from error
-            parts, failed_rows = self._compute_isolated(out, error)
-            failed += failed_rows
+            isolated = self.isolation.compute_isolated(out, error, self._compute)
+            parts, self.broken = isolated.parts, isolated.broken
+            failed += isolated.failed
         computed_at = time.perf_counter()
         outputs = [o for part, computed in parts for o in self._record(part, computed)]
         end = time.perf_counter()
@@ -328,31 +297,14 @@ class Engine:
         sampled, prompt = computed
         for row in out.scheduled if prompt else ():
             if row.seq.request_id in prompt:
-                self._record_prompt_logprobs(row.seq, prompt[row.seq.request_id])
+                record_prompt_logprobs(row.seq, prompt[row.seq.request_id])
         live = [r.seq for r in out.sampled if r.seq.status is SequenceStatus.RUNNING]
         self.scheduler.postprocess(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
         self.stats.prompt_tokens += sum(
             r.num_new_tokens for r in out.scheduled if r.start < r.seq.num_prompt_tokens
         )
         self.stats.generation_tokens += len(live)
-        outputs = []
-        for seq in live:
-            try:
-                if seq.matcher is not None:
-                    self._advance_grammar(seq, seq.matcher)
-                outputs.append(self._emit(seq))
-            except Exception as error:
-                log.warning("the output of request %s failed: %r", seq.request_id, error)
-                outputs.append(self._fail(seq, failure_message(error)))
-        return outputs
-
-    def _advance_grammar(self, seq: Sequence, matcher: Matcher) -> None:
-        """Feed the sampled token to the request's grammar; the output ends once the grammar
-        is complete (only EOS could follow). Raises if the token left the grammar."""
-        if not matcher.accept(seq.token_ids[-1]):
-            raise ValueError(f"the output left its grammar: {matcher.error}")
-        if matcher.is_done and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP)
+        return self.emitter.outputs(live)
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler for this model (made on first use; thread-safe:
@@ -361,59 +313,6 @@ class Engine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size)
             return self._grammars
-
-    @staticmethod
-    def _record_prompt_logprobs(seq: Sequence, scores: PromptScores) -> None:
-        """Keep the step's scores of prompt tokens scores.first.. (those not kept yet: a
-        recomputed prompt is not counted twice)."""
-        have = len(seq.prompt_logprobs) + 1  # token 0 has none
-        skip = have - scores.first
-        if skip < 0 or skip >= len(scores) or seq.params.prompt_logprobs is None:
-            return
-        seq.prompt_logprobs.extend(scores.entries(skip))
-
-    def _compute_isolated(
-        self, out: SchedulerOutput, error: Exception
-    ) -> tuple[list[tuple[SchedulerOutput, Computed]], list[RequestOutput]]:
-        """The step's computation failed: run its rows again one adapter at a time (the base
-        model's rows are a group too). A group that fails alone fails its requests with the
-        error; the others are computed in this step. Nothing was recorded by the failed
-        attempt: its K/V writes are rewritten with the same values."""
-        groups: dict[str | None, list[ScheduledSeq]] = {}
-        for row in out.scheduled:
-            groups.setdefault(row.seq.lora_key, []).append(row)
-        if len(groups) == 1:
-            (key,) = groups
-            log.warning("a step of adapter %s failed: %r", key or "(base model)", error)
-            failed = self._fail_rows(out.scheduled, error)
-            self._reset_adapter(key)
-            self.broken = key is None  # the base model alone failed: no adapter to blame
-            return [], failed
-        parts: list[tuple[SchedulerOutput, Computed]] = []
-        failed = []
-        for key, rows in groups.items():
-            keys = frozenset() if key is None else frozenset({key})
-            part = dataclasses.replace(out, scheduled=rows, lora_keys=keys)
-            try:
-                parts.append((part, self._compute(part)))
-            except Exception as group_error:
-                log.warning("a step of adapter %s failed: %r", key or "(base model)", group_error)
-                failed += self._fail_rows(rows, group_error)
-                self._reset_adapter(key)
-                self.broken |= key is None
-        self.broken |= not parts  # every adapter failed alone: the engine, not one tenant
-        return parts, failed
-
-    def _reset_adapter(self, key: str | None) -> None:
-        """After a failed step: reload the adapter's device slot from its host copy next time,
-        unless a running request still uses it."""
-        if key is not None and key not in self.scheduler.running_lora_keys:
-            self.loras.drop_slot(key)
-
-    def _fail_rows(self, rows: list[ScheduledSeq], error: Exception) -> list[RequestOutput]:
-        """Finish the rows' requests with an error (their blocks freed)."""
-        message = failure_message(error)
-        return [self._fail(row.seq, message) for row in rows if not row.seq.is_finished]
 
     def _reclaim(self, short: int) -> None:
         """Sequences need `short` more KV blocks: idle adapters give theirs back."""
@@ -446,85 +345,6 @@ class Engine:
         refs = [s.lora for s in held if s.lora is not None]
         self.loras.wait_for(refs, min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
 
-    def _fail_unloadable(self) -> list[RequestOutput]:
-        """End waiting requests whose adapter's last load failed, and those whose adapter is
-        still not in host memory `adapter_load_timeout_s` after they arrived (a store that
-        never answers must not hold them forever); other requests go on."""
-        outputs = []
-        timeout = self.config.adapter_load_timeout_s
-        horizon = time.monotonic() - timeout
-        for seq in list(self.scheduler.waiting):
-            if seq.lora is None:
-                continue
-            error = self.loras.failure(seq.lora)
-            if error is not None:
-                outputs.append(self._fail(seq, error))
-            elif seq.arrival_time < horizon and not self.loras.in_host_memory(seq.lora):
-                late = f"adapter {seq.lora.name} was not loaded within {timeout:g} s"
-                outputs.append(self._fail(seq, late, ADAPTER_LOAD_TIMEOUT))
-        return outputs
-
-    def _fail(self, seq: Sequence, error: str, code: str | None = None) -> RequestOutput:
-        """Finish a request as failed with `error`; its blocks are freed."""
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        self._detok.pop(seq.request_id, None)
-        self._sent_logprobs.pop(seq.request_id, None)
-        return RequestOutput.failed(
-            seq.request_id, error, seq.num_prompt_tokens, seq.num_output_tokens, code
-        )
-
-    def _emit(self, seq: Sequence) -> RequestOutput:
-        """The step's output of one row (called for every row of every step: its host work
-        is kept to what the request asked for)."""
-        token = seq.token_ids[-1]
-        params = seq.params
-        # EOS among the stop token ids, unless ignore_eos (add_request); as vLLM, a stop
-        # token's text is not output (its id and logprob still are)
-        stop_token = seq.finish_reason is FinishReason.STOP and token in params.stop_token_ids
-        text = ""
-        if self.detokenize:
-            delta = self._detok[seq.request_id].add_output(
-                token, seq.num_output_tokens, stop_token=stop_token, finished=seq.is_finished
-            )
-            text = delta.text
-            if delta.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
-            elif delta.stopped:
-                seq.finish_reason = FinishReason.STOP
-            if seq.is_finished:
-                del self._detok[seq.request_id]
-        finished = seq.is_finished
-        num_output = seq.num_output_tokens
-        logprobs = top = prompt = None
-        if params.wants_logprobs or params.top_logprobs:  # what was not sent yet
-            rid = seq.request_id
-            sent = self._sent_logprobs.get(rid, 0)
-            if params.wants_logprobs:
-                logprobs = seq.output_logprobs[sent:]
-            if params.top_logprobs:
-                top = seq.output_top_logprobs[sent:]
-            if finished:
-                self._sent_logprobs.pop(rid, None)
-            else:
-                self._sent_logprobs[rid] = len(seq.output_logprobs)
-        if params.prompt_logprobs is not None and num_output == 1:
-            prompt = list(seq.prompt_logprobs)
-        reason = seq.finish_reason
-        return RequestOutput(
-            request_id=seq.request_id,
-            token_ids=[token],
-            text=text,
-            finished=finished,
-            finish_reason=reason.value if reason else None,
-            logprobs=logprobs,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=num_output,
-            top_logprobs=top,
-            prompt_logprobs=prompt,
-            num_cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens),
-            stop_token=stop_token,
-        )
-
     def generate(
         self,
         prompts: Seq[str | list[int]],
@@ -555,8 +375,3 @@ class Engine:
                     done.finish_reason, done.error = out.finish_reason, out.error
                     pending.discard(out.request_id)
         return [results[f"{stamp}-{i}"] for i in range(n)]
-
-
-def failure_message(error: BaseException) -> str:
-    """A failed request's `error`, from what failed (the step, or forming its output)."""
-    return f"the step serving this request failed: {type(error).__name__}: {error}"

@@ -18,6 +18,7 @@ from loraplane.dataplane import kv_quant
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import DecodeGraphs
 from loraplane.dataplane.host_copy import HostCopy, to_device
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora.layers import install_lora
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.llama import LlamaForCausalLM
@@ -86,7 +87,8 @@ def build_model(
     model.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype, device)
     spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
     part = spec if shard is None else local_spec(spec, shard)
-    pool = LoRAPool(config.lora_slots, part, dtype, device)
+    layout = dispatch.b_transposed(dtype, device)  # B as the kernels picked for it read it
+    pool = LoRAPool(config.lora_slots, part, dtype, device, b_transposed=layout)
     install_lora(model, pool)
     vocab = int(model.config.vocab_size)
     if comm is not None:

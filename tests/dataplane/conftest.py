@@ -14,6 +14,7 @@ import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.attention import AttentionMetadata, query_positions
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora import LoRABatch, LoRAPool, install_lora, load_lora
 from loraplane.dataplane.models import LlamaForCausalLM, load_model
 from tests.conftest import ADAPTER_CONFIGS
@@ -121,7 +122,8 @@ def loaded_models(families: dict[str, Family]) -> Callable[[str], LoadedModel]:
             fam = families[kind]
             spec = BaseModelSpec.from_dir(fam.model_dir)
             model = load_model(fam.model_dir, torch.float32, torch.device("cpu"))
-            pool = LoRAPool(len(fam.adapters), spec, torch.float32, "cpu")
+            layout = dispatch.b_transposed(torch.float32, torch.device("cpu"))  # the engine's
+            pool = LoRAPool(len(fam.adapters), spec, torch.float32, "cpu", b_transposed=layout)
             install_lora(model, pool)
             slots = {}
             for slot, (name, path) in enumerate(fam.adapters.items()):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
 from loraplane.dataplane.models import LlamaForCausalLM, load_model
 from tests.dataplane.conftest import PagedRunner, Seq, _perturb, hf_logits
@@ -55,7 +56,8 @@ def serve(model_dir: Path, adapters: dict[str, Path]) -> Served:
 
     spec = BaseModelSpec.from_dir(model_dir)
     model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    pool = LoRAPool(len(adapters), spec, torch.float32, "cpu")
+    layout = dispatch.b_transposed(torch.float32, torch.device("cpu"))  # the engine's
+    pool = LoRAPool(len(adapters), spec, torch.float32, "cpu", b_transposed=layout)
     install_lora(model, pool)
     slots = {}
     for slot, (name, path) in enumerate(adapters.items()):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.limits import AdapterLimits
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
 from loraplane.dataplane.lora.loader import LoadedAdapter
 from loraplane.dataplane.models import load_model
@@ -150,7 +151,8 @@ class Bases:
         """The engine's decoder of `model_dir` with `names` in slots, beside the references."""
         spec = BaseModelSpec.from_dir(model_dir)
         model = load_model(model_dir, torch.float32, torch.device("cpu"))
-        pool = LoRAPool(len(names), spec, torch.float32, "cpu")
+        layout = dispatch.b_transposed(torch.float32, torch.device("cpu"))  # the engine's
+        pool = LoRAPool(len(names), spec, torch.float32, "cpu", b_transposed=layout)
         install_lora(model, pool)
         slots = {}
         for slot, name in enumerate(names):

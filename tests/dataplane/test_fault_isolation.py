@@ -254,7 +254,7 @@ def test_a_request_whose_output_cannot_be_formed_fails_alone(
     def undecodable(token: int, check_stop: bool = True) -> Any:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
 
-    engine._detok["q2"].add_token = undecodable  # type: ignore[method-assign]
+    engine.emitter.detokenizers["q2"].add_token = undecodable  # type: ignore[method-assign]
     tokens: dict[str, list[int]] = {}
     last: dict[str, RequestOutput] = {}
     while engine.has_unfinished:

@@ -9,9 +9,13 @@ import pytest
 import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
-from loraplane.dataplane.kernels import sgmv_cpu
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.kernels import dispatch, sgmv_cpu
 from loraplane.dataplane.lora import LoadedAdapter, LoRAPool, LoRAWeights, load_lora
+from loraplane.dataplane.lora import pool as pool_module
 from loraplane.dataplane.lora.host_form import PARALLEL_GRAIN, copy_serial
+from loraplane.dataplane.model_step import build_model
+from tests.test_import_cycles import import_graph
 
 SPEC = BaseModelSpec("tiny", "llama", 2, 64, 128, 4, 2, 16)
 
@@ -185,12 +189,31 @@ def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(
     assert table.lora_b[0] is host.modules[(1, "v_proj")].b
 
 
-def test_a_cpu_pool_transposes_b_unless_the_triton_kernels_read_it(
+def test_the_kernel_chooser_transposes_a_cpu_pools_b_unless_the_triton_kernels_read_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert LoRAPool(1, SPEC, torch.float32, "cpu").b_transposed
+    cpu = torch.device("cpu")
+    assert dispatch.b_transposed(torch.float32, cpu)  # native or torch
+    assert dispatch.b_transposed(torch.bfloat16, cpu)  # torch
     monkeypatch.setenv("LORAPLANE_SGMV", "triton")  # Triton's interpreter on CPU tensors
+    assert not dispatch.b_transposed(torch.float32, cpu)
+
+
+def test_the_pool_takes_its_layout_from_its_caller_and_imports_no_kernel_chooser(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layout is decided by whoever picks the kernels (the engine's model builder) and
+    passed in: a pool told nothing keeps B as stored, whatever the chooser would say."""
+    assert dispatch.b_transposed(torch.float32, torch.device("cpu"))
     assert not LoRAPool(1, SPEC, torch.float32, "cpu").b_transposed
+    assert LoRAPool(1, SPEC, torch.float32, "cpu", b_transposed=True).b_transposed
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32")
+    assert build_model(config, torch.device("cpu")).pool.b_transposed
+    monkeypatch.setenv("LORAPLANE_SGMV", "triton")
+    assert not build_model(config, torch.device("cpu")).pool.b_transposed
+    graph = import_graph(Path(pool_module.__file__).parents[2])
+    assert "loraplane.dataplane.kernels.dispatch" not in graph["loraplane.dataplane.lora.pool"]
+    assert "loraplane.dataplane.kernels.dispatch" in graph["loraplane.dataplane.model_step"]
 
 
 def test_the_transposed_layout_computes_what_the_plain_one_does() -> None:

@@ -25,6 +25,7 @@ import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.attention import AttentionMetadata, query_positions
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
 from loraplane.dataplane.models import load_model, read_config
 from loraplane.dataplane.models.gemma import GemmaConfig, GemmaForCausalLM
@@ -145,7 +146,8 @@ def gemma_models(gemma_families: dict[str, Family]) -> Callable[[str], LoadedMod
             fam = gemma_families[kind]
             spec = _spec(fam.model_dir)
             model = load_model(fam.model_dir, torch.float32, torch.device("cpu"))
-            pool = LoRAPool(len(fam.adapters), spec, torch.float32, "cpu")
+            layout = dispatch.b_transposed(torch.float32, torch.device("cpu"))  # the engine's
+            pool = LoRAPool(len(fam.adapters), spec, torch.float32, "cpu", b_transposed=layout)
             install_lora(model, pool)
             slots = {}
             for slot, (name, path) in enumerate(fam.adapters.items()):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
 from loraplane.dataplane.models import load_model
 from tests.dataplane.conftest import Family, LoadedModel, PagedRunner, Seq, hf_logits
@@ -113,7 +114,8 @@ def test_half_precision_model_and_pool_stay_close_to_hf_peft_fp32(
     fam, rng = families["llama"], random.Random(7)
     spec = BaseModelSpec.from_dir(fam.model_dir)
     model = load_model(fam.model_dir, dtype, torch.device("cpu"))
-    pool = LoRAPool(3, spec, dtype, "cpu")
+    layout = dispatch.b_transposed(dtype, torch.device("cpu"))  # the engine's
+    pool = LoRAPool(3, spec, dtype, "cpu", b_transposed=layout)
     install_lora(model, pool)
     names: list[str | None] = ["r64", None, "r8-qv", "r16-rslora"]
     for slot, name in enumerate(n for n in names if n):

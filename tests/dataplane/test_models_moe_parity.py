@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora import LoRABatch, LoRAPool, install_lora, load_lora
 from loraplane.dataplane.lora.experts import expert_lora_torch, route_rows
 from loraplane.dataplane.lora.pool import ModuleSlots
@@ -144,7 +145,8 @@ def _engine(fam: Family, adapters: dict[str, Path] | None = None) -> LoadedModel
     spec = BaseModelSpec.from_dir(fam.model_dir)
     model = load_model(fam.model_dir, torch.float32, torch.device("cpu"))
     adapters = fam.adapters if adapters is None else adapters
-    pool = LoRAPool(len(adapters), spec, torch.float32, "cpu")
+    layout = dispatch.b_transposed(torch.float32, torch.device("cpu"))  # the engine's
+    pool = LoRAPool(len(adapters), spec, torch.float32, "cpu", b_transposed=layout)
     install_lora(model, pool)
     slots = {}
     for slot, (name, path) in enumerate(adapters.items()):

@@ -25,7 +25,7 @@ from loraplane.dataplane.lora.layers import LinearWithLoRA
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.models import UnsupportedModelError
 from loraplane.dataplane.models.loader import load_model
-from loraplane.dataplane.models.quant import FP8, PROJECTION, FP8Linear, quantize
+from loraplane.dataplane.models.quant import FP8, PROJECTION, FP8Linear, config_group, quantize
 from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.test_engine import hf_greedy, prompts
 
@@ -233,6 +233,34 @@ def test_a_quantization_the_engine_cannot_serve_is_refused_by_name(
     )
     with pytest.raises(UnsupportedModelError, match=message):
         load_model(model, torch.float32, "cpu")
+
+
+_GROUP = {"weights": {"num_bits": 8, "type": "float"}, "targets": ["Linear"]}
+
+
+@pytest.mark.parametrize(
+    ("stored", "message"),
+    [
+        ({}, "config_groups must hold one group"),
+        ({"config_groups": {"a": _GROUP, "b": _GROUP}}, "config_groups must hold one group"),
+        ({"config_groups": {"g": {"targets": ["Linear"]}}}, "the config group has no weights"),
+        (
+            {"config_groups": {"g": {**_GROUP, "weights": {"num_bits": 4, "type": "int"}}}},
+            "float-quantized weights of num_bits 4, type 'int' are not supported; supported:"
+            " num_bits 8, type float",
+        ),
+        ({"config_groups": {"g": {**_GROUP, "targets": ["Embedding"]}}}, "targets .'Embedding'."),
+    ],
+)
+def test_the_config_group_check_fp8_and_4_bit_share_names_what_it_refuses(
+    stored: dict[str, Any], message: str
+) -> None:
+    """models/quant.py's check of a compressed-tensors config group, which the 4-bit reader
+    (models/w4_formats.py) calls too; a group it takes comes back with its weights scheme."""
+    ok = {"config_groups": {"g": _GROUP}}
+    assert config_group(ok, "float-quantized", 8, "float") == (_GROUP, _GROUP["weights"])
+    with pytest.raises(UnsupportedModelError, match=message):
+        config_group(stored, "float-quantized", 8, "float")
 
 
 def test_per_group_scales_and_a_16_bit_weight_under_an_fp8_config_are_refused(

@@ -67,6 +67,13 @@ def backend(x: torch.Tensor) -> str:
     return choose(ENV, BACKENDS, x, cpu_auto=_cpu_auto)
 
 
+def b_transposed(dtype: torch.dtype, device: torch.device) -> bool:
+    """The B layout of a LoRA pool whose slots `lora_apply` reads in `dtype` on `device`
+    (`LoRAPool.b_transposed`): transposed where the native or torch path serves (its expand
+    reads rows of B^T), B as stored, [out, r], where the Triton kernels do."""
+    return backend(torch.empty(0, dtype=dtype, device=device)) in ("torch", "native")
+
+
 def _cpu_auto(x: torch.Tensor) -> str:
     """`auto` off CUDA: the native kernel for CPU fp32 where it builds, else torch."""
     cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32

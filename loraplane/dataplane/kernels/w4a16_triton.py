@@ -12,6 +12,8 @@ BLOCK_K nibbles from their int32 words (each word read by the eight lanes that s
 cache), scales them by their groups' scales and zeros, and multiplies with tl.dot. The full
 weight is never written: per call the device reads half a byte per weight (plus the groups'
 scales) instead of rebuilding a 16-bit copy as the torch path does.
+Shared with the 8-bit kernel (w8a16_triton.py) through kernels/quant_gemm_common.py: the
+checks of x, the tiles, the launch, and each program's loads of x and its store.
 """
 
 # Triton's convention: compile-time (tl.constexpr) kernel parameters are in capitals.
@@ -19,12 +21,15 @@ scales) instead of rebuilding a 16-bit copy as the torch path does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane.kernels import quant_gemm_common as common
+
 __all__ = ["w4a16_linear"]
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -49,19 +54,12 @@ def _w4a16_kernel(  # type: ignore[no-untyped-def]
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = common.tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * K + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
+        x = common.load_x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, K)  # [BLOCK_M, BLOCK_K]
         w_mask = n_mask[:, None] & k_mask[None, :]
         words = tl.load(
             qweight_ptr + offs_n[:, None] * (K // 8) + (offs_k // 8)[None, :], mask=w_mask, other=0
@@ -74,20 +72,7 @@ def _w4a16_kernel(  # type: ignore[no-untyped-def]
         z = tl.load(qzeros_ptr + at, mask=w_mask, other=0).to(tl.float32) if HAS_ZEROS else 8.0
         w = ((u.to(tl.float32) - z) * s).to(x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + offs_m[:, None] * N + offs_n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
-
-
-def _blocks(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): the 16-row minimum tl.dot takes for decode steps, wider
-    row tiles for prefill."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return block_m, 64, 64
+    common.store_tile(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, N, HAS_BIAS)
 
 
 def w4a16_linear(
@@ -98,10 +83,7 @@ def w4a16_linear(
     [..., K] in fp16, bf16 or fp32, y [..., N] in x's dtype."""
     n, words = qweight.shape
     k = words * 8
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x must be one of {_DTYPES}, got {x.dtype}")
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    common.check_x(x, k)
     if qweight.dtype != torch.int32:
         raise ValueError(f"qweight must be int32, got {qweight.dtype}")
     groups = scales.shape[1]
@@ -112,24 +94,17 @@ def w4a16_linear(
                          f" {tuple(qzeros.shape)}")  # fmt: skip
     if g_idx is not None and g_idx.shape != (k,):
         raise ValueError(f"g_idx must be [{k}], got {tuple(g_idx.shape)}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    tensors = [t for t in (qweight, scales, qzeros, g_idx, bias) if t is not None]
-    if not all(t.is_contiguous() and t.device == x.device for t in tensors):
-        raise ValueError("the layer's tensors must be contiguous and on x's device")
-    rows = x.reshape(-1, k).contiguous()  # [M, K]
-    m = rows.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
-    if m == 0:
-        return y.reshape(*x.shape[:-1], n)
-    block_m, block_n, block_k = _blocks(m)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w4a16_kernel[grid](
-        rows, qweight, scales, qweight if qzeros is None else qzeros,
-        qweight if g_idx is None else g_idx, qweight if bias is None else bias, y,
-        m, n, k, groups, group_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_ZEROS=qzeros is not None,
-        HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
-    return y.reshape(*x.shape[:-1], n)
+    common.check_layer(x, n, bias, [qweight, scales, qzeros, g_idx])
+
+    def run(
+        rows: torch.Tensor, y: torch.Tensor, grid: tuple[int, int], tiles: dict[str, Any]
+    ) -> None:
+        _w4a16_kernel[grid](
+            rows, qweight, scales, qweight if qzeros is None else qzeros,
+            qweight if g_idx is None else g_idx, qweight if bias is None else bias, y,
+            rows.shape[0], n, k, groups, group_size,
+            HAS_ZEROS=qzeros is not None, HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None,
+            **tiles,
+        )  # fmt: skip
+
+    return common.launch(x, k, n, run)

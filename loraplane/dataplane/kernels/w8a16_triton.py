@@ -9,6 +9,8 @@ BLOCK_K bytes of the weight, widens and scales them, and multiplies with tl.dot.
 16-bit weight is never written: a decode step reads a byte per weight instead of the torch
 path's rebuilt copy (the weight read, a 16-bit copy written, then read by the matmul).
 Activations stay in their dtype (W8A16): LoRA and the base read the same unquantized x.
+What it has in common with the 4-bit kernel (how x is checked and loaded, the tiles, the
+launch, y's store) is in kernels/quant_gemm_common.py.
 """
 
 # Triton's convention: compile-time (tl.constexpr) kernel parameters are in capitals.
@@ -16,12 +18,15 @@ Activations stay in their dtype (W8A16): LoRA and the base read the same unquant
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane.kernels import quant_gemm_common as common
+
 __all__ = ["w8a16_linear"]
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -41,10 +46,7 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = common.tile(M, N, BLOCK_M, BLOCK_N)
     if PER_CHANNEL:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]  # [BLOCK_N, 1]
     else:
@@ -53,11 +55,7 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
     for k_start in range(0, K, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * K + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
+        x = common.load_x_tile(x_ptr, offs_m, offs_k, m_mask, k_mask, K)  # [BLOCK_M, BLOCK_K]
         w8 = tl.load(
             w_ptr + offs_n[:, None] * K + offs_k[None, :],
             mask=n_mask[:, None] & k_mask[None, :],
@@ -65,20 +63,7 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
         )  # [BLOCK_N, BLOCK_K] fp8
         w = (w8.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + offs_m[:, None] * N + offs_n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
-
-
-def _blocks(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): the 16-row minimum tl.dot takes for decode steps, wider
-    row tiles for prefill."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return block_m, 64, 64
+    common.store_tile(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, N, HAS_BIAS)
 
 
 def w8a16_linear(
@@ -88,31 +73,21 @@ def w8a16_linear(
     float8 e4m3, `scale` fp32 per tensor ([] or [1]) or per channel ([N, 1] or [N]); y
     [..., N] in x's dtype."""
     n, k = weight.shape
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x must be one of {_DTYPES}, got {x.dtype}")
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    common.check_x(x, k)
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
     if scale.dtype != torch.float32 or scale.numel() not in (1, n):
         raise ValueError(f"scale must be fp32 with 1 or {n} values, got {scale.dtype}"
                          f" {tuple(scale.shape)}")  # fmt: skip
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    tensors = [t for t in (weight, scale, bias) if t is not None]
-    if not all(t.is_contiguous() and t.device == x.device for t in tensors):
-        raise ValueError("the layer's tensors must be contiguous and on x's device")
-    rows = x.reshape(-1, k).contiguous()  # [M, K]
-    m = rows.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
-    if m == 0:
-        return y.reshape(*x.shape[:-1], n)
-    block_m, block_n, block_k = _blocks(m)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w8a16_kernel[grid](
-        rows, weight, scale.reshape(-1), weight if bias is None else bias, y, m, n, k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PER_CHANNEL=scale.numel() == n and n > 1, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
-    return y.reshape(*x.shape[:-1], n)
+    common.check_layer(x, n, bias, [weight, scale])
+
+    def run(
+        rows: torch.Tensor, y: torch.Tensor, grid: tuple[int, int], tiles: dict[str, Any]
+    ) -> None:
+        _w8a16_kernel[grid](
+            rows, weight, scale.reshape(-1), weight if bias is None else bias, y,
+            rows.shape[0], n, k,
+            PER_CHANNEL=scale.numel() == n and n > 1, HAS_BIAS=bias is not None, **tiles,
+        )  # fmt: skip
+
+    return common.launch(x, k, n, run)

@@ -97,11 +97,12 @@ class ModuleSlots:
 class LoRAPool:
     """Fixed slots on the model's device; the engine's cache tiers decide what goes where.
 
-    `b_transposed` (by default: on the CPU, where the native or torch SGMV path serves) keeps
-    each B as the transpose of a dense [r, out] tensor, the layout the CPU path's expand reads
-    fastest (a token's update is a sum of r contiguous rows of B^T): 10-14% less time in the
-    LoRA layers of a step over 42 adapters (`benchmarks/lora_cpu.py`). The Triton kernels
-    want B dense as [out, r], so a pool they read keeps that layout."""
+    `b_transposed` keeps each B as the transpose of a dense [r, out] tensor, the layout the
+    CPU path's expand (native or torch SGMV) reads fastest (a token's update is a sum of r
+    contiguous rows of B^T): 10-14% less time in the LoRA layers of a step over 42 adapters
+    (`benchmarks/lora_cpu.py`). The Triton kernels want B dense as [out, r], the default. The
+    caller that picks the kernels decides (the engine's: `dispatch.b_transposed`, in
+    model_step.py); the pool knows no kernel."""
 
     def __init__(
         self,
@@ -109,7 +110,7 @@ class LoRAPool:
         model_spec: BaseModelSpec,
         dtype: torch.dtype,
         device: torch.device | str,
-        b_transposed: bool | None = None,
+        b_transposed: bool = False,
         norm_cache: dora_cache.NormCache | None = None,
     ) -> None:
         if max_loras < 1:
@@ -118,11 +119,6 @@ class LoRAPool:
         self.spec = model_spec
         self.dtype = dtype
         self.device = torch_device(device)
-        if b_transposed is None:
-            from loraplane.dataplane.kernels import dispatch
-
-            probe = torch.empty(0, dtype=dtype, device=self.device)
-            b_transposed = dispatch.backend(probe) in ("torch", "native")
         self.b_transposed = b_transposed
         # DoRA's g per adapter, kept (in memory only unless given a folder): lora/dora_cache.py
         self.norm_cache = norm_cache if norm_cache is not None else dora_cache.NormCache()

@@ -137,18 +137,7 @@ def _from_checkpoint(stored: Any) -> FP8Scheme:
             f"compressed-tensors format {fmt!r} is not supported; supported: float-quantized,"
             " pack-quantized (4-bit)"
         )
-    groups = stored.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        raise UnsupportedModelError("quantization_config.config_groups must hold one group")
-    (group,) = groups.values()
-    weights = group.get("weights") if isinstance(group, dict) else None
-    if not isinstance(weights, dict):
-        raise UnsupportedModelError("the config group has no weights scheme")
-    if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
-        raise UnsupportedModelError(
-            f"weights of {weights.get('num_bits')} bits, type {weights.get('type')!r}, are not"
-            " supported; supported: 8-bit float (e4m3)"
-        )
+    _, weights = config_group(stored, fmt, num_bits=8, kind="float")  # e4m3
     strategy = weights.get("strategy")
     if strategy not in _STRATEGIES or weights.get("symmetric", True) is not True:
         raise UnsupportedModelError(
@@ -157,13 +146,37 @@ def _from_checkpoint(stored: Any) -> FP8Scheme:
         )
     if weights.get("dynamic") is True:
         raise UnsupportedModelError("dynamically quantized weights are not supported")
-    targets = group.get("targets", ["Linear"])
-    if targets != ["Linear"]:
-        raise UnsupportedModelError(f"config group targets {targets} are not supported: Linear")
     ignore = stored.get("ignore", [])
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise UnsupportedModelError("quantization_config.ignore must be a list of module names")
     return FP8Scheme(per_channel=strategy == "channel", at_load=False, ignore=tuple(ignore))
+
+
+def config_group(
+    stored: dict[str, Any], fmt: str, num_bits: int, kind: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(group, its weights scheme): the one config group of a compressed-tensors
+    quantization_config of format `fmt`, checked to quantize Linear layers' weights to
+    `num_bits` bits of type `kind`; UnsupportedModelError otherwise (FP8 here, 4-bit in
+    models/w4_formats.py)."""
+    groups = stored.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise UnsupportedModelError("quantization_config.config_groups must hold one group")
+    (group,) = groups.values()
+    weights = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(weights, dict):
+        raise UnsupportedModelError("the config group has no weights scheme")
+    if (weights.get("num_bits"), weights.get("type")) != (num_bits, kind):
+        raise UnsupportedModelError(
+            f"{fmt} weights of num_bits {weights.get('num_bits')!r}, type"
+            f" {weights.get('type')!r} are not supported; supported: num_bits {num_bits},"
+            f" type {kind}"
+        )
+    if group.get("targets", ["Linear"]) != ["Linear"]:
+        raise UnsupportedModelError(
+            f"config group targets {group.get('targets')} are not supported: Linear"
+        )
+    return group, weights
 
 
 def quantize(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -156,18 +156,7 @@ def _pack_quantized(stored: dict[str, Any]) -> W4Scheme:
         )
     if stored.get("transform_config"):  # rotations (SpinQuant, QuIP) applied around the weights
         raise UnsupportedModelError("quantization_config.transform_config is not supported")
-    groups = stored.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        raise UnsupportedModelError("quantization_config.config_groups must hold one group")
-    (group,) = groups.values()
-    weights = group.get("weights") if isinstance(group, dict) else None
-    if not isinstance(weights, dict):
-        raise UnsupportedModelError("the config group has no weights scheme")
-    if (weights.get("num_bits"), weights.get("type")) != (4, "int"):
-        raise UnsupportedModelError(
-            f"pack-quantized weights of num_bits {weights.get('num_bits')!r}, type"
-            f" {weights.get('type')!r} are not supported; supported: num_bits 4, type int"
-        )
+    group, weights = quant.config_group(stored, "pack-quantized", num_bits=4, kind="int")
     if group.get("format") not in (None, "pack-quantized"):
         raise UnsupportedModelError(f"config group format {group.get('format')!r} is mixed in")
     strategy = weights.get("strategy")
@@ -189,9 +178,6 @@ def _pack_quantized(stored: dict[str, Any]) -> W4Scheme:
             raise UnsupportedModelError(
                 f"{field} are quantized: only weight-only 4-bit (W4A16) is supported"
             )
-    if group.get("targets", ["Linear"]) != ["Linear"]:
-        raise UnsupportedModelError(f"config group targets {group.get('targets')} are not"
-                                    " supported: Linear")  # fmt: skip
     symmetric = weights.get("symmetric", True)
     if not isinstance(symmetric, bool):
         raise UnsupportedModelError(f"weights.symmetric {symmetric!r} is not a bool")
