@@ -162,7 +162,7 @@ def test_an_unchanged_assignment_is_applied_again_while_a_version_is_not_held_he
     assert sync.retry_due()
     m.unregister("r4", "acme")  # an unload: the engine lets go of r4's pin
     assert states()["r4"] == "unpinned" and sync.retry_due()
-    asyncio.run(sync.apply(assignment))  # the same assignment again: r4 back, r16 still past the cap
+    asyncio.run(sync.apply(assignment))  # the same again: r4 back, r16 still past the cap
     again = states()
     assert again["r4"] in ("host", "loading", "resident") and again["r16"].startswith("refused:")
     asyncio.run(sync.apply(assignment[1:]))  # r4 no longer assigned: room for r16
