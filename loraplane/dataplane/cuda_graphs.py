@@ -168,7 +168,7 @@ class DecodeGraphs:
             if mod.slots is None:
                 raise ValueError(f"{mod} is not bound to the LoRA pool")
             self._modules.append(mod.slots)
-        slots = pool.max_loras
+        slots = pool.num_slots
         self._ptrs_np = np.zeros((2, len(wrapped), slots), dtype=np.int64)
         self._ranks_np = np.zeros((len(wrapped), slots), dtype=np.int32)
         self._ptrs = torch.zeros(2, len(wrapped), slots, dtype=torch.int64, device=device)

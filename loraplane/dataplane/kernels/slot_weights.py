@@ -42,7 +42,7 @@ class SlotWeights:
 
     @property
     def num_slots(self) -> int:
-        """L: the pool's max_loras."""
+        """L: the pool's slots (num_slots)."""
         return len(self.ranks_host)
 
     @property

@@ -199,7 +199,7 @@ class DeviceTier:
         """How many adapters the device holds at once: the pool's slots, or fewer where the
         memory budget holds fewer adapters of the mean size of those resident now (all slots
         while none is)."""
-        slots = self.pool.max_loras
+        slots = self.pool.num_slots
         budget, resident = self.budget_bytes, len(self.slots)
         if budget is None or not resident or not self.pool.bytes_used:
             return slots

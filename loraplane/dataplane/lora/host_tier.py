@@ -37,10 +37,10 @@ class HostTier:
         # a tensor-parallel rank's part of each adapter read (parallel/shard.py), validated
         # against the whole base model first; the pool holds that part
         self._shard = shard
-        self.max_cpu_loras = max_cpu_loras or pool.max_loras
-        if self.max_cpu_loras < pool.max_loras:
+        self.max_cpu_loras = max_cpu_loras or pool.num_slots
+        if self.max_cpu_loras < pool.num_slots:
             raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({pool.max_loras})"
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= the pool's slots ({pool.num_slots})"
             )
         self.hosted: dict[str, Entry] = {}  # ref.key -> entry with a host copy
         self.stats = TierStats("cpu")

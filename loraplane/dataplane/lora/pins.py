@@ -46,7 +46,7 @@ class Pins:
     @property
     def cap_slots(self) -> int:
         """How many versions may be pinned at once: a fraction of the slots, at least one."""
-        return max(1, int(self._device.pool.max_loras * self.fraction))
+        return max(1, int(self._device.pool.num_slots * self.fraction))
 
     def pinned(self) -> list[LoRARef]:
         """The pinned versions, loaded or not."""
@@ -111,7 +111,7 @@ class Pins:
             raise PinRefused(
                 f"pinning {name} would pin {len(others) + 1} adapters on this replica, more"
                 f" than its cap of {slots} ({self.fraction:.0%} of its"
-                f" {self._device.pool.max_loras} adapter slots)"
+                f" {self._device.pool.num_slots} adapter slots)"
             )
         cap = self.cap_bytes
         if cap is None or entry.host is None:

@@ -59,20 +59,20 @@ def layer_engine_modules(spec: BaseModelSpec, layer: int) -> tuple[str, ...]:
 class ModuleSlots:
     """Every slot's A, B and scale for one (layer, module); None where a slot does not adapt it."""
 
-    def __init__(self, max_loras: int, device: torch.device) -> None:
-        self.lora_a: list[torch.Tensor | None] = [None] * max_loras  # slot -> [r, in]
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.lora_a: list[torch.Tensor | None] = [None] * num_slots  # slot -> [r, in]
         # slot -> [out, r]; on a pool with b_transposed, the transpose of a dense [r, out]
-        self.lora_b: list[torch.Tensor | None] = [None] * max_loras
-        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)  # [max_loras]
+        self.lora_b: list[torch.Tensor | None] = [None] * num_slots
+        self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [num_slots]
         # the CPU kernel's per-slot memo of checked shapes (sgmv_torch.lora_apply_grouped)
-        self.checked: list[CheckedPair | None] = [None] * max_loras
+        self.checked: list[CheckedPair | None] = [None] * num_slots
         # the slot table CUDA graphs read (cuda_graphs.py keeps it current), None without them
         self.graph_table: SlotWeights | None = None
         # the native CPU kernel's slot table (sgmv_cpu.lora_apply makes it on first use)
         self.native: sgmv_cpu.NativeTable | None = None
         # DoRA: slot -> its per-row scale g [out] fp32 (lora/dora.py), None for plain LoRA;
         # bit k of dora_mask set when slot k has one
-        self.dora: list[torch.Tensor | None] = [None] * max_loras
+        self.dora: list[torch.Tensor | None] = [None] * num_slots
         self.dora_mask = 0
         # the base projection the LoRA layer wraps (install_lora): DoRA's norm reads its weight
         self.base: nn.Module | None = None
@@ -106,16 +106,16 @@ class LoRAPool:
 
     def __init__(
         self,
-        max_loras: int,
+        num_slots: int,
         model_spec: BaseModelSpec,
         dtype: torch.dtype,
         device: torch.device | str,
         b_transposed: bool = False,
         norm_cache: dora_cache.NormCache | None = None,
     ) -> None:
-        if max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        self.max_loras = max_loras
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
         self.spec = model_spec
         self.dtype = dtype
         self.device = torch_device(device)
@@ -123,20 +123,20 @@ class LoRAPool:
         # DoRA's g per adapter, kept (in memory only unless given a folder): lora/dora_cache.py
         self.norm_cache = norm_cache if norm_cache is not None else dora_cache.NormCache()
         self._modules = {
-            (layer, module): ModuleSlots(max_loras, self.device)
+            (layer, module): ModuleSlots(num_slots, self.device)
             for layer in range(model_spec.num_layers)
             for module in layer_engine_modules(model_spec, layer)
         }
         # slot -> its storage: one flat buffer, or the host copy's tensors read in place
-        self._buffers: list[list[torch.Tensor] | None] = [None] * max_loras
-        self._bytes = [0] * max_loras  # slot -> device bytes of its adapter
-        self._free = set(range(max_loras))
+        self._buffers: list[list[torch.Tensor] | None] = [None] * num_slots
+        self._bytes = [0] * num_slots  # slot -> device bytes of its adapter
+        self._free = set(range(num_slots))
         self.bytes_used = 0  # device bytes of all loaded adapters
         self.arena: KVArena | None = None
-        self._placements: list[Placement | None] = [None] * max_loras
+        self._placements: list[Placement | None] = [None] * num_slots
         # slot -> how many times it was filled or emptied: its tensors change with this
         # number, so a copy of its pointers (a CUDA graph's slot table) knows when to refresh
-        self.slot_generation = [0] * max_loras
+        self.slot_generation = [0] * num_slots
 
     @property
     def modules(self) -> dict[tuple[int, str], ModuleSlots]:
@@ -145,7 +145,7 @@ class LoRAPool:
 
     def attach_arena(self, arena: KVArena) -> None:
         """Keep adapters in KV cache blocks from now on (before any adapter is loaded)."""
-        if self.bytes_used or len(self._free) != self.max_loras:
+        if self.bytes_used or len(self._free) != self.num_slots:
             raise RuntimeError("attach the arena before loading adapters")
         self.arena = arena
 
@@ -157,8 +157,8 @@ class LoRAPool:
             raise ValueError(f"the pool has no LoRA module {module!r} in layer {layer}") from None
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_loras:
-            raise ValueError(f"slot must be in 0..{self.max_loras - 1}, got {slot}")
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be in 0..{self.num_slots - 1}, got {slot}")
 
     def bytes_needed(self, adapter: LoadedAdapter) -> int:
         """Device bytes `adapter` will take in this pool's dtype (for byte budgets), a DoRA
@@ -328,7 +328,7 @@ class LoRAPool:
 
     def is_loaded(self, slot: int) -> bool:
         """True when `slot` is a valid slot holding an adapter."""
-        return 0 <= slot < self.max_loras and self._buffers[slot] is not None
+        return 0 <= slot < self.num_slots and self._buffers[slot] is not None
 
     def free_slots(self) -> list[int]:
         """Slots holding no adapter, lowest first."""
