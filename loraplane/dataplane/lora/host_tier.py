@@ -40,7 +40,8 @@ class HostTier:
         self.max_cpu_loras = max_cpu_loras or pool.num_slots
         if self.max_cpu_loras < pool.num_slots:
             raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= the pool's slots ({pool.num_slots})"
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= the pool's slots "
+                f"({pool.num_slots})"
             )
         self.hosted: dict[str, Entry] = {}  # ref.key -> entry with a host copy
         self.stats = TierStats("cpu")
