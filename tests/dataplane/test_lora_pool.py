@@ -91,7 +91,7 @@ def test_slot_ids_outside_the_pool_are_refused() -> None:
     pool = LoRAPool(2, SPEC, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"slot must be in 0\.\.1"):
         pool.load(2, _adapter(4))
-    with pytest.raises(ValueError, match="max_loras"):
+    with pytest.raises(ValueError, match="num_slots"):
         LoRAPool(0, SPEC, torch.float32, "cpu")
 
 
