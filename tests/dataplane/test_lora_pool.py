@@ -13,7 +13,7 @@ from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
 from loraplane.dataplane.lora import LoadedAdapter, LoRAPool, LoRAWeights, load_lora
 from loraplane.dataplane.lora import pool as pool_module
-from loraplane.dataplane.lora.host_form import PARALLEL_GRAIN, copy_serial
+from loraplane.dataplane.lora.host_form import PARALLEL_GRAIN, copy_serial, host_buffer
 from loraplane.dataplane.model_step import build_model
 from tests.test_import_cycles import import_graph
 
@@ -187,6 +187,34 @@ def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(
     pool.load(0, host)  # and a slot reads it in place
     table = pool.module_slots(1, "v_proj")
     assert table.lora_b[0] is host.modules[(1, "v_proj")].b
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_host_form_within_one_dtype_copies_the_bits_into_one_huge_page_buffer(
+    one_buffer: bool, dtype: torch.dtype
+) -> None:
+    # a 16-bit adapter into a transposing pool of its own dtype: numpy copies the bits (no
+    # cast, no OpenMP team) into a buffer numpy allocated (huge pages, not 4 KiB faults)
+    source = _adapter(8)
+    adapter = _one_buffer(source, dtype) if one_buffer else LoadedAdapter(source.source, {
+        k: LoRAWeights(w.a.to(dtype), w.b.to(dtype), w.scale) for k, w in source.modules.items()
+    })  # fmt: skip
+    host = LoRAPool(2, SPEC, dtype, "cpu", b_transposed=True).host_form(adapter)
+    first = next(iter(host.modules.values())).a
+    assert first.untyped_storage().nbytes() == adapter.nbytes  # one buffer, nothing more
+    for key, w in host.modules.items():
+        assert torch.equal(w.a.view(torch.int16), adapter.modules[key].a.view(torch.int16))
+        assert torch.equal(w.b.view(torch.int16), adapter.modules[key].b.view(torch.int16))
+        assert w.b.t().is_contiguous() and not w.b.is_contiguous()
+
+
+def test_host_buffer_is_of_the_dtype_and_size_asked() -> None:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        buffer = host_buffer(3 << 20, dtype)  # 6-12 MiB: numpy's huge-page size
+        assert buffer.dtype == dtype and buffer.shape == (3 << 20,) and buffer.is_contiguous()
+        buffer.fill_(1.5)
+        assert float(buffer[-1]) == 1.5
 
 
 def test_the_kernel_chooser_transposes_a_cpu_pools_b_unless_the_triton_kernels_read_it(
