@@ -6,7 +6,9 @@ CPU slot reads the host copy in place and a CUDA slot copies it without conversi
 engine's step does none of that work. Into fp32 (CPU pools) the native library converts a whole
 adapter in one call (`sgmv_cpu.convert_f32`); otherwise numpy copies each tensor within its
 dtype and torch casts across dtypes, in pieces small enough not to start an OpenMP team on a
-loader thread (`copy_serial`). The buffer is numpy's (`host_buffer`: huge pages).
+loader thread (`copy_serial`). The buffer is numpy's (`host_buffer`: huge pages). A stored
+version already in a CPU pool's dtype needs no buffer: each B is transposed where the loader
+read it (`_in_place`), so a cold load costs a read, a hash and B's transposition.
 """
 
 from __future__ import annotations
@@ -128,8 +130,11 @@ def convert(
 ) -> LoadedAdapter:
     """`adapter` with its A and B in `dtype`, each B the [out, r] view of a dense [r, out]
     where `transposed`, back to back in one host buffer (pinned when `cuda`); returned as is
-    when already in that form."""
+    when already in that form, and converted where it lies (returned itself) when it owns its
+    tensors and only B's layout differs (`_in_place`)."""
     if is_host_form(adapter, dtype, transposed):
+        return adapter
+    if _in_place(adapter, dtype, transposed, cuda):
         return adapter
     tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
     buffer = host_buffer(sum(t.numel() for t in tensors), dtype, pinned=cuda)
@@ -154,6 +159,29 @@ def convert(
         _copy(h.a, w.a)
         _copy(h.b, w.b)
     return host
+
+
+def _in_place(adapter: LoadedAdapter, dtype: torch.dtype, transposed: bool, cuda: bool) -> bool:
+    """Put `adapter` in a CPU pool's transposed host form where it lies, when it owns its
+    tensors (a stored version as the loader read it) and they are dense in `dtype` already:
+    each B is transposed within its own bytes (through a small copy of it) and the modules
+    take the [out, r] views of those dense [r, out]. No second buffer, no copy of A: the file
+    buffer becomes the host form, as it was before CPU pools transposed B. False, with
+    nothing changed, otherwise."""
+    if not (adapter.owns_tensors and transposed and not cuda):
+        return False
+    for w in adapter.modules.values():
+        for t in (w.a, w.b):
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                return False
+    bits = _BITS[torch.empty(0, dtype=dtype).element_size()]
+    for key, w in list(adapter.modules.items()):
+        fan_out, rank = w.b.shape
+        b = w.b.view(bits).numpy()  # [out, r], the stored layout
+        np.copyto(b.reshape(rank, fan_out), b.copy().T)  # the same bytes as [r, out]
+        b_t = w.b.view(-1).view(rank, fan_out).t()  # [out, r] view of the dense [r, out]
+        adapter.modules[key] = LoRAWeights(w.a, b_t, w.scale, w.magnitude)
+    return True
 
 
 def _views_of(adapter: LoadedAdapter, buffer: torch.Tensor, transposed: bool) -> LoadedAdapter:
