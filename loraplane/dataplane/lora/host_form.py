@@ -180,7 +180,7 @@ def _in_place(adapter: LoadedAdapter, dtype: torch.dtype, transposed: bool, cuda
         b = w.b.view(bits).numpy()  # [out, r], the stored layout
         np.copyto(b.reshape(rank, fan_out), b.copy().T)  # the same bytes as [r, out]
         b_t = w.b.view(-1).view(rank, fan_out).t()  # [out, r] view of the dense [r, out]
-        adapter.modules[key] = LoRAWeights(w.a, b_t, w.scale, w.magnitude)
+        adapter.modules[key] = LoRAWeights(w.a, b_t, w.scale, _own(w.magnitude))
     return True
 
 
