@@ -16,8 +16,8 @@ on one round of every load rather than on one load.
 Figures: tokens/s and time to first token p99 of each load, their ratios to eight (goals: zipf
 >= 0.9, uniform >= 0.8, zipf TTFT p99 <= 2x), failed requests (goal 0). A ratio is the median
 of the rounds' ratios (each load to the same round's eight), printed with their spread: Zipf
-sits near its goal (3-round medians 0.889 and 0.899, one run 0.93), so it takes 5 rounds for
-one run to decide it.
+sits near its goal (3-round medians 0.889 and 0.899, single runs up to 0.93: issue 32), so it
+takes 5 rounds for one run to decide it.
 As in benchmarks/server_http.py the client runs on the same machine, so the server's torch
 threads are cores - 1 (OMP_NUM_THREADS; a core for the client and the event loop).
 `--large`: a larger model of another shape instead (LARGE: 12 layers, hidden 2048, 32 heads / 4

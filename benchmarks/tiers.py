@@ -18,8 +18,8 @@ Figures (all measured in this run, CPU):
   auto must lose nothing there (goal >= 0.97). The loads with goals run in 5 rounds, the
   same order each round, and each figure is the median of its rounds (failed requests: the
   sum); a ratio with a goal is the median of the rounds' ratios (each load over the same
-  round's baseline), printed with their spread: Zipf sits near its goal (3-round medians 0.888
-  and 0.910 on one machine), so it takes 5 rounds for one run to decide it. The comparison
+  round's baseline), printed with their spread: Zipf sits near its goal (0.86-0.91 over the
+  runs in results/density.md), so it takes 5 rounds for one run to decide it. The comparison
   loads run once after them
 Run: .venv/bin/python benchmarks/tiers.py [--adapters 2000] [--requests 256] [--rounds 5]
 [--family llama|qwen3|gemma3]
