@@ -47,7 +47,8 @@ format: $(VENV)/.dev
 # cores); bench-smoke: each with --smoke (tiny sizes, about a minute in all: what CI runs).
 # Both run every script even when one fails and end with a summary; without CUDA the *_gpu.py
 # ones are skipped (bench-smoke takes the CPU path of those that have one). The status is
-# non-zero when a script failed or (bench) missed a goal.
+# non-zero when a script failed or (bench) missed a goal; the summary counts goals met, missed
+# and skipped (a goal only a GPU can meet, where a CPU measured it: never met, never missed).
 # BENCH_ARGS: only these scripts, e.g. make bench-smoke BENCH_ARGS="ingest tiers"
 bench: $(VENV)/.dev
 	$(PY) benchmarks/_run.py $(BENCH_ARGS)

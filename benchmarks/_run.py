@@ -5,8 +5,10 @@ output passed through; one that fails or misses a goal does not stop the rest. S
 `*_gpu.py` need a CUDA device: where torch sees none they are skipped with a line saying so,
 except that a smoke run takes the CPU path of those in CPU_SMOKE_ARGS. (`gpu_check.sh` is the
 GPU machine's runbook, tests included, and is not run here.) Each results file written is
-checked for its shape (_common.report's). The summary gives each script's outcome and time;
-the exit status is 0 when every script ran (or was skipped) and, at full size, met its goals.
+checked for its shape (_common.report's). The summary gives each script's outcome, time and
+goals (met/missed/skipped), then the goals of all scripts counted: a goal skipped for want of
+a GPU (or another stated reason) is neither met nor missed. The exit status is 0 when every
+script ran (or was skipped) and, at full size, missed no goal.
 Run: .venv/bin/python benchmarks/_run.py [--smoke] [NAME ...]
 """
 
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import GOALS_NOT_MET, results_path
+from _common import GOALS_NOT_MET, results_path, verdict
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -60,17 +62,28 @@ def shape_problems(body: Any, smoke: bool) -> list[str]:
         problems.append("goals: not a list")
         goals = []
     for g in goals:
-        if not isinstance(g, dict) or set(g) != {"figure", "op", "target", "met"}:
-            problems.append(f"goal {g!r}: not figure, op, target, met")
-        elif (
-            g["figure"] not in figures or g["op"] not in ("<=", ">=") or type(g["met"]) is not bool
-        ):
-            problems.append(f"goal {g!r}: unknown figure, op or verdict")
+        if not isinstance(g, dict) or set(g) != {"figure", "op", "target", "met", "skipped"}:
+            problems.append(f"goal {g!r}: not figure, op, target, met, skipped")
+            continue
+        skipped = g["skipped"]
+        judged = skipped is None and type(g["met"]) is bool
+        if not (judged or (isinstance(skipped, str) and skipped and g["met"] is None)):
+            problems.append(f"goal {g!r}: a verdict (met) or a reason (skipped), not both")
+        elif g["figure"] not in figures or g["op"] not in ("<=", ">="):
+            problems.append(f"goal {g!r}: unknown figure or op")
     if not isinstance(body.get("machine"), str):
         problems.append("machine: not a string")
     if body.get("smoke") is not smoke:
         problems.append(f"smoke: {body.get('smoke')!r}, expected {smoke}")
     return problems
+
+
+def goal_counts(goals: list[dict[str, Any]]) -> dict[str, int]:
+    """How many of a results file's goals were met, missed and skipped."""
+    counts = {"met": 0, "missed": 0, "skipped": 0}
+    for g in goals:
+        counts[verdict(g)] += 1
+    return counts
 
 
 def run_one(script: Path, extra: list[str], timeout: float | None, smoke: bool) -> int:
@@ -118,6 +131,7 @@ def main() -> int:
     kind = "bench-smoke" if args.smoke else "bench"
     summary: list[str] = []
     failed = missed = 0
+    goals = {"met": 0, "missed": 0, "skipped": 0}
     start_all = time.monotonic()
     for script in todo:
         extra = ["--smoke"] if args.smoke else []
@@ -135,26 +149,36 @@ def main() -> int:
         took = f"{time.time() - started:6.1f} s"
         out = results_path(script.stem, args.smoke)
         problems: list[str] = []
+        tally = ""
         if rc in (0, GOALS_NOT_MET):
             if not out.exists() or out.stat().st_mtime < started:
                 problems = [f"wrote no {out.relative_to(REPO)}"]
             else:
-                problems = shape_problems(json.loads(out.read_text()), args.smoke)
+                body = json.loads(out.read_text())
+                problems = shape_problems(body, args.smoke)
+                if not problems:
+                    counts = goal_counts(body["goals"])
+                    tally = f"  goals {counts['met']}/{counts['missed']}/{counts['skipped']}"
+                    for outcome, n in counts.items():
+                        goals[outcome] += n
         if problems:
             failed += 1
             print(f"{script.name}: results: {'; '.join(problems)}")
             summary.append(f"FAILED   {script.name:<20}  {took}  results: {problems[0]}")
         elif rc == 0:
-            summary.append(f"ok       {script.name:<20}  {took}{note}")
+            summary.append(f"ok       {script.name:<20}  {took}{tally}{note}")
         elif rc == GOALS_NOT_MET:
             missed += 1
-            summary.append(f"GOALS    {script.name:<20}  {took}  ran; a goal was not met")
+            summary.append(f"GOALS    {script.name:<20}  {took}{tally}  a goal was not met")
         else:
             failed += 1
             summary.append(f"FAILED   {script.name:<20}  {took}  exit status {rc}")
     total = time.monotonic() - start_all
     print(f"== {kind}: {len(todo)} scripts in {total:.0f} s ({'' if cuda else 'no '}CUDA)")
     print(*(f"  {line}" for line in summary), sep="\n")
+    enforced = "; smoke: printed, not enforced" if args.smoke else ""
+    print(f"{kind}: goals {goals['met']} met, {goals['missed']} missed, {goals['skipped']} "
+          f"skipped (per script above: met/missed/skipped{enforced})")  # fmt: skip
     if failed or missed:
         print(f"{kind}: of {len(todo)} scripts, {failed} failed and {missed} missed a goal")
         return 1

@@ -10,18 +10,21 @@ ignored), each for an adapter drawn from
 - eight: the first 8 adapters, Zipf(1.0) (the baseline),
 - zipf: all adapters, Zipf(1.0),
 - uniform: all adapters, uniform (S-LoRA's harsher case).
-The loads run in 3 rounds (`--rounds`), each on a fresh server, in that order; each figure is
+The loads run in 5 rounds (`--rounds`), each on a fresh server, in that order; each figure is
 the median of its rounds (failed requests: the sum), so a slow spell of a shared machine falls
 on one round of every load rather than on one load.
 Figures: tokens/s and time to first token p99 of each load, their ratios to eight (goals: zipf
->= 0.9, uniform >= 0.8, zipf TTFT p99 <= 2x), failed requests (goal 0).
+>= 0.9, uniform >= 0.8, zipf TTFT p99 <= 2x), failed requests (goal 0). A ratio is the median
+of the rounds' ratios (each load to the same round's eight), printed with their spread: Zipf
+sits near its goal (3-round medians 0.889 and 0.899, single runs up to 0.93: issue 32), so it
+takes 5 rounds for one run to decide it.
 As in benchmarks/server_http.py the client runs on the same machine, so the server's torch
 threads are cores - 1 (OMP_NUM_THREADS; a core for the client and the event loop).
 `--large`: a larger model of another shape instead (LARGE: 12 layers, hidden 2048, 32 heads / 4
 KV heads, MLP 5632; about 0.7B parameters), a check that the ratios hold where a step costs
 more; pair it with fewer adapters and rounds, e.g. `--large --adapters 400 --rounds 1` (about
 4 minutes). Its figures go to the same results file, with `large_model` 1.
-Run: .venv/bin/python benchmarks/density_http.py [--adapters 2000] [--requests 256] [--rounds 3]
+Run: .venv/bin/python benchmarks/density_http.py [--adapters 2000] [--requests 256] [--rounds 5]
 [--large] (--smoke: one round on engine_cpu.py's smoke model, 16 adapters, 16 requests)
 """
 
@@ -37,7 +40,7 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-from _common import add_smoke_flag, goal, report
+from _common import add_smoke_flag, goal, median_of_rounds, report
 from engine_cpu import shape
 from server_http import REPO, free_port, one_stream, pct, wait_ready
 from tiers import qv_adapter
@@ -110,7 +113,7 @@ def main() -> int:
     parser.add_argument("--adapters", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds (a fresh server each); figure: median"
+        "--rounds", type=int, default=5, help="rounds (a fresh server each); figure: median"
     )
     parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--large", action="store_true", help="the LARGE model (see above)")
@@ -163,10 +166,13 @@ def main() -> int:
         if len(runs) > 1:
             figures[f"{label}_tokens_per_s_min"] = min(r["tokens_per_s"] for r in runs)
             figures[f"{label}_tokens_per_s_max"] = max(r["tokens_per_s"] for r in runs)
-    base, base_ttft = figures["eight_tokens_per_s"], figures["eight_ttft_p99_s"]
-    for label in ("zipf", "uniform"):
-        figures[f"{label}_over_eight_adapters"] = figures[f"{label}_tokens_per_s"] / base
-        figures[f"{label}_ttft_p99_over_eight"] = figures[f"{label}_ttft_p99_s"] / base_ttft
+    eight = results["eight"]
+    for label in ("zipf", "uniform"):  # each round's ratio to its own eight: their median
+        pairs = list(zip(results[label], eight, strict=True))
+        tps = [r["tokens_per_s"] / e["tokens_per_s"] for r, e in pairs]
+        ttft = [r["ttft_p99_s"] / e["ttft_p99_s"] for r, e in pairs]
+        median_of_rounds(figures, f"{label}_over_eight_adapters", tps)
+        median_of_rounds(figures, f"{label}_ttft_p99_over_eight", ttft)
     return report("density_http", figures, [
         goal(figures, "zipf_over_eight_adapters", ">=", 0.9),
         goal(figures, "uniform_over_eight_adapters", ">=", 0.8),

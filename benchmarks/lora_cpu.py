@@ -6,10 +6,12 @@ adapters in fp32 slots, one torch thread) over 42 distinct adapters, the number 
 Zipf(1.0) step over 2,000 adapters touches, and over 8: a decode step (1-2 tokens per adapter)
 and a step that mixes prompts and decodes. Three ways, through `dispatch.lora_apply` with
 `LORAPLANE_SGMV` set: `native` (kernels/sgmv_cpu.c, the CPU default), `torch` on a pool with
-B transposed (`LoRAPool(b_transposed=True)`, the engine's CPU layout) and `torch` with B as stored
-(the layout before). Each runs twice, alternating, caches flushed before each pass (a step's
-adapters come from memory, not from cache); a figure is the best pass, in microseconds per
-layer.
+B transposed (`LoRAPool(b_transposed=True)`, the engine's CPU layout) and `torch` with B as
+stored (the layout before). The three run in turn in each of 5 rounds (`--rounds`), caches
+flushed before each pass (a step's adapters come from memory, not from cache); a time is the
+best pass of any round, in microseconds per layer; a ratio is the median over rounds of that
+round's ratio, printed with its spread (native over transposed read 0.848 against its 0.8 in
+one run of two rounds, best pass over best pass: too few to tell a near miss from noise).
 
 Goals (42 adapters, both steps): torch with B transposed at most 0.95 of the plain layout's
 time; the native kernel at most 0.8 of torch with B transposed. Then the native kernel on a
@@ -31,7 +33,7 @@ reads every adapted base weight once and multiplies it by A^T); (c) the whole lo
 a restart, the norm cache's folder kept and its memory empty, DoRA against plain, goal at most
 2; and the base weights' row norms and fingerprints, once per process (the norm cache's key).
 
-Run: .venv/bin/python benchmarks/lora_cpu.py [--adapters 42] [--passes 7]
+Run: .venv/bin/python benchmarks/lora_cpu.py [--adapters 42] [--passes 7] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import add_smoke_flag, goal, report
+from _common import add_smoke_flag, goal, median_of_rounds, report
 from engine_cpu import shape
 from safetensors.torch import save_file
 from torch import nn
@@ -242,9 +244,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=int, default=42)
     parser.add_argument("--passes", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the ways in turn")
     add_smoke_flag(parser)
     args = parser.parse_args()
     count, passes = (4, 1) if args.smoke else (args.adapters, args.passes)
+    rounds = 2 if args.smoke else args.rounds
     torch.set_num_threads(1)
     spec = model_spec(args.smoke)
     print(f"{count} rank-16 q/v adapters of a {spec.num_layers}-layer model ...", flush=True)
@@ -262,15 +266,19 @@ def main() -> int:
         for label, lengths in steps.items():
             key = f"{n}_{label}"
             times: dict[str, list[float]] = {way: [] for way in ways}
-            for way in ways * 2:
+            for way in ways * rounds:
                 times[way].append(step_seconds(spec, adapters[:n], lengths[:n], way, passes))
             best = {way: min(t) for way, t in times.items()}
             figures[f"{key}_tokens"] = float(sum(lengths[:n]))
             for way in ways:
                 figures[f"{key}_{way}_us_per_layer"] = best[way] * 1e6
-            figures[f"{key}_transposed_over_plain"] = best["transposed"] / best["plain"]
-            if "native" in best:
-                figures[f"{key}_native_over_transposed"] = best["native"] / best["transposed"]
+            # a ratio: each round's two ways (run back to back), the median over rounds
+            for way, other in (("transposed", "plain"), ("native", "transposed")):
+                if way in times:
+                    pairs = zip(times[way], times[other], strict=True)
+                    median_of_rounds(
+                        figures, f"{key}_{way}_over_{other}", [a / b for a, b in pairs]
+                    )
     goals = [goal(figures, f"{count}_{label}_transposed_over_plain", "<=", 0.95)
              for label in steps]  # fmt: skip
     if "native" in ways:

@@ -18,7 +18,10 @@ engine in a process of its own (the engine's threads then share no interpreter w
 loop: on 2 cores, 2 threads give ~1.07x of the engine, 1 thread ~0.67x, the thread count
 capping it), and to cores - 1 with `--engine-process off`, so that the client and the event
 loop keep a core (there, 2 threads ~0.94x, 1 thread ~0.66x).
-Rounds alternate engine and HTTP runs; the best of each is kept (the machine may be shared).
+Rounds (5, `--rounds`) alternate engine and HTTP runs; tokens/s and latencies are the best
+round's (the machine may be shared), `http_over_engine` the median over rounds of each round's
+HTTP over its engine run, printed with their spread (one run read 0.67, a neighbour's load
+falling on one side: a ratio of bests moved with it).
 Run: .venv/bin/python benchmarks/server_http.py [--gen-tokens N] [--rounds R]
 (--smoke: engine_cpu.py's smoke model, 4 generated tokens, one round)
 Another server (a container, say): `--workdir DIR --print-serve` builds the model and adapters
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from _common import add_smoke_flag, goal, report
+from _common import add_smoke_flag, goal, median_of_rounds, report
 from engine_cpu import NUM_SEQS, RANK, engine_tokens_per_s, make_engine, prompts, shape
 
 from loraplane.demo.build import build_adapter, build_llama
@@ -185,7 +188,7 @@ def measure_external(url: str, gen_tokens: int, rounds: int) -> dict[str, float]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gen-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--server-threads",
         type=int,
@@ -273,9 +276,11 @@ def engine_and_http(
     figures = {
         "tokens_per_s_engine": max(direct),
         "tokens_per_s_http_streaming": max(http),
-        "http_over_engine": max(http) / max(direct),
         **_latencies(ttft, itl, gen_tokens, rounds),
     }
+    # each round's HTTP run over the engine run beside it: the median of those, with spread
+    ratios = [h / d for h, d in zip(http, direct, strict=True)]
+    median_of_rounds(figures, "http_over_engine", ratios)
     return figures
 
 

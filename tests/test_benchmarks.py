@@ -76,7 +76,8 @@ def test_a_smoke_report_writes_the_same_shape_marked_smoke_and_never_fails(
     assert set(body) == {"figures", "goals", "machine", "smoke"}
     assert body["smoke"] is True
     assert body["figures"] == figures
-    assert body["goals"] == [{"figure": "tokens_per_s", "op": ">=", "target": 100.0, "met": False}]
+    assert body["goals"] == [{"figure": "tokens_per_s", "op": ">=", "target": 100.0, "met": False,
+                              "skipped": None}]  # fmt: skip
     assert runner.shape_problems(body, smoke=True) == []
     assert not (tmp_path / "demo.json").exists(), "a smoke run overwrote the full-size results"
 
@@ -96,7 +97,7 @@ def test_a_full_size_run_that_misses_a_goal_exits_GOALS_NOT_MET_with_its_results
 def test_the_shape_check_names_what_is_wrong(runner: ModuleType) -> None:
     good = {
         "figures": {"a": 1.0},
-        "goals": [{"figure": "a", "op": "<=", "target": 2, "met": True}],
+        "goals": [{"figure": "a", "op": "<=", "target": 2, "met": True, "skipped": None}],
         "machine": "m",
         "smoke": True,
     }
@@ -104,10 +105,49 @@ def test_the_shape_check_names_what_is_wrong(runner: ModuleType) -> None:
     assert runner.shape_problems(good, smoke=False) == ["smoke: True, expected False"]
     nan = {**good, "figures": {"a": float("nan")}}
     assert runner.shape_problems(nan, smoke=True) == ["figure a: nan is not a finite number"]
-    unknown = {**good, "goals": [{"figure": "b", "op": "<=", "target": 2, "met": True}]}
+    unknown = {**good, "goals": [{**good["goals"][0], "figure": "b"}]}
     assert "unknown figure" in runner.shape_problems(unknown, smoke=True)[0]
+    both = {**good, "goals": [{**good["goals"][0], "skipped": "needs a GPU"}]}
+    assert "not both" in runner.shape_problems(both, smoke=True)[0]
+    neither = {**good, "goals": [{**good["goals"][0], "met": None}]}
+    assert "not both" in runner.shape_problems(neither, smoke=True)[0]
+    old = {**good, "goals": [{"figure": "a", "op": "<=", "target": 2, "met": True}]}
+    assert "not figure, op, target, met, skipped" in runner.shape_problems(old, smoke=True)[0]
     missing = {k: v for k, v in good.items() if k != "machine"}
     assert runner.shape_problems(missing, smoke=True)[0].startswith("keys ")
+
+
+def test_a_gpu_goal_measured_on_a_cpu_is_skipped_never_met_nor_missed(
+    common: ModuleType, runner: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    figures = {"speedup": 1.2, "cost": 1.0}
+    goals = [common.gpu_goal(figures, "speedup", ">=", 5.0, on_gpu=False),
+             common.goal(figures, "cost", "<=", 1.1)]  # fmt: skip
+    assert goals[0]["met"] is None and goals[0]["skipped"] == common.NEEDS_GPU
+    assert common.report("demo", figures, goals) == 0  # the miss it would be does not count
+    out = capsys.readouterr().out
+    assert "speedup >= 5.0: skipped (needs a GPU)" in out
+    assert "goals: 1 met, 0 missed, 1 skipped" in out
+    body = json.loads((tmp_path / "demo.json").read_text())
+    assert runner.shape_problems(body, smoke=False) == []
+    assert runner.goal_counts(body["goals"]) == {"met": 1, "missed": 0, "skipped": 1}
+    on_gpu = common.gpu_goal(figures, "speedup", ">=", 5.0, on_gpu=True)
+    assert on_gpu["met"] is False and on_gpu["skipped"] is None
+    assert common.report("demo", figures, [on_gpu]) == common.GOALS_NOT_MET
+
+
+def test_rounds_record_the_median_and_the_spread_printed_beside_the_goal(
+    common: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    figures: dict[str, float] = {}
+    assert common.median_of_rounds(figures, "zipf", [0.92, 0.889, 0.905, 0.91, 0.899]) == 0.905
+    assert figures == {"zipf": 0.905, "zipf_min": 0.889, "zipf_max": 0.92, "zipf_rounds": 5.0}
+    assert common.report("demo", figures, [common.goal(figures, "zipf", ">=", 0.9)]) == 0
+    assert "zipf >= 0.9: met [0.905 (median of 5 rounds, spread 0.889-0.92)]" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(ValueError, match="no rounds"):
+        common.median_of_rounds(figures, "empty", [])
 
 
 def test_a_goal_with_an_unknown_op_is_refused(common: ModuleType) -> None:

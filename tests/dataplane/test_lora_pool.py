@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
+from loraplane.adapters.ingest import ingest
+from loraplane.adapters.limits import AdapterLimits
+from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
 from loraplane.dataplane.lora import LoadedAdapter, LoRAPool, LoRAWeights, load_lora
 from loraplane.dataplane.lora import pool as pool_module
-from loraplane.dataplane.lora.host_form import PARALLEL_GRAIN, copy_serial
+from loraplane.dataplane.lora.host_form import PARALLEL_GRAIN, copy_serial, host_buffer
 from loraplane.dataplane.model_step import build_model
 from tests.test_import_cycles import import_graph
 
@@ -187,6 +191,73 @@ def test_host_form_converts_to_the_pools_dtype_into_one_buffer_exactly(
     pool.load(0, host)  # and a slot reads it in place
     table = pool.module_slots(1, "v_proj")
     assert table.lora_b[0] is host.modules[(1, "v_proj")].b
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_host_form_within_one_dtype_copies_the_bits_into_one_huge_page_buffer(
+    one_buffer: bool, dtype: torch.dtype
+) -> None:
+    # a 16-bit adapter into a transposing pool of its own dtype: numpy copies the bits (no
+    # cast, no OpenMP team) into a buffer numpy allocated (huge pages, not 4 KiB faults)
+    source = _adapter(8)
+    adapter = _one_buffer(source, dtype) if one_buffer else LoadedAdapter(source.source, {
+        k: LoRAWeights(w.a.to(dtype), w.b.to(dtype), w.scale) for k, w in source.modules.items()
+    })  # fmt: skip
+    host = LoRAPool(2, SPEC, dtype, "cpu", b_transposed=True).host_form(adapter)
+    first = next(iter(host.modules.values())).a
+    assert first.untyped_storage().nbytes() == adapter.nbytes  # one buffer, nothing more
+    for key, w in host.modules.items():
+        assert torch.equal(w.a.view(torch.int16), adapter.modules[key].a.view(torch.int16))
+        assert torch.equal(w.b.view(torch.int16), adapter.modules[key].b.view(torch.int16))
+        assert w.b.t().is_contiguous() and not w.b.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_stored_version_takes_a_transposing_pools_host_form_in_its_own_buffer(
+    peft_adapters: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # the loader's one file buffer becomes the host form: each B transposed where it lies
+    from safetensors.torch import load_file, save_file
+
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    src = tmp_path / "src"
+    shutil.copytree(peft_adapters["r8-patterns"], src)
+    weights = src / "adapter_model.safetensors"
+    save_file({k: v.to(dtype) for k, v in load_file(str(weights)).items()}, str(weights))
+    version = ingest(src, "acme", "bot", spec, AdapterLimits(), LocalStore(tmp_path / "store"))
+    stored = tmp_path / "store" / version.path
+    expected = load_lora(stored, spec, expected_digest=version.digest)
+    bits = {k: (w.a.view(torch.int16).clone(), w.b.view(torch.int16).clone())
+            for k, w in expected.modules.items()}  # fmt: skip
+    pool = LoRAPool(2, spec, dtype, "cpu", b_transposed=True)
+    loaded = load_lora(stored, spec, expected_digest=version.digest)
+    assert loaded.owns_tensors
+    storage = next(iter(loaded.modules.values())).a.untyped_storage().data_ptr()
+    host = pool.host_form(loaded)
+    assert host is loaded  # converted where it lies: no second buffer
+    for key, w in host.modules.items():
+        assert torch.equal(w.a.view(torch.int16), bits[key][0])
+        assert torch.equal(w.b.view(torch.int16), bits[key][1])
+        assert w.b.t().is_contiguous() and w.b.untyped_storage().data_ptr() == storage
+    assert pool.host_form(host) is host
+    assert pool.load(0, host)
+    # the same version held elsewhere (not its own): copied into a new buffer, left untouched
+    shared = LoadedAdapter(expected.source, dict(expected.modules), expected.digest)
+    copy = pool.host_form(shared)
+    assert copy is not shared
+    for key, w in copy.modules.items():
+        assert torch.equal(w.b.view(torch.int16), bits[key][1]) and w.b.t().is_contiguous()
+        assert torch.equal(shared.modules[key].b.view(torch.int16), bits[key][1])
+        assert shared.modules[key].b.is_contiguous()
+
+
+def test_host_buffer_is_of_the_dtype_and_size_asked() -> None:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        buffer = host_buffer(3 << 20, dtype)  # 6-12 MiB: numpy's huge-page size
+        assert buffer.dtype == dtype and buffer.shape == (3 << 20,) and buffer.is_contiguous()
+        buffer.fill_(1.5)
+        assert float(buffer[-1]) == 1.5
 
 
 def test_the_kernel_chooser_transposes_a_cpu_pools_b_unless_the_triton_kernels_read_it(

@@ -4,12 +4,16 @@ where the CPU kernels read it so), back to back in one host buffer (pinned for a
 The loader threads convert each adapter they read (`LoRAPool.host_form` calls `convert`), so a
 CPU slot reads the host copy in place and a CUDA slot copies it without conversion, and the
 engine's step does none of that work. Into fp32 (CPU pools) the native library converts a whole
-adapter in one call (`sgmv_cpu.convert_f32`); torch operations do it otherwise, in pieces small
-enough not to start an OpenMP team on a loader thread (`copy_serial`).
+adapter in one call (`sgmv_cpu.convert_f32`); otherwise numpy copies each tensor within its
+dtype and torch casts across dtypes, in pieces small enough not to start an OpenMP team on a
+loader thread (`copy_serial`). The buffer is numpy's (`host_buffer`: huge pages). A stored
+version already in a CPU pool's dtype needs no buffer: each B is transposed where the loader
+read it (`_in_place`), so a cold load costs a read, a hash and B's transposition.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loraplane.dataplane.kernels import sgmv_cpu
@@ -44,6 +48,33 @@ def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
     step = max(1, piece // max(1, cols))
     for r in range(0, rows, step):
         dst[r : r + step].copy_(src[r : r + step])
+
+
+def host_buffer(numel: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+    """An uninitialised 1-D host tensor of `numel` elements: page-locked when `pinned` (a CUDA
+    pool's copies), else numpy's memory. numpy asks the kernel for transparent huge pages for
+    a buffer of 4 MiB or more (madvise); torch's allocator does not, and writing a fresh 80 MiB
+    host form 4 KiB page by page cost as long as reading the adapter's file (benchmarks/tiers.py:
+    the page faults were most of the conversion's time)."""
+    if pinned:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(numel * size, dtype=np.uint8)).view(dtype)
+
+
+# an integer type of each element size: a copy within one dtype copies bits (bf16 has no numpy type)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) on the calling thread. Within one dtype, numpy copies the bits in one
+    call (never an OpenMP team; a transposed B copies in about two thirds of torch's time);
+    a cast goes through `copy_serial`'s pieces."""
+    if dst.dtype != src.dtype or dst.shape != src.shape:
+        copy_serial(dst, src)
+        return
+    bits = _BITS[dst.element_size()]
+    np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
 
 
 def _one_run(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
@@ -99,20 +130,21 @@ def convert(
 ) -> LoadedAdapter:
     """`adapter` with its A and B in `dtype`, each B the [out, r] view of a dense [r, out]
     where `transposed`, back to back in one host buffer (pinned when `cuda`); returned as is
-    when already in that form."""
+    when already in that form, and converted where it lies (returned itself) when it owns its
+    tensors and only B's layout differs (`_in_place`)."""
     if is_host_form(adapter, dtype, transposed):
         return adapter
+    if _in_place(adapter, dtype, transposed, cuda):
+        return adapter
     tensors = [t for w in adapter.modules.values() for t in (w.a, w.b)]
-    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype)
-    if cuda:
-        buffer = buffer.pin_memory()
+    buffer = host_buffer(sum(t.numel() for t in tensors), dtype, pinned=cuda)
     parts = [(t, transposed and i % 2 == 1) for i, t in enumerate(tensors)]
     if not cuda and sgmv_cpu.convert_f32(parts, buffer):  # one C call
         return _views_of(adapter, buffer, transposed)
     run = None if transposed else _one_run(tensors)
     if run is not None:  # a stored version as the loader reads it: one conversion
         whole, start = run
-        copy_serial(buffer, whole)
+        _copy(buffer, whole)
         offsets = [int(t.storage_offset()) - start for t in tensors]
         views = iter(  # tensors holds each module's A then B
             buffer[o : o + t.numel()].view(t.shape) for o, t in zip(offsets, tensors, strict=True)
@@ -124,9 +156,32 @@ def convert(
         return LoadedAdapter(adapter.source, modules, adapter.digest)
     host = _views_of(adapter, buffer, transposed)  # then two copies per module
     for w, h in zip(adapter.modules.values(), host.modules.values(), strict=True):
-        copy_serial(h.a, w.a)
-        copy_serial(h.b, w.b)
+        _copy(h.a, w.a)
+        _copy(h.b, w.b)
     return host
+
+
+def _in_place(adapter: LoadedAdapter, dtype: torch.dtype, transposed: bool, cuda: bool) -> bool:
+    """Put `adapter` in a CPU pool's transposed host form where it lies, when it owns its
+    tensors (a stored version as the loader read it) and they are dense in `dtype` already:
+    each B is transposed within its own bytes (through a small copy of it) and the modules
+    take the [out, r] views of those dense [r, out]. No second buffer, no copy of A: the file
+    buffer becomes the host form, as it was before CPU pools transposed B. False, with
+    nothing changed, otherwise."""
+    if not (adapter.owns_tensors and transposed and not cuda):
+        return False
+    for w in adapter.modules.values():
+        for t in (w.a, w.b):
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                return False
+    bits = _BITS[torch.empty(0, dtype=dtype).element_size()]
+    for key, w in list(adapter.modules.items()):
+        fan_out, rank = w.b.shape
+        b = w.b.view(bits).numpy()  # [out, r], the stored layout
+        np.copyto(b.reshape(rank, fan_out), b.copy().T)  # the same bytes as [r, out]
+        b_t = w.b.view(-1).view(rank, fan_out).t()  # [out, r] view of the dense [r, out]
+        adapter.modules[key] = LoRAWeights(w.a, b_t, w.scale, _own(w.magnitude))
+    return True
 
 
 def _views_of(adapter: LoadedAdapter, buffer: torch.Tensor, transposed: bool) -> LoadedAdapter:

@@ -191,7 +191,7 @@ def load_known(
     digest = h.hexdigest()
     if digest != expected_digest:
         raise IntegrityError(source, expected_digest, digest)
-    return LoadedAdapter(source=source, modules=_weights(buf, layout), digest=digest)
+    return LoadedAdapter(source, _weights(buf, layout), digest, owns_tensors=True)
 
 
 def read_stored(
@@ -221,5 +221,5 @@ def read_stored(
         buf = _read_hashed(f, weights.size, h)
     if buf[: len(header)].tobytes() != header:
         raise OSError(f"{weights.path.name} changed while it was read")
-    loaded = LoadedAdapter(source=source, modules=_weights(buf, layout), digest=h.hexdigest())
+    loaded = LoadedAdapter(source, _weights(buf, layout), h.hexdigest(), owns_tensors=True)
     return loaded, layout, header

@@ -38,6 +38,9 @@ class LoadedAdapter:
     source: str
     modules: dict[tuple[int, str], LoRAWeights]
     digest: str = ""  # the canonical digest (loraplane.adapters.canonical): the version's identity
+    # True when its tensors were read for it alone (a stored version's one file buffer) and
+    # nothing else references them: `host_form.convert` may then rewrite them in place
+    owns_tensors: bool = False
 
     @property
     def rank(self) -> int:
