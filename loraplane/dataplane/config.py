@@ -13,6 +13,10 @@ from typing import Literal
 
 from loraplane.sizes import parse_memory
 
+# of the device memory free after loading the model, what the KV cache (and adapter memory
+# inside it) may take: model_runner sizes the cache with it, the planner predicts with it
+GPU_MEMORY_FRACTION = 0.85
+
 Dtype = Literal["float32", "float16", "bfloat16"]
 Device = Literal["cpu", "cuda"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")

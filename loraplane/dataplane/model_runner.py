@@ -19,7 +19,7 @@ import torch
 
 from loraplane.adapters.base_model import read_config
 from loraplane.dataplane import host_memory
-from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.config import GPU_MEMORY_FRACTION, EngineConfig
 from loraplane.dataplane.cuda_graphs import (
     Capture,
     DecodeGraphs,
@@ -50,7 +50,6 @@ from loraplane.sizes import resolve_memory
 
 __all__ = ["TORCH_DTYPES", "ModelRunner", "StepLogits", "lora_budget_bytes"]
 CPU_KV_BUDGET = 4 << 30  # bytes of KV cache at most on CPU (or a quarter of RAM, if less)
-GPU_MEMORY_FRACTION = 0.85  # of the memory free after loading, for the KV cache
 
 
 def _model_max_len(model_dir: str) -> int:

@@ -35,13 +35,12 @@ import math
 from dataclasses import dataclass
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
-from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.config import GPU_MEMORY_FRACTION, EngineConfig
 from loraplane.planner.parallel import rank_shape
 from loraplane.planner.shapes import ModelShape
 from loraplane.sizes import resolve_memory
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-GPU_MEMORY_FRACTION = 0.85  # model_runner.GPU_MEMORY_FRACTION: of free memory, for the KV cache
 CPU_KV_BUDGET = 4 << 30  # model_runner.CPU_KV_BUDGET
 ARENA_ALIGN_BYTES = 16  # arena.ALIGN_BYTES: where each adapter view in the KV cache starts
 
