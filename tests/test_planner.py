@@ -18,7 +18,6 @@ from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUS, LinearCost, Roofline, StepShape
 from loraplane.planner.fleet import Workload, draw_requests, simulate
 from loraplane.planner.memory import (
-    ARENA_ALIGN_BYTES,
     AdapterProfile,
     arena_blocks,
     kv_bytes_per_token,
@@ -104,7 +103,7 @@ def test_the_planner_packs_adapters_into_the_kv_cache_as_the_arena_does() -> Non
     from loraplane.dataplane.lora.arena import ALIGN_BYTES, KVArena
     from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
-    assert ARENA_ALIGN_BYTES == ALIGN_BYTES  # the torch-free planner's copy of the rule
+    assert ALIGN_BYTES == 16  # the arena's views start on 16 bytes (arena_layout.py)
     odd = ModelShape("odd", "llama", 2, 10, 2, 2, 3, 14, 32, 64)  # q, v: 10 -> 6, o: 6 -> 10
     moe = dataclasses.replace(odd, name="odd-moe", model_type="qwen3_moe", num_layers=3,
                               num_experts=3, experts_per_tok=2, moe_intermediate_size=6,

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
+from loraplane.dataplane.arena_layout import ALIGN_BYTES, blocks_needed
 from loraplane.dataplane.config import GPU_MEMORY_FRACTION, EngineConfig
 from loraplane.planner.parallel import rank_shape
 from loraplane.planner.shapes import ModelShape
@@ -42,7 +43,6 @@ from loraplane.sizes import resolve_memory
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CPU_KV_BUDGET = 4 << 30  # model_runner.CPU_KV_BUDGET
-ARENA_ALIGN_BYTES = 16  # arena.ALIGN_BYTES: where each adapter view in the KV cache starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,40 +176,20 @@ def arena_blocks(
     value with `kv_cache_dtype` "fp8" (its blocks' bytes viewed in `dtype`, half as many
     elements in bf16, `kv_quant.storage_view`): the fewest n such that each
     layer's A and B tensors, largest first, fit first-fit into that layer's two regions (K and
-    V) of n blocks, each tensor's offset in its region rounded up to ARENA_ALIGN_BYTES (the
-    arena's views all start on it: `KVArena.blocks_for`, `arena.ALIGN_BYTES`). The layer that
+    V) of n blocks, each tensor's offset in its region rounded up to ALIGN_BYTES: the rule
+    `KVArena.blocks_for` places by (`arena_layout.blocks_needed`, shared). The layer that
     needs the most decides (they differ only where a mixture of experts has dense layers)."""
     # elements (in `dtype`) per block and region
     chunk = block_size * shape.num_kv_heads * shape.head_dim
     if kv_cache_dtype == "fp8":
         chunk //= DTYPE_BYTES[dtype]
-    align = max(1, ARENA_ALIGN_BYTES // DTYPE_BYTES[dtype])  # elements per aligned offset
-    needed = 1
+    align = max(1, ALIGN_BYTES // DTYPE_BYTES[dtype])  # elements per aligned offset
     layouts = {tuple(shape.adapted_shapes(profile.modules, i)) for i in range(shape.num_layers)}
-    for layout in layouts:
-        sizes = sorted((n for i, o in layout for n in (profile.rank * i, o * profile.rank)),
-                       reverse=True)  # fmt: skip
-        if not sizes:
-            continue
-        n = max(1, -(-sizes[0] // chunk), -(-sum(sizes) // (2 * chunk)))
-        while not _packs(sizes, n * chunk, align):
-            n += 1
-        needed = max(needed, n)
-    return needed
-
-
-def _packs(sizes: list[int], room: int, align: int) -> bool:
-    """Whether `sizes` pack first-fit into two regions of `room` elements, each offset a
-    multiple of `align` (the padding after a region's last tensor costs nothing)."""
-    used = [0, 0]
-    for size in sizes:
-        for region in (0, 1):
-            if used[region] + size <= room:
-                used[region] += -(-size // align) * align
-                break
-        else:
-            return False
-    return True
+    layers = [
+        sorted((n for i, o in layout for n in (profile.rank * i, o * profile.rank)), reverse=True)
+        for layout in layouts
+    ]
+    return blocks_needed(layers, chunk, align)
 
 
 def plan_memory(

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplane.dataplane.arena_layout import ALIGN_BYTES, blocks_needed, pack
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.lora.weights import LoadedAdapter
 
 Key = tuple[int, str]  # (layer, module)
-ALIGN_BYTES = 16  # every view's first byte: the kernels' widest vector load, the graphs' promise
 
 
 class ArenaAlignmentError(ValueError):
@@ -71,13 +71,7 @@ class KVArena:
     def blocks_for(self, adapter: LoadedAdapter) -> int:
         """Blocks the adapter takes: the fewest n that pack every layer's tensors into its two
         regions of n blocks each."""
-        by_layer = self._by_layer(adapter)
-        largest = max((max(sizes) for sizes in by_layer.values()), default=0)
-        heaviest = max((sum(sizes) for sizes in by_layer.values()), default=0)
-        n = max(1, -(-largest // self.chunk), -(-heaviest // (2 * self.chunk)))
-        while not all(self._pack(sizes, n) is not None for sizes in by_layer.values()):
-            n += 1
-        return n
+        return blocks_needed(self._by_layer(adapter).values(), self.chunk, self.align)
 
     def place(self, adapter: LoadedAdapter) -> Placement | None:
         """Reserve a run and copy the adapter into it; None when no run is free now."""
@@ -176,17 +170,5 @@ class KVArena:
         }
 
     def _pack(self, sizes: list[int], n: int) -> list[tuple[int, int]] | None:
-        """First-fit of `sizes` (largest first) into two regions of n blocks: (region, offset)
-        per size, each offset a multiple of `align` elements (ALIGN_BYTES), or None."""
-        room = n * self.chunk
-        used = [0, 0]
-        out = []
-        for size in sizes:
-            for region in (0, 1):
-                if used[region] + size <= room:
-                    out.append((region, used[region]))
-                    used[region] += -(-size // self.align) * self.align  # the next one aligned
-                    break
-            else:
-                return None
-        return out
+        """(region, offset) of each of `sizes` in n blocks (`arena_layout.pack`), or None."""
+        return pack(sizes, n * self.chunk, self.align)
