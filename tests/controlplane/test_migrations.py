@@ -11,7 +11,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import MetaData, Table, delete, insert, inspect, select
+from sqlalchemy import Engine, MetaData, Table, delete, insert, inspect, select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane import db
@@ -228,18 +228,8 @@ def test_0008_gives_existing_tenants_no_pin_quota_and_downgrades_with_pins(
     """0008 adds pins and the tenant's max_pinned_bytes (0 for rows already there: only the
     admin pins for them); the downgrade drops both with pins recorded."""
     engine = db.make_engine(fresh_url(backend, tmp_path, request))
-    now = datetime.now(UTC)
-    row = {
-        "name": "acme", "namespace": "acme", "max_adapters": 10, "max_rank": 16,
-        "max_bytes": 1 << 20, "requests_per_minute": 60, "tokens_per_minute": 1000,
-        "deleted": False, "created_at": now, "updated_at": now,
-    }  # fmt: skip
     try:
-        db.upgrade(engine, "0007")
-        with engine.begin() as conn:
-            tenants = Table("tenants", MetaData(), autoload_with=conn)
-            conn.execute(insert(tenants).values(**row))
-        db.upgrade(engine)
+        _tenant_row_then_upgrade(engine, "0007")
         with Session(engine) as session:
             (acme,) = session.scalars(select(Tenant))
             assert acme.max_pinned_bytes == 0
@@ -271,18 +261,8 @@ def test_0009_lets_existing_tenants_register_their_own_signing_keys(
 ) -> None:
     """0009 adds `signing_keys_by_admin`, false for rows already there; the downgrade drops it."""
     engine = db.make_engine(fresh_url(backend, tmp_path, request))
-    now = datetime.now(UTC)
-    row = {
-        "name": "acme", "namespace": "acme", "max_adapters": 10, "max_rank": 16,
-        "max_bytes": 1 << 20, "requests_per_minute": 60, "tokens_per_minute": 1000,
-        "deleted": False, "created_at": now, "updated_at": now,
-    }  # fmt: skip
     try:
-        db.upgrade(engine, "0008")
-        with engine.begin() as conn:
-            tenants = Table("tenants", MetaData(), autoload_with=conn)
-            conn.execute(insert(tenants).values(**row))
-        db.upgrade(engine)
+        _tenant_row_then_upgrade(engine, "0008")
         with Session(engine) as session:
             (acme,) = session.scalars(select(Tenant))
             assert acme.signing_keys_by_admin is False
@@ -293,3 +273,18 @@ def test_0009_lets_existing_tenants_register_their_own_signing_keys(
         assert "signing_keys_by_admin" not in columns and "max_pinned_bytes" in columns
     finally:
         engine.dispose()
+
+
+def _tenant_row_then_upgrade(engine: Engine, before: str) -> None:
+    """The schema at revision `before`, a tenant row written there, then the head's."""
+    now = datetime.now(UTC)
+    row = {
+        "name": "acme", "namespace": "acme", "max_adapters": 10, "max_rank": 16,
+        "max_bytes": 1 << 20, "requests_per_minute": 60, "tokens_per_minute": 1000,
+        "deleted": False, "created_at": now, "updated_at": now,
+    }  # fmt: skip
+    db.upgrade(engine, before)
+    with engine.begin() as conn:
+        tenants = Table("tenants", MetaData(), autoload_with=conn)
+        conn.execute(insert(tenants).values(**row))
+    db.upgrade(engine)

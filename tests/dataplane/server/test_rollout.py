@@ -195,6 +195,18 @@ def test_a_malformed_split_in_a_resolve_answer_is_no_split(value: Any) -> None:
     assert _split_of(value) == ()
 
 
+def push_two_versions(cp: str, auth: dict[str, str], model: Path, tmp_path: Path) -> None:
+    """Versions 1 and 2 of acme's `bot` (rank-4 PEFT adapters of seeds 1 and 2)."""
+    from tests.factories import build_peft_adapter
+
+    for seed in (1, 2):
+        src = build_peft_adapter(model, tmp_path / f"v{seed}", seed=seed, r=4)
+        files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
+        up = httpx.post(cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
+                        files=files, headers=auth)  # fmt: skip
+        assert up.status_code == 201, up.text
+
+
 def versions_served(metrics_url: str) -> dict[str, float]:
     text = httpx.get(metrics_url + "/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
@@ -210,19 +222,12 @@ def versions_served(metrics_url: str) -> dict[str, float]:
 def test_a_canary_set_by_patch_is_in_host_memory_before_its_first_request(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    from tests.factories import build_peft_adapter
-
     with replica(
         tiny_llama_dir, tmp_path, {"acme": 1}, engine_process=False, resolve_ttl_s=0.2
     ) as r:
         key = r.keys["acme"]
         auth = {"Authorization": f"Bearer {key}"}
-        for seed in (1, 2):
-            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
-            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
-            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
-                            files=files, headers=auth)  # fmt: skip
-            assert up.status_code == 201, up.text
+        push_two_versions(r.cp, auth, tiny_llama_dir, tmp_path)
         versions = httpx.get(r.cp + "/v1/adapters/bot/versions", headers=auth).json()
         digest = {str(v["version"]): v["digest"] for v in versions}
         assert httpx.patch(r.cp + "/v1/adapters/bot", json={"current_version": 1},
@@ -265,16 +270,9 @@ def test_a_split_is_served_through_the_engine_process_and_counted_per_version(
 ) -> None:
     """The default layout (the engine in a process of its own): `warm_stored` crosses the
     process boundary, both versions serve, and the metrics port counts each."""
-    from tests.factories import build_peft_adapter
-
     with replica(tiny_llama_dir, tmp_path, {"acme": 1}, resolve_ttl_s=0.2) as r:
         auth = {"Authorization": f"Bearer {r.keys['acme']}"}
-        for seed in (1, 2):
-            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
-            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
-            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
-                            files=files, headers=auth)  # fmt: skip
-            assert up.status_code == 201, up.text
+        push_two_versions(r.cp, auth, tiny_llama_dir, tmp_path)
         split = {"rollout": {"1": 50, "2": 50}}
         assert httpx.patch(r.cp + "/v1/adapters/bot", json=split, headers=auth).status_code == 200
         client = r.client("acme")
@@ -337,16 +335,9 @@ def test_sticky_keys_over_http_and_a_stream_that_fails_mid_way_counts_as_its_ver
     wins) gets the version its key's bucket says, every time; then a stream of version 1 whose
     engine is killed mid-way (its 200 long sent, its last event an error) is counted in
     loraplane_adapter_version_errors_total for version 1."""
-    from tests.factories import build_peft_adapter
-
     with replica(tiny_llama_dir, tmp_path, {"acme": 1}, resolve_ttl_s=0.2) as r:
         auth = {"Authorization": f"Bearer {r.keys['acme']}"}
-        for seed in (1, 2):
-            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
-            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
-            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
-                            files=files, headers=auth)  # fmt: skip
-            assert up.status_code == 201, up.text
+        push_two_versions(r.cp, auth, tiny_llama_dir, tmp_path)
         split = {"rollout": {"1": 50, "2": 50}}
         assert httpx.patch(r.cp + "/v1/adapters/bot", json=split, headers=auth).status_code == 200
         client = r.client("acme")
@@ -396,18 +387,11 @@ def test_a_canary_whose_files_are_gone_is_served_by_the_current_version_and_coun
     current version, and the metrics port counts those requests as diverted, reason failed."""
     import shutil
 
-    from tests.factories import build_peft_adapter
-
     with replica(
         tiny_llama_dir, tmp_path, {"acme": 1}, engine_process=False, resolve_ttl_s=0.2
     ) as r:
         auth = {"Authorization": f"Bearer {r.keys['acme']}"}
-        for seed in (1, 2):
-            src = build_peft_adapter(tiny_llama_dir, tmp_path / f"v{seed}", seed=seed, r=4)
-            files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
-            up = httpx.post(r.cp + "/v1/adapters", data={"name": "bot", "base_model": "tiny-base"},
-                            files=files, headers=auth)  # fmt: skip
-            assert up.status_code == 201, up.text
+        push_two_versions(r.cp, auth, tiny_llama_dir, tmp_path)
         versions = httpx.get(r.cp + "/v1/adapters/bot/versions", headers=auth).json()
         digest = {str(v["version"]): v["digest"] for v in versions}
         (gone,) = (tmp_path / "store").glob(f"adapters/*/bot/v2-{digest['2'][:12]}")
