@@ -65,6 +65,7 @@ from loraplane.dataplane.lora import (
     load_lora,
 )
 from loraplane.dataplane.lora.dora_cache import NormCache
+from loraplane.dataplane.lora.pool import ModuleSlots
 
 MODULES = ("q_proj", "v_proj")
 
@@ -99,23 +100,40 @@ def step_seconds(spec: BaseModelSpec, adapters: list[LoadedAdapter], lengths: li
     tables = [pool.module_slots(layer, m) for layer in range(spec.num_layers) for m in MODULES]
     tokens = [s for s, length in enumerate(lengths) for _ in range(length)]
     random.Random(0).shuffle(tokens)
-    batch = LoRABatch.from_token_slots(tokens)
-    x = torch.randn(len(tokens), spec.hidden_size)
-    flush = torch.empty(64 << 18)  # 64 MiB, more than the L2 caches
+    # LORAPLANE_SGMV is read when the batch is built (once per step), not per call: set after
+    # it, every way ran the CPU default (the native kernel wherever B^T is dense)
     os.environ[dispatch.ENV] = "native" if way == "native" else "torch"
-    best = float("inf")
     try:
-        for _ in range(passes):
-            flush.add_(1.0)
-            start = time.perf_counter()
-            for t in tables:
-                b = t.lora_b[0]
-                assert b is not None
-                dispatch.lora_apply(torch.zeros(len(tokens), b.shape[0]), x, batch, t)
-            best = min(best, time.perf_counter() - start)
+        batch = LoRABatch.from_token_slots(tokens)
     finally:
         del os.environ[dispatch.ENV]
+    _check_way(way, batch, tables[0], spec.hidden_size)
+    x = torch.randn(len(tokens), spec.hidden_size)
+    flush = torch.empty(64 << 18)  # 64 MiB, more than the L2 caches
+    best = float("inf")
+    for _ in range(passes):
+        flush.add_(1.0)
+        start = time.perf_counter()
+        for t in tables:
+            b = t.lora_b[0]
+            assert b is not None
+            dispatch.lora_apply(torch.zeros(len(tokens), b.shape[0]), x, batch, t)
+        best = min(best, time.perf_counter() - start)
     return best / spec.num_layers
+
+
+def _check_way(way: str, batch: LoRABatch, slots: ModuleSlots, hidden: int) -> None:
+    """RuntimeError unless the step runs what `way` names: the native kernel takes the call
+    (it falls back to torch, silently, on tensors it does not read), or torch is chosen."""
+    b = slots.lora_b[0]
+    assert b is not None
+    x, y = torch.zeros(batch.num_tokens, hidden), torch.zeros(batch.num_tokens, b.shape[0])
+    want = "native" if way == "native" else "torch"
+    ran = want if batch.backend == want else f"{batch.backend} (LORAPLANE_SGMV)"
+    if want == "native" and not sgmv_cpu.lora_apply(y, x, batch, slots):
+        ran = "the torch path (the kernel refused the tensors)"
+    if ran != want:
+        raise RuntimeError(f"way {way!r} would time {ran}, not {want}")
 
 
 class _Projections(nn.Module):
