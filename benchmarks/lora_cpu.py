@@ -5,13 +5,26 @@ One step's LoRA work (q_proj and v_proj of every layer of the benchmark model, r
 adapters in fp32 slots, one torch thread) over 42 distinct adapters, the number a 64-request
 Zipf(1.0) step over 2,000 adapters touches, and over 8: a decode step (1-2 tokens per adapter)
 and a step that mixes prompts and decodes. Three ways, through `dispatch.lora_apply` with
-`LORAPLANE_SGMV` set: `native` (kernels/sgmv_cpu.c, the CPU default), `torch` on a pool with
-B transposed (`LoRAPool(b_transposed=True)`, the engine's CPU layout) and `torch` with B as
-stored (the layout before). The three run in turn in each of 5 rounds (`--rounds`), caches
+`LORAPLANE_SGMV` set when the step's `LoRABatch` is built (where the layers read it): `native`
+(kernels/sgmv_cpu.c, the CPU default), `torch` on a pool with B transposed
+(`LoRAPool(b_transposed=True)`, the engine's CPU layout) and `torch` with B as stored (the
+layout before); a way that would run another path (the kernel refusing the tensors, a choice
+not taken) stops the run. The three run in turn in each of 5 rounds (`--rounds`), caches
 flushed before each pass (a step's adapters come from memory, not from cache); a time is the
 best pass of any round, in microseconds per layer; a ratio is the median over rounds of that
-round's ratio, printed with its spread (native over transposed read 0.848 against its 0.8 in
-one run of two rounds, best pass over best pass: too few to tell a near miss from noise).
+round's ratio, printed with its spread.
+
+From a93b2f4 (LORAPLANE_SGMV read once per step, when the batch is built) until the variable
+was set before the batch here, `transposed` timed the native kernel too (the batch took the
+CPU default), and `plain` the torch path behind the kernel's refusal of a strided B^T: native
+over transposed read 0.85-1.0 (the kernel against itself), transposed over plain 0.48-0.61.
+Measured apart again (2 shared cores, AMD EPYC, torch 2.13 with MKL, three runs, 2026-12-05):
+native over transposed 0.46-0.57 (decode) and 0.58-0.64 (mixed); transposed over plain
+0.99-1.03 and 0.99-1.01, goal missed. That is the CPU, not the code: 4e42cda, which read
+0.86-0.93 on 12-01's Intel Xeon, reads 0.98-1.01 on this one in the same minute, as main does.
+Here a product with a dense B^T is only 7% (1 token) to 19% (18 tokens) faster alone, about
+0.3 us of the torch path's ~15 us per segment and module. The layout stays for the native
+kernel, which reads B^T's rows; the goal stays, as set where it was met.
 
 Goals (42 adapters, both steps): torch with B transposed at most 0.95 of the plain layout's
 time; the native kernel at most 0.8 of torch with B transposed. Then the native kernel on a
@@ -65,6 +78,7 @@ from loraplane.dataplane.lora import (
     load_lora,
 )
 from loraplane.dataplane.lora.dora_cache import NormCache
+from loraplane.dataplane.lora.pool import ModuleSlots
 
 MODULES = ("q_proj", "v_proj")
 
@@ -99,23 +113,40 @@ def step_seconds(spec: BaseModelSpec, adapters: list[LoadedAdapter], lengths: li
     tables = [pool.module_slots(layer, m) for layer in range(spec.num_layers) for m in MODULES]
     tokens = [s for s, length in enumerate(lengths) for _ in range(length)]
     random.Random(0).shuffle(tokens)
-    batch = LoRABatch.from_token_slots(tokens)
-    x = torch.randn(len(tokens), spec.hidden_size)
-    flush = torch.empty(64 << 18)  # 64 MiB, more than the L2 caches
+    # LORAPLANE_SGMV is read when the batch is built (once per step), not per call: set after
+    # it, every way ran the CPU default (the native kernel wherever B^T is dense)
     os.environ[dispatch.ENV] = "native" if way == "native" else "torch"
-    best = float("inf")
     try:
-        for _ in range(passes):
-            flush.add_(1.0)
-            start = time.perf_counter()
-            for t in tables:
-                b = t.lora_b[0]
-                assert b is not None
-                dispatch.lora_apply(torch.zeros(len(tokens), b.shape[0]), x, batch, t)
-            best = min(best, time.perf_counter() - start)
+        batch = LoRABatch.from_token_slots(tokens)
     finally:
         del os.environ[dispatch.ENV]
+    _check_way(way, batch, tables[0], spec.hidden_size)
+    x = torch.randn(len(tokens), spec.hidden_size)
+    flush = torch.empty(64 << 18)  # 64 MiB, more than the L2 caches
+    best = float("inf")
+    for _ in range(passes):
+        flush.add_(1.0)
+        start = time.perf_counter()
+        for t in tables:
+            b = t.lora_b[0]
+            assert b is not None
+            dispatch.lora_apply(torch.zeros(len(tokens), b.shape[0]), x, batch, t)
+        best = min(best, time.perf_counter() - start)
     return best / spec.num_layers
+
+
+def _check_way(way: str, batch: LoRABatch, slots: ModuleSlots, hidden: int) -> None:
+    """RuntimeError unless the step runs what `way` names: the native kernel takes the call
+    (it falls back to torch, silently, on tensors it does not read), or torch is chosen."""
+    b = slots.lora_b[0]
+    assert b is not None
+    x, y = torch.zeros(batch.num_tokens, hidden), torch.zeros(batch.num_tokens, b.shape[0])
+    want = "native" if way == "native" else "torch"
+    ran = want if batch.backend == want else f"{batch.backend} (LORAPLANE_SGMV)"
+    if want == "native" and not sgmv_cpu.lora_apply(y, x, batch, slots):
+        ran = "the torch path (the kernel refused the tensors)"
+    if ran != want:
+        raise RuntimeError(f"way {way!r} would time {ran}, not {want}")
 
 
 class _Projections(nn.Module):
