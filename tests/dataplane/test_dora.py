@@ -3,9 +3,11 @@
 A DoRA adapter (its magnitude vectors given values far from PEFT's initial norms), a plain
 LoRA adapter and the base model share every step; greedy tokens and their log-probabilities
 must be PEFT's, on the torch path, the native CPU kernel and the Triton kernels (through
-Triton's interpreter), for Llama and Qwen2 (q/k/v biases: PEFT leaves the bias out of DoRA's
-scaling). The slot's per-row scales count in its bytes; what cannot be served is refused by
-name: a quantized base and tensor parallelism.
+Triton's interpreter), for Llama, Qwen2 (q/k/v biases: PEFT leaves the bias out of DoRA's
+scaling), Qwen3, Mistral, Phi-3 (fused qkv and gate/up), Gemma 3, Mixtral and Qwen3-MoE (DoRA
+on their attention; PEFT has no DoRA for packed experts, and loraplane refuses it there).
+The slot's per-row scales count in its bytes; what cannot be served is refused by name: a
+quantized base and tensor parallelism.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "
 ATOL = 1e-4  # the parity tests' tolerance (fp32, CPU)
 # the mixed batch: DoRA, plain LoRA and base rows, DoRA twice (two segments' worth of rows)
 NAMES: list[str | None] = ["dora", "plain", None, "dora", "plain"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def peft_logits(reference: Any, tokens: list[int], adapter: str | None) -> torch.Tensor:
@@ -83,8 +86,11 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if kind not in cache:
             model_dir = build_model(root / kind, kind)
             _perturb(model_dir, seed=7)  # biases and norms away from 0 and 1
+            # PEFT's DoRA cannot wrap Qwen3-MoE's packed expert parameters (ParamWrapper):
+            # its adapters there adapt the attention, as loraplane serves DoRA on them
+            targets = {"target_modules": ATTENTION} if kind == "qwen3_moe" else {}
             dora = build_peft_adapter(model_dir, root / f"{kind}-dora", seed=5, r=8,
-                                      lora_alpha=16, use_dora=True)  # fmt: skip
+                                      lora_alpha=16, use_dora=True, **targets)  # fmt: skip
             spread_magnitudes(dora, seed=6)
             lora = build_peft_adapter(model_dir, root / f"{kind}-lora", seed=9, r=8,
                                       lora_alpha=16)  # fmt: skip
@@ -149,7 +155,9 @@ def check_mixed_batch(
     return engine
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "mixtral", "qwen3_moe"]
+)
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_a_dora_adapter_in_a_mixed_batch_gives_pefts_tokens_and_logprobs(
     bases: Any, kind: str, backend: str, monkeypatch: pytest.MonkeyPatch
