@@ -4,7 +4,7 @@ A DoRA adapter (its magnitude vectors given values far from PEFT's initial norms
 LoRA adapter and the base model share every step; greedy tokens and their log-probabilities
 must be PEFT's, on the torch path, the native CPU kernel and the Triton kernels (through
 Triton's interpreter), for Llama, Qwen2 (q/k/v biases: PEFT leaves the bias out of DoRA's
-scaling), Qwen3, Mistral, Phi-3 (fused qkv and gate/up), Gemma 3, Mixtral and Qwen3-MoE (DoRA
+scaling), Qwen3, Mistral, Phi-3 (fused qkv and gate/up), Gemma 2 and 3, Mixtral and Qwen3-MoE (DoRA
 on their attention; PEFT has no DoRA for packed experts, and loraplane refuses it there).
 The slot's per-row scales count in its bytes; what cannot be served is refused by name: a
 quantized base and tensor parallelism.
@@ -84,7 +84,12 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     def get(kind: str) -> tuple[Path, dict[str, Path], torch.nn.Module]:
         if kind not in cache:
-            model_dir = build_model(root / kind, kind)
+            if kind == "gemma2":  # soft caps, sliding and full layers (no build_model kind)
+                from tests.dataplane.test_models_gemma_parity import _build_model
+
+                model_dir = _build_model(root / kind, kind, seed=0)
+            else:
+                model_dir = build_model(root / kind, kind)
             _perturb(model_dir, seed=7)  # biases and norms away from 0 and 1
             # PEFT's DoRA cannot wrap Qwen3-MoE's packed expert parameters (ParamWrapper):
             # its adapters there adapt the attention, as loraplane serves DoRA on them
@@ -156,7 +161,8 @@ def check_mixed_batch(
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text", "mixtral", "qwen3_moe"]
+    "kind",
+    ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe"],
 )
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_a_dora_adapter_in_a_mixed_batch_gives_pefts_tokens_and_logprobs(
