@@ -11,7 +11,6 @@ device (prompt_logprobs.py). What crosses to the host goes through its `host_cop
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -31,6 +30,7 @@ from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.lora.dora_cache import NORM_FOLDER, NormCache
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
+from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.model_step import (
     TORCH_DTYPES,
     PromptRow,
@@ -41,7 +41,7 @@ from loraplane.dataplane.model_step import (
 )
 from loraplane.dataplane.models import gemma
 from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
-from loraplane.dataplane.parallel.shard import heads_of, shard_adapter
+from loraplane.dataplane.parallel.shard import heads_of, peer_parts, shard_adapter
 from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow
@@ -109,6 +109,9 @@ class ModelRunner:
             shard=None
             if shard is None
             else functools.partial(shard_adapter, shard=shard, heads=heads_of(built.spec)),
+            peers=None
+            if shard is None
+            else functools.partial(peer_parts, shard=shard, heads=heads_of(built.spec)),
         )
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))
@@ -211,20 +214,21 @@ class ModelRunner:
         if self.workers is None:
             return run_plan(self.model, plan, self.config.block_size, self.host_copy,
                             self.cuda_graphs)  # fmt: skip
-        with contextlib.ExitStack() as held:  # adapter files stay on disk while workers read
-            self.workers.send(self._message(plan, held))
-            logits = run_plan(self.model, plan, self.config.block_size, self.host_copy)
-        return logits
+        self.workers.send(*self._message(plan))
+        return run_plan(self.model, plan, self.config.block_size, self.host_copy)
 
-    def _message(self, plan: StepPlan, held: contextlib.ExitStack) -> StepMessage:
+    def _message(self, plan: StepPlan) -> tuple[StepMessage, list[list[LoadedAdapter]]]:
         """`plan` with the slot changes since the last step, so the workers' slots hold what
-        this rank's do (each worker reads its part of a new adapter from its files)."""
+        this rank's do, and each worker's parts of the adapters put in slots (`[r - 1]` for
+        rank r, in the loads' order), kept by rank 0's host tier since it read them."""
         slots = self.loras.slot_keys()
         frees = [s for s, key in self._mirrored.items() if slots.get(s) != key]
         loads = []
+        parts: list[list[LoadedAdapter]] = [[] for _ in range(self.config.tensor_parallel_size - 1)]
         for slot, key in slots.items():
             if self._mirrored.get(slot) != key:
-                folder, digest = held.enter_context(self.loras.local_copy(key))
-                loads.append(SlotLoad(slot, str(folder), digest))
+                loads.append(SlotLoad(slot, key))
+                for mine, part in zip(parts, self.loras.peer_parts(key), strict=True):
+                    mine.append(part)
         self._mirrored = slots
-        return StepMessage(plan, frees, loads)
+        return StepMessage(plan, frees, loads), parts

@@ -327,3 +327,44 @@ def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> N
     assert got["tokens"] == expected["tokens"]
     for rid, values in expected["logprobs"].items():
         torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+
+
+def test_workers_get_their_slices_from_rank_0_never_reading_adapter_files(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    """Rank 0 reads and validates an adapter once, and ships each worker its slice when it
+    places it: with the adapter's files gone after registration (rank 0 holds its host copy),
+    the split engine still gives the unsplit one's tokens. (Workers that read the files
+    themselves fail here: their rank dies, WorkerLost.)"""
+    import shutil
+
+    family = families["llama"]
+    names: list[str | None] = ["r16", None, "r32-mlp", "r16"]
+    expected = _run(_engine(family, 1), family, names)
+    copies = {n: tmp_path / n for n in ("r16", "r32-mlp")}
+    for name, folder in copies.items():
+        shutil.copytree(family.adapters[name], folder)
+    moved = Family(family.kind, family.model_dir, {**family.adapters, **copies})
+    split = _engine(moved, 2)
+    try:
+        refs = {n: split.register_lora(n, folder, "t") for n, folder in copies.items()}
+        for folder in copies.values():
+            shutil.rmtree(folder)
+        for i, name in enumerate(names):
+            prompt = [5 + i, 17, 33 + i, 9, 40 + 2 * i, 11][: 3 + i % 4]
+            params = GREEDY
+            if i == 1:
+                params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                        prompt_logprobs=2, logprobs=2)  # fmt: skip
+            split.add_request(f"r{i}", prompt, params, refs[name] if name else None)
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        while split.has_unfinished:
+            for out in split.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
+    finally:
+        split.close()
+    assert tokens == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(logprobs[rid], values, atol=1e-4, rtol=1e-4)

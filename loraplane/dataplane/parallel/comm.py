@@ -1,7 +1,8 @@
 """The collectives a tensor-parallel step runs, over torch.distributed.
 
-Tensors go over the default group (NCCL on CUDA, gloo on CPU); rank 0's step messages go over
-a gloo group of their own (pickled objects, whatever the device). Every collective has the
+Tensors go over the default group (NCCL on CUDA, gloo on CPU); rank 0's step messages, and the
+adapter parts it ships each worker, go over a gloo group of their own (pickled objects, on the
+host, whatever the device). Every collective has the
 group's timeout: a rank that stops answering fails the others' step (never a hang forever).
 """
 
@@ -33,6 +34,7 @@ class Collectives:
     # and all-gather, waits for the slowest rank included; in rank 0's step broadcasts
     comm_seconds: float = 0.0
     message_seconds: float = 0.0
+    ship_seconds: float = 0.0  # rank 0's scatters of adapter parts (placements)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place."""
@@ -64,6 +66,18 @@ class Collectives:
         except RuntimeError as e:
             raise WorkerLost(f"a tensor-parallel rank failed to take a step: {e}") from e
         self.message_seconds += time.perf_counter() - start
+        return box[0]
+
+    def scatter(self, parts: list[Any] | None) -> Any:
+        """`parts[rank]` (rank 0 passes one object per rank; the others None), on each rank:
+        each worker receives its own object alone."""
+        box: list[Any] = [None]
+        start = time.perf_counter()
+        try:
+            dist.scatter_object_list(box, parts, src=0, group=self.control)
+        except RuntimeError as e:
+            raise WorkerLost(f"a tensor-parallel rank failed to take its adapter parts: {e}") from e
+        self.ship_seconds += time.perf_counter() - start
         return box[0]
 
 
