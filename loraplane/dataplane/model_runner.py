@@ -30,7 +30,6 @@ from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.lora.dora_cache import NORM_FOLDER, NormCache
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
-from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.model_step import (
     TORCH_DTYPES,
     PromptRow,
@@ -41,7 +40,8 @@ from loraplane.dataplane.model_step import (
 )
 from loraplane.dataplane.models import gemma
 from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
-from loraplane.dataplane.parallel.shard import heads_of, peer_parts, shard_adapter
+from loraplane.dataplane.parallel.shard import heads_of, shard_adapter
+from loraplane.dataplane.parallel.ship import PackedPart, peer_parts
 from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow
@@ -111,7 +111,13 @@ class ModelRunner:
             else functools.partial(shard_adapter, shard=shard, heads=heads_of(built.spec)),
             peers=None
             if shard is None
-            else functools.partial(peer_parts, shard=shard, heads=heads_of(built.spec)),
+            else functools.partial(  # every rank's pool has rank 0's dtype and B layout
+                peer_parts,
+                shard=shard,
+                heads=heads_of(built.spec),
+                dtype=self.pool.dtype,
+                transposed=self.pool._transposing(),
+            ),
         )
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))
@@ -217,18 +223,19 @@ class ModelRunner:
         self.workers.send(*self._message(plan))
         return run_plan(self.model, plan, self.config.block_size, self.host_copy)
 
-    def _message(self, plan: StepPlan) -> tuple[StepMessage, list[list[LoadedAdapter]]]:
+    def _message(self, plan: StepPlan) -> tuple[StepMessage, list[list[PackedPart]]]:
         """`plan` with the slot changes since the last step, so the workers' slots hold what
         this rank's do, and each worker's parts of the adapters put in slots (`[r - 1]` for
         rank r, in the loads' order), kept by rank 0's host tier since it read them."""
         slots = self.loras.slot_keys()
         frees = [s for s, key in self._mirrored.items() if slots.get(s) != key]
         loads = []
-        parts: list[list[LoadedAdapter]] = [[] for _ in range(self.config.tensor_parallel_size - 1)]
+        parts: list[list[PackedPart]] = [[] for _ in range(self.config.tensor_parallel_size - 1)]
         for slot, key in slots.items():
             if self._mirrored.get(slot) != key:
                 loads.append(SlotLoad(slot, key))
                 for mine, part in zip(parts, self.loras.peer_parts(key), strict=True):
+                    assert isinstance(part, PackedPart)  # what `peer_parts` made
                     mine.append(part)
         self._mirrored = slots
         return StepMessage(plan, frees, loads), parts

@@ -155,6 +155,42 @@ def test_models_that_cannot_be_split_are_refused_by_name(
     assert config.kv_lora_shared is False and config.cuda_graphs is False
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_packed_part_unpacks_to_its_rank_slice_and_pickles_as_one_buffer(
+    transposed: bool,
+) -> None:
+    """What rank 0 ships a worker (parallel/ship.py): the rank's slice of each module, cast to
+    the pool's dtype and laid out as its pool holds B, in one buffer whose bytes are all that
+    a pickle carries (views of one storage would each carry the whole storage)."""
+    import pickle
+
+    from loraplane.dataplane.lora.host_form import is_host_form
+    from loraplane.dataplane.parallel.ship import peer_parts, unpack
+
+    torch.manual_seed(0)
+    modules = {}
+    for layer in range(3):
+        for module, (out, fan_in) in {"q_proj": (32, 32), "down_proj": (32, 48)}.items():
+            a, b = torch.randn(8, fan_in), torch.randn(out, 8)
+            modules[(layer, module)] = LoRAWeights(a.bfloat16(), b.bfloat16(), 0.5)
+    adapter = LoadedAdapter("x", modules, "sha256:x")
+    shard = TPShard(0, 4)
+    parts = peer_parts(adapter, shard, H4, torch.float32, transposed)
+    assert len(parts) == 3
+    for rank, packed in zip((1, 2, 3), parts, strict=True):
+        want = shard_adapter(adapter, TPShard(rank, 4), H4)
+        wire = pickle.dumps(packed)
+        assert packed.nbytes == 4 * sum(w.a.numel() + w.b.numel() for w in want.modules.values())
+        assert len(wire) < packed.nbytes + 4096
+        got = unpack(pickle.loads(wire))
+        assert is_host_form(got, torch.float32, transposed)  # the worker's pool reads it as is
+        assert got.modules.keys() == want.modules.keys() and got.digest == "sha256:x"
+        for key, w in want.modules.items():
+            assert torch.equal(got.modules[key].a, w.a.float())
+            assert torch.equal(got.modules[key].b, w.b.float())
+            assert got.modules[key].scale == 0.5
+
+
 # -- two processes over gloo -------------------------------------------------------------------
 
 

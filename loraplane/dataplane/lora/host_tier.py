@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Iterable
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
-from loraplane.dataplane.lora import host_form
 from loraplane.dataplane.lora.entry import Entry, State, TierStats
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.lora.registry import Registry
@@ -36,7 +35,7 @@ class HostTier:
         pool: LoRAPool,
         max_cpu_loras: int | None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None,
-        peers: Callable[[LoadedAdapter], tuple[LoadedAdapter, ...]] | None = None,
+        peers: Callable[[LoadedAdapter], tuple[object, ...]] | None = None,
     ) -> None:
         self._registry, self._pool = registry, pool
         # a tensor-parallel rank's part of each adapter read (parallel/shard.py), validated
@@ -44,7 +43,7 @@ class HostTier:
         self._shard = shard
         # rank 0 under tensor parallelism: the other ranks' parts of each adapter read
         self._peers = peers
-        self._peer_parts: dict[str, tuple[LoadedAdapter, ...]] = {}  # ref.key -> rank 1..N-1's
+        self._peer_parts: dict[str, tuple[object, ...]] = {}  # ref.key -> rank 1..N-1's
         self.max_cpu_loras = max_cpu_loras or pool.num_slots
         if self.max_cpu_loras < pool.num_slots:
             raise ValueError(
@@ -66,27 +65,18 @@ class HostTier:
             )
         return self._pool.host_form(adapter if self._shard is None else self._shard(adapter))
 
-    def peer_forms(self, adapter: LoadedAdapter) -> tuple[LoadedAdapter, ...]:
+    def peer_forms(self, adapter: LoadedAdapter) -> tuple[object, ...]:
         """The other ranks' parts of `adapter` (validated; `host_form` first, which refuses
-        DoRA), each in one host buffer of the pool's dtype and layout, as a worker's pool
-        holds it (never pinned: they cross a gloo pipe, not to this device); () without
-        tensor parallelism, or on a worker."""
-        if self._peers is None:
-            return ()
-        transposed = self._pool._transposing()  # every rank's pool lays B out alike
-        return tuple(
-            host_form.convert(part, self._pool.dtype, transposed=transposed, cuda=False)
-            for part in self._peers(adapter)
-        )
+        DoRA), as rank 0 ships them (parallel/ship.py: packed in the pools' host form); ()
+        without tensor parallelism, or on a worker."""
+        return () if self._peers is None else self._peers(adapter)
 
-    def peer_parts(self, key: str) -> tuple[LoadedAdapter, ...]:
+    def peer_parts(self, key: str) -> tuple[object, ...]:
         """Ranks 1..N-1's parts of version `key` (in host memory: KeyError if not), in rank
         order: what rank 0 ships the workers when `key` takes a slot."""
         return self._peer_parts[key]
 
-    def add(
-        self, entry: Entry, adapter: LoadedAdapter, peers: tuple[LoadedAdapter, ...] = ()
-    ) -> None:
+    def add(self, entry: Entry, adapter: LoadedAdapter, peers: tuple[object, ...] = ()) -> None:
         """Keep `adapter` (in host form) as `entry`'s host copy, the most recently used, and
         `peers` (`peer_forms`) beside it (under the lock). Evicts nothing: this may run on a
         loader thread while the engine thread is between `ready` and `make_resident`; the

@@ -51,7 +51,7 @@ class LoRAManager:
         max_loads_in_flight: int = 2,
         prefetch_depth: int | None = None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
-        peers: Callable[[LoadedAdapter], tuple[LoadedAdapter, ...]] | None = None,
+        peers: Callable[[LoadedAdapter], tuple[object, ...]] | None = None,
     ) -> None:
         self.pool, self.base, self.disk = pool, base, disk  # shared with the parts
         self.limits = AdapterLimits(max_rank=max_lora_rank)
@@ -190,7 +190,7 @@ class LoRAManager:
         """Every registered version."""
         return self.registry.refs()
 
-    def peer_parts(self, key: str) -> tuple[LoadedAdapter, ...]:
+    def peer_parts(self, key: str) -> tuple[object, ...]:
         """The other tensor-parallel ranks' parts of version `key`, in rank order (KeyError
         when it is not in host memory): what rank 0 ships the workers as `key` takes a slot."""
         with self.registry.lock:

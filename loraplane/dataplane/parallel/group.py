@@ -29,8 +29,8 @@ from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, lea
 from loraplane.dataplane.parallel.shard import TPShard
 
 if TYPE_CHECKING:
-    from loraplane.dataplane.lora.weights import LoadedAdapter
     from loraplane.dataplane.model_step import StepPlan
+    from loraplane.dataplane.parallel.ship import PackedPart
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class WorkerGroup:
         """Have the workers allocate the same KV cache as rank 0."""
         self._send(Allocate(num_blocks, block_size))
 
-    def send(self, message: StepMessage, parts: Sequence[Sequence[LoadedAdapter]] = ()) -> None:
+    def send(self, message: StepMessage, parts: Sequence[Sequence[PackedPart]] = ()) -> None:
         """Broadcast one step, then give each worker its parts of the adapters `message` puts
         in slots: `parts[r - 1]` to rank r, one per load in `message.loads` order (WorkerLost
         when a worker is gone)."""

@@ -2,7 +2,7 @@
 
 Pure functions over shapes and tensors (no process group): the loader asks `checkpoint_slice`
 for each checkpoint tensor, rank 0's LoRA manager `shard_adapter` for its own part of each
-adapter it reads and `peer_parts` for the workers' parts (it ships them at placement), the
+adapter it reads and for the workers' parts (`ship.py` packs them to ship at placement), the
 model runner `local_config` / `local_spec` for the shapes a rank builds.
 
 Column-parallel (output rows split): q_proj, k_proj, v_proj, gate_proj, up_proj and their
@@ -182,13 +182,3 @@ def shard_adapter(adapter: LoadedAdapter, shard: TPShard, heads: Heads) -> Loade
             raise UnsupportedModelError(f"module {module!r} cannot be split for tensor parallelism")
         modules[(layer, module)] = LoRAWeights(a=a, b=b, scale=w.scale)
     return LoadedAdapter(adapter.source, modules, adapter.digest)
-
-
-def peer_parts(adapter: LoadedAdapter, shard: TPShard, heads: Heads) -> tuple[LoadedAdapter, ...]:
-    """`adapter`'s part on every rank of the group but `shard.rank`, in rank order: what rank
-    0 keeps with its host copy and ships each worker when the adapter takes a slot."""
-    return tuple(
-        shard_adapter(adapter, TPShard(rank, shard.size), heads)
-        for rank in range(shard.size)
-        if rank != shard.rank
-    )

@@ -22,6 +22,7 @@ from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.model_step import build_model, run_plan
 from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, leave
 from loraplane.dataplane.parallel.shard import TPShard
+from loraplane.dataplane.parallel.ship import unpack
 
 log = logging.getLogger(__name__)
 
@@ -83,5 +84,5 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
                 parts = comm.scatter(None)
                 for load, part in zip(message.loads, parts, strict=True):
                     pool.free(load.slot)
-                    pool.load(load.slot, pool.host_form(part))
+                    pool.load(load.slot, pool.host_form(unpack(part)))
             run_plan(model, message.plan, setup.block_size, host_copy)
