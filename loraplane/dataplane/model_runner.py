@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import cast
 
+import numpy as np
 import torch
 
 from loraplane.adapters.base_model import read_config
@@ -41,7 +43,7 @@ from loraplane.dataplane.model_step import (
 from loraplane.dataplane.models import gemma
 from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
 from loraplane.dataplane.parallel.shard import heads_of, shard_adapter
-from loraplane.dataplane.parallel.ship import PackedPart, peer_parts
+from loraplane.dataplane.parallel.ship import PackedPart, peer_parts, wire
 from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow
@@ -223,19 +225,23 @@ class ModelRunner:
         self.workers.send(*self._message(plan))
         return run_plan(self.model, plan, self.config.block_size, self.host_copy)
 
-    def _message(self, plan: StepPlan) -> tuple[StepMessage, list[list[PackedPart]]]:
+    def _message(self, plan: StepPlan) -> tuple[StepMessage, list[list[np.ndarray]]]:
         """`plan` with the slot changes since the last step, so the workers' slots hold what
-        this rank's do, and each worker's parts of the adapters put in slots (`[r - 1]` for
-        rank r, in the loads' order), kept by rank 0's host tier since it read them."""
+        this rank's do, and the bytes of each worker's parts of the adapters put in slots
+        (`[r - 1]` for rank r, in the loads' order), kept by rank 0's host tier since it read
+        them (parallel/ship.py)."""
         slots = self.loras.slot_keys()
         frees = [s for s, key in self._mirrored.items() if slots.get(s) != key]
         loads = []
-        parts: list[list[PackedPart]] = [[] for _ in range(self.config.tensor_parallel_size - 1)]
+        buffers: list[list[np.ndarray]] = [[] for _ in range(self.config.tensor_parallel_size - 1)]
         for slot, key in slots.items():
             if self._mirrored.get(slot) != key:
-                loads.append(SlotLoad(slot, key))
-                for mine, part in zip(parts, self.loras.peer_parts(key), strict=True):
-                    assert isinstance(part, PackedPart)  # what `peer_parts` made
-                    mine.append(part)
+                parts = self.loras.peer_parts(key)
+                if not all(isinstance(p, PackedPart) for p in parts):  # pragma: no cover
+                    raise TypeError(f"adapter {key}: its workers' parts are not packed")
+                layout, theirs = wire(cast("list[PackedPart]", parts))
+                loads.append(SlotLoad(slot, key, layout, theirs[0].nbytes))
+                for mine, buffer in zip(buffers, theirs, strict=True):
+                    mine.append(buffer)
         self._mirrored = slots
-        return StepMessage(plan, frees, loads), parts
+        return StepMessage(plan, frees, loads), buffers

@@ -165,7 +165,7 @@ def test_a_packed_part_unpacks_to_its_rank_slice_and_pickles_as_one_buffer(
     import pickle
 
     from loraplane.dataplane.lora.host_form import is_host_form
-    from loraplane.dataplane.parallel.ship import peer_parts, unpack
+    from loraplane.dataplane.parallel.ship import peer_parts, unpack, wire, with_buffer
 
     torch.manual_seed(0)
     modules = {}
@@ -179,16 +179,22 @@ def test_a_packed_part_unpacks_to_its_rank_slice_and_pickles_as_one_buffer(
     assert len(parts) == 3
     for rank, packed in zip((1, 2, 3), parts, strict=True):
         want = shard_adapter(adapter, TPShard(rank, 4), H4)
-        wire = pickle.dumps(packed)
+        pickled = pickle.dumps(packed)
         assert packed.nbytes == 4 * sum(w.a.numel() + w.b.numel() for w in want.modules.values())
-        assert len(wire) < packed.nbytes + 4096
-        got = unpack(pickle.loads(wire))
+        assert len(pickled) < packed.nbytes + 4096
+        got = unpack(pickle.loads(pickled))
         assert is_host_form(got, torch.float32, transposed)  # the worker's pool reads it as is
         assert got.modules.keys() == want.modules.keys() and got.digest == "sha256:x"
         for key, w in want.modules.items():
             assert torch.equal(got.modules[key].a, w.a.float())
             assert torch.equal(got.modules[key].b, w.b.float())
             assert got.modules[key].scale == 0.5
+    # on the wire: one layout in the step message, each rank's bytes alone
+    layout, buffers = wire(parts)
+    assert layout.nbytes == 0 and [b.nbytes for b in buffers] == [p.nbytes for p in parts]
+    for packed, buffer in zip(parts, buffers, strict=True):
+        got = unpack(with_buffer(pickle.loads(pickle.dumps(layout)), buffer.copy()))
+        assert all(torch.equal(got.modules[k].b, w.b) for k, w in unpack(packed).modules.items())
 
 
 # -- two processes over gloo -------------------------------------------------------------------

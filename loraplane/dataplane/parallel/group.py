@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from loraplane.dataplane.config import EngineConfig
@@ -40,10 +41,13 @@ STOP_GRACE_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class SlotLoad:
-    """Put version `key`'s part (which follows the message: `WorkerGroup.send`) into `slot`."""
+    """Put version `key`'s part into `slot`: its `layout` (the same on every rank), and its
+    `nbytes` of tensors, which follow the message (`WorkerGroup.send`)."""
 
     slot: int
     key: str
+    layout: PackedPart
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +60,8 @@ class Allocate:
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One step for the workers: free `frees`, fill `loads` (with the parts rank 0 scatters
-    after this message, in `loads` order), then run `plan`."""
+    """One step for the workers: free `frees`, fill `loads` (with the bytes rank 0 sends each
+    worker after this message, in `loads` order), then run `plan`."""
 
     plan: StepPlan
     frees: list[int]
@@ -111,15 +115,15 @@ class WorkerGroup:
         """Have the workers allocate the same KV cache as rank 0."""
         self._send(Allocate(num_blocks, block_size))
 
-    def send(self, message: StepMessage, parts: Sequence[Sequence[PackedPart]] = ()) -> None:
-        """Broadcast one step, then give each worker its parts of the adapters `message` puts
-        in slots: `parts[r - 1]` to rank r, one per load in `message.loads` order (WorkerLost
-        when a worker is gone)."""
-        if len(message.loads) and len(parts) != len(self._procs):
-            raise ValueError(f"{len(parts)} workers' parts for {len(self._procs)} workers")
+    def send(self, message: StepMessage, buffers: Sequence[Sequence[np.ndarray]] = ()) -> None:
+        """Broadcast one step, then send each worker its parts' bytes of the adapters
+        `message` puts in slots: `buffers[r - 1]` to rank r, one per load in `message.loads`
+        order (WorkerLost when a worker is gone)."""
+        if message.loads and len(buffers) != len(self._procs):
+            raise ValueError(f"{len(buffers)} workers' parts for {len(self._procs)} workers")
         self._send(message)
         if message.loads:
-            self._guarded(lambda: self.comm.scatter([[], *(list(p) for p in parts)]))
+            self._guarded(lambda: self.comm.send_bytes(buffers))
 
     def _send(self, message: Any) -> None:
         self._guarded(lambda: self.comm.broadcast(message))

@@ -6,10 +6,17 @@ pool's dtype and layout, back to back in one numpy buffer, and where each lies. 
 gloo scatter at placement) that is one copy of the buffer's bytes; torch tensors that view one
 storage would each pickle the whole storage again. A worker unpacks its part into views of the
 buffer, already in its pool's host form (`LoRAPool.host_form` returns it as it is).
+
+On the wire (`wire`): every rank's part has the same layout (equal splits), so the step
+message carries it once, and each worker's buffer goes to it alone as raw bytes (gloo
+send/recv, no pickling: a third to a tenth of a pickled scatter's time, benchmarks in
+docs/dataplane.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +89,21 @@ def unpack(packed: PackedPart) -> LoadedAdapter:
         b = b.view(m.rank, m.fan_out).t() if packed.transposed else b.view(m.fan_out, m.rank)
         modules[(m.layer, m.module)] = LoRAWeights(a=a, b=b, scale=m.scale)
     return LoadedAdapter(packed.source, modules, packed.digest)
+
+
+def wire(parts: Sequence[PackedPart]) -> tuple[PackedPart, list[np.ndarray]]:
+    """`parts` (one per worker) as rank 0 ships them: their one layout (an empty buffer) and
+    each one's buffer; ValueError if their layouts differ (they cannot: the splits are equal)."""
+    layout = dataclasses.replace(parts[0], buffer=np.empty(0, dtype=np.uint8))
+    for part in parts:
+        if part.modules != layout.modules or part.nbytes != parts[0].nbytes:
+            raise ValueError(f"adapter {part.digest}: the ranks' parts differ in layout")
+    return layout, [part.buffer for part in parts]
+
+
+def with_buffer(layout: PackedPart, buffer: np.ndarray) -> PackedPart:
+    """A worker's part: the layout the step message carried with the bytes it received."""
+    return dataclasses.replace(layout, buffer=buffer)
 
 
 def peer_parts(

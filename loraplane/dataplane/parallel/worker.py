@@ -22,7 +22,7 @@ from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.model_step import build_model, run_plan
 from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, leave
 from loraplane.dataplane.parallel.shard import TPShard
-from loraplane.dataplane.parallel.ship import unpack
+from loraplane.dataplane.parallel.ship import unpack, with_buffer
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,10 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
                 return
             for slot in message.frees:
                 pool.free(slot)
-            if message.loads:  # this rank's parts, one per load, follow the message
-                parts = comm.scatter(None)
-                for load, part in zip(message.loads, parts, strict=True):
+            if message.loads:  # this rank's parts' bytes, one per load, follow the message
+                buffers = comm.receive_bytes([load.nbytes for load in message.loads])
+                for load, buffer in zip(message.loads, buffers, strict=True):
                     pool.free(load.slot)
-                    pool.load(load.slot, pool.host_form(unpack(part)))
+                    part = unpack(with_buffer(load.layout, buffer))
+                    pool.load(load.slot, pool.host_form(part))
             run_plan(model, message.plan, setup.block_size, host_copy)
