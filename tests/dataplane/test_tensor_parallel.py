@@ -330,6 +330,37 @@ def test_a_step_after_the_worker_died_raises_worker_lost_naming_it(
         engine.close()
 
 
+def test_a_worker_failing_to_load_its_part_ends_the_engine_with_worker_lost_naming_it(
+    families: dict[str, Family],
+) -> None:
+    """A part the worker's pool refuses (here: a layer the model lacks) makes its rank fail
+    after it took the bytes; rank 0's next step raises WorkerLost naming that error, within
+    seconds (no hang)."""
+    from loraplane.dataplane.model_step import StepPlan
+    from loraplane.dataplane.parallel.group import SlotLoad, StepMessage
+    from loraplane.dataplane.parallel.ship import pack, wire
+
+    engine = _engine(families["llama"], 2)
+    try:
+        workers = engine.runner.workers
+        assert workers is not None
+        bad = LoRAWeights(torch.zeros(4, 64), torch.zeros(64, 4), 1.0)
+        packed = pack(LoadedAdapter("x", {(999, "q_proj"): bad}, "d"), torch.float32, True)
+        layout, buffers = wire([packed])
+        message = StepMessage(
+            StepPlan([], False, []), [], [SlotLoad(0, "x", layout, packed.nbytes)]
+        )
+        workers.send(message, [buffers])  # the worker takes the bytes, then fails loading them
+        engine.add_request("x", [5, 6, 7], GREEDY)
+        box = _in_thread(engine.step, timeout=60)
+        assert isinstance(box.get("error"), WorkerLost)
+        assert "rank 1 failed: ValueError: adapter adapts 'q_proj' in layer 999" in str(
+            box["error"]
+        )
+    finally:
+        engine.close()
+
+
 def test_quantized_bases_are_refused_under_tensor_parallelism(families: dict[str, Family]) -> None:
     llama = families["llama"].model_dir
     with pytest.raises(UnsupportedModelError, match="over quantized weights is not supported"):
