@@ -2,10 +2,11 @@
 
 The workers are spawned processes (`worker.main`), one per extra device. Each step rank 0
 broadcasts one `StepMessage` (the plan, and the adapter slots that changed), then, when an
-adapter took a slot, scatters each worker its own part of it (rank 0 read and validated the
-adapter once, and keeps every rank's part with its host copy: no worker reads adapter files);
-then every rank runs the plan; a worker that died, or failed, makes the next collective fail
-on rank 0 with `WorkerLost` naming the worker's error, and the engine stops (its replica not ready).
+adapter took a slot, sends each worker the bytes of its own part of it (rank 0 read and
+validated the adapter once and keeps every rank's part with its host copy, parallel/ship.py:
+no worker reads adapter files); then every rank runs the plan. A worker that died, or failed,
+makes the next collective fail on rank 0 with `WorkerLost` naming the worker's error, and the
+engine stops (its replica not ready).
 """
 
 from __future__ import annotations
