@@ -197,6 +197,40 @@ def test_a_packed_part_unpacks_to_its_rank_slice_and_pickles_as_one_buffer(
         assert all(torch.equal(got.modules[k].b, w.b) for k, w in unpack(packed).modules.items())
 
 
+def test_rank_0_keeps_the_workers_parts_exactly_as_long_as_its_host_copy(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """The workers' parts live beside rank 0's host copy: made when it is read, gone when the
+    host tier evicts or unregisters it (no parts kept for versions it no longer holds)."""
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.dataplane.lora import LoRAPool
+    from loraplane.dataplane.lora.manager import LoRAManager
+
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    made: list[str] = []
+
+    def peers(adapter: LoadedAdapter) -> tuple[object, ...]:
+        made.append(adapter.digest)
+        return (f"part of {adapter.digest}",)
+
+    pool = LoRAPool(1, spec, torch.float32, "cpu")
+    manager = LoRAManager(pool, spec, 64, max_cpu_loras=1, shard=lambda a: a, peers=peers)
+    try:
+        first = manager.register("a", peft_adapters["r4"])
+        assert manager.peer_parts(first.key) == (f"part of {first.digest}",)
+        second = manager.register("b", peft_adapters["r16"])  # evicts the first's host copy
+        assert not manager.in_host_memory(first)
+        with pytest.raises(KeyError):
+            manager.peer_parts(first.key)
+        assert manager.peer_parts(second.key) == (f"part of {second.digest}",)
+        manager.unregister("b")
+        with pytest.raises(KeyError):
+            manager.peer_parts(second.key)
+        assert made == [first.digest, second.digest]
+    finally:
+        manager.close()
+
+
 # -- two processes over gloo -------------------------------------------------------------------
 
 
