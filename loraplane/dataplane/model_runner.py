@@ -11,10 +11,11 @@ device (prompt_logprobs.py). What crosses to the host goes through its `host_cop
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+from typing import cast
 
+import numpy as np
 import torch
 
 from loraplane.adapters.base_model import read_config
@@ -42,6 +43,7 @@ from loraplane.dataplane.model_step import (
 from loraplane.dataplane.models import gemma
 from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
 from loraplane.dataplane.parallel.shard import heads_of, shard_adapter
+from loraplane.dataplane.parallel.ship import PackedPart, peer_parts, wire
 from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow
@@ -108,6 +110,15 @@ class ModelRunner:
             shard=None
             if shard is None
             else functools.partial(shard_adapter, shard=shard, heads=heads_of(built.spec)),
+            peers=None
+            if shard is None
+            else functools.partial(  # every rank's pool has rank 0's dtype and B layout
+                peer_parts,
+                shard=shard,
+                heads=heads_of(built.spec),
+                dtype=self.pool.dtype,
+                transposed=self.pool._transposing(),
+            ),
         )
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))
@@ -210,20 +221,26 @@ class ModelRunner:
         if self.workers is None:
             return run_plan(self.model, plan, self.config.block_size, self.host_copy,
                             self.cuda_graphs)  # fmt: skip
-        with contextlib.ExitStack() as held:  # adapter files stay on disk while workers read
-            self.workers.send(self._message(plan, held))
-            logits = run_plan(self.model, plan, self.config.block_size, self.host_copy)
-        return logits
+        self.workers.send(*self._message(plan))
+        return run_plan(self.model, plan, self.config.block_size, self.host_copy)
 
-    def _message(self, plan: StepPlan, held: contextlib.ExitStack) -> StepMessage:
+    def _message(self, plan: StepPlan) -> tuple[StepMessage, list[list[np.ndarray]]]:
         """`plan` with the slot changes since the last step, so the workers' slots hold what
-        this rank's do (each worker reads its part of a new adapter from its files)."""
+        this rank's do, and the bytes of each worker's parts of the adapters put in slots
+        (`[r - 1]` for rank r, in the loads' order), kept by rank 0's host tier since it read
+        them (parallel/ship.py)."""
         slots = self.loras.slot_keys()
         frees = [s for s, key in self._mirrored.items() if slots.get(s) != key]
         loads = []
+        buffers: list[list[np.ndarray]] = [[] for _ in range(self.config.tensor_parallel_size - 1)]
         for slot, key in slots.items():
             if self._mirrored.get(slot) != key:
-                folder, digest = held.enter_context(self.loras.local_copy(key))
-                loads.append(SlotLoad(slot, str(folder), digest))
+                parts = self.loras.peer_parts(key)
+                if not all(isinstance(p, PackedPart) for p in parts):  # pragma: no cover
+                    raise TypeError(f"adapter {key}: its workers' parts are not packed")
+                layout, theirs = wire(cast("list[PackedPart]", parts))
+                loads.append(SlotLoad(slot, key, layout, theirs[0].nbytes))
+                for mine, buffer in zip(buffers, theirs, strict=True):
+                    mine.append(buffer)
         self._mirrored = slots
-        return StepMessage(plan, frees, loads)
+        return StepMessage(plan, frees, loads), buffers

@@ -155,6 +155,82 @@ def test_models_that_cannot_be_split_are_refused_by_name(
     assert config.kv_lora_shared is False and config.cuda_graphs is False
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_packed_part_unpacks_to_its_rank_slice_and_pickles_as_one_buffer(
+    transposed: bool,
+) -> None:
+    """What rank 0 ships a worker (parallel/ship.py): the rank's slice of each module, cast to
+    the pool's dtype and laid out as its pool holds B, in one buffer whose bytes are all that
+    a pickle carries (views of one storage would each carry the whole storage)."""
+    import pickle
+
+    from loraplane.dataplane.lora.host_form import is_host_form
+    from loraplane.dataplane.parallel.ship import peer_parts, unpack, wire, with_buffer
+
+    torch.manual_seed(0)
+    modules = {}
+    for layer in range(3):
+        for module, (out, fan_in) in {"q_proj": (32, 32), "down_proj": (32, 48)}.items():
+            a, b = torch.randn(8, fan_in), torch.randn(out, 8)
+            modules[(layer, module)] = LoRAWeights(a.bfloat16(), b.bfloat16(), 0.5)
+    adapter = LoadedAdapter("x", modules, "sha256:x")
+    shard = TPShard(0, 4)
+    parts = peer_parts(adapter, shard, H4, torch.float32, transposed)
+    assert len(parts) == 3
+    for rank, packed in zip((1, 2, 3), parts, strict=True):
+        want = shard_adapter(adapter, TPShard(rank, 4), H4)
+        pickled = pickle.dumps(packed)
+        assert packed.nbytes == 4 * sum(w.a.numel() + w.b.numel() for w in want.modules.values())
+        assert len(pickled) < packed.nbytes + 4096
+        got = unpack(pickle.loads(pickled))
+        assert is_host_form(got, torch.float32, transposed)  # the worker's pool reads it as is
+        assert got.modules.keys() == want.modules.keys() and got.digest == "sha256:x"
+        for key, w in want.modules.items():
+            assert torch.equal(got.modules[key].a, w.a.float())
+            assert torch.equal(got.modules[key].b, w.b.float())
+            assert got.modules[key].scale == 0.5
+    # on the wire: one layout in the step message, each rank's bytes alone
+    layout, buffers = wire(parts)
+    assert layout.nbytes == 0 and [b.nbytes for b in buffers] == [p.nbytes for p in parts]
+    for packed, buffer in zip(parts, buffers, strict=True):
+        got = unpack(with_buffer(pickle.loads(pickle.dumps(layout)), buffer.copy()))
+        assert all(torch.equal(got.modules[k].b, w.b) for k, w in unpack(packed).modules.items())
+
+
+def test_rank_0_keeps_the_workers_parts_exactly_as_long_as_its_host_copy(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """The workers' parts live beside rank 0's host copy: made when it is read, gone when the
+    host tier evicts or unregisters it (no parts kept for versions it no longer holds)."""
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.dataplane.lora import LoRAPool
+    from loraplane.dataplane.lora.manager import LoRAManager
+
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    made: list[str] = []
+
+    def peers(adapter: LoadedAdapter) -> tuple[object, ...]:
+        made.append(adapter.digest)
+        return (f"part of {adapter.digest}",)
+
+    pool = LoRAPool(1, spec, torch.float32, "cpu")
+    manager = LoRAManager(pool, spec, 64, max_cpu_loras=1, shard=lambda a: a, peers=peers)
+    try:
+        first = manager.register("a", peft_adapters["r4"])
+        assert manager.peer_parts(first.key) == (f"part of {first.digest}",)
+        second = manager.register("b", peft_adapters["r16"])  # evicts the first's host copy
+        assert not manager.in_host_memory(first)
+        with pytest.raises(KeyError):
+            manager.peer_parts(first.key)
+        assert manager.peer_parts(second.key) == (f"part of {second.digest}",)
+        manager.unregister("b")
+        with pytest.raises(KeyError):
+            manager.peer_parts(second.key)
+        assert made == [first.digest, second.digest]
+    finally:
+        manager.close()
+
+
 # -- two processes over gloo -------------------------------------------------------------------
 
 
@@ -288,6 +364,37 @@ def test_a_step_after_the_worker_died_raises_worker_lost_naming_it(
         engine.close()
 
 
+def test_a_worker_failing_to_load_its_part_ends_the_engine_with_worker_lost_naming_it(
+    families: dict[str, Family],
+) -> None:
+    """A part the worker's pool refuses (here: a layer the model lacks) makes its rank fail
+    after it took the bytes; rank 0's next step raises WorkerLost naming that error, within
+    seconds (no hang)."""
+    from loraplane.dataplane.model_step import StepPlan
+    from loraplane.dataplane.parallel.group import SlotLoad, StepMessage
+    from loraplane.dataplane.parallel.ship import pack, wire
+
+    engine = _engine(families["llama"], 2)
+    try:
+        workers = engine.runner.workers
+        assert workers is not None
+        bad = LoRAWeights(torch.zeros(4, 64), torch.zeros(64, 4), 1.0)
+        packed = pack(LoadedAdapter("x", {(999, "q_proj"): bad}, "d"), torch.float32, True)
+        layout, buffers = wire([packed])
+        message = StepMessage(
+            StepPlan([], False, []), [], [SlotLoad(0, "x", layout, packed.nbytes)]
+        )
+        workers.send(message, [buffers])  # the worker takes the bytes, then fails loading them
+        engine.add_request("x", [5, 6, 7], GREEDY)
+        box = _in_thread(engine.step, timeout=60)
+        assert isinstance(box.get("error"), WorkerLost)
+        assert "rank 1 failed: ValueError: adapter adapts 'q_proj' in layer 999" in str(
+            box["error"]
+        )
+    finally:
+        engine.close()
+
+
 def test_quantized_bases_are_refused_under_tensor_parallelism(families: dict[str, Family]) -> None:
     llama = families["llama"].model_dir
     with pytest.raises(UnsupportedModelError, match="over quantized weights is not supported"):
@@ -327,3 +434,44 @@ def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> N
     assert got["tokens"] == expected["tokens"]
     for rid, values in expected["logprobs"].items():
         torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+
+
+def test_workers_get_their_slices_from_rank_0_never_reading_adapter_files(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    """Rank 0 reads and validates an adapter once, and ships each worker its slice when it
+    places it: with the adapter's files gone after registration (rank 0 holds its host copy),
+    the split engine still gives the unsplit one's tokens. (Workers that read the files
+    themselves fail here: their rank dies, WorkerLost.)"""
+    import shutil
+
+    family = families["llama"]
+    names: list[str | None] = ["r16", None, "r32-mlp", "r16"]
+    expected = _run(_engine(family, 1), family, names)
+    copies = {n: tmp_path / n for n in ("r16", "r32-mlp")}
+    for name, folder in copies.items():
+        shutil.copytree(family.adapters[name], folder)
+    moved = Family(family.kind, family.model_dir, {**family.adapters, **copies})
+    split = _engine(moved, 2)
+    try:
+        refs = {n: split.register_lora(n, folder, "t") for n, folder in copies.items()}
+        for folder in copies.values():
+            shutil.rmtree(folder)
+        for i, name in enumerate(names):
+            prompt = [5 + i, 17, 33 + i, 9, 40 + 2 * i, 11][: 3 + i % 4]
+            params = GREEDY
+            if i == 1:
+                params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                        prompt_logprobs=2, logprobs=2)  # fmt: skip
+            split.add_request(f"r{i}", prompt, params, refs[name] if name else None)
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        while split.has_unfinished:
+            for out in split.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
+    finally:
+        split.close()
+    assert tokens == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(logprobs[rid], values, atol=1e-4, rtol=1e-4)

@@ -3,6 +3,9 @@ them; the least recently used copy goes first, never one in a device slot, in us
 
 Copies arrive from the loader threads (loads.py) and from static registration; a version whose
 load or placement failed loses its copy (the copy may be what is wrong) and is marked FAILED.
+Under tensor parallelism, rank 0's copy is its own part, and the other ranks' parts (`peers`,
+converted as the pool holds them) are kept beside it, dropped with it: rank 0 ships them to the
+workers when the version takes a slot (parallel/group.py), so no worker reads adapter files.
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ class HostTier:
         pool: LoRAPool,
         max_cpu_loras: int | None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None,
+        peers: Callable[[LoadedAdapter], tuple[object, ...]] | None = None,
     ) -> None:
         self._registry, self._pool = registry, pool
         # a tensor-parallel rank's part of each adapter read (parallel/shard.py), validated
         # against the whole base model first; the pool holds that part
         self._shard = shard
+        # rank 0 under tensor parallelism: the other ranks' parts of each adapter read
+        self._peers = peers
+        self._peer_parts: dict[str, tuple[object, ...]] = {}  # ref.key -> rank 1..N-1's
         self.max_cpu_loras = max_cpu_loras or pool.num_slots
         if self.max_cpu_loras < pool.num_slots:
             raise ValueError(
@@ -58,11 +65,24 @@ class HostTier:
             )
         return self._pool.host_form(adapter if self._shard is None else self._shard(adapter))
 
-    def add(self, entry: Entry, adapter: LoadedAdapter) -> None:
-        """Keep `adapter` (in host form) as `entry`'s host copy, the most recently used (under
-        the lock). Evicts nothing: this may run on a loader thread while the engine thread is
-        between `ready` and `make_resident`; the engine thread trims the tier in
-        `make_resident` (device_tier.py)."""
+    def peer_forms(self, adapter: LoadedAdapter) -> tuple[object, ...]:
+        """The other ranks' parts of `adapter` (validated; `host_form` first, which refuses
+        DoRA), as rank 0 ships them (parallel/ship.py: packed in the pools' host form); ()
+        without tensor parallelism, or on a worker."""
+        return () if self._peers is None else self._peers(adapter)
+
+    def peer_parts(self, key: str) -> tuple[object, ...]:
+        """Ranks 1..N-1's parts of version `key` (in host memory: KeyError if not), in rank
+        order: what rank 0 ships the workers when `key` takes a slot."""
+        return self._peer_parts[key]
+
+    def add(self, entry: Entry, adapter: LoadedAdapter, peers: tuple[object, ...] = ()) -> None:
+        """Keep `adapter` (in host form) as `entry`'s host copy, the most recently used, and
+        `peers` (`peer_forms`) beside it (under the lock). Evicts nothing: this may run on a
+        loader thread while the engine thread is between `ready` and `make_resident`; the
+        engine thread trims the tier in `make_resident` (device_tier.py)."""
+        if self._peers is not None:
+            self._peer_parts[entry.ref.key] = peers
         entry.host, entry.state, entry.error = adapter, State.HOST, None
         entry.device_bytes = self._pool.bytes_needed(adapter)
         entry.touched = time.monotonic()
@@ -82,6 +102,7 @@ class HostTier:
         """Forget `entry`'s host copy, if any (under the lock)."""
         entry.host = None
         self.hosted.pop(entry.ref.key, None)
+        self._peer_parts.pop(entry.ref.key, None)
 
     def evict(self, in_use: Iterable[str] = ()) -> None:
         """Drop the least recently used copies beyond `max_cpu_loras` (under the lock), none in
@@ -98,6 +119,7 @@ class HostTier:
                 continue
             victim.host, victim.state = None, State.COLD
             del self.hosted[victim.ref.key]
+            self._peer_parts.pop(victim.ref.key, None)
             self.stats.evictions += 1
             excess -= 1
 

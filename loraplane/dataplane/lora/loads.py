@@ -247,7 +247,9 @@ class Loads:
         # read and converted without the lock: the engine's step goes on meanwhile
         start = time.perf_counter()
         try:
-            adapter = self._host.host_form(self._registry.read(entry))
+            whole = self._registry.read(entry)
+            adapter = self._host.host_form(whole)
+            peers = self._host.peer_forms(whole)  # tensor parallelism: the workers' parts
         except Exception as e:  # whatever the cause, the version fails, never stays LOADING
             message = (
                 str(e)
@@ -261,7 +263,7 @@ class Loads:
             return
         with self._registry.lock:
             if entry.ref.key in self._registry.entries:  # not unregistered meanwhile
-                self._host.add(entry, adapter)
+                self._host.add(entry, adapter, peers)
                 self._host.stats.load_ended(entry.ref.key, start)
 
     def close(self) -> None:

@@ -16,7 +16,6 @@ touches several parts holds it throughout.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -52,12 +51,14 @@ class LoRAManager:
         max_loads_in_flight: int = 2,
         prefetch_depth: int | None = None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
+        peers: Callable[[LoadedAdapter], tuple[object, ...]] | None = None,
     ) -> None:
         self.pool, self.base, self.disk = pool, base, disk  # shared with the parts
         self.limits = AdapterLimits(max_rank=max_lora_rank)
         self.registry = Registry(base, self.limits, disk)
-        # `shard`: a tensor-parallel rank's part of each adapter read (parallel/shard.py)
-        self.host = HostTier(self.registry, pool, max_cpu_loras, shard)
+        # `shard`: a tensor-parallel rank's part of each adapter read (parallel/shard.py);
+        # `peers` (rank 0): the other ranks' parts, kept with the host copy to ship them
+        self.host = HostTier(self.registry, pool, max_cpu_loras, shard, peers)
         self.loads = Loads(self.registry, self.host, prefetch, retry_after_s,
                            max_loads_in_flight, prefetch_depth)  # fmt: skip
         self.device = DeviceTier(self.registry, self.host, pool, device_budget_bytes)
@@ -142,7 +143,8 @@ class LoRAManager:
         with self.registry.lock:
             entry = self.registry.add(ref, Path(path))
             if entry.host is None:
-                self.host.add(entry, self.host.host_form(adapter))
+                host = self.host.host_form(adapter)
+                self.host.add(entry, host, self.host.peer_forms(adapter))
             self.registry.make_current(ref)
             # registering thousands of static adapters must not hold them all in memory: the
             # host tier keeps max_cpu_loras; the others are read again from their folder
@@ -188,10 +190,11 @@ class LoRAManager:
         """Every registered version."""
         return self.registry.refs()
 
-    def local_copy(self, key: str) -> contextlib.AbstractContextManager[tuple[Path, str]]:
-        """The folder (or archive) of adapter `key`'s files on this machine and its digest,
-        kept there while the block runs: what tensor-parallel workers read their part from."""
-        return self.registry.local_copy(key)
+    def peer_parts(self, key: str) -> tuple[object, ...]:
+        """The other tensor-parallel ranks' parts of version `key`, in rank order (KeyError
+        when it is not in host memory): what rank 0 ships the workers as `key` takes a slot."""
+        with self.registry.lock:
+            return self.host.peer_parts(key)
 
     # -- pins -------------------------------------------------------------------------------
 

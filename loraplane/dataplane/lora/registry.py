@@ -8,10 +8,9 @@ lock (`Registry.lock`) that every part takes, from the engine thread and the loa
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from loraplane.adapters.base_model import BaseModelSpec
@@ -143,18 +142,3 @@ class Registry:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
-
-    @contextlib.contextmanager
-    def local_copy(self, key: str) -> Iterator[tuple[Path, str]]:
-        """The folder (or archive) of adapter `key`'s files on this machine and its digest,
-        the files kept there while the block runs (a stored version's disk-tier copy, fetched
-        again if it was evicted): what tensor-parallel workers read their part from."""
-        entry = self.entries[key]
-        digest = entry.ref.digest
-        if entry.local_path is not None:
-            yield entry.local_path, digest
-            return
-        if self.disk is None or entry.store_path is None:  # pragma: no cover - register_stored
-            raise StoreError(f"adapter {key} has no source")
-        with self.disk.reading(entry.store_path, digest) as folder:
-            yield folder, digest

@@ -1,7 +1,8 @@
 """The collectives a tensor-parallel step runs, over torch.distributed.
 
-Tensors go over the default group (NCCL on CUDA, gloo on CPU); rank 0's step messages go over
-a gloo group of their own (pickled objects, whatever the device). Every collective has the
+Tensors go over the default group (NCCL on CUDA, gloo on CPU); rank 0's step messages, and the
+adapter parts it ships each worker, go over a gloo group of their own (pickled objects, on the
+host, whatever the device). Every collective has the
 group's timeout: a rank that stops answering fails the others' step (never a hang forever).
 """
 
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,6 +36,7 @@ class Collectives:
     # and all-gather, waits for the slowest rank included; in rank 0's step broadcasts
     comm_seconds: float = 0.0
     message_seconds: float = 0.0
+    ship_seconds: float = 0.0  # rank 0's sends of adapter parts to the workers (placements)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place."""
@@ -65,6 +69,33 @@ class Collectives:
             raise WorkerLost(f"a tensor-parallel rank failed to take a step: {e}") from e
         self.message_seconds += time.perf_counter() - start
         return box[0]
+
+    def send_bytes(self, buffers: Sequence[Sequence[np.ndarray]]) -> None:
+        """Rank 0: `buffers[r - 1]` to rank r, in order (uint8 arrays, raw: no pickling; each
+        worker takes its own with `receive_bytes`)."""
+        start = time.perf_counter()
+        try:
+            sent = [
+                dist.isend(torch.from_numpy(buffer), rank, group=self.control)
+                for rank, mine in enumerate(buffers, start=1)
+                for buffer in mine
+            ]
+            for work in sent:
+                if work is not None:  # None: a rank outside the group (never here)
+                    work.wait()
+        except RuntimeError as e:
+            raise WorkerLost(f"a tensor-parallel rank failed to take its adapter parts: {e}") from e
+        self.ship_seconds += time.perf_counter() - start
+
+    def receive_bytes(self, sizes: Sequence[int]) -> list[np.ndarray]:
+        """A worker: the uint8 arrays of `sizes` bytes rank 0 sends it (`send_bytes`)."""
+        out = [np.empty(size, dtype=np.uint8) for size in sizes]
+        try:
+            for buffer in out:
+                dist.recv(torch.from_numpy(buffer), 0, group=self.control)
+        except RuntimeError as e:
+            raise WorkerLost(f"rank 0 failed while sending adapter parts: {e}") from e
+        return out
 
 
 def backend_for(device: torch.device) -> str:

@@ -1,9 +1,12 @@
 """Rank 0's side of a tensor-parallel group: start the workers, send each step, stop them.
 
 The workers are spawned processes (`worker.main`), one per extra device. Each step rank 0
-broadcasts one `StepMessage` (the plan, and the adapter slots that changed), then every rank
-runs the plan; a worker that died, or failed, makes the next collective fail on rank 0 with
-`WorkerLost` naming the worker's error, and the engine stops (its replica not ready).
+broadcasts one `StepMessage` (the plan, and the adapter slots that changed), then, when an
+adapter took a slot, sends each worker the bytes of its own part of it (rank 0 read and
+validated the adapter once and keeps every rank's part with its host copy, parallel/ship.py:
+no worker reads adapter files); then every rank runs the plan. A worker that died, or failed,
+makes the next collective fail on rank 0 with `WorkerLost` naming the worker's error, and the
+engine stops (its replica not ready).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import multiprocessing.util as mp_util
 import queue
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from loraplane.dataplane.config import EngineConfig
@@ -28,6 +32,7 @@ from loraplane.dataplane.parallel.shard import TPShard
 
 if TYPE_CHECKING:
     from loraplane.dataplane.model_step import StepPlan
+    from loraplane.dataplane.parallel.ship import PackedPart
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +42,13 @@ STOP_GRACE_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class SlotLoad:
-    """Put the adapter whose files are in `folder` (its digest `digest`) into `slot`."""
+    """Put version `key`'s part into `slot`: its `layout` (the same on every rank), and its
+    `nbytes` of tensors, which follow the message (`WorkerGroup.send`)."""
 
     slot: int
-    folder: str
-    digest: str
+    key: str
+    layout: PackedPart
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +61,8 @@ class Allocate:
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One step for the workers: free `frees`, fill `loads`, then run `plan`."""
+    """One step for the workers: free `frees`, fill `loads` (with the bytes rank 0 sends each
+    worker after this message, in `loads` order), then run `plan`."""
 
     plan: StepPlan
     frees: list[int]
@@ -108,16 +116,26 @@ class WorkerGroup:
         """Have the workers allocate the same KV cache as rank 0."""
         self._send(Allocate(num_blocks, block_size))
 
-    def send(self, message: StepMessage) -> None:
-        """Broadcast one step (WorkerLost when a worker is gone)."""
+    def send(self, message: StepMessage, buffers: Sequence[Sequence[np.ndarray]] = ()) -> None:
+        """Broadcast one step, then send each worker its parts' bytes of the adapters
+        `message` puts in slots: `buffers[r - 1]` to rank r, one per load in `message.loads`
+        order (WorkerLost when a worker is gone)."""
+        if message.loads and len(buffers) != len(self._procs):
+            raise ValueError(f"{len(buffers)} workers' parts for {len(self._procs)} workers")
         self._send(message)
+        if message.loads:
+            self._guarded(lambda: self.comm.send_bytes(buffers))
 
     def _send(self, message: Any) -> None:
+        self._guarded(lambda: self.comm.broadcast(message))
+
+    def _guarded(self, collective: Callable[[], object]) -> None:
+        """Run one of rank 0's control collectives; WorkerLost naming a worker's error."""
         dead = [p for p in self._procs if not p.is_alive()]
         if dead:
             raise WorkerLost(self._why(f"tensor-parallel worker {dead[0].name} exited"))
         try:
-            self.comm.broadcast(message)
+            collective()
         except WorkerLost as e:
             raise WorkerLost(self._why(str(e))) from e
 

@@ -1,8 +1,9 @@
 """Which slice of every weight and adapter tensor a tensor-parallel rank holds.
 
 Pure functions over shapes and tensors (no process group): the loader asks `checkpoint_slice`
-for each checkpoint tensor, the LoRA manager and the workers `shard_adapter` for each
-adapter, the model runner `local_config` / `local_spec` for the shapes a rank builds.
+for each checkpoint tensor, rank 0's LoRA manager `shard_adapter` for its own part of each
+adapter it reads and for the workers' parts (`ship.py` packs them to ship at placement), the
+model runner `local_config` / `local_spec` for the shapes a rank builds.
 
 Column-parallel (output rows split): q_proj, k_proj, v_proj, gate_proj, up_proj and their
 biases. Row-parallel (input columns split, outputs summed across ranks): o_proj, down_proj;

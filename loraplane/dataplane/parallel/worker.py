@@ -1,9 +1,10 @@
 """A tensor-parallel worker: rank 1..N-1 of an engine's group, in a process of its own.
 
-It joins the group, loads its shard of the model (and of every adapter rank 0 puts in a slot),
-allocates the KV cache rank 0 sizes, then runs each step rank 0 broadcasts until it is told to
-stop (a None message), or until a collective fails because rank 0 is gone. An error is
-reported on `errors` (rank 0 names it) before the process exits.
+It joins the group, loads its shard of the model, allocates the KV cache rank 0 sizes, then
+runs each step rank 0 broadcasts until it is told to stop (a None message), or until a
+collective fails because rank 0 is gone. An adapter put in a slot arrives as this rank's part,
+read and validated by rank 0 (never from its files). An error is reported on `errors` (rank 0
+names it) before the process exits.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from typing import Any
 
 import torch
 
-from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.host_copy import HostCopy
-from loraplane.dataplane.lora.loader import load_lora
 from loraplane.dataplane.model_step import build_model, run_plan
 from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, leave
-from loraplane.dataplane.parallel.shard import TPShard, heads_of, shard_adapter
+from loraplane.dataplane.parallel.shard import TPShard
+from loraplane.dataplane.parallel.ship import unpack, with_buffer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,6 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
     with torch.inference_mode():
         built = build_model(config, device, comm.shard, comm)
         model, pool = built.model, built.pool
-        limits = AdapterLimits(max_rank=config.max_lora_rank)
         host_copy = HostCopy()
         setup = comm.broadcast(None)
         model.allocate_kv_cache(setup.num_blocks, setup.block_size)
@@ -81,9 +80,10 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
                 return
             for slot in message.frees:
                 pool.free(slot)
-            for load in message.loads:
-                adapter = load_lora(load.folder, built.spec, limits, load.digest)
-                pool.free(load.slot)
-                part = shard_adapter(adapter, comm.shard, heads_of(built.spec))
-                pool.load(load.slot, pool.host_form(part))
+            if message.loads:  # this rank's parts' bytes, one per load, follow the message
+                buffers = comm.receive_bytes([load.nbytes for load in message.loads])
+                for load, buffer in zip(message.loads, buffers, strict=True):
+                    pool.free(load.slot)
+                    part = unpack(with_buffer(load.layout, buffer))
+                    pool.load(load.slot, pool.host_form(part))
             run_plan(model, message.plan, setup.block_size, host_copy)
