@@ -56,8 +56,7 @@ class LoRAManager:
         self.pool, self.base, self.disk = pool, base, disk  # shared with the parts
         self.limits = AdapterLimits(max_rank=max_lora_rank)
         self.registry = Registry(base, self.limits, disk)
-        # `shard`: a tensor-parallel rank's part of each adapter read (parallel/shard.py);
-        # `peers` (rank 0): the other ranks' parts, kept with the host copy to ship them
+        # under TP: `shard` cuts this rank's part of each adapter, `peers` the others' (rank 0)
         self.host = HostTier(self.registry, pool, max_cpu_loras, shard, peers)
         self.loads = Loads(self.registry, self.host, prefetch, retry_after_s,
                            max_loads_in_flight, prefetch_depth)  # fmt: skip
