@@ -9,9 +9,8 @@ model runner and the server hold; it hands each call to the part that does that 
 - the pins (pins.py): versions kept resident, within their cap.
 
 Static adapters are read when registered (`register`: a bad one fails at start), stored ones
-when a request first needs them (`register_stored`). The parts share one reentrant lock, the
-registry's (`Registry.lock`), taken by the engine thread and the loader threads; a call that
-touches several parts holds it throughout.
+when a request first needs them (`register_stored`). The parts share the registry's reentrant
+lock, taken by the engine thread and the loader threads and held through multi-part calls.
 """
 
 from __future__ import annotations
