@@ -10,6 +10,9 @@ Figures:
   (goal: at least 3x; a GPU goal, reported here as skipped)
 - the same 64 requests vs one batch per adapter, run one after another (goal: at least 5x; a
   GPU goal, reported here as skipped)
+- the decode step of 8 and of 64 sequences over 8 adapters with the CPU linear weight-major
+  (the default, kernels/cpu_linear.py) over the same step through torch's F.linear, the two
+  orders taken in turn (goals: at most 0.9 at 8 rows, at most 1.0 at 64)
 The last two goals are for a GPU, where a decode step is bound by memory traffic and one step
 of 64 sequences costs about what one of 8 does. On a CPU an fp32 step of 64 sequences is
 compute-bound: `batching_gain_bound_8x8` (8 steps of 8 sequences over one of 64, measured in
@@ -49,6 +52,7 @@ from _tp import run_tp
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.kernels import cpu_linear
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.demo.build import build_adapter, build_llama
@@ -127,6 +131,32 @@ def paired_decode_times(
     for engine in engines.values():
         while engine.has_unfinished:
             engine.step()
+    return times
+
+
+def linear_order_times(
+    engine: Engine, loras: Sequence[LoRARef | None], steps: int
+) -> dict[str, list[float]]:
+    """Decode step times with the CPU linear weight-major ("auto") and as torch's F.linear
+    ("torch"), the two taken in turn on one batch (kernels/cpu_linear.py)."""
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 4, ignore_eos=True)
+    stamp = time.monotonic_ns()
+    for i, (p, lora) in enumerate(zip(prompts(len(loras), 1), loras, strict=True)):
+        engine.add_request(f"o{stamp}-{i}", p, params, lora)
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    times: dict[str, list[float]] = {"auto": [], "torch": []}
+    try:
+        for _ in range(steps):
+            for mode, record in times.items():
+                cpu_linear.set_mode(mode)
+                start = time.perf_counter()
+                engine.step()
+                record.append(time.perf_counter() - start)
+    finally:
+        cpu_linear.set_mode("auto")
+    while engine.has_unfinished:
+        engine.step()
     return times
 
 
@@ -298,6 +328,19 @@ def main() -> int:
             figures[f"traffic_bound_{n}_adapters"] = bound
             figures[f"lora_cost_over_bound_{n}_adapters"] = ratio / bound
 
+        # the CPU linear's order (kernels/cpu_linear.py) at 8 and 64 rows over 8 adapters
+        for rows in (8, NUM_SEQS):
+            pair = linear_order_times(engine, [refs[i % 8] for i in range(rows)], steps)
+            figures[f"decode_step_ms_{rows}_seqs_weight_major"] = (
+                statistics.median(pair["auto"]) * 1e3
+            )
+            figures[f"decode_step_ms_{rows}_seqs_torch_linear"] = (
+                statistics.median(pair["torch"]) * 1e3
+            )
+            figures[f"weight_major_over_torch_linear_{rows}_seqs"] = paired_ratio(
+                pair, "auto", "torch"
+            )
+
         mixed = [[refs[i % 8] for i in range(NUM_SEQS)]]
         ours = engine_tokens_per_s(engine, mixed, gen_tokens)
         per_adapter = [[refs[a]] * 8 for a in range(8)]
@@ -309,6 +352,8 @@ def main() -> int:
             goal(figures, "lora_cost_over_bound_8_adapters", "<=", 1.1),
             goal(figures, "lora_cost_over_bound_64_adapters", "<=", 1.1),
             goal(figures, "speedup_vs_one_batch_per_adapter", ">=", 5.0, skip=NEEDS_GPU),
+            goal(figures, "weight_major_over_torch_linear_8_seqs", "<=", 0.9),
+            goal(figures, "weight_major_over_torch_linear_64_seqs", "<=", 1.0),
         ]
         if not args.skip_peft:
             del engine

@@ -221,14 +221,33 @@ async def one(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            now = time.perf_counter() - start
             if first is None and _is_token(event):
-                first = time.perf_counter() - start
+                first = now
             total = _tokens_of(event)
             if total is not None:
                 tokens = total
+            sampled = _first_sampled(event, now)
+            if sampled is not None:
+                first = sampled if first is None else min(first, sampled)
     if first is None:
         raise RuntimeError(f"{path}: no token came back")
     return tokens, first
+
+
+def _first_sampled(event: dict[str, Any], now: float) -> float | None:
+    """When llama-server sampled its first token, from its last event's own timings.
+
+    llama-server holds a token back while the text so far ends in an incomplete UTF-8
+    sequence, and the random model's byte tokens often leave it so for the rest of the
+    request: its first streamed token can then be its last. Its `timings.predicted_ms` is the
+    time from its first sampled token to the end, so the first token came at most that long
+    before this event (an upper bound on its TTFT that is off by one token's time at most).
+    """
+    timings = event.get("timings") if event.get("stop") else None
+    if not timings or "predicted_ms" not in timings:
+        return None
+    return max(0.0, now - float(timings["predicted_ms"]) / 1000)
 
 
 async def run_round(

@@ -18,7 +18,7 @@ from torch import nn
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
 from loraplane.dataplane.devices import same_device
-from loraplane.dataplane.kernels import dispatch
+from loraplane.dataplane.kernels import cpu_linear, dispatch
 from loraplane.dataplane.lora import dora
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.lora.pool import FUSED_MODULES, LoRAPool, ModuleSlots
@@ -90,7 +90,7 @@ class LinearWithLoRA(nn.Module):
         self.context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        y: torch.Tensor = self.base_layer(x)
+        y = cpu_linear.apply(self.base_layer, x)
         context = self.context
         batch = context.batch if context is not None else None
         if context is None or batch is None or batch.is_empty or self.slots is None:

@@ -30,6 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from loraplane.dataplane.attention import AttentionMetadata, paged_attention
+from loraplane.dataplane.kernels import cpu_linear
 from loraplane.dataplane.models.config import (
     GEMMA_ARCHITECTURES,
     ModelConfig,
@@ -418,7 +419,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         """fp32 logits, soft-capped in the model's dtype first as transformers does."""
-        logits: torch.Tensor = self.lm_head(hidden)
+        logits = cpu_linear.apply(self.lm_head, hidden)
         cap = self.gemma_config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from loraplane.dataplane.attention import AttentionMetadata, paged_attention
+from loraplane.dataplane.kernels import cpu_linear
 from loraplane.dataplane.lora.layers import LoRAContext
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.models.config import ModelConfig
@@ -248,5 +249,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         """fp32 logits for the rows the caller samples from (e.g. each sequence's last token)."""
-        logits: torch.Tensor = self.lm_head(hidden)
+        logits = cpu_linear.apply(self.lm_head, hidden)
         return logits.float()
