@@ -18,6 +18,7 @@ is first imported; Triton is imported only when its path is taken.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -163,11 +164,10 @@ def torch_attention(
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
-    decodes = [i for i in range(len(ctx_lens)) if cu[i + 1] - cu[i] == 1]
-    if len(decodes) > 1:  # one batched call for all single-token queries
-        _decode_attention(q, k_cache, v_cache, meta, decodes, out, scale, sliding_window, softcap,
-                          (k_scale, v_scale))  # fmt: skip
-    batched = set(decodes) if len(decodes) > 1 else set()
+    plan = _decode_plan(meta, block_size, sliding_window, q.device)
+    if plan is not None:  # one batched call for all single-token queries
+        _decode_attention(q, k_cache, v_cache, plan, out, scale, softcap, (k_scale, v_scale))
+    batched = set(plan.seqs) if plan is not None else set()
     for i, ctx in enumerate(ctx_lens):
         if i in batched:
             continue
@@ -185,35 +185,60 @@ def torch_attention(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _DecodePlan:
+    """The layer-independent part of `_decode_attention` for one step: every layer reuses it."""
+
+    seqs: list[int]  # sequences whose single query is their last position
+    tables: torch.Tensor  # [B, width] long: their block tables, -1 padding -> block 0
+    rows: torch.Tensor  # [B]: their query rows in the flat batch
+    allowed: torch.Tensor  # [B, width * block_size] bool: the keys each one sees
+
+
+def _decode_plan(
+    meta: AttentionMetadata, block_size: int, sliding_window: int | None, device: torch.device
+) -> _DecodePlan | None:
+    """The step's plan for its single-token queries (None: fewer than two), memoized on `meta`
+    when its tensors are on the CPU (a CUDA graph's metadata is refilled in place)."""
+    key = ("decode", block_size, sliding_window)
+    memo = meta.memo if meta.block_tables.device.type == "cpu" else {}
+    if key in memo:
+        return memo[key]  # type: ignore[return-value]
+    cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
+    seqs = [i for i in range(len(ctx_lens)) if cu[i + 1] - cu[i] == 1]
+    plan = None
+    if len(seqs) > 1:
+        lens = [ctx_lens[i] for i in seqs]
+        width = -(-max(lens) // block_size)
+        index = torch.tensor(seqs, device=device)
+        tables = meta.block_tables[index, :width].long().clamp_min(0)  # -1 pads -> 0
+        positions = torch.arange(width * block_size, device=device)  # [width*bs]
+        ctx = torch.tensor(lens, device=device)[:, None]  # [B, 1]
+        allowed = positions < ctx  # [B, width*bs]
+        if sliding_window is not None:
+            allowed &= positions > ctx - 1 - sliding_window
+        rows = torch.tensor([cu[i] for i in seqs], device=device)
+        plan = _DecodePlan(seqs, tables, rows, allowed)
+    memo[key] = plan
+    return plan
+
+
 def _decode_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    meta: AttentionMetadata,
-    seqs: list[int],  # sequences whose single query is their last position
-    out: torch.Tensor,  # [T, num_heads, head_dim], written at those sequences' rows
+    plan: _DecodePlan,
+    out: torch.Tensor,  # [T, num_heads, head_dim], written at the plan's rows
     scale: float,
-    sliding_window: int | None,
     softcap: float | None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Attention of many one-token queries in one call: their contexts are gathered from the
     cache into a padded [B, max_ctx] batch and the padding is masked out."""
-    block_size = k_cache.shape[1]
-    cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
-    lens = [ctx_lens[i] for i in seqs]
-    width = -(-max(lens) // block_size)
-    index = torch.tensor(seqs, device=q.device)
-    tables = meta.block_tables[index, :width].long().clamp_min(0)  # [B, width]; -1 pads -> 0
+    tables, rows, allowed = plan.tables, plan.rows, plan.allowed
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, width*bs, head_dim]
     values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    rows = torch.tensor([cu[i] for i in seqs], device=q.device)
     queries = q[rows].unsqueeze(2)  # [B, heads, 1, head_dim]
-    positions = torch.arange(width * block_size, device=q.device)  # [width*bs]
-    ctx = torch.tensor(lens, device=q.device)[:, None]  # [B, 1]
-    allowed = positions < ctx  # [B, width*bs]
-    if sliding_window is not None:
-        allowed &= positions > ctx - 1 - sliding_window
     keys = kv_quant.dequantize(keys, kv_scales[0], q.dtype)
     values = kv_quant.dequantize(values, kv_scales[1], q.dtype)
     attended = _attend(

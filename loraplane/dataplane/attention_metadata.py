@@ -28,6 +28,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
     host_cu_seqlens_q: list[int] = field(default_factory=list)
     host_context_lens: list[int] = field(default_factory=list)
+    # what the CPU attention derives from these once per step and every layer reuses
+    # (attention._decode_plan); only for CPU tensors, which nobody refills in place
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("cu_seqlens_q", "context_lens", "block_tables", "slot_mapping"):
