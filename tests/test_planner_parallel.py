@@ -74,7 +74,8 @@ def test_an_adapter_on_each_rank_is_a_bit_more_than_1_over_n() -> None:
     plan = plan_memory(shape, config(n), 141 * 10**9, AdapterProfile(2000))
     assert plan.adapter_device_bytes == plan.adapter_bytes == 2 * local  # no arena under TP
     assert plan.adapter_full_bytes == 2 * whole
-    assert plan.host_tier_bytes == 512 * 2 * local  # rank 0's copies of its slices
+    # rank 0 keeps every rank's part of each copy (its own and the workers', lora/host_tier.py)
+    assert plan.host_tier_bytes == 512 * 2 * local * n
 
 
 @pytest.mark.parametrize(("shape", "n"), [(SMALL, 2), (SMALL, 4), (named_shape("qwen2-7b"), 4)])

@@ -4,8 +4,10 @@ the engine with WorkerLost, never a hang."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -209,24 +211,79 @@ def test_rank_0_keeps_the_workers_parts_exactly_as_long_as_its_host_copy(
     spec = BaseModelSpec.from_dir(tiny_llama_dir)
     made: list[str] = []
 
-    def peers(adapter: LoadedAdapter) -> tuple[object, ...]:
+    @dataclass(frozen=True)
+    class Part:
+        of: str
+        nbytes: int = 0
+
+    def peers(adapter: LoadedAdapter) -> tuple[Part, ...]:
         made.append(adapter.digest)
-        return (f"part of {adapter.digest}",)
+        return (Part(f"part of {adapter.digest}"),)
 
     pool = LoRAPool(1, spec, torch.float32, "cpu")
     manager = LoRAManager(pool, spec, 64, max_cpu_loras=1, shard=lambda a: a, peers=peers)
     try:
         first = manager.register("a", peft_adapters["r4"])
-        assert manager.peer_parts(first.key) == (f"part of {first.digest}",)
+        assert manager.peer_parts(first.key) == (Part(f"part of {first.digest}"),)
         second = manager.register("b", peft_adapters["r16"])  # evicts the first's host copy
         assert not manager.in_host_memory(first)
         with pytest.raises(KeyError):
             manager.peer_parts(first.key)
-        assert manager.peer_parts(second.key) == (f"part of {second.digest}",)
+        assert manager.peer_parts(second.key) == (Part(f"part of {second.digest}"),)
         manager.unregister("b")
         with pytest.raises(KeyError):
             manager.peer_parts(second.key)
         assert made == [first.digest, second.digest]
+    finally:
+        manager.close()
+
+
+def test_rank_0s_host_tier_weighs_every_ranks_part_and_evicts_them_together(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """TP = 2, rank 0's manager as the model runner builds it: a version's host bytes are its
+    own part's plus the worker's (equal in size: twice one rank's part), the tier's bytes are
+    the sum over its versions, and the `max_cpu_loras` limit evicts a version with all its
+    parts, the tier's bytes falling by exactly that version's."""
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.dataplane.lora import LoRAPool
+    from loraplane.dataplane.lora.manager import LoRAManager
+    from loraplane.dataplane.parallel.shard import heads_of, local_spec
+    from loraplane.dataplane.parallel.ship import peer_parts
+
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    shard, heads = TPShard(0, 2), heads_of(spec)
+    pool = LoRAPool(2, local_spec(spec, shard), torch.float32, "cpu")
+    manager = LoRAManager(
+        pool, spec, 64, max_cpu_loras=2,
+        shard=functools.partial(shard_adapter, shard=shard, heads=heads),
+        peers=functools.partial(peer_parts, shard=shard, heads=heads, dtype=torch.float32,
+                                transposed=pool._transposing()),
+    )  # fmt: skip
+    try:
+        refs = [manager.register(n, peft_adapters[n]) for n in ("r4", "r16")]
+        weights = {}
+        for ref in refs:
+            entry = manager.registry.entries[ref.key]
+            own = manager.host_copy(ref).nbytes
+            (theirs,) = manager.peer_parts(ref.key)
+            assert own == pool.bytes_needed(manager.host_copy(ref)) > 0
+            assert theirs.nbytes == own  # equal splits: each rank's part the same size
+            assert entry.host_bytes == own + theirs.nbytes
+            weights[ref.key] = entry.host_bytes
+        assert manager.host.bytes == sum(weights.values())
+        snapshot_figure = manager.host.bytes
+        third = manager.register("r32-mlp", peft_adapters["r32-mlp"])  # evicts r4, the LRU
+        assert not manager.in_host_memory(refs[0]) and manager.in_host_memory(refs[1])
+        with pytest.raises(KeyError):
+            manager.peer_parts(refs[0].key)
+        added = manager.registry.entries[third.key].host_bytes
+        assert manager.host.bytes == snapshot_figure - weights[refs[0].key] + added
+        assert manager.registry.entries[refs[0].key].host_bytes == 0
+        manager.unregister("r16")
+        assert manager.host.bytes == added
+        manager.unregister("r32-mlp")
+        assert manager.host.bytes == 0 and not manager.host.hosted
     finally:
         manager.close()
 
@@ -264,6 +321,19 @@ def _run(engine: Engine, family: Family, names: list[str | None]) -> dict[str, A
     return {"tokens": tokens, "logprobs": logprobs, "prompt": prompt_lp}
 
 
+def _check_host_bytes(engine: Engine) -> None:
+    """Rank 0's host tier weighs its copies and the workers' parts beside them, and reports
+    that (the snapshot, hence `loraplane_cpu_adapter_bytes_used`)."""
+    from loraplane.dataplane.snapshot import EngineSnapshot
+
+    host = engine.loras.host
+    assert 0 < len(host.hosted) <= host.max_cpu_loras
+    held = [(e.host, host.peer_parts(key)) for key, e in host.hosted.items()]
+    assert host.bytes == sum(c.nbytes + sum(p.nbytes for p in parts) for c, parts in held if c)
+    assert host.bytes == sum(2 * c.nbytes for c, _ in held if c)  # TP = 2: two equal parts
+    assert EngineSnapshot.of(engine).cpu_bytes_used == host.bytes
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_tp2_gives_tp1s_tokens_in_mixed_adapter_batches(
     families: dict[str, Family], kind: str
@@ -278,6 +348,7 @@ def test_tp2_gives_tp1s_tokens_in_mixed_adapter_batches(
     two = _engine(family, 2, max_num_batched_tokens=8)
     try:
         got = _run(two, family, names)
+        _check_host_bytes(two)
     finally:
         two.close()
     assert got["tokens"] == expected["tokens"]
