@@ -116,6 +116,56 @@ def test_fused_qkv_and_gate_up_split_part_by_part_as_their_unfused_projections(s
         assert torch.equal(lora.modules[(0, "qkv_proj")].b, torch.cat(b_rows))
 
 
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize(
+    ("block", "names"),
+    [("block_sparse_moe", ("w1", "w3", "w2")), ("mlp", ("gate_proj", "up_proj", "down_proj"))],
+)
+def test_an_expert_with_its_lora_splits_as_a_dense_mlp_and_its_partials_sum_to_it(
+    size: int, block: str, names: tuple[str, str, str]
+) -> None:
+    """Mixtral's and Qwen3-MoE's expert linears by name: gate and up (w1, w3) by output rows,
+    down (w2) by input columns, adapters' A and B alike; each rank's rows through its slice
+    of the expert sum to the whole expert's (what the all-reduce after the experts' weighted
+    sum adds up), and the router is kept whole on every rank."""
+    hidden, inter, r = 12, 16, 4
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(5, hidden, generator=g, dtype=torch.float64)
+    shapes = {names[0]: (inter, hidden), names[1]: (inter, hidden), names[2]: (hidden, inter)}
+    weights = {n: torch.randn(*s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    modules = {
+        (0, f"experts.3.{n}"): LoRAWeights(
+            torch.randn(r, s[1], generator=g, dtype=torch.float64),
+            torch.randn(s[0], r, generator=g, dtype=torch.float64), 0.5,
+        )
+        for n, s in shapes.items()
+    }  # fmt: skip
+
+    def expert(w: dict[str, torch.Tensor], ad: LoadedAdapter, x: torch.Tensor) -> torch.Tensor:
+        def linear(name: str, v: torch.Tensor) -> torch.Tensor:
+            lora = ad.modules[(0, f"experts.3.{name}")]
+            return v @ w[name].T + lora.scale * (v @ lora.a.T) @ lora.b.T
+
+        h = torch.nn.functional.silu(linear(names[0], x)) * linear(names[1], x)
+        return linear(names[2], h)
+
+    whole = expert(weights, LoadedAdapter("t", modules), x)
+    total = torch.zeros_like(whole)
+    router = torch.randn(4, hidden, generator=g)
+    for rank in range(size):
+        shard = TPShard(rank, size)
+        prefix = f"model.layers.0.{block}"
+        local = {
+            n: checkpoint_slice(f"{prefix}.experts.3.{n}.weight", w, shard, H4)
+            for n, w in weights.items()
+        }
+        assert local[names[0]].shape == (inter // size, hidden)
+        assert local[names[2]].shape == (hidden, inter // size)
+        assert checkpoint_slice(f"{prefix}.gate.weight", router, shard, H4) is router
+        total += expert(local, shard_adapter(LoadedAdapter("t", modules), shard, H4), x)
+    torch.testing.assert_close(total, whole)
+
+
 def test_fewer_kv_heads_than_ranks_replicates_the_head_each_rank_reads() -> None:
     head_dim, kv_heads = 3, 2
     w = torch.arange(kv_heads * head_dim * 5, dtype=torch.float32).view(-1, 5)
@@ -145,12 +195,12 @@ def test_models_that_cannot_be_split_are_refused_by_name(
 ) -> None:
     from tests.factories import build_model
 
-    mixtral = build_model(tmp_path / "mixtral", "mixtral")
+    odd = build_model(tmp_path / "qwen3_moe", "qwen3_moe", moe_intermediate_size=45)
     llama = families["llama"].model_dir  # 4 heads over 2 KV heads
     with pytest.raises(UnsupportedModelError, match=r"does not divide num_attention_heads \(4\)"):
         load_model(llama, torch.float32, "cpu", shard=TPShard(0, 3))
-    with pytest.raises(UnsupportedModelError, match="not split by tensor parallelism yet"):
-        load_model(mixtral, torch.float32, "cpu", shard=TPShard(0, 2))
+    with pytest.raises(UnsupportedModelError, match=r"does not divide moe_intermediate_size \(45"):
+        load_model(odd, torch.float32, "cpu", shard=TPShard(0, 2))
     with pytest.raises(ValueError, match="kv_lora_shared is not supported with tensor_para"):
         EngineConfig(model=str(llama), device="cpu", tensor_parallel_size=2, kv_lora_shared=True)
     config = EngineConfig(model=str(llama), device="cuda", tensor_parallel_size=2)
@@ -505,6 +555,38 @@ def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> N
     assert got["tokens"] == expected["tokens"]
     for rid, values in expected["logprobs"].items():
         torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_tp2_gives_tp1s_tokens_on_mixtures_of_experts_with_expert_adapters(
+    kind: str, tmp_path: Path
+) -> None:
+    """Mixtral and Qwen3-MoE (q/k norms, a dense layer among the sparse ones) split over two
+    ranks: each expert's gate/up by rows and down by columns, the router replicated, one
+    all-reduce after the experts' weighted sum; adapters on attention only, on the experts
+    only (PEFT target_parameters, split per expert at load, then per rank) and on both, mixed
+    with base rows over two slots (slots emptied and refilled on both ranks), chunked."""
+    from tests.dataplane.test_models_moe_parity import ADAPTERS, _build_adapter, _build_model
+
+    model = _build_model(tmp_path / kind, kind, seed=41)
+    adapters = {
+        name: _build_adapter(model, tmp_path / name, kind, 400 + i, cfg)
+        for i, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+    family = Family(kind, model, adapters)
+    names: list[str | None] = ["r16-experts", "r8-attn", None, "r32-all", "r16-experts", None]
+    settings = {"max_loras": 2, "max_num_batched_tokens": 8}
+    expected = _run(_engine(family, 1, **settings), family, names)
+    split = _engine(family, 2, **settings)
+    try:
+        got = _run(split, family, names)
+        _check_host_bytes(split)
+    finally:
+        split.close()
+    assert got["tokens"] == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+    assert got["prompt"].keys() == expected["prompt"].keys() == {"r1"}
 
 
 def test_workers_get_their_slices_from_rank_0_never_reading_adapter_files(
