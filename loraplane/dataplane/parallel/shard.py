@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,16 +92,14 @@ def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
     vocabulary is split by the vocab-parallel layers, not here)."""
     if shard.size == 1:
         return config
-    experts = {}
+    changes: dict[str, Any] = {
+        "num_heads": config.num_heads // shard.size,
+        "num_kv_heads": max(1, config.num_kv_heads // shard.size),
+        "intermediate_size": config.intermediate_size // shard.size,
+    }
     if _moe_width(config):  # a MoEConfig (models/moe.py): its experts' columns
-        experts["moe_intermediate_size"] = _moe_width(config) // shard.size
-    return dataclasses.replace(
-        config,
-        num_heads=config.num_heads // shard.size,
-        num_kv_heads=max(1, config.num_kv_heads // shard.size),
-        intermediate_size=config.intermediate_size // shard.size,
-        **experts,
-    )
+        changes["moe_intermediate_size"] = _moe_width(config) // shard.size
+    return dataclasses.replace(config, **changes)
 
 
 def local_spec(spec: BaseModelSpec, shard: TPShard) -> BaseModelSpec:
