@@ -254,8 +254,6 @@ def test_a_model_that_fits_one_gpu_gets_no_layout_table_unless_asked(
          "tensor parallel size 3 does not divide num_attention_heads (64)"),
         (["--model-shape", "qwen2-7b", "--tensor-parallel-size", "8"],
          "tensor parallel size 8 does not divide num_attention_heads (28)"),
-        (["--model-shape", "mixtral-8x7b", "--tensor-parallel-size", "2"],
-         "model_type 'mixtral' is not split"),
         (["--model-shape", "llama-3-70b", "--tensor-parallel-size", "2", "--quantization", "fp8"],
          "fp8 weights with tensor parallelism are not served yet"),
     ],
@@ -265,6 +263,20 @@ def test_splits_the_data_plane_cannot_serve_are_refused(
 ) -> None:
     assert main(["plan", "--gpu", "h200", "--adapters", "10", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_a_mixture_of_experts_is_planned_split_each_gpu_holding_half_of_each_expert(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["plan", "--gpu", "h200", "--adapters", "10", "--model-shape", name, "--json"]
+    assert main(base) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*base, "--tensor-parallel-size", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["tensor_parallel_size"] == 2
+    # a rank holds half of every expert and the attention, the router and norms whole
+    assert 0.5 < two["memory"]["weights_bytes"] / one["memory"]["weights_bytes"] < 0.55
 
 
 @pytest.mark.parametrize(

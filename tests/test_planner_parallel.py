@@ -74,7 +74,8 @@ def test_an_adapter_on_each_rank_is_a_bit_more_than_1_over_n() -> None:
     plan = plan_memory(shape, config(n), 141 * 10**9, AdapterProfile(2000))
     assert plan.adapter_device_bytes == plan.adapter_bytes == 2 * local  # no arena under TP
     assert plan.adapter_full_bytes == 2 * whole
-    assert plan.host_tier_bytes == 512 * 2 * local  # rank 0's copies of its slices
+    # rank 0 keeps every rank's part of each copy (its own and the workers', lora/host_tier.py)
+    assert plan.host_tier_bytes == 512 * 2 * local * n
 
 
 @pytest.mark.parametrize(("shape", "n"), [(SMALL, 2), (SMALL, 4), (named_shape("qwen2-7b"), 4)])
@@ -106,6 +107,41 @@ def test_a_rank_s_shapes_are_the_data_plane_s_split(shape: ModelShape, n: int) -
         assert kept == adapter_elements(local, AdapterProfile(1, rank=r))
 
 
+SMALL_MOE = ModelShape("small-moe", "qwen3_moe", num_layers=2, hidden_size=64, num_heads=4,
+                       num_kv_heads=2, head_dim=32, intermediate_size=80, vocab_size=101,
+                       max_position_embeddings=512, num_experts=4, experts_per_tok=2,
+                       moe_intermediate_size=48, moe_layers=(0,))  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_mixture_of_experts_rank_shape_is_the_data_plane_s_split(n: int) -> None:
+    """Each expert's linears split as a dense MLP's: the planner's rank shape against the data
+    plane's `local_spec` and `shard_adapter` on every module of a sparse and a dense layer."""
+    import loraplane.dataplane.models.loader  # noqa: F401  (the data plane's import order)
+    from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
+    from loraplane.dataplane.parallel.shard import TPShard, heads_of, local_spec, shard_adapter
+
+    shape, r = SMALL_MOE, 4
+    local = rank_shape(shape, n)
+    weights = {}
+    for layer in range(shape.num_layers):
+        for m in shape.spec.layer_modules(layer):
+            fan_in, fan_out = shape.spec.module_shape(m)
+            weights[(layer, m)] = LoRAWeights(torch.zeros(r, fan_in), torch.zeros(fan_out, r), 1.0)
+    for rank in range(n):
+        spec = local_spec(shape.spec, TPShard(rank, n))
+        for layer in range(shape.num_layers):
+            modules = spec.layer_modules(layer)
+            assert [spec.module_shape(m) for m in modules] == [
+                local.spec.module_shape(m) for m in modules
+            ]
+        part = shard_adapter(LoadedAdapter("x", weights), TPShard(rank, n), heads_of(shape.spec))
+        for (_, m), w in part.modules.items():
+            assert (w.a.shape[1], w.b.shape[0]) == spec.module_shape(m)
+        kept = sum(w.a.numel() + w.b.numel() for w in part.modules.values())
+        assert kept == adapter_elements(local, AdapterProfile(1, rank=r))
+
+
 def test_splits_serve_refuses_are_refused_by_name() -> None:
     with pytest.raises(TensorParallelRefused, match="does not divide num_attention_heads"):
         check_split(named_shape("llama-3-70b"), 3)
@@ -114,9 +150,13 @@ def test_splits_serve_refuses_are_refused_by_name() -> None:
     odd = dataclasses.replace(SMALL, num_heads=12, num_kv_heads=3)
     with pytest.raises(TensorParallelRefused, match="neither divides num_key_value_heads"):
         check_split(odd, 2)
-    for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
-        with pytest.raises(TensorParallelRefused, match="is not split by tensor parallelism yet"):
-            check_split(named_shape(name), 2)
+    for name in ("qwen3-30b-a3b", "mixtral-8x7b"):  # mixtures of experts split as the engine's
+        assert rank_shape(named_shape(name), 2).moe_intermediate_size == (
+            named_shape(name).moe_intermediate_size // 2
+        )
+    odd_experts = dataclasses.replace(named_shape("qwen3-30b-a3b"), moe_intermediate_size=770)
+    with pytest.raises(TensorParallelRefused, match=r"does not divide moe_intermediate_size \(770"):
+        check_split(odd_experts, 4)
     check_split(named_shape("gemma-3-12b"), 1)  # one rank is no split
     cfg = EngineConfig(model="m", tensor_parallel_size=2, quantization="fp8")
     with pytest.raises(ValueError, match="not served yet"):

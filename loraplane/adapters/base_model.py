@@ -25,19 +25,26 @@ from loraplane.adapters.families import (
 # other families' are in `families`).
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-# the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/): dense MLPs
-# (not a mixture of experts)
+# the families `loraplane serve --tensor-parallel-size` splits (dataplane/parallel/): dense
+# MLPs, and the mixtures of experts (each expert split as a dense MLP, the router replicated)
 TENSOR_PARALLEL_FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3",
+    "mixtral", "qwen3_moe",
 )  # fmt: skip
 
 
 def tensor_parallel_problem(
-    model_type: str, num_heads: int, num_kv_heads: int, intermediate_size: int, size: int
+    model_type: str,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    size: int,
+    moe_intermediate_size: int = 0,
 ) -> str | None:
     """Why a base of these shapes cannot be split over `size` processes, or None: the one
     rule the data plane applies, the operator checks a ServingPool against and the planner
-    plans with (each adds where the numbers came from)."""
+    plans with (each adds where the numbers came from). `moe_intermediate_size`: one
+    expert's width (a mixture of experts; 0 for a dense model)."""
     if size == 1:
         return None
     if model_type not in TENSOR_PARALLEL_FAMILIES:
@@ -48,6 +55,7 @@ def tensor_parallel_problem(
     for name, value in (
         ("num_attention_heads", num_heads),
         ("intermediate_size", intermediate_size),
+        ("moe_intermediate_size", moe_intermediate_size),
     ):
         if value % size:
             return f"tensor parallel size {size} does not divide {name} ({value})"

@@ -43,6 +43,8 @@ class EngineSnapshot:
     disk_evictions: int = 0
     gpu_bytes_used: int = 0
     gpu_bytes_capacity: int = 0
+    # host bytes of the host tier's copies (tensor parallelism: every rank's part rank 0 keeps)
+    cpu_bytes_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # free or cached prefix blocks nobody uses
     kv_blocks_adapters: int = 0  # lent to adapters (kv_lora_shared)
@@ -106,6 +108,7 @@ class EngineSnapshot:
             disk_evictions=loras.disk.evictions_total if loras.disk else 0,
             gpu_bytes_used=engine.runner.pool.bytes_used,
             gpu_bytes_capacity=engine.runner.lora_budget_bytes,
+            cpu_bytes_used=loras.host.bytes,
             kv_blocks_total=engine.block_manager.num_blocks,
             kv_blocks_free=engine.block_manager.num_free_blocks,
             kv_blocks_adapters=engine.block_manager.num_reserved,

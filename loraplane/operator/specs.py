@@ -387,7 +387,8 @@ def check_tensor_parallel(size: int, base: BaseModelSpec) -> None:
     """SpecError when `base` cannot be split over `size` processes (the data plane's rule,
     `base_model.tensor_parallel_problem`)."""
     problem = tensor_parallel_problem(
-        base.model_type, base.num_heads, base.num_kv_heads, base.intermediate_size, size
-    )
+        base.model_type, base.num_heads, base.num_kv_heads, base.intermediate_size, size,
+        base.moe_intermediate_size,
+    )  # fmt: skip
     if problem is not None:
         raise SpecError(f"spec.tensorParallelSize {size}: {problem}")

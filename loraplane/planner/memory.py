@@ -13,16 +13,18 @@
   rounded up to 16 bytes (`KVArena.blocks_for`);
 - adapters running at once: as many as fit in the adapter memory, at most the pool's slots
   (`EngineConfig.lora_slots`: `--max-loras`, or for `auto` `max_num_seqs`);
-- host tier: `max_cpu_loras` copies (auto: twice the slots), each the rank-exact bytes;
+- host tier: `max_cpu_loras` copies (auto: twice the slots), each the rank-exact bytes (split
+  over N ranks: rank 0 keeps every rank's part of each copy, N parts);
 - disk tier: every adapter's stored file;
 - pinned adapters (`AdapterProfile.pinned`): resident on every replica, counted in the adapter
   memory (`pinned_bytes`, `adapters_unpinned` is what the rest of the traffic has), and refused
   past half the adapter memory or slots, as the data plane caps them.
 
 Split over N ranks (`EngineConfig.tensor_parallel_size`, `planner/parallel.py`) every figure
-above is one rank's, each rank the same: its shard of the weights, its KV heads, its slice of
-each adapter; the KV blocks are rank 0's count, which every rank allocates, and adapters are
-not inside the KV cache (the engine does not share them under tensor parallelism yet).
+above but the host tier's is one rank's, each rank the same: its shard of the weights, its KV
+heads, its slice of each adapter; the KV blocks are rank 0's count, which every rank
+allocates, and adapters are not inside the KV cache (the engine does not share them under
+tensor parallelism yet).
 
 `EngineConfig` itself checks the settings and derives the slots and `max_cpu_loras`, so the
 planner cannot drift from the engine; it is torch-free.
@@ -260,7 +262,8 @@ def plan_memory(
         lora_slots=config.lora_slots,
         adapters_resident=min(config.lora_slots, budget // device_bytes),
         max_cpu_loras=cpu_loras,
-        host_tier_bytes=min(cpu_loras, profile.count) * exact,
+        # rank 0 keeps every rank's part of each copy (lora/host_tier.py), all the same size
+        host_tier_bytes=min(cpu_loras, profile.count) * exact * size,
         disk_tier_bytes=profile.count * stored,
         kv_lora_shared=shared,
         tensor_parallel_size=size,

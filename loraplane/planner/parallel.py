@@ -6,18 +6,20 @@ ranks 1/N of the attention heads and MLP columns, max(1, kv_heads / N) KV heads 
 replicated, when there are fewer KV heads than ranks), ceil(vocab / N) rows of the embedding
 and of the LM head, and every norm whole. An adapter follows vLLM's default layout:
 column-parallel modules (q, k, v, gate, up) keep A whole and 1/N of B's rows, row-parallel
-ones (o, down) 1/N of A's columns and B whole. All of that is exactly the model of the rank's
-own shapes (`rank_shape`, as `shard.local_config` builds it), so the planner's weights, KV
-bytes per token, adapter bytes and roofline read that shape and stay exact per rank.
+ones (o, down) 1/N of A's columns and B whole; a mixture of experts' experts split as that
+MLP (1/N of each expert's columns, `moe_intermediate_size`), its router whole. All of that is
+exactly the model of the rank's own shapes (`rank_shape`, as `shard.local_config` builds
+it), so the planner's weights, KV bytes per token, adapter bytes and roofline read that shape
+and stay exact per rank.
 
 A step's collectives (parallel/layers.py): an all-reduce of the embedding's output and two per
-decoder layer (after o_proj and after down_proj), each of [tokens, hidden] in the model's
-dtype, and an all-gather of the sampled rows' logits ([rows, vocab / N] from each rank). Their
-cost (`collective_seconds`) is a ring's: an all-reduce moves 2 (N - 1) / N of its bytes over
-each GPU's link, an all-gather (N - 1) / N of the gathered bytes, each at the link's rate times
-an efficiency, plus a fixed latency per collective. The collectives are not overlapped with
-compute (the data plane runs them in line). Link rates and the latency are data-sheet
-assumptions (`cost.GPUS`), not yet measured on a GPU.
+decoder layer (after o_proj, and after down_proj or a sparse layer's experts), each of [tokens,
+hidden] in the model's dtype, and an all-gather of the sampled rows' logits ([rows, vocab / N]
+from each rank). Their cost (`collective_seconds`) is a ring's: an all-reduce moves 2 (N - 1) /
+N of its bytes over each GPU's link, an all-gather (N - 1) / N of the gathered bytes, each at
+the link's rate times an efficiency, plus a fixed latency per collective. The collectives are
+not overlapped with compute (the data plane runs them in line). Link rates and the latency are
+data-sheet assumptions (`cost.GPUS`), not yet measured on a GPU.
 
 Torch-free: the data plane's rules are mirrored here, and tests check them against each other.
 """
@@ -45,8 +47,9 @@ def check_split(shape: ModelShape, size: int) -> None:
     if size == 1:
         return
     problem = tensor_parallel_problem(
-        shape.model_type, shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size
-    )
+        shape.model_type, shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size,
+        shape.moe_intermediate_size,
+    )  # fmt: skip
     if problem is not None:
         raise TensorParallelRefused(f"{problem} ({shape.name})")
 
@@ -66,6 +69,7 @@ def rank_shape(shape: ModelShape, size: int) -> ModelShape:
         num_heads=shape.num_heads // size,
         num_kv_heads=max(1, shape.num_kv_heads // size),
         intermediate_size=shape.intermediate_size // size,
+        moe_intermediate_size=shape.moe_intermediate_size // size,  # each expert's columns
         vocab_size=-(-shape.vocab_size // size),
     )
 

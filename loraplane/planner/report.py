@@ -129,7 +129,7 @@ class PlanReport:
             *_pinned_lines(plan),
             f"  host tier        {min(plan.max_cpu_loras, self.profile.count):,} adapters,"
             f" {plan.host_tier_bytes / gb:.1f} GB (max_cpu_loras {plan.max_cpu_loras}"
-            f"{'; rank 0 holds its slices' if plan.devices > 1 else ''})",
+            f"{'; rank 0 holds the slices of every rank' if plan.devices > 1 else ''})",
             f"  disk tier        {self.profile.count:,} adapters,"
             f" {plan.disk_tier_bytes / gb:.1f} GB",
             f"cost model: {_describe_cost(self.cost)}",

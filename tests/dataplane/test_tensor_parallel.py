@@ -4,8 +4,10 @@ the engine with WorkerLost, never a hang."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,56 @@ def test_fused_qkv_and_gate_up_split_part_by_part_as_their_unfused_projections(s
         assert torch.equal(lora.modules[(0, "qkv_proj")].b, torch.cat(b_rows))
 
 
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize(
+    ("block", "names"),
+    [("block_sparse_moe", ("w1", "w3", "w2")), ("mlp", ("gate_proj", "up_proj", "down_proj"))],
+)
+def test_an_expert_with_its_lora_splits_as_a_dense_mlp_and_its_partials_sum_to_it(
+    size: int, block: str, names: tuple[str, str, str]
+) -> None:
+    """Mixtral's and Qwen3-MoE's expert linears by name: gate and up (w1, w3) by output rows,
+    down (w2) by input columns, adapters' A and B alike; each rank's rows through its slice
+    of the expert sum to the whole expert's (what the all-reduce after the experts' weighted
+    sum adds up), and the router is kept whole on every rank."""
+    hidden, inter, r = 12, 16, 4
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(5, hidden, generator=g, dtype=torch.float64)
+    shapes = {names[0]: (inter, hidden), names[1]: (inter, hidden), names[2]: (hidden, inter)}
+    weights = {n: torch.randn(*s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    modules = {
+        (0, f"experts.3.{n}"): LoRAWeights(
+            torch.randn(r, s[1], generator=g, dtype=torch.float64),
+            torch.randn(s[0], r, generator=g, dtype=torch.float64), 0.5,
+        )
+        for n, s in shapes.items()
+    }  # fmt: skip
+
+    def expert(w: dict[str, torch.Tensor], ad: LoadedAdapter, x: torch.Tensor) -> torch.Tensor:
+        def linear(name: str, v: torch.Tensor) -> torch.Tensor:
+            lora = ad.modules[(0, f"experts.3.{name}")]
+            return v @ w[name].T + lora.scale * (v @ lora.a.T) @ lora.b.T
+
+        h = torch.nn.functional.silu(linear(names[0], x)) * linear(names[1], x)
+        return linear(names[2], h)
+
+    whole = expert(weights, LoadedAdapter("t", modules), x)
+    total = torch.zeros_like(whole)
+    router = torch.randn(4, hidden, generator=g)
+    for rank in range(size):
+        shard = TPShard(rank, size)
+        prefix = f"model.layers.0.{block}"
+        local = {
+            n: checkpoint_slice(f"{prefix}.experts.3.{n}.weight", w, shard, H4)
+            for n, w in weights.items()
+        }
+        assert local[names[0]].shape == (inter // size, hidden)
+        assert local[names[2]].shape == (hidden, inter // size)
+        assert checkpoint_slice(f"{prefix}.gate.weight", router, shard, H4) is router
+        total += expert(local, shard_adapter(LoadedAdapter("t", modules), shard, H4), x)
+    torch.testing.assert_close(total, whole)
+
+
 def test_fewer_kv_heads_than_ranks_replicates_the_head_each_rank_reads() -> None:
     head_dim, kv_heads = 3, 2
     w = torch.arange(kv_heads * head_dim * 5, dtype=torch.float32).view(-1, 5)
@@ -143,12 +195,12 @@ def test_models_that_cannot_be_split_are_refused_by_name(
 ) -> None:
     from tests.factories import build_model
 
-    mixtral = build_model(tmp_path / "mixtral", "mixtral")
+    odd = build_model(tmp_path / "qwen3_moe", "qwen3_moe", moe_intermediate_size=45)
     llama = families["llama"].model_dir  # 4 heads over 2 KV heads
     with pytest.raises(UnsupportedModelError, match=r"does not divide num_attention_heads \(4\)"):
         load_model(llama, torch.float32, "cpu", shard=TPShard(0, 3))
-    with pytest.raises(UnsupportedModelError, match="not split by tensor parallelism yet"):
-        load_model(mixtral, torch.float32, "cpu", shard=TPShard(0, 2))
+    with pytest.raises(UnsupportedModelError, match=r"does not divide moe_intermediate_size \(45"):
+        load_model(odd, torch.float32, "cpu", shard=TPShard(0, 2))
     with pytest.raises(ValueError, match="kv_lora_shared is not supported with tensor_para"):
         EngineConfig(model=str(llama), device="cpu", tensor_parallel_size=2, kv_lora_shared=True)
     config = EngineConfig(model=str(llama), device="cuda", tensor_parallel_size=2)
@@ -209,24 +261,79 @@ def test_rank_0_keeps_the_workers_parts_exactly_as_long_as_its_host_copy(
     spec = BaseModelSpec.from_dir(tiny_llama_dir)
     made: list[str] = []
 
-    def peers(adapter: LoadedAdapter) -> tuple[object, ...]:
+    @dataclass(frozen=True)
+    class Part:
+        of: str
+        nbytes: int = 0
+
+    def peers(adapter: LoadedAdapter) -> tuple[Part, ...]:
         made.append(adapter.digest)
-        return (f"part of {adapter.digest}",)
+        return (Part(f"part of {adapter.digest}"),)
 
     pool = LoRAPool(1, spec, torch.float32, "cpu")
     manager = LoRAManager(pool, spec, 64, max_cpu_loras=1, shard=lambda a: a, peers=peers)
     try:
         first = manager.register("a", peft_adapters["r4"])
-        assert manager.peer_parts(first.key) == (f"part of {first.digest}",)
+        assert manager.peer_parts(first.key) == (Part(f"part of {first.digest}"),)
         second = manager.register("b", peft_adapters["r16"])  # evicts the first's host copy
         assert not manager.in_host_memory(first)
         with pytest.raises(KeyError):
             manager.peer_parts(first.key)
-        assert manager.peer_parts(second.key) == (f"part of {second.digest}",)
+        assert manager.peer_parts(second.key) == (Part(f"part of {second.digest}"),)
         manager.unregister("b")
         with pytest.raises(KeyError):
             manager.peer_parts(second.key)
         assert made == [first.digest, second.digest]
+    finally:
+        manager.close()
+
+
+def test_rank_0s_host_tier_weighs_every_ranks_part_and_evicts_them_together(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """TP = 2, rank 0's manager as the model runner builds it: a version's host bytes are its
+    own part's plus the worker's (equal in size: twice one rank's part), the tier's bytes are
+    the sum over its versions, and the `max_cpu_loras` limit evicts a version with all its
+    parts, the tier's bytes falling by exactly that version's."""
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.dataplane.lora import LoRAPool
+    from loraplane.dataplane.lora.manager import LoRAManager
+    from loraplane.dataplane.parallel.shard import heads_of, local_spec
+    from loraplane.dataplane.parallel.ship import peer_parts
+
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    shard, heads = TPShard(0, 2), heads_of(spec)
+    pool = LoRAPool(2, local_spec(spec, shard), torch.float32, "cpu")
+    manager = LoRAManager(
+        pool, spec, 64, max_cpu_loras=2,
+        shard=functools.partial(shard_adapter, shard=shard, heads=heads),
+        peers=functools.partial(peer_parts, shard=shard, heads=heads, dtype=torch.float32,
+                                transposed=pool._transposing()),
+    )  # fmt: skip
+    try:
+        refs = [manager.register(n, peft_adapters[n]) for n in ("r4", "r16")]
+        weights = {}
+        for ref in refs:
+            entry = manager.registry.entries[ref.key]
+            own = manager.host_copy(ref).nbytes
+            (theirs,) = manager.peer_parts(ref.key)
+            assert own == pool.bytes_needed(manager.host_copy(ref)) > 0
+            assert theirs.nbytes == own  # equal splits: each rank's part the same size
+            assert entry.host_bytes == own + theirs.nbytes
+            weights[ref.key] = entry.host_bytes
+        assert manager.host.bytes == sum(weights.values())
+        snapshot_figure = manager.host.bytes
+        third = manager.register("r32-mlp", peft_adapters["r32-mlp"])  # evicts r4, the LRU
+        assert not manager.in_host_memory(refs[0]) and manager.in_host_memory(refs[1])
+        with pytest.raises(KeyError):
+            manager.peer_parts(refs[0].key)
+        added = manager.registry.entries[third.key].host_bytes
+        assert manager.host.bytes == snapshot_figure - weights[refs[0].key] + added
+        assert manager.registry.entries[refs[0].key].host_bytes == 0
+        manager.unregister("r16")
+        assert manager.host.bytes == added
+        manager.unregister("r32-mlp")
+        assert manager.host.bytes == 0 and not manager.host.hosted
     finally:
         manager.close()
 
@@ -264,6 +371,19 @@ def _run(engine: Engine, family: Family, names: list[str | None]) -> dict[str, A
     return {"tokens": tokens, "logprobs": logprobs, "prompt": prompt_lp}
 
 
+def _check_host_bytes(engine: Engine) -> None:
+    """Rank 0's host tier weighs its copies and the workers' parts beside them, and reports
+    that (the snapshot, hence `loraplane_cpu_adapter_bytes_used`)."""
+    from loraplane.dataplane.snapshot import EngineSnapshot
+
+    host = engine.loras.host
+    assert 0 < len(host.hosted) <= host.max_cpu_loras
+    held = [(e.host, host.peer_parts(key)) for key, e in host.hosted.items()]
+    assert host.bytes == sum(c.nbytes + sum(p.nbytes for p in parts) for c, parts in held if c)
+    assert host.bytes == sum(2 * c.nbytes for c, _ in held if c)  # TP = 2: two equal parts
+    assert EngineSnapshot.of(engine).cpu_bytes_used == host.bytes
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_tp2_gives_tp1s_tokens_in_mixed_adapter_batches(
     families: dict[str, Family], kind: str
@@ -278,6 +398,7 @@ def test_tp2_gives_tp1s_tokens_in_mixed_adapter_batches(
     two = _engine(family, 2, max_num_batched_tokens=8)
     try:
         got = _run(two, family, names)
+        _check_host_bytes(two)
     finally:
         two.close()
     assert got["tokens"] == expected["tokens"]
@@ -434,6 +555,38 @@ def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> N
     assert got["tokens"] == expected["tokens"]
     for rid, values in expected["logprobs"].items():
         torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_tp2_gives_tp1s_tokens_on_mixtures_of_experts_with_expert_adapters(
+    kind: str, tmp_path: Path
+) -> None:
+    """Mixtral and Qwen3-MoE (q/k norms, a dense layer among the sparse ones) split over two
+    ranks: each expert's gate/up by rows and down by columns, the router replicated, one
+    all-reduce after the experts' weighted sum; adapters on attention only, on the experts
+    only (PEFT target_parameters, split per expert at load, then per rank) and on both, mixed
+    with base rows over two slots (slots emptied and refilled on both ranks), chunked."""
+    from tests.dataplane.test_models_moe_parity import ADAPTERS, _build_adapter, _build_model
+
+    model = _build_model(tmp_path / kind, kind, seed=41)
+    adapters = {
+        name: _build_adapter(model, tmp_path / name, kind, 400 + i, cfg)
+        for i, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+    family = Family(kind, model, adapters)
+    names: list[str | None] = ["r16-experts", "r8-attn", None, "r32-all", "r16-experts", None]
+    settings = {"max_loras": 2, "max_num_batched_tokens": 8}
+    expected = _run(_engine(family, 1, **settings), family, names)
+    split = _engine(family, 2, **settings)
+    try:
+        got = _run(split, family, names)
+        _check_host_bytes(split)
+    finally:
+        split.close()
+    assert got["tokens"] == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+    assert got["prompt"].keys() == expected["prompt"].keys() == {"r1"}
 
 
 def test_workers_get_their_slices_from_rank_0_never_reading_adapter_files(

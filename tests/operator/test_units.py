@@ -420,8 +420,11 @@ def test_pool_tensor_parallel_size_reaches_serve_with_its_gpus_and_bad_layouts_a
         match=r"spec.tensorParallelSize 8: tensor parallel size 8 does not divide intermediate",
     ):
         specs.check_tensor_parallel(8, llama)
-    with pytest.raises(SpecError, match="model_type 'mixtral' is not split by tensor parallel"):
-        specs.check_tensor_parallel(2, BaseModelSpec("m", "mixtral", 2, 64, 96, 8, 2, 8))
+    mixtral = BaseModelSpec("m", "mixtral", 2, 64, 96, 8, 2, 8, 4, 96, (0, 1))
+    specs.check_tensor_parallel(2, mixtral)  # experts split as the data plane splits them
+    odd = BaseModelSpec("m", "qwen3_moe", 2, 64, 96, 8, 2, 8, 4, 45, (0, 1))
+    with pytest.raises(SpecError, match=r"does not divide moe_intermediate_size \(45\)"):
+        specs.check_tensor_parallel(2, odd)
 
 
 def test_pool_kv_cache_dtype_reaches_serve_and_an_unknown_one_is_refused() -> None:

@@ -43,6 +43,8 @@ class Entry:
     error: str | None = None
     failed_at: float = 0.0
     device_bytes: int = 0  # bytes it takes in the device pool (known once in host memory)
+    # host bytes of its copy and (tensor parallelism, rank 0) the other ranks' parts beside it
+    host_bytes: int = 0
     touched: float = field(default_factory=time.monotonic)  # last registered or used
     future: Future[None] | None = field(default=None, repr=False)
 

@@ -6,12 +6,20 @@ load or placement failed loses its copy (the copy may be what is wrong) and is m
 Under tensor parallelism, rank 0's copy is its own part, and the other ranks' parts (`peers`,
 converted as the pool holds them) are kept beside it, dropped with it: rank 0 ships them to the
 workers when the version takes a slot (parallel/group.py), so no worker reads adapter files.
+
+What the tier weighs (`bytes`, `Entry.host_bytes`): every byte it keeps for a version, its own
+copy and, under tensor parallelism, the other ranks' parts beside it. The ranks' parts are
+equal in size, so on rank 0 a version of an N-rank replica takes N times one rank's part
+(a column-parallel module's A and a row-parallel one's B are whole on every rank): about N
+times what the same version takes in one rank's device pool. `max_cpu_loras` counts versions,
+each with all its parts, so evicting one frees all of them at once.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.lora.entry import Entry, State, TierStats
@@ -20,6 +28,15 @@ from loraplane.dataplane.lora.registry import Registry
 from loraplane.dataplane.lora.scrub import without_paths
 from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.sequence import LoRARef
+
+
+class HostPart(Protocol):
+    """Another rank's part of a version, as rank 0 keeps it (parallel/ship.PackedPart)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes it holds."""
+        ...
 
 
 class HostTier:
@@ -35,7 +52,7 @@ class HostTier:
         pool: LoRAPool,
         max_cpu_loras: int | None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None,
-        peers: Callable[[LoadedAdapter], tuple[object, ...]] | None = None,
+        peers: Callable[[LoadedAdapter], tuple[HostPart, ...]] | None = None,
     ) -> None:
         self._registry, self._pool = registry, pool
         # a tensor-parallel rank's part of each adapter read (parallel/shard.py), validated
@@ -43,7 +60,7 @@ class HostTier:
         self._shard = shard
         # rank 0 under tensor parallelism: the other ranks' parts of each adapter read
         self._peers = peers
-        self._peer_parts: dict[str, tuple[object, ...]] = {}  # ref.key -> rank 1..N-1's
+        self._peer_parts: dict[str, tuple[HostPart, ...]] = {}  # ref.key -> rank 1..N-1's
         self.max_cpu_loras = max_cpu_loras or pool.num_slots
         if self.max_cpu_loras < pool.num_slots:
             raise ValueError(
@@ -51,6 +68,7 @@ class HostTier:
                 f"({pool.num_slots})"
             )
         self.hosted: dict[str, Entry] = {}  # ref.key -> entry with a host copy
+        self.bytes = 0  # host bytes of every copy in `hosted`, the other ranks' parts included
         self.stats = TierStats("cpu")
 
     def host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
@@ -65,24 +83,28 @@ class HostTier:
             )
         return self._pool.host_form(adapter if self._shard is None else self._shard(adapter))
 
-    def peer_forms(self, adapter: LoadedAdapter) -> tuple[object, ...]:
+    def peer_forms(self, adapter: LoadedAdapter) -> tuple[HostPart, ...]:
         """The other ranks' parts of `adapter` (validated; `host_form` first, which refuses
         DoRA), as rank 0 ships them (parallel/ship.py: packed in the pools' host form); ()
         without tensor parallelism, or on a worker."""
         return () if self._peers is None else self._peers(adapter)
 
-    def peer_parts(self, key: str) -> tuple[object, ...]:
+    def peer_parts(self, key: str) -> tuple[HostPart, ...]:
         """Ranks 1..N-1's parts of version `key` (in host memory: KeyError if not), in rank
         order: what rank 0 ships the workers when `key` takes a slot."""
         return self._peer_parts[key]
 
-    def add(self, entry: Entry, adapter: LoadedAdapter, peers: tuple[object, ...] = ()) -> None:
+    def add(self, entry: Entry, adapter: LoadedAdapter, peers: tuple[HostPart, ...] = ()) -> None:
         """Keep `adapter` (in host form) as `entry`'s host copy, the most recently used, and
-        `peers` (`peer_forms`) beside it (under the lock). Evicts nothing: this may run on a
-        loader thread while the engine thread is between `ready` and `make_resident`; the
-        engine thread trims the tier in `make_resident` (device_tier.py)."""
+        `peers` (`peer_forms`) beside it (under the lock), weighed together (`bytes`). Evicts
+        nothing: this may run on a loader thread while the engine thread is between `ready`
+        and `make_resident`; the engine thread trims the tier in `make_resident`
+        (device_tier.py)."""
+        self._forget(entry)  # a copy it held before (a static version registered again)
         if self._peers is not None:
             self._peer_parts[entry.ref.key] = peers
+        entry.host_bytes = adapter.nbytes + sum(part.nbytes for part in peers)
+        self.bytes += entry.host_bytes
         entry.host, entry.state, entry.error = adapter, State.HOST, None
         entry.device_bytes = self._pool.bytes_needed(adapter)
         entry.touched = time.monotonic()
@@ -100,8 +122,14 @@ class HostTier:
 
     def drop(self, entry: Entry) -> None:
         """Forget `entry`'s host copy, if any (under the lock)."""
+        self._forget(entry)
         entry.host = None
-        self.hosted.pop(entry.ref.key, None)
+
+    def _forget(self, entry: Entry) -> None:
+        """Take `entry`'s copy and parts out of the tier and its bytes (if it holds them)."""
+        if self.hosted.pop(entry.ref.key, None) is not None:
+            self.bytes -= entry.host_bytes
+        entry.host_bytes = 0
         self._peer_parts.pop(entry.ref.key, None)
 
     def evict(self, in_use: Iterable[str] = ()) -> None:
@@ -117,9 +145,8 @@ class HostTier:
                 break
             if victim.slot is not None or victim.ref.key in in_use or victim.ref.key in pinned:
                 continue
+            self._forget(victim)
             victim.host, victim.state = None, State.COLD
-            del self.hosted[victim.ref.key]
-            self._peer_parts.pop(victim.ref.key, None)
             self.stats.evictions += 1
             excess -= 1
 

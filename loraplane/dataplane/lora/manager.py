@@ -22,7 +22,7 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.device_tier import DeviceTier
 from loraplane.dataplane.lora.entry import State, TierStats
-from loraplane.dataplane.lora.host_tier import HostTier
+from loraplane.dataplane.lora.host_tier import HostPart, HostTier
 from loraplane.dataplane.lora.loads import Loads
 from loraplane.dataplane.lora.pins import PIN_FRACTION, PinRefused, Pins
 from loraplane.dataplane.lora.pool import LoRAPool
@@ -50,7 +50,7 @@ class LoRAManager:
         max_loads_in_flight: int = 2,
         prefetch_depth: int | None = None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
-        peers: Callable[[LoadedAdapter], tuple[object, ...]] | None = None,
+        peers: Callable[[LoadedAdapter], tuple[HostPart, ...]] | None = None,
     ) -> None:
         self.pool, self.base, self.disk = pool, base, disk  # shared with the parts
         self.limits = AdapterLimits(max_rank=max_lora_rank)
@@ -188,7 +188,7 @@ class LoRAManager:
         """Every registered version."""
         return self.registry.refs()
 
-    def peer_parts(self, key: str) -> tuple[object, ...]:
+    def peer_parts(self, key: str) -> tuple[HostPart, ...]:
         """The other tensor-parallel ranks' parts of version `key`, in rank order (KeyError
         when it is not in host memory): what rank 0 ships the workers as `key` takes a slot."""
         with self.registry.lock:

@@ -3,8 +3,11 @@
 `parallelize` runs after the rank's shard is built and loaded (the loader slices the
 checkpoint, parallel/shard.py) and after `install_lora`: it replaces the embedding and lm_head
 with their vocabulary-parallel forms and sums the row-parallel projections' outputs (the LoRA
-wrapper's, so each rank's B(A_r x_r) joins the sum) with a forward hook. Module names stay the
-checkpoint's, so nothing else in the engine sees a difference.
+wrapper's, so each rank's B(A_r x_r) joins the sum) with a forward hook. A mixture of experts'
+sparse block is summed as a whole, once, after it weighs and adds its experts' rows (each
+rank's rows are partial sums through its slices of the experts, their expert LoRA included;
+the weighted sum is linear in them): one all-reduce per layer, as a dense MLP's. Module names
+stay the checkpoint's, so nothing else in the engine sees a difference.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from loraplane.dataplane.models.llama import LlamaForCausalLM
+from loraplane.dataplane.models.moe import SparseMoeBlock
 from loraplane.dataplane.parallel.comm import Collectives
-from loraplane.dataplane.parallel.shard import ROW_PARALLEL
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -68,6 +71,8 @@ def parallelize(model: LlamaForCausalLM, vocab: int, comm: Collectives) -> None:
     head_weight = embedding.weight if model.config.tie_word_embeddings else model.lm_head.weight
     model.lm_head = VocabParallelHead(head_weight, vocab, comm)  # type: ignore[assignment]
     for layer in model.model.decoder_layers:
-        for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
-            assert name in ROW_PARALLEL
-            getattr(parent, name).register_forward_hook(_sum_hook(comm))
+        # the feed-forward block: a dense MLP, or a sparse layer's experts (models/moe.py)
+        ffn = getattr(layer, getattr(layer, "block_name", "mlp"))
+        down = ffn if isinstance(ffn, SparseMoeBlock) else ffn.down_proj
+        for module in (layer.self_attn.o_proj, down):
+            module.register_forward_hook(_sum_hook(comm))

@@ -9,13 +9,19 @@ Column-parallel (output rows split): q_proj, k_proj, v_proj, gate_proj, up_proj 
 biases. Row-parallel (input columns split, outputs summed across ranks): o_proj, down_proj;
 their bias is held by rank 0 only, so the sum adds it once. Vocabulary-parallel: the
 embedding and lm_head rows, `ceil(vocab / size)` per rank, the last rank's tail zero padding.
-Everything else (norms, Qwen3's per-head q/k norms) is replicated.
+A mixture of experts splits every expert as a dense MLP (models/moe.py): its gate and up
+(Mixtral's w1, w3) by output rows, its down (w2) by input columns, so each rank computes
+every routed row through its slice of the expert and the all-reduce after the weighted sum
+of the experts adds the slices up; the router (`gate`) is replicated, so every rank routes
+every token alike. Everything else (norms, Qwen3's per-head q/k norms) is replicated. A
+module is split by its last name (`experts.3.w1` as `w1`), adapters' factors alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,9 +29,12 @@ from loraplane.adapters.base_model import BaseModelSpec, tensor_parallel_problem
 from loraplane.dataplane.lora.weights import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.models.config import ModelConfig, UnsupportedModelError
 
-# Phi-3's fused qkv_proj ([q | k | v] rows) and gate_up_proj ([gate | up]) split part by part
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+# Phi-3's fused qkv_proj ([q | k | v] rows) and gate_up_proj ([gate | up]) split part by part;
+# Mixtral's experts' w1 (gate), w3 (up), w2 (down) as the dense names
+COLUMN_PARALLEL = (
+    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj", "w1", "w3",
+)  # fmt: skip
+ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -66,23 +75,31 @@ class TPShard:
 def check_supported(config: ModelConfig, size: int) -> None:
     """UnsupportedModelError naming why `config` cannot be split over `size` ranks."""
     problem = tensor_parallel_problem(
-        config.model_type, config.num_heads, config.num_kv_heads, config.intermediate_size, size
-    )
+        config.model_type, config.num_heads, config.num_kv_heads, config.intermediate_size, size,
+        _moe_width(config),
+    )  # fmt: skip
     if problem is not None:
         raise UnsupportedModelError(problem)
 
 
+def _moe_width(config: ModelConfig) -> int:
+    """One expert's intermediate size (models/moe.MoEConfig), 0 for a dense model."""
+    return int(getattr(config, "moe_intermediate_size", 0))
+
+
 def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
-    """The shapes rank `shard.rank` builds: its heads and MLP columns (the vocabulary is
-    split by the vocab-parallel layers, not here)."""
+    """The shapes rank `shard.rank` builds: its heads and MLP columns, each expert's too (the
+    vocabulary is split by the vocab-parallel layers, not here)."""
     if shard.size == 1:
         return config
-    return dataclasses.replace(
-        config,
-        num_heads=config.num_heads // shard.size,
-        num_kv_heads=max(1, config.num_kv_heads // shard.size),
-        intermediate_size=config.intermediate_size // shard.size,
-    )
+    changes: dict[str, Any] = {
+        "num_heads": config.num_heads // shard.size,
+        "num_kv_heads": max(1, config.num_kv_heads // shard.size),
+        "intermediate_size": config.intermediate_size // shard.size,
+    }
+    if _moe_width(config):  # a MoEConfig (models/moe.py): its experts' columns
+        changes["moe_intermediate_size"] = _moe_width(config) // shard.size
+    return dataclasses.replace(config, **changes)
 
 
 def local_spec(spec: BaseModelSpec, shard: TPShard) -> BaseModelSpec:
@@ -94,6 +111,7 @@ def local_spec(spec: BaseModelSpec, shard: TPShard) -> BaseModelSpec:
         num_heads=spec.num_heads // shard.size,
         num_kv_heads=max(1, spec.num_kv_heads // shard.size),
         intermediate_size=spec.intermediate_size // shard.size,
+        moe_intermediate_size=spec.moe_intermediate_size // shard.size,
     )
 
 
@@ -174,9 +192,10 @@ def shard_adapter(adapter: LoadedAdapter, shard: TPShard, heads: Heads) -> Loade
         return adapter
     modules = {}
     for (layer, module), w in adapter.modules.items():
-        if module in COLUMN_PARALLEL:
-            a, b = w.a, _take_rows(w.b, _rows(module, w.b.shape[0], shard, heads)).contiguous()
-        elif module in ROW_PARALLEL:
+        leaf = module.rpartition(".")[2]  # an expert's linear (`experts.N.w1`) by its name
+        if leaf in COLUMN_PARALLEL:
+            a, b = w.a, _take_rows(w.b, _rows(leaf, w.b.shape[0], shard, heads)).contiguous()
+        elif leaf in ROW_PARALLEL:
             a, b = w.a[:, shard.part(w.a.shape[1])].contiguous(), w.b
         else:  # pragma: no cover - check_supported refused such models
             raise UnsupportedModelError(f"module {module!r} cannot be split for tensor parallelism")

@@ -135,6 +135,12 @@ class _EngineCollector(Collector):
             "Device bytes the adapter pool can hold",
             s.gpu_bytes_capacity,
         )
+        yield _gauge(
+            "loraplane_cpu_adapter_bytes_used",
+            "Host bytes of the host tier's adapter copies (every rank's part under tensor"
+            " parallelism)",
+            s.cpu_bytes_used,
+        )
         blocks = GaugeMetricFamily(
             "loraplane_kv_blocks",
             "KV cache blocks by holder: sequences, adapters (when they share the pool), free",

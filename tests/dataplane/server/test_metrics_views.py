@@ -26,7 +26,7 @@ def _metrics() -> ServerMetrics:
     metrics.snapshot = EngineSnapshot(
         running=1, running_adapters=["b-secret"], max_loras=4, lora_running=["b-secret"],
         resident=Counter({("tenant-b", "b-secret"): 1}),
-        registered=Counter({("tenant-b", "b-secret"): 1}),
+        registered=Counter({("tenant-b", "b-secret"): 1}), cpu_bytes_used=4096,
     )  # fmt: skip
     metrics.gateway_snapshot = EngineSnapshot(running=1, max_loras=4, lora_running=["b-secret"])
     metrics.count_tokens("tenant-b", 7, 11)
@@ -58,6 +58,7 @@ def test_the_metrics_port_view_has_everything() -> None:
                       "loraplane_adapter_resident"} <= names  # fmt: skip
     assert b'loraplane_tokens_total{kind="completion",tenant="tenant-b"} 11.0' in text
     assert b'loraplane_adapter_resident{adapter="b-secret",tenant="tenant-b",tier="gpu"}' in text
+    assert b"loraplane_cpu_adapter_bytes_used 4096.0" in text  # the host tier's bytes
 
 
 def test_the_protocol_gauge_read_as_the_endpoint_picker_reads_it(
