@@ -11,7 +11,8 @@
 #   tests-gpu   110 s  the `gpu` tests: compiled SGMV and attention kernels in bf16, the sampler
 #                      on the device, structured bitmasks, and the CUDA defaults together (the
 #                      tiny model in fp32 with arena + Triton SGMV/BGMV + Triton attention, eager
-#                      and from real CUDA graphs, against the CPU torch path and HF + PEFT)
+#                      and from real CUDA graphs, against the CPU torch path and HF + PEFT),
+#                      and a decode step with DoRA rows replayed from a real CUDA graph
 #   tests-cuda   60 s  the SGMV, BGMV, MoE-expert, W8A16 and W4A16 kernel tests on CUDA tensors (TRITON_INTERPRET
 #                      unset; pytest-xdist spreads the compiles over 8 workers where it is there)
 #   engine      180 s  the engine end to end: an 8B-shaped bf16 model from a sharded checkpoint
@@ -191,7 +192,8 @@ else
     select_gpu=(-m gpu)
     select_cuda=(-m "not gpu")
     gpu_tests+=(tests/dataplane/test_host_bytes.py tests/dataplane/test_structured.py
-        tests/dataplane/test_cuda_defaults.py tests/dataplane/test_devices.py)
+        tests/dataplane/test_cuda_defaults.py tests/dataplane/test_devices.py
+        tests/dataplane/test_dora_kernels.py)
     cuda_tests+=(tests/dataplane/test_kernels_bgmv.py tests/dataplane/test_lora_experts_triton.py
         tests/dataplane/test_w8a16_triton.py tests/dataplane/test_w4a16_triton.py)
     if "$PYTHON" -c 'import xdist' >/dev/null 2>&1; then

@@ -15,7 +15,11 @@ What a graph reads lives in static buffers, refilled before each replay:
   of up to b tokens grew as b^2: at b = 256 about 11M mostly empty blocks per step on an 8B
   model); entries past the step's own tokens have slot -1 and exit at once;
 - one slot table per (layer, module) (`ModuleSlots.graph_table`): each slot's A and B pointers
-  and rank, rewritten for a step's slots whose adapter changed since (`LoRAPool.slot_generation`).
+  and rank, and a DoRA slot's per-row scale g (its pointer; 0 for a plain slot, and the base
+  and padding rows read no slot), rewritten for a step's slots whose adapter changed since
+  (`LoRAPool.slot_generation`). The graphs' BGMV launches always carry the DoRA epilogue
+  (`dora_triton.dora_epilogue`: a DoRA row rescaled where the expand stores it, the base
+  layer's bias left out), so steps with DoRA rows replay like any other.
 The host writes these through pinned staging buffers and copies them with non-blocking
 copies; before it writes them again for the next step it waits on a CUDA event recorded after
 the previous step's copies, so the staging is safe whatever the caller does after a replay (no
@@ -169,9 +173,10 @@ class DecodeGraphs:
                 raise ValueError(f"{mod} is not bound to the LoRA pool")
             self._modules.append(mod.slots)
         slots = pool.num_slots
-        self._ptrs_np = np.zeros((2, len(wrapped), slots), dtype=np.int64)
+        # A, B and DoRA's g pointers [3, modules, slots]
+        self._ptrs_np = np.zeros((3, len(wrapped), slots), dtype=np.int64)
         self._ranks_np = np.zeros((len(wrapped), slots), dtype=np.int32)
-        self._ptrs = torch.zeros(2, len(wrapped), slots, dtype=torch.int64, device=device)
+        self._ptrs = torch.zeros(3, len(wrapped), slots, dtype=torch.int64, device=device)
         self._ranks = torch.zeros(len(wrapped), slots, dtype=torch.int32, device=device)
         for i, mod in enumerate(wrapped):
             assert mod.slots is not None
@@ -182,6 +187,8 @@ class DecodeGraphs:
                 in_features=mod.base_layer.in_features, out_features=mod.base_layer.out_features,
                 dtype=pool.dtype, device=self._ptrs.device,
                 ptr_align=PTR_ALIGN, rank_multiple=RANK_MULTIPLE,
+                g_ptrs=self._ptrs[2, i], g_ptrs_host=(0,) * slots,
+                dora=True,  # captured before any adapter: a DoRA slot may come later
             )  # fmt: skip
         self._seen = [-1] * slots  # slot -> the pool generation its table entries show
         # recorded after each step's staging copies (CUDA only): the host waits on it before
@@ -296,7 +303,7 @@ class DecodeGraphs:
         for slot in stale:
             fit = True
             for i, slots in enumerate(self._modules):
-                a, b = slots.lora_a[slot], slots.lora_b[slot]
+                a, b, g = slots.lora_a[slot], slots.lora_b[slot], slots.dora[slot]
                 if a is None or b is None:
                     self._ptrs_np[:, i, slot] = 0
                     self._ranks_np[i, slot] = 0
@@ -304,8 +311,9 @@ class DecodeGraphs:
                 rank = a.shape[0]
                 pa, pb = a.data_ptr(), b.data_ptr()
                 fit &= pa % PTR_ALIGN == 0 and pb % PTR_ALIGN == 0 and rank % RANK_MULTIPLE == 0
-                fit &= slots.dora[slot] is None  # DoRA's rescale runs eagerly (lora/dora.py)
                 self._ptrs_np[0, i, slot], self._ptrs_np[1, i, slot] = pa, pb
+                # DoRA's per-row scale, fp32 [out] (the epilogue reads it unhinted); 0: plain
+                self._ptrs_np[2, i, slot] = g.data_ptr() if g is not None else 0
                 self._ranks_np[i, slot] = rank
             self._seen[slot] = generation[slot]
             if fit:

@@ -2,10 +2,12 @@
 
 A DoRA adapter (its magnitude vectors given values far from PEFT's initial norms), a plain
 LoRA adapter and the base model share every step; greedy tokens and their log-probabilities
-must be PEFT's, on the torch path, the native CPU kernel and the Triton kernels (through
-Triton's interpreter), for Llama, Qwen2 (q/k/v biases: PEFT leaves the bias out of DoRA's
-scaling), Qwen3, Mistral, Phi-3 (fused qkv and gate/up), Gemma 2 and 3, Mixtral and Qwen3-MoE (DoRA
-on their attention; PEFT has no DoRA for packed experts, and loraplane refuses it there).
+must be PEFT's, on the torch path and the native CPU kernel for Llama, Qwen2 (q/k/v biases:
+PEFT leaves the bias out of DoRA's scaling), Qwen3, Mistral, Phi-3 (fused qkv and gate/up),
+Gemma 2 and 3, Mixtral and Qwen3-MoE (DoRA on their attention; PEFT has no DoRA for packed
+experts, and loraplane refuses it there), and for Qwen2 on the Triton kernels (through
+Triton's interpreter; DoRA's rescale in their epilogue) with decode graphs replaying DoRA
+rows (tests/dataplane/test_dora_kernels.py has the kernels and graphs against the torch path).
 The slot's per-row scales count in its bytes; what cannot be served is refused by name: a
 quantized base and tensor parallelism.
 """
@@ -174,29 +176,48 @@ def test_a_dora_adapter_in_a_mixed_batch_gives_pefts_tokens_and_logprobs(
     check_mixed_batch(bases, kind, backend, n=10)
 
 
-def test_the_triton_kernels_give_pefts_tokens_and_dora_steps_run_eagerly_under_cuda_graphs(
+def test_the_triton_kernels_give_pefts_tokens_and_dora_steps_replay_under_cuda_graphs(
     bases: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Triton SGMV/BGMV kernels (interpreted) with the DoRA post-scale in torch give
-    PEFT's tokens and log-probs; with decode graphs on, a step with DoRA rows runs eagerly (a
-    captured graph does not rescale them: a fallback), while one of plain LoRA and base rows
-    replays."""
+    """The Triton SGMV/BGMV kernels (interpreted), DoRA's rescale in their epilogue, give
+    PEFT's tokens and log-probs with decode graphs on: steps with DoRA rows replay (no
+    fallback), the graphs' tables holding the DoRA slot's g. The negative control: g dropped
+    from the pool's tables (the slot's generation moved, as a reload moves it, so the eager
+    kernels' tables and the graphs' are refreshed) gives other log-probs, and decode steps
+    still replay."""
     if not INTERPRETED:
         pytest.skip("runs the tiny model on CPU through Triton's interpreter")
     pytest.importorskip("triton")
     monkeypatch.setenv(dispatch.ENV, "triton")
     monkeypatch.setenv(attention.ENV, "triton")
-    model_dir, adapters, _ = bases("qwen2")
+    model_dir, adapters, reference = bases("qwen2")
     engine = engine_for(model_dir, max_num_seqs=4, enable_prefix_caching=False)
     assert engine.enable_cuda_graphs(capture=replay_eagerly)
     graphs = engine.runner.cuda_graphs
     assert graphs is not None
-    plain = engine.register_lora("plain", adapters["plain"], "t")
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    engine.generate(prompts(2, seed=5), params, [plain, None])
-    assert graphs.replays > 0 and graphs.fallbacks == 0
     check_mixed_batch(bases, "qwen2", "triton+graphs", n=3, engine=engine)
-    assert graphs.fallbacks > 0
+    assert graphs.replays > 0 and graphs.fallbacks == 0
+    pool = engine.runner.pool
+    tables = list(pool.modules.values())
+    dora_slots = {k for t in tables for k, g in enumerate(t.dora) if g is not None}
+    assert len(dora_slots) == 1
+    (slot,) = dora_slots
+    # written only by a replayed step's refresh: a step with the DoRA slot's rows replayed
+    assert all(t.graph_table is not None for t in tables)
+    assert any(int(t.graph_table.g_ptrs[slot]) for t in tables if t.graph_table is not None)
+    ref = engine.register_lora("dora", adapters["dora"], "t")
+    for table in tables:  # drop the per-row scales: plain LoRA with the same A and B
+        table.dora = [None] * len(table.dora)
+        table.dora_mask = 0
+    pool.slot_generation[slot] += 1
+    prompt = prompts(1, seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=True)
+    replays = graphs.replays
+    (without,) = engine.generate([prompt], params, [ref])
+    _, want = hf_greedy_logprobs(reference, prompt, "dora", 3)
+    assert graphs.replays > replays and graphs.fallbacks == 0
+    assert abs(without.logprobs[0] - want[0]) > 100 * ATOL  # the prompt's step: eager kernels
+    assert not any(int(t.graph_table.g_ptrs[slot]) for t in tables if t.graph_table is not None)
 
 
 def test_the_magnitudes_matter_a_dora_adapter_read_as_plain_lora_differs(

@@ -489,35 +489,38 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from loraplane.dataplane.kernels import sgmv_triton as st
 
     COMMON = {"token_order_ptr": "*i64", "seg_slots_ptr": "*i32", "seg_bounds_ptr": "*i32",
-              "ranks_ptr": "*i32"}
+              "ranks_ptr": "*i32", "g_ptrs_ptr": "*i64"}
+    # the kernels that store y, with DoRA's epilogue (g per slot, bias left out) compiled in
+    DORA = {"DORA": True, "HAS_BIAS": True}
     def kernels(dt):
         return [
             (st._shrink_kernel, {"x_ptr": dt, "h_ptr": "*fp32", "a_ptrs_ptr": "*i64",
               "in_features": "i32", "h_stride": "i32", "num_r_blocks": "i32"},
              {"BLOCK_M": 16, "BLOCK_K": 128, "BLOCK_R": 16, "SPLIT_K": 8}),
             (st._expand_kernel, {"h_ptr": "*fp32", "y_ptr": dt, "b_ptrs_ptr": "*i64",
-              "scales_ptr": "*fp32", "out_features": "i32", "h_stride": "i32",
-              "num_n_blocks": "i32"},
-             {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_R": 16, "RANK_MULTIPLE": 8}),
+              "scales_ptr": "*fp32", "bias_ptr": dt, "out_features": "i32",
+              "h_stride": "i32", "num_n_blocks": "i32"},
+             {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_R": 16, "RANK_MULTIPLE": 8, **DORA}),
             (st._fused_kernel, {"x_ptr": dt, "y_ptr": dt, "a_ptrs_ptr": "*i64",
-              "b_ptrs_ptr": "*i64", "scales_ptr": "*fp32", "in_features": "i32",
-              "out_features": "i32", "num_n_blocks": "i32"},
+              "b_ptrs_ptr": "*i64", "scales_ptr": "*fp32", "bias_ptr": dt,
+              "in_features": "i32", "out_features": "i32", "num_n_blocks": "i32"},
              {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_R": 16,
-              "RANK_MULTIPLE": 8}),
+              "RANK_MULTIPLE": 8, **DORA}),
         ]
 
     TOKENS = {"token_order_ptr": "*i64", "token_slots_ptr": "*i64", "ranks_ptr": "*i32",
               "a_ptrs_ptr": "*i64", "b_ptrs_ptr": "*i64", "scales_ptr": "*fp32",
-              "in_features": "i32", "out_features": "i32", "h_stride": "i32", "h_ptr": "*fp32"}
+              "in_features": "i32", "out_features": "i32", "h_stride": "i32", "h_ptr": "*fp32",
+              "g_ptrs_ptr": "*i64"}
     def bgmv_kernels(dt):  # the decode kernels: one program per token
         return [
             (bt._bgmv_shrink_kernel, {"x_ptr": dt},
              {"BLOCK_K": 128, "BLOCK_R": 16, "SPLIT_K": 2, "PTR_ALIGN": 16}),
-            (bt._bgmv_expand_kernel, {"y_ptr": dt},
-             {"BLOCK_N": 128, "BLOCK_R": 16, "PTR_ALIGN": 16, "RANK_MULTIPLE": 8}),
-            (bt._bgmv_fused_kernel, {"x_ptr": dt, "y_ptr": dt},
+            (bt._bgmv_expand_kernel, {"y_ptr": dt, "bias_ptr": dt},
+             {"BLOCK_N": 128, "BLOCK_R": 16, "PTR_ALIGN": 16, "RANK_MULTIPLE": 8, **DORA}),
+            (bt._bgmv_fused_kernel, {"x_ptr": dt, "y_ptr": dt, "bias_ptr": dt},
              {"BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_R": 16, "PTR_ALIGN": 16,
-              "RANK_MULTIPLE": 8}),
+              "RANK_MULTIPLE": 8, **DORA}),
         ]
 
     count = 0

@@ -17,6 +17,11 @@ fp32 and reduced with tl.sum, exact as the SGMV kernels' fp32 accumulators are.
 Rank-exact: programs whose rank block starts at or past their slot's rank exit at once, rank
 loops run to the slot's own rank. Tokens of slot -1 (base model, or a graph's padding rows) and
 slots of rank 0 (the module is not targeted) exit at once.
+DoRA: a token whose slot has a per-row scale g in the table has its row rescaled where the
+expand (or fused) kernel stores it, bias left out: y = g * (y + delta - bias) + bias (the
+epilogue `dora_triton.dora_epilogue`). A CUDA graph's table always compiles it in, and its g
+pointers are refreshed with the A and B pointers (cuda_graphs.py), so a decode step with DoRA
+rows replays like any other.
 """
 
 # Triton's convention: compile-time (tl.constexpr) kernel parameters are in capitals.
@@ -28,6 +33,7 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane.kernels.dora_triton import check_bias, dora_epilogue, epilogue_args
 from loraplane.dataplane.kernels.sgmv_triton import KernelConfig, check_features, check_scales
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 
@@ -94,11 +100,16 @@ def _b_times_h(b_ptr, rank, offs_n, n_mask, offs_r, r_mask, h):  # type: ignore[
     return tl.sum(b.to(tl.float32) * h[None, :], axis=1)
 
 
-@triton.jit
-def _add_row(y_ptr, row, offs_n, n_mask, delta, scale, out_features):  # type: ignore[no-untyped-def]
-    # y[row, offs_n] += delta * scale, summed in fp32; each (row, column) has one writer
+@triton.jit  # type: ignore[untyped-decorator]
+def _add_row(  # type: ignore[no-untyped-def]
+    y_ptr, row, offs_n, n_mask, delta, scale, out_features,
+    g_ptrs_ptr, bias_ptr, slot, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # y[row, offs_n] += delta * scale, summed in fp32, then DoRA's rescale (dora_epilogue); each
+    # (row, column) has one writer
     y = y_ptr + row * out_features + offs_n
     out = tl.load(y, mask=n_mask, other=0.0).to(tl.float32) + delta * scale
+    out = dora_epilogue(out, g_ptrs_ptr, bias_ptr, slot, offs_n, n_mask, DORA, HAS_BIAS)
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -153,12 +164,16 @@ def _bgmv_expand_kernel(  # type: ignore[no-untyped-def]
     b_ptrs_ptr,  # [L] int64
     ranks_ptr,  # [L] int32
     scales_ptr,  # [L] fp32
+    g_ptrs_ptr,  # [L] int64: DoRA's g per slot, 0 for none
+    bias_ptr,  # [out]: the base layer's bias (HAS_BIAS)
     out_features,
     h_stride,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PTR_ALIGN: tl.constexpr,
     RANK_MULTIPLE: tl.constexpr,
+    DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     n = tl.program_id(0)
     n_start = tl.program_id(1) * BLOCK_N
@@ -183,7 +198,8 @@ def _bgmv_expand_kernel(  # type: ignore[no-untyped-def]
         h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
         acc += _b_times_h(b_ptr, rank, offs_n, n_mask, offs_r, r_mask, h)
     scale = tl.load(scales_ptr + slot)
-    _add_row(y_ptr, row, offs_n, n_mask, acc, scale, out_features)
+    _add_row(y_ptr, row, offs_n, n_mask, acc, scale, out_features,
+             g_ptrs_ptr, bias_ptr, slot, DORA, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -196,6 +212,8 @@ def _bgmv_fused_kernel(  # type: ignore[no-untyped-def]
     b_ptrs_ptr,  # [L] int64
     ranks_ptr,  # [L] int32
     scales_ptr,  # [L] fp32
+    g_ptrs_ptr,  # [L] int64: DoRA's g per slot, 0 for none
+    bias_ptr,  # [out]: the base layer's bias (HAS_BIAS)
     in_features,
     out_features,
     BLOCK_N: tl.constexpr,
@@ -203,6 +221,8 @@ def _bgmv_fused_kernel(  # type: ignore[no-untyped-def]
     BLOCK_R: tl.constexpr,
     PTR_ALIGN: tl.constexpr,
     RANK_MULTIPLE: tl.constexpr,
+    DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     n = tl.program_id(0)
     n_start = tl.program_id(1) * BLOCK_N
@@ -230,7 +250,8 @@ def _bgmv_fused_kernel(  # type: ignore[no-untyped-def]
         h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
         acc += _b_times_h(b_ptr, rank, offs_n, n_mask, offs_r, r_mask, h)
     scale = tl.load(scales_ptr + slot)
-    _add_row(y_ptr, row, offs_n, n_mask, acc, scale, out_features)
+    _add_row(y_ptr, row, offs_n, n_mask, acc, scale, out_features,
+             g_ptrs_ptr, bias_ptr, slot, DORA, HAS_BIAS)  # fmt: skip
 
 
 # Launchers.
@@ -272,12 +293,15 @@ def _launch_expand(
     weights: SlotWeights,
     scales: torch.Tensor,  # [L] fp32
     cfg: KernelConfig,
+    bias: torch.Tensor | None,  # [out]
 ) -> None:
     _, grid = grids(tokens[0].numel(), weights, cfg)
+    g_ptrs, bias_arg, consts = epilogue_args(weights, bias, y)
     _bgmv_expand_kernel[grid](
-        h, y, *tokens, weights.b_ptrs, weights.ranks, scales, weights.out_features, h.stride(0),
+        h, y, *tokens, weights.b_ptrs, weights.ranks, scales, g_ptrs, bias_arg,
+        weights.out_features, h.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, PTR_ALIGN=weights.ptr_align,
-        RANK_MULTIPLE=weights.rank_multiple,
+        RANK_MULTIPLE=weights.rank_multiple, **consts,
     )  # fmt: skip
 
 
@@ -322,19 +346,25 @@ def bgmv_expand(
     weights: SlotWeights,  # per-slot B [out, r_k] pointers and ranks
     scales: torch.Tensor,  # [L] fp32: each slot's scale
     config: KernelConfig | None = None,
+    *,
+    bias: torch.Tensor | None = None,  # [out]: the base layer's, left out of DoRA's scaling
 ) -> torch.Tensor:  # y
-    """Add each token's scaled up-projection into its row of y.
+    """Add each token's scaled up-projection into its row of y; rescale a DoRA slot's rows.
 
     for n in range(N):
         k = token_slots[n]
-        if k >= 0:
-            y[token_order[n]] += (h[n, :rank(k)] @ B_k.T) * scales[k]   # nothing if rank 0
+        if k >= 0 and rank(k) > 0:
+            t = token_order[n]
+            y[t] += (h[n, :rank(k)] @ B_k.T) * scales[k]
+            if g_k is not None:                       # DoRA, in the same store
+                y[t] = g_k * (y[t] - bias) + bias     # bias: 0 when None
 
     h is rounded to the weights' dtype before the product (as the torch path's h is).
     """
     check_features("y", y, weights, weights.out_features)
     _check_tokens(token_order, token_slots, weights)
     check_scales(scales, weights)
+    check_bias(bias, weights)
     num = token_order.numel()
     if (
         h.dim() != 2
@@ -349,7 +379,7 @@ def bgmv_expand(
         )
     if num and weights.max_rank:
         cfg = config or default_config(num, weights.in_features, weights.max_rank)
-        _launch_expand(y, h, (token_order, token_slots), weights, scales, cfg)
+        _launch_expand(y, h, (token_order, token_slots), weights, scales, cfg, bias)
     return y
 
 
@@ -363,9 +393,11 @@ def lora_apply(
     *,
     fused: bool = False,
     config: KernelConfig | None = None,
+    bias: torch.Tensor | None = None,  # [out]: the base layer's, left out of DoRA's scaling
 ) -> torch.Tensor:  # y
     """y[t] += scales[k] * B_k (A_k x[t]) for every token t = token_order[n] of slot
-    k = token_slots[n] >= 0: the meaning of `sgmv_triton.lora_apply`, one program per token.
+    k = token_slots[n] >= 0, then y[t] = g_k * (y[t] - bias) + bias where slot k has DoRA's
+    g: the meaning of `sgmv_triton.lora_apply`, one program per token.
 
     fused=False:  h = bgmv_shrink(...); bgmv_expand(y, h, ...)   # two launches
     fused=True:   one launch; h stays in registers, recomputed in every out block
@@ -375,6 +407,7 @@ def lora_apply(
     check_features("y", y, weights, weights.out_features)
     _check_tokens(token_order, token_slots, weights)
     check_scales(scales, weights)
+    check_bias(bias, weights)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows, y has {y.shape[0]}")
     num = token_order.numel()
@@ -384,14 +417,15 @@ def lora_apply(
     tokens = (token_order, token_slots)
     if fused:
         _, grid = grids(num, weights, cfg)
+        g_ptrs, bias_arg, consts = epilogue_args(weights, bias, y)
         _bgmv_fused_kernel[grid](
-            x, y, *tokens, weights.a_ptrs, weights.b_ptrs, weights.ranks, scales,
-            weights.in_features, weights.out_features,
+            x, y, *tokens, weights.a_ptrs, weights.b_ptrs, weights.ranks, scales, g_ptrs,
+            bias_arg, weights.in_features, weights.out_features,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
-            PTR_ALIGN=weights.ptr_align, RANK_MULTIPLE=weights.rank_multiple,
+            PTR_ALIGN=weights.ptr_align, RANK_MULTIPLE=weights.rank_multiple, **consts,
         )  # fmt: skip
         return y
     h = _intermediate(num, weights, cfg)
     _launch_shrink(x, h, tokens, weights, cfg)
-    _launch_expand(y, h, tokens, weights, scales, cfg)
+    _launch_expand(y, h, tokens, weights, scales, cfg, bias)
     return y

@@ -21,6 +21,11 @@ pointer table (`SlotWeights`, what the Triton launchers read) was checked agains
 tensors; a stamp that moved (a load or free since) re-checks every slot once. A sparse
 layer's stacked expert tables take the same stamp (`ExpertLoRA.apply_layer`: they are refilled
 only when it moves). Without a stamp (direct callers) the check runs over the batch's slots.
+
+DoRA (lora/dora.py): on the Triton paths the kernels rescale a DoRA slot's rows where they
+store y (the table's g pointers, `SlotWeights.g_ptrs`; the base layer's `bias` left out), eager
+or captured in a CUDA graph; the torch and native paths leave that to the caller
+(`dora.rescale`), and `fuses_dora` says which a step's batch takes.
 """
 
 from __future__ import annotations
@@ -80,10 +85,21 @@ def _cpu_auto(x: torch.Tensor) -> str:
     return "native" if cpu_fp32 and sgmv_cpu.library() is not None else "torch"
 
 
+def fuses_dora(batch: LoRABatch, x: torch.Tensor) -> bool:
+    """True when `lora_apply` over `batch` (input `x`) also applies DoRA's per-row scale (the
+    Triton kernels' epilogue, and every captured graph's batch); False when the caller must
+    (`dora.rescale`: the torch and native paths)."""
+    if batch.static_max_seg_len is not None:
+        return True
+    return resolve(batch.backend, x, _cpu_auto) not in ("torch", "native")
+
+
 def _is_current(table: SlotWeights, slots: ModuleSlots, used: Sequence[int]) -> bool:
     """True when the table's entries for the slots in `used` match the pool's tensors."""
     for k in used:
-        a, b = slots.lora_a[k], slots.lora_b[k]
+        a, b, g = slots.lora_a[k], slots.lora_b[k], slots.dora[k]
+        if (g.data_ptr() if g is not None else 0) != table.g_ptrs_host[k]:
+            return False
         if a is None or b is None:
             if table.ranks_host[k] != 0:
                 return False
@@ -112,7 +128,7 @@ def slot_weights(
         or table.num_slots != len(slots.lora_a)
         or not _is_current(table, slots, used)
     ):
-        fresh = SlotWeights.build(slots.lora_a, slots.lora_b, dtype, device)
+        fresh = SlotWeights.build(slots.lora_a, slots.lora_b, dtype, device, slots.dora)
         same_shape = table is not None and table.num_slots == fresh.num_slots
         if table is not None and same_shape and table.device == fresh.device:
             # refill the old device tensors in place: their addresses stay valid for anything
@@ -121,11 +137,13 @@ def slot_weights(
                 (table.a_ptrs, fresh.a_ptrs),
                 (table.b_ptrs, fresh.b_ptrs),
                 (table.ranks, fresh.ranks),
+                (table.g_ptrs, fresh.g_ptrs),
             ):
                 old.copy_(new)
             fresh = dataclasses.replace(
-                fresh, a_ptrs=table.a_ptrs, b_ptrs=table.b_ptrs, ranks=table.ranks
-            )
+                fresh, a_ptrs=table.a_ptrs, b_ptrs=table.b_ptrs, ranks=table.ranks,
+                g_ptrs=table.g_ptrs,
+            )  # fmt: skip
         table = _tables[slots] = fresh
     return table
 
@@ -163,17 +181,20 @@ def lora_apply(
     y: torch.Tensor,  # [T, out], the base layer's output; updated in place
     x: torch.Tensor,  # [T, in], the base layer's input
     batch: LoRABatch,  # the step's segments, tensors on x's device
-    slots: ModuleSlots,  # this (layer, module)'s per-slot A, B and scales
+    slots: ModuleSlots,  # this (layer, module)'s per-slot A, B and scales (and DoRA's g)
     stamp: int | None = None,  # the pool's stamp for this step (LoRAContext.stamp), if known
+    bias: torch.Tensor | None = None,  # [out]: the base layer's bias (DoRA leaves it out)
 ) -> torch.Tensor:  # y
-    """y[t] += scales[k] * B_k (A_k x[t]) for every adapter token t of slot k, on any device.
+    """y[t] += scales[k] * B_k (A_k x[t]) for every adapter token t of slot k, on any device;
+    where `fuses_dora`, also y[t] = g_k * (y[t] - bias) + bias for a DoRA slot k.
 
-    Same meaning as `sgmv_torch.lora_apply`; returns y untouched, launching nothing, when no
-    token uses a slot whose adapter targets this module. With `stamp`, the caller promises
-    the slots' tensors changed only through the pool (which moves the stamp).
+    Same meaning as `sgmv_torch.lora_apply` (plus `dora.rescale` where fused); returns y
+    untouched, launching nothing, when no token uses a slot whose adapter targets this module.
+    With `stamp`, the caller promises the slots' tensors changed only through the pool (which
+    moves the stamp).
     """
     if batch.static_max_seg_len is not None:
-        return _lora_apply_static(y, x, batch, slots)
+        return _lora_apply_static(y, x, batch, slots, bias)
     if batch.is_empty:
         return y
     memo = _memo(slots, stamp) if stamp is not None else None
@@ -208,7 +229,7 @@ def lora_apply(
 
         return bgmv_triton.lora_apply(
             y, x.contiguous(), batch.token_order, batch.token_slots, weights, slots.scales,
-            fused=fused,
+            fused=fused, bias=bias,
         )  # fmt: skip
     from loraplane.dataplane.kernels import sgmv_triton
 
@@ -222,16 +243,21 @@ def lora_apply(
         slots.scales,
         batch.max_seg_len,
         fused=fused,
+        bias=bias,
     )
 
 
 def _lora_apply_static(
-    y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots
+    y: torch.Tensor,
+    x: torch.Tensor,
+    batch: LoRABatch,
+    slots: ModuleSlots,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """`lora_apply` for a batch captured in a CUDA graph: always the Triton BGMV kernels, one
     program per row of the graph (`batch.static_max_seg_len` rows; rows past the step's own
     have slot -1 and exit at once), reading the slot table the graph owner keeps current
-    (`slots.graph_table`)."""
+    (`slots.graph_table`: A, B, ranks and DoRA's g, whose epilogue it always compiles in)."""
     name = resolve(batch.backend, x, _cpu_auto)
     if name in ("torch", "native") or slots.graph_table is None:
         raise RuntimeError(
@@ -248,4 +274,5 @@ def _lora_apply_static(
         slots.graph_table,
         slots.scales,
         fused=name == "triton-fused",
+        bias=bias,
     )

@@ -17,6 +17,11 @@ Grid and tiling (S segments, m = token block within a segment):
 Rank-exact: programs whose rank block starts at or past their slot's rank exit at once, and rank
 loops run to the slot's own rank; a rank-8 slot never touches rank-64 padding. Slots with rank
 0 (the module is not targeted) exit at once. Programs past their segment's end exit at once.
+DoRA (lora/dora.py): where the expand (or fused) kernel writes y, a slot with a per-row scale g
+in the table (`SlotWeights.g_ptrs`) has its rows rescaled in the same store, the base layer's
+bias left out as PEFT does: y = g * (y + delta - bias) + bias (`dora_triton.dora_epilogue`,
+shared with `bgmv_triton`); plain slots' rows are stored as before. The epilogue is compiled in
+only when the table asks for it (`SlotWeights.dora`).
 
 These kernels serve steps with long segments (prefill chunks, decodes of adapters with several
 rows each); steps whose segments are a token or so, and every captured decode graph, launch the
@@ -35,6 +40,7 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane.kernels.dora_triton import check_bias, dora_epilogue, epilogue_args
 from loraplane.dataplane.kernels.launch import sgmv_block_m
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 
@@ -130,14 +136,19 @@ def _load_b_t(b_ptr, rank, offs_n, n_mask, offs_r, r_mask):  # type: ignore[no-u
     )
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _add_rows(  # type: ignore[no-untyped-def]
-    y_ptr, rows, m_mask, offs_n, n_mask, delta, scale, out_features
-):
-    # y[rows, offs_n] += delta * scale, summed in fp32; each (row, column) has one writer
+    y_ptr, rows, m_mask, offs_n, n_mask, delta, scale, out_features,
+    g_ptrs_ptr, bias_ptr, slot, DORA: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # y[rows, offs_n] += delta * scale, summed in fp32, then DoRA's rescale (dora_epilogue); each
+    # (row, column) has one writer
     y = y_ptr + rows[:, None] * out_features + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta * scale
+    out = dora_epilogue(
+        out, g_ptrs_ptr, bias_ptr, slot, offs_n[None, :], n_mask[None, :], DORA, HAS_BIAS
+    )
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -205,6 +216,8 @@ def _expand_kernel(  # type: ignore[no-untyped-def]
     b_ptrs_ptr,  # [L] int64
     ranks_ptr,  # [L] int32
     scales_ptr,  # [L] fp32
+    g_ptrs_ptr,  # [L] int64: DoRA's g per slot, 0 for none
+    bias_ptr,  # [out]: the base layer's bias (HAS_BIAS)
     out_features,
     h_stride,
     num_n_blocks,
@@ -214,6 +227,8 @@ def _expand_kernel(  # type: ignore[no-untyped-def]
     PTR_ALIGN: tl.constexpr,
     RANK_MULTIPLE: tl.constexpr,
     PRECISION: tl.constexpr,
+    DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     seg = tl.program_id(1)
@@ -247,7 +262,8 @@ def _expand_kernel(  # type: ignore[no-untyped-def]
         acc += tl.dot(h.to(y_ptr.dtype.element_ty), b_t, input_precision=PRECISION)
     rows = tl.load(token_order_ptr + offs_m, mask=m_mask, other=0)
     scale = tl.load(scales_ptr + slot)
-    _add_rows(y_ptr, rows, m_mask, offs_n, n_mask, acc, scale, out_features)
+    _add_rows(y_ptr, rows, m_mask, offs_n, n_mask, acc, scale, out_features,
+              g_ptrs_ptr, bias_ptr, slot, DORA, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -261,6 +277,8 @@ def _fused_kernel(  # type: ignore[no-untyped-def]
     b_ptrs_ptr,  # [L] int64
     ranks_ptr,  # [L] int32
     scales_ptr,  # [L] fp32
+    g_ptrs_ptr,  # [L] int64: DoRA's g per slot, 0 for none
+    bias_ptr,  # [out]: the base layer's bias (HAS_BIAS)
     in_features,
     out_features,
     num_n_blocks,
@@ -271,6 +289,8 @@ def _fused_kernel(  # type: ignore[no-untyped-def]
     PTR_ALIGN: tl.constexpr,
     RANK_MULTIPLE: tl.constexpr,
     PRECISION: tl.constexpr,
+    DORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     seg = tl.program_id(1)
@@ -305,7 +325,8 @@ def _fused_kernel(  # type: ignore[no-untyped-def]
         b_t = _load_b_t(b_ptr, rank, offs_n, n_mask, offs_r, r_mask)
         acc += tl.dot(h.to(y_ptr.dtype.element_ty), b_t, input_precision=PRECISION)
     scale = tl.load(scales_ptr + slot)
-    _add_rows(y_ptr, rows, m_mask, offs_n, n_mask, acc, scale, out_features)
+    _add_rows(y_ptr, rows, m_mask, offs_n, n_mask, acc, scale, out_features,
+              g_ptrs_ptr, bias_ptr, slot, DORA, HAS_BIAS)  # fmt: skip
 
 
 # Launchers.
@@ -408,15 +429,17 @@ def _launch_expand(
     scales: torch.Tensor,  # [L] fp32
     cfg: KernelConfig,
     max_seg_len: int,
+    bias: torch.Tensor | None,  # [out]
 ) -> None:
     num_n_blocks = triton.cdiv(weights.out_features, cfg.block_n)
     grid = (_grid_rows(max_seg_len, cfg) * num_n_blocks, segs[1].numel())
+    g_ptrs, bias_arg, consts = epilogue_args(weights, bias, y)
     _expand_kernel[grid](
-        h, y, *segs, weights.b_ptrs, weights.ranks, scales,
+        h, y, *segs, weights.b_ptrs, weights.ranks, scales, g_ptrs, bias_arg,
         weights.out_features, h.stride(0), num_n_blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
         PTR_ALIGN=weights.ptr_align, RANK_MULTIPLE=weights.rank_multiple,
-        PRECISION=_precision(y.dtype),
+        PRECISION=_precision(y.dtype), **consts,
     )  # fmt: skip
 
 
@@ -428,15 +451,17 @@ def _launch_fused(
     scales: torch.Tensor,  # [L] fp32
     cfg: KernelConfig,
     max_seg_len: int,
+    bias: torch.Tensor | None,  # [out]
 ) -> None:
     num_n_blocks = triton.cdiv(weights.out_features, cfg.block_n)
     grid = (_grid_rows(max_seg_len, cfg) * num_n_blocks, segs[1].numel())
+    g_ptrs, bias_arg, consts = epilogue_args(weights, bias, y)
     _fused_kernel[grid](
-        x, y, *segs, weights.a_ptrs, weights.b_ptrs, weights.ranks, scales,
+        x, y, *segs, weights.a_ptrs, weights.b_ptrs, weights.ranks, scales, g_ptrs, bias_arg,
         weights.in_features, weights.out_features, num_n_blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         PTR_ALIGN=weights.ptr_align, RANK_MULTIPLE=weights.rank_multiple,
-        PRECISION=_precision(y.dtype),
+        PRECISION=_precision(y.dtype), **consts,
     )  # fmt: skip
 
 
@@ -486,12 +511,18 @@ def sgmv_expand(
     scales: torch.Tensor,  # [L] fp32: each slot's scale
     max_seg_len: int,
     config: KernelConfig | None = None,
+    *,
+    bias: torch.Tensor | None = None,  # [out]: the base layer's, left out of DoRA's scaling
 ) -> torch.Tensor:  # y
-    """Add each adapter token's scaled up-projection into its row of y.
+    """Add each adapter token's scaled up-projection into its row of y; rescale a DoRA
+    slot's rows (a g in the table).
 
     for s, k in enumerate(seg_slots):
         for n in range(seg_bounds[s], seg_bounds[s + 1]):
-            y[token_order[n]] += (h[n, :rank(k)] @ B_k.T) * scales[k]   # nothing if rank(k) == 0
+            t = token_order[n]
+            y[t] += (h[n, :rank(k)] @ B_k.T) * scales[k]   # nothing if rank(k) == 0
+            if g_k is not None:                            # DoRA, in the same store
+                y[t] = g_k * (y[t] - bias) + bias          # bias: 0 when None
 
     h is rounded to the weights' dtype before the product (as the torch path's h is).
     Returns y without launching when there is nothing to compute.
@@ -499,6 +530,7 @@ def sgmv_expand(
     check_features("y", y, weights, weights.out_features)
     _check_segments(token_order, seg_slots, seg_bounds, max_seg_len, weights)
     check_scales(scales, weights)
+    check_bias(bias, weights)
     if (
         h.dim() != 2
         or h.dtype != torch.float32
@@ -515,7 +547,7 @@ def sgmv_expand(
     if not _nothing_to_do(token_order, seg_slots, weights, max_seg_len):
         cfg = _config(config, seg_slots, max_seg_len, weights)
         segs = (token_order, seg_slots, seg_bounds)
-        _launch_expand(y, h, segs, weights, scales, cfg, max_seg_len)
+        _launch_expand(y, h, segs, weights, scales, cfg, max_seg_len, bias)
     return y
 
 
@@ -531,8 +563,11 @@ def lora_apply(
     *,
     fused: bool = False,
     config: KernelConfig | None = None,
+    bias: torch.Tensor | None = None,  # [out]: the base layer's, left out of DoRA's scaling
 ) -> torch.Tensor:  # y
-    """y[t] += scales[k] * B_k (A_k x[t]) for every adapter token t of slot k.
+    """y[t] += scales[k] * B_k (A_k x[t]) for every adapter token t of slot k; then, where
+    slot k has DoRA's g in the table, y[t] = g_k * (y[t] - bias) + bias, in the same store
+    (PEFT's DoRA: lora/dora.py; `bias` None counts as 0).
 
     fused=False:  h = sgmv_shrink(x, ...); sgmv_expand(y, h, ...)   # two launches (+ memset)
     fused=True:   one launch; h stays in registers, recomputed in every out block
@@ -543,6 +578,7 @@ def lora_apply(
     check_features("y", y, weights, weights.out_features)
     _check_segments(token_order, seg_slots, seg_bounds, max_seg_len, weights)
     check_scales(scales, weights)
+    check_bias(bias, weights)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows, y has {y.shape[0]}")
     if _nothing_to_do(token_order, seg_slots, weights, max_seg_len):
@@ -550,7 +586,7 @@ def lora_apply(
     cfg = _config(config, seg_slots, max_seg_len, weights)
     segs = (token_order, seg_slots, seg_bounds)
     if fused:
-        _launch_fused(y, x, segs, weights, scales, cfg, max_seg_len)
+        _launch_fused(y, x, segs, weights, scales, cfg, max_seg_len, bias)
     else:
         # the expand reads a segment's h only to its slot's rank, which one shrink program
         # writes unless the k loop is split (then programs add into zeros): no memset launch
@@ -558,5 +594,5 @@ def lora_apply(
         alloc = torch.zeros if cfg.split_k > 1 else torch.empty
         h = alloc(token_order.numel(), weights.max_rank, dtype=torch.float32, device=x.device)
         _launch_shrink(x, h, segs, weights, cfg, max_seg_len)
-        _launch_expand(y, h, segs, weights, scales, cfg, max_seg_len)
+        _launch_expand(y, h, segs, weights, scales, cfg, max_seg_len, bias)
     return y

@@ -10,8 +10,11 @@ module, in fp32 on the pool's device, when the pool makes the adapter's host cop
 (`LoRAPool.host_form`, on the manager's loader threads: lora/dora_cache.py, which also keeps g
 per node), and the host copy carries it (`DoRAWeights`); filling a slot on the engine thread
 only copies g (on CPU, reads it in place). Serving a DoRA token costs the plain LoRA update
-plus `rescale`: its rows of y, bias taken out, times g. Rows of plain LoRA adapters and of
-the base model are not touched.
+plus the rescale: its rows of y, bias taken out, times g. On the torch and native CPU paths
+that is `rescale`, in torch after the update; the Triton kernels (CUDA, eager or replayed in
+a CUDA graph) do it in their epilogue, where they store y, reading g through their slot
+table's pointers (kernels/dora_triton.py). Rows of plain LoRA adapters and of the base model
+are not touched.
 
 Measured (`benchmarks/lora_cpu.py`, the benchmark model's q/v at rank 16, one torch thread, CPU
 time, three runs): filling a slot 1.5-1.6x a plain adapter's (188-205 against 125-131 us); a
@@ -152,8 +155,9 @@ def rescale(
 ) -> None:
     """For each token t of a DoRA slot k: y[t] = g_k * (y[t] - bias) + bias (PEFT adds the
     bias after the scaling). A handful of operations per module, however many DoRA segments
-    the step has (a gather of the rows and of their slots' g, a multiply, a scatter); on every
-    backend (the Triton kernels' included) this runs in torch, after the LoRA update."""
+    the step has (a gather of the rows and of their slots' g, a multiply, a scatter), after
+    the LoRA update on the torch and native paths; the Triton kernels compute the same in
+    their epilogue instead (`dispatch.fuses_dora`), and this is their test oracle."""
     index, which, picked = rows
     gs = [g for k in picked if (g := slots.dora[k]) is not None]
     # [1, out] broadcast over one slot's rows, else each row's own slot's g: [Nd, out]

@@ -95,14 +95,18 @@ class LinearWithLoRA(nn.Module):
         batch = context.batch if context is not None else None
         if context is None or batch is None or batch.is_empty or self.slots is None:
             return y
-        # Triton SGMV/BGMV kernels on CUDA, the native or torch path elsewhere (dispatch.py)
-        y = dispatch.lora_apply(y, x, batch, self.slots, context.stamp)
-        mask = self.slots.dora_mask & batch.slot_mask  # (a static batch's mask is 0: no DoRA)
-        if mask:
+        # Triton SGMV/BGMV kernels on CUDA, the native or torch path elsewhere (dispatch.py);
+        # the Triton kernels also rescale DoRA rows where they store y (bias left out)
+        bias = self.base_layer.bias
+        y = dispatch.lora_apply(y, x, batch, self.slots, context.stamp, bias)
+        # DoRA rows on the torch and native paths (a static batch's mask is 0: its kernels
+        # rescale them)
+        mask = self.slots.dora_mask & batch.slot_mask
+        if mask and not dispatch.fuses_dora(batch, x):
             rows = context.dora_rows.get(mask)
             if rows is None:  # the first module this step with these DoRA slots
                 rows = context.dora_rows[mask] = dora.dora_rows(batch, self.slots)
-            dora.rescale(y, self.slots, rows, self.base_layer.bias)
+            dora.rescale(y, self.slots, rows, bias)
         return y
 
     def extra_repr(self) -> str:
