@@ -117,7 +117,7 @@ class ModelRunner:
                 shard=shard,
                 heads=heads_of(built.spec),
                 dtype=self.pool.dtype,
-                transposed=self.pool._transposing(),
+                transposed=self.pool.transposes_b,
             ),
         )
         if config.max_model_len is None:

@@ -131,7 +131,7 @@ class DeviceTier:
         order = victims[::-1]
         runs = []
         for victim in order:
-            placement = None if victim.slot is None else self.pool._placements[victim.slot]
+            placement = None if victim.slot is None else self.pool.placement(victim.slot)
             runs.append((0, 0) if placement is None else (placement.first, placement.num_blocks))
         needed = arena.runs_to_free(arena.blocks_for(host), runs)
         if needed is None:
