@@ -276,7 +276,7 @@ class Engine:
             waiting = self.scheduler.waiting_loras()
             self.loras.prefetch(waiting)
             if waiting:
-                self._wait_for_loads()
+                self.wait_for_loads()
         except Exception:
             log.exception("adapter housekeeping failed (requests go on)")
 
@@ -329,20 +329,28 @@ class Engine:
         keep = self.scheduler.running_lora_keys | self.scheduler.waiting_lora_keys
         self.loras.forget_idle(self.config.forget_idle_adapters_s, keep)
 
-    def _wait_for_loads(self) -> None:
-        """Wait for adapter loads that would let waiting requests into this step, as long as
-        admitting them a step early pays for the wait (see MAX_LOAD_WAIT_FRACTION)."""
+    def wait_for_loads(self) -> None:
+        """Block the calling (engine) thread while adapter loads run that would let waiting
+        requests into the next step, as long as admitting them a step early pays for the wait
+        (MAX_LOAD_WAIT_FRACTION): with `seats` free, `running` requests running and `awaiting`
+        waiting requests whose adapters are loading, at most
+        min(MAX_LOAD_WAIT_FRACTION, min(awaiting, seats) / running) of a step (the moving
+        average of step times); not at all without a free seat, a timed step or such a load.
+        A step's housekeeping calls it; the planner's replica (planner/replica.py) does the
+        same in simulated time."""
         seats = self.config.max_num_seqs - len(self.scheduler.running)
         if seats <= 0 or self._step_seconds <= 0:
             return
         loading = self.loras.pending()
         if not loading:
             return
-        held = [s for s in self.scheduler.waiting if s.lora is not None and s.lora.key in loading]
-        if not held:
+        awaiting = [
+            s for s in self.scheduler.waiting if s.lora is not None and s.lora.key in loading
+        ]
+        if not awaiting:
             return
-        share = min(len(held), seats) / max(1, len(self.scheduler.running))
-        refs = [s.lora for s in held if s.lora is not None]
+        share = min(len(awaiting), seats) / max(1, len(self.scheduler.running))
+        refs = [s.lora for s in awaiting if s.lora is not None]
         self.loras.wait_for(refs, min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
 
     def generate(
