@@ -330,7 +330,7 @@ def test_the_simulator_steps_exactly_as_the_engines_scheduler_does() -> None:
                                    block_size=8, lora_slots=config.lora_slots)  # fmt: skip
     work = [(i % 3, 20 + 7 * i, 6 + 3 * (i % 4)) for i in range(10)]  # adapter, prompt, output
     replica = Replica(settings, STEP_COST)
-    replica.tiers.hold(replica.ref(a).key for a in range(3))
+    replica.tiers.warm(replica.ref(a).key for a in range(3))
     requests = [Request(i, a, p, o, 0.0) for i, (a, p, o) in enumerate(work)]
     sim_steps = _run_replica(replica, requests)
 
@@ -362,7 +362,7 @@ def test_the_schedulers_tenant_turns_show_in_the_simulation() -> None:
 
     def late_request_ttft(tenant: str) -> float:
         replica = Replica(dataclasses.replace(TINY, max_num_seqs=4), STEP_COST)
-        replica.tiers.hold(replica.ref(a, t).key for a, t in ((0, "busy"), (1, tenant)))
+        replica.tiers.warm(replica.ref(a, t).key for a, t in ((0, "busy"), (1, tenant)))
         burst = [Request(i, 0, 16, 8, 0.0, tenant="busy") for i in range(24)]
         late = Request(99, 1, 16, 8, 0.5, tenant=tenant)
         _run_replica(replica, [*burst, late])

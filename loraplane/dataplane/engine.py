@@ -317,7 +317,7 @@ class Engine:
     def _reclaim(self, short: int) -> None:
         """Sequences need `short` more KV blocks: idle adapters give theirs back."""
         s = self.scheduler
-        self.loras.reclaim_blocks(short, s.pinned_lora_keys, s.waiting_lora_keys)
+        self.loras.reclaim_blocks(short, s.in_use_lora_keys, s.waiting_lora_keys)
 
     def _forget_idle(self) -> None:
         """Once in a while, forget stored versions nobody has used for a while (catalog mode
@@ -326,8 +326,8 @@ class Engine:
         if now - self._swept < min(60.0, self.config.forget_idle_adapters_s):
             return
         self._swept = now
-        keep = self.scheduler.running_lora_keys | self.scheduler.waiting_lora_keys
-        self.loras.forget_idle(self.config.forget_idle_adapters_s, keep)
+        needed = self.scheduler.running_lora_keys | self.scheduler.waiting_lora_keys
+        self.loras.forget_idle(self.config.forget_idle_adapters_s, needed)
 
     def wait_for_loads(self) -> None:
         """Block the calling (engine) thread while adapter loads run that would let waiting
