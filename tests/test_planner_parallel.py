@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUS, Roofline, StepShape
 from loraplane.planner.memory import (
@@ -25,9 +26,9 @@ from loraplane.planner.shapes import ModelShape, named_shape
 torch = pytest.importorskip("torch")
 
 # a small Llama with fewer KV heads (2) than the largest split (4): each rank then holds one
-SMALL = ModelShape("small", "llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2,
-                   head_dim=8, intermediate_size=128, vocab_size=101,
-                   max_position_embeddings=512)  # fmt: skip
+SMALL = ModelShape(BaseModelSpec("small", "llama", num_layers=2, hidden_size=64, num_heads=8,
+                                 num_kv_heads=2, head_dim=8, intermediate_size=128),
+                   vocab_size=101, max_position_embeddings=512)  # fmt: skip
 
 
 def config(n: int) -> EngineConfig:
