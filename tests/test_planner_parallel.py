@@ -110,9 +110,11 @@ def test_a_rank_s_shapes_are_the_data_plane_s_split(shape: ModelShape, n: int) -
 def test_splits_serve_refuses_are_refused_by_name() -> None:
     with pytest.raises(TensorParallelRefused, match="does not divide num_attention_heads"):
         check_split(named_shape("llama-3-70b"), 3)
+    wide = dataclasses.replace(SMALL, spec=dataclasses.replace(SMALL.spec, intermediate_size=130))
     with pytest.raises(TensorParallelRefused, match="does not divide intermediate_size"):
-        check_split(dataclasses.replace(SMALL, intermediate_size=130), 4)
-    odd = dataclasses.replace(SMALL, num_heads=12, num_kv_heads=3)
+        check_split(wide, 4)
+    odd = dataclasses.replace(SMALL, spec=dataclasses.replace(SMALL.spec, num_heads=12,
+                                                              num_kv_heads=3))  # fmt: skip
     with pytest.raises(TensorParallelRefused, match="neither divides num_key_value_heads"):
         check_split(odd, 2)
     for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
