@@ -82,7 +82,7 @@ from loraplane.dataplane.lora import (
     load_lora,
 )
 from loraplane.dataplane.lora.dora_cache import NormCache
-from loraplane.dataplane.lora.pool import ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
 
 MODULES = ("q_proj", "v_proj")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.cli import main
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUS, LinearCost, Roofline, StepShape
@@ -104,10 +105,14 @@ def test_the_planner_packs_adapters_into_the_kv_cache_as_the_arena_does() -> Non
     from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 
     assert ALIGN_BYTES == 16  # the arena's views start on 16 bytes (arena_layout.py)
-    odd = ModelShape("odd", "llama", 2, 10, 2, 2, 3, 14, 32, 64)  # q, v: 10 -> 6, o: 6 -> 10
-    moe = dataclasses.replace(odd, name="odd-moe", model_type="qwen3_moe", num_layers=3,
-                              num_experts=3, experts_per_tok=2, moe_intermediate_size=6,
-                              moe_layers=(1, 2))  # fmt: skip
+    # q, v: 10 -> 6, o: 6 -> 10
+    odd = ModelShape(BaseModelSpec("odd", "llama", num_layers=2, hidden_size=10,
+                                   intermediate_size=14, num_heads=2, num_kv_heads=2, head_dim=3),
+                     vocab_size=32, max_position_embeddings=64)  # fmt: skip
+    moe_spec = dataclasses.replace(odd.spec, name="odd-moe", model_type="qwen3_moe", num_layers=3,
+                                   num_experts=3, moe_intermediate_size=6,
+                                   moe_layers=(1, 2))  # fmt: skip
+    moe = dataclasses.replace(odd, spec=moe_spec, experts_per_tok=2)
     profiles = [AdapterProfile(1, 3, ("q_proj", "v_proj", "o_proj")), AdapterProfile(1, 3),
                 AdapterProfile(1, 5, ("q_proj",)), AdapterProfile(1, 8)]  # fmt: skip
     unpadded_differs = set()
@@ -330,7 +335,7 @@ def test_the_simulator_steps_exactly_as_the_engines_scheduler_does() -> None:
                                    block_size=8, lora_slots=config.lora_slots)  # fmt: skip
     work = [(i % 3, 20 + 7 * i, 6 + 3 * (i % 4)) for i in range(10)]  # adapter, prompt, output
     replica = Replica(settings, STEP_COST)
-    replica.tiers.hold(replica.ref(a).key for a in range(3))
+    replica.tiers.warm(replica.ref(a).key for a in range(3))
     requests = [Request(i, a, p, o, 0.0) for i, (a, p, o) in enumerate(work)]
     sim_steps = _run_replica(replica, requests)
 
@@ -362,7 +367,7 @@ def test_the_schedulers_tenant_turns_show_in_the_simulation() -> None:
 
     def late_request_ttft(tenant: str) -> float:
         replica = Replica(dataclasses.replace(TINY, max_num_seqs=4), STEP_COST)
-        replica.tiers.hold(replica.ref(a, t).key for a, t in ((0, "busy"), (1, tenant)))
+        replica.tiers.warm(replica.ref(a, t).key for a, t in ((0, "busy"), (1, tenant)))
         burst = [Request(i, 0, 16, 8, 0.0, tenant="busy") for i in range(24)]
         late = Request(99, 1, 16, 8, 0.5, tenant=tenant)
         _run_replica(replica, [*burst, late])

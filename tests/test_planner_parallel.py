@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUS, Roofline, StepShape
 from loraplane.planner.memory import (
@@ -25,9 +26,9 @@ from loraplane.planner.shapes import ModelShape, named_shape
 torch = pytest.importorskip("torch")
 
 # a small Llama with fewer KV heads (2) than the largest split (4): each rank then holds one
-SMALL = ModelShape("small", "llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2,
-                   head_dim=8, intermediate_size=128, vocab_size=101,
-                   max_position_embeddings=512)  # fmt: skip
+SMALL = ModelShape(BaseModelSpec("small", "llama", num_layers=2, hidden_size=64, num_heads=8,
+                                 num_kv_heads=2, head_dim=8, intermediate_size=128),
+                   vocab_size=101, max_position_embeddings=512)  # fmt: skip
 
 
 def config(n: int) -> EngineConfig:
@@ -107,10 +108,12 @@ def test_a_rank_s_shapes_are_the_data_plane_s_split(shape: ModelShape, n: int) -
         assert kept == adapter_elements(local, AdapterProfile(1, rank=r))
 
 
-SMALL_MOE = ModelShape("small-moe", "qwen3_moe", num_layers=2, hidden_size=64, num_heads=4,
-                       num_kv_heads=2, head_dim=32, intermediate_size=80, vocab_size=101,
-                       max_position_embeddings=512, num_experts=4, experts_per_tok=2,
-                       moe_intermediate_size=48, moe_layers=(0,))  # fmt: skip
+SMALL_MOE = ModelShape(BaseModelSpec("small-moe", "qwen3_moe", num_layers=2, hidden_size=64,
+                                     num_heads=4, num_kv_heads=2, head_dim=32,
+                                     intermediate_size=80, num_experts=4,
+                                     moe_intermediate_size=48, moe_layers=(0,)),
+                       vocab_size=101, max_position_embeddings=512,
+                       experts_per_tok=2)  # fmt: skip
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -145,16 +148,21 @@ def test_a_mixture_of_experts_rank_shape_is_the_data_plane_s_split(n: int) -> No
 def test_splits_serve_refuses_are_refused_by_name() -> None:
     with pytest.raises(TensorParallelRefused, match="does not divide num_attention_heads"):
         check_split(named_shape("llama-3-70b"), 3)
+    wide = dataclasses.replace(SMALL, spec=dataclasses.replace(SMALL.spec, intermediate_size=130))
     with pytest.raises(TensorParallelRefused, match="does not divide intermediate_size"):
-        check_split(dataclasses.replace(SMALL, intermediate_size=130), 4)
-    odd = dataclasses.replace(SMALL, num_heads=12, num_kv_heads=3)
+        check_split(wide, 4)
+    odd = dataclasses.replace(SMALL, spec=dataclasses.replace(SMALL.spec, num_heads=12,
+                                                              num_kv_heads=3))  # fmt: skip
     with pytest.raises(TensorParallelRefused, match="neither divides num_key_value_heads"):
         check_split(odd, 2)
     for name in ("qwen3-30b-a3b", "mixtral-8x7b"):  # mixtures of experts split as the engine's
         assert rank_shape(named_shape(name), 2).moe_intermediate_size == (
             named_shape(name).moe_intermediate_size // 2
         )
-    odd_experts = dataclasses.replace(named_shape("qwen3-30b-a3b"), moe_intermediate_size=770)
+    odd_experts = dataclasses.replace(
+        named_shape("qwen3-30b-a3b"),
+        spec=dataclasses.replace(named_shape("qwen3-30b-a3b").spec, moe_intermediate_size=770),
+    )
     with pytest.raises(TensorParallelRefused, match=r"does not divide moe_intermediate_size \(770"):
         check_split(odd_experts, 4)
     check_split(named_shape("gemma-3-12b"), 1)  # one rank is no split

@@ -58,7 +58,8 @@ from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
 from loraplane.dataplane.lora.layers import LinearWithLoRA
 from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
-from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
+from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.llama import LlamaForCausalLM
 from loraplane.dataplane.step_metadata import HostStep, StepRow, host_step
 

@@ -276,7 +276,7 @@ class Engine:
             waiting = self.scheduler.waiting_loras()
             self.loras.prefetch(waiting)
             if waiting:
-                self._wait_for_loads()
+                self.wait_for_loads()
         except Exception:
             log.exception("adapter housekeeping failed (requests go on)")
 
@@ -317,7 +317,7 @@ class Engine:
     def _reclaim(self, short: int) -> None:
         """Sequences need `short` more KV blocks: idle adapters give theirs back."""
         s = self.scheduler
-        self.loras.reclaim_blocks(short, s.pinned_lora_keys, s.waiting_lora_keys)
+        self.loras.reclaim_blocks(short, s.in_use_lora_keys, s.waiting_lora_keys)
 
     def _forget_idle(self) -> None:
         """Once in a while, forget stored versions nobody has used for a while (catalog mode
@@ -326,23 +326,31 @@ class Engine:
         if now - self._swept < min(60.0, self.config.forget_idle_adapters_s):
             return
         self._swept = now
-        keep = self.scheduler.running_lora_keys | self.scheduler.waiting_lora_keys
-        self.loras.forget_idle(self.config.forget_idle_adapters_s, keep)
+        needed = self.scheduler.running_lora_keys | self.scheduler.waiting_lora_keys
+        self.loras.forget_idle(self.config.forget_idle_adapters_s, needed)
 
-    def _wait_for_loads(self) -> None:
-        """Wait for adapter loads that would let waiting requests into this step, as long as
-        admitting them a step early pays for the wait (see MAX_LOAD_WAIT_FRACTION)."""
+    def wait_for_loads(self) -> None:
+        """Block the calling (engine) thread while adapter loads run that would let waiting
+        requests into the next step, as long as admitting them a step early pays for the wait
+        (MAX_LOAD_WAIT_FRACTION): with `seats` free, `running` requests running and `awaiting`
+        waiting requests whose adapters are loading, at most
+        min(MAX_LOAD_WAIT_FRACTION, min(awaiting, seats) / running) of a step (the moving
+        average of step times); not at all without a free seat, a timed step or such a load.
+        A step's housekeeping calls it; the planner's replica (planner/replica.py) does the
+        same in simulated time."""
         seats = self.config.max_num_seqs - len(self.scheduler.running)
         if seats <= 0 or self._step_seconds <= 0:
             return
         loading = self.loras.pending()
         if not loading:
             return
-        held = [s for s in self.scheduler.waiting if s.lora is not None and s.lora.key in loading]
-        if not held:
+        awaiting = [
+            s for s in self.scheduler.waiting if s.lora is not None and s.lora.key in loading
+        ]
+        if not awaiting:
             return
-        share = min(len(held), seats) / max(1, len(self.scheduler.running))
-        refs = [s.lora for s in held if s.lora is not None]
+        share = min(len(awaiting), seats) / max(1, len(self.scheduler.running))
+        refs = [s.lora for s in awaiting if s.lora is not None]
         self.loras.wait_for(refs, min(MAX_LOAD_WAIT_FRACTION, share) * self._step_seconds)
 
     def generate(

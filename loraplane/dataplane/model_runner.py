@@ -117,7 +117,7 @@ class ModelRunner:
                 shard=shard,
                 heads=heads_of(built.spec),
                 dtype=self.pool.dtype,
-                transposed=self.pool._transposing(),
+                transposed=self.pool.transposes_b,
             ),
         )
         if config.max_model_len is None:
@@ -172,14 +172,14 @@ class ModelRunner:
         capped by a share of the device's free memory."""
         block_bytes = self.model.kv_cache_block_bytes(config.block_size)
         max_len = config.max_model_len or 4096
-        wanted = config.max_num_seqs * -(-max_len // config.block_size)
+        full_batch = config.max_num_seqs * -(-max_len // config.block_size)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # the adapter pool fills up later: its budget is not KV memory
             budget = int(free * GPU_MEMORY_FRACTION) - self.lora_budget_bytes
         else:
             budget = min(CPU_KV_BUDGET, host_memory.total_bytes() // 4)
-        return max(1, min(wanted, budget // block_bytes))
+        return max(1, min(full_batch, budget // block_bytes))
 
     @torch.inference_mode()
     def execute(

@@ -74,7 +74,7 @@ class Adapters(Protocol):
 
     def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str]) -> bool:
         """Make `ref` resident now, evicting idle adapters (never those in `in_use`; those in
-        `wanted`, needed by waiting requests, last); False when it cannot be placed yet (its
+        `wanted`, of waiting requests, last); False when it cannot be placed yet (its
         memory is held by sequences' KV blocks)."""
         ...
 
@@ -110,38 +110,38 @@ class _Room:
 
     def __init__(self, running: list[Sequence], adapters: Adapters, max_loras: int) -> None:
         self.adapters, self.max_loras = adapters, max_loras
-        self.keys: set[str] = set()
+        self.in_use: set[str] = set()  # the running adapters (never evicted), pins included
         self.used = 0
         self.unplaced: set[str] = set()  # fit the budget, but no memory could be freed yet
         self.placed: set[str] = set()  # made resident for a request being admitted
         self.wanted: set[str] = set()  # adapters of waiting requests (evicted last)
         for seq in running:
-            if seq.lora is not None and seq.lora.key not in self.keys:
+            if seq.lora is not None and seq.lora.key not in self.in_use:
                 self.add(seq.lora)
         # pinned versions hold their memory and a slot whether or not a request runs them:
         # placed now (a no-op when resident), they count as running adapters
         self.pinned: dict[str, LoRARef] = {}
         for ref in adapters.pins():
-            if ref.key in self.keys:
+            if ref.key in self.in_use:
                 self.pinned[ref.key] = ref
-            elif self.fits(ref) and adapters.place(ref, self.keys, ()):
+            elif self.fits(ref) and adapters.place(ref, self.in_use, ()):
                 self.pinned[ref.key] = ref
                 self.add(ref)
 
     def fits(self, ref: LoRARef) -> bool:
         """Could `ref` (ready, not running) run beside the running adapters?"""
         budget = self.adapters.budget_bytes
-        return len(self.keys) < self.max_loras and (
+        return len(self.in_use) < self.max_loras and (
             budget is None or self.used + self.adapters.device_bytes(ref) <= budget
         )
 
     def add(self, ref: LoRARef) -> None:
-        self.keys.add(ref.key)
+        self.in_use.add(ref.key)
         self.used += self.adapters.device_bytes(ref)
 
     def remove(self, ref: LoRARef) -> None:
         """`ref` stopped running in this step (its sequences gave way): idle, evictable."""
-        self.keys.discard(ref.key)
+        self.in_use.discard(ref.key)
         self.used -= self.adapters.device_bytes(ref)
 
 
@@ -423,7 +423,7 @@ class Scheduler:
             if contended and (tenant in settled or not self._below_share(tenant)):
                 settled.add(tenant)  # no seat to take: skip its other requests cheaply
                 continue
-            if lora is not None and lora.key not in room.keys:
+            if lora is not None and lora.key not in room.in_use:
                 if not room.adapters.ready(lora):
                     continue  # still loading
                 if not room.fits(lora) and not swapped:  # one adapter changes hands a step
@@ -437,7 +437,7 @@ class Scheduler:
                 if (
                     not room.fits(lora)
                     or lora.key in room.unplaced
-                    or not room.adapters.place(lora, room.keys | room.placed, room.wanted)
+                    or not room.adapters.place(lora, room.in_use | room.placed, room.wanted)
                 ):
                     if lora.key in barrier:
                         self._blocked = True
@@ -474,7 +474,7 @@ class Scheduler:
             settled.clear()
             self._run(seq, n, batch)
             budget -= n
-            if lora is not None and lora.key not in room.keys:
+            if lora is not None and lora.key not in room.in_use:
                 room.add(lora)
             admitted.add(seq)
         if admitted:
@@ -503,12 +503,12 @@ class Scheduler:
 
         users: dict[str, list[Sequence]] = {}
         refs: dict[str, LoRARef] = {}
-        held: dict[str, float] = {}
+        held: dict[str, float] = {}  # tenant -> its adapter memory (slots), as `cost` counts
         for pin in room.pinned.values():  # counted in its tenant's share, never given up
             held[pin.tenant] = held.get(pin.tenant, 0.0) + cost(pin)
         for seq in self.running:
             ref = seq.lora
-            if ref is None or ref.key not in room.keys or ref.key in room.pinned:
+            if ref is None or ref.key not in room.in_use or ref.key in room.pinned:
                 continue
             users.setdefault(ref.key, []).append(seq)
             if ref.key not in refs:
@@ -559,20 +559,20 @@ class Scheduler:
 
     def _count_deferred(self, barrier: dict[str, int], room: _Room) -> tuple[int, int]:
         count = newly = 0
-        held: dict[str, bool] = {}  # adapter key -> held back by the adapter rules
+        deferred: dict[str, bool] = {}  # adapter key -> held back by the adapter rules
         for seq in self.waiting:
             lora = seq.lora
             if lora is None:
                 seq.deferred = False
                 continue
             key = lora.key
-            if key not in held:
-                held[key] = (self._blocked and key not in barrier) or (
-                    key not in room.keys
+            if key not in deferred:
+                deferred[key] = (self._blocked and key not in barrier) or (
+                    key not in room.in_use
                     and room.adapters.ready(lora)
                     and (not room.fits(lora) or key in room.unplaced)
                 )
-            seq.deferred = held[key]
+            seq.deferred = deferred[key]
             if seq.deferred:
                 seq.deferred_steps += 1
                 count, newly = count + 1, newly + (seq.deferred_steps == 1)
@@ -620,13 +620,13 @@ class Scheduler:
         return {k for s in self.running if (k := s.lora_key) is not None}
 
     @property
-    def pinned_lora_keys(self) -> set[str]:
+    def in_use_lora_keys(self) -> set[str]:
         """Adapters that must stay resident now: the running ones and, while a step admits
         requests, those placed for them (KV reclaim must not evict them)."""
-        pinned = self.running_lora_keys
+        in_use = self.running_lora_keys
         if self._room is not None:
-            pinned |= self._room.placed
-        return pinned
+            in_use |= self._room.placed
+        return in_use
 
     @property
     def waiting_lora_keys(self) -> set[str]:

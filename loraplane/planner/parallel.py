@@ -63,15 +63,16 @@ def rank_shape(shape: ModelShape, size: int) -> ModelShape:
     check_split(shape, size)
     if size == 1:
         return shape
-    return dataclasses.replace(
-        shape,
-        name=f"{shape.name} (1 of {size} ranks)",
-        num_heads=shape.num_heads // size,
-        num_kv_heads=max(1, shape.num_kv_heads // size),
-        intermediate_size=shape.intermediate_size // size,
-        moe_intermediate_size=shape.moe_intermediate_size // size,  # each expert's columns
-        vocab_size=-(-shape.vocab_size // size),
+    spec = shape.spec
+    local = dataclasses.replace(
+        spec,
+        name=f"{spec.name} (1 of {size} ranks)",
+        num_heads=spec.num_heads // size,
+        num_kv_heads=max(1, spec.num_kv_heads // size),
+        intermediate_size=spec.intermediate_size // size,
+        moe_intermediate_size=spec.moe_intermediate_size // size,  # each expert's columns
     )
+    return dataclasses.replace(shape, spec=local, vocab_size=-(-shape.vocab_size // size))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,8 +6,8 @@ adapter rules (deferral, the starvation barrier), tenant turns and whatever else
 does are in every plan. What this module adds is what the engine does around it, in simulated
 time (`Engine.step`):
 - housekeeping: the waiting requests' adapters are prefetched (`tiers.SimTiers`); a step with
-  seats free waits for those loads up to `min(1/2, held / running)` of a step
-  (`Engine._wait_for_loads`);
+  seats free waits for those loads up to `min(1/2, awaiting / running)` of a step, `awaiting`
+  the waiting requests they hold up (`Engine.wait_for_loads`);
 - the scheduler forms the batch against the simulated tiers (`SimTiers` is its `Adapters`);
   the cost model prices the batch (`StepShape`); the step's adapters become the most recently
   used and the host tier is trimmed; `postprocess` gets a fake token per sampled row, so a
@@ -296,6 +296,8 @@ class Replica:
         return self._finish_step(out, now, end)
 
     def _wait_for_loads(self, now: float) -> float:
+        """`Engine.wait_for_loads` in simulated time: the time the step starts, `now` or a
+        later one at which the loads it waited for ended (or its wait ran out)."""
         sched, tiers = self.scheduler, self.tiers
         seats = self.s.max_num_seqs - len(sched.running)
         if seats <= 0 or self.step_ewma <= 0:
@@ -303,17 +305,17 @@ class Replica:
         loading = tiers.pending()
         if not loading:
             return now
-        # waiting requests held by those loads, counted up to the free seats (all that
+        # waiting requests those loads hold up, counted up to the free seats (all that
         # matters); every adapter loading or queued is a waiting request's (the prefetch list)
-        held = 0
+        awaiting = 0
         for q in sched.waiting:
             if q.lora is not None and q.lora.key in loading:
-                held += 1
-                if held >= seats:
+                awaiting += 1
+                if awaiting >= seats:
                     break
-        if not held:
+        if not awaiting:
             return now
-        share = held / max(1, len(sched.running))
+        share = awaiting / max(1, len(sched.running))
         deadline = now + min(MAX_LOAD_WAIT_FRACTION, share) * self.step_ewma
         while loading & tiers.pending():
             end = tiers.next_load_end()

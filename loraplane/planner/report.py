@@ -60,7 +60,7 @@ class PlanReport:
         """The JSON object `--json` prints."""
         plan = self.plan
         out: dict[str, Any] = {
-            "model": dataclasses.asdict(self.shape) | {"params": self.shape.num_params()},
+            "model": self.shape.as_dict() | {"params": self.shape.num_params()},
             "dtype": self.config.dtype,
             "quantization": self.config.quantization,
             "tensor_parallel_size": self.config.tensor_parallel_size,

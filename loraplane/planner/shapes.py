@@ -1,11 +1,11 @@
 """Base model shapes: named ones (Llama-3, Mistral-7B, Qwen2/Qwen3, Gemma 3, Phi-4, Mixtral,
 Qwen3-30B-A3B, ...) or a model folder of any family the adapter core knows.
 
-A `ModelShape` is what the planner needs to size a replica: the decoder's dimensions, the
-vocabulary and whether the embedding is tied (weights), the KV heads (KV cache), a mixture of
-experts' expert count and top-k (total vs active parameters), and the module shapes adapters
-attach to, which come from the adapter core's own `BaseModelSpec` (fused names for Phi-3, one
-entry per expert in a sparse layer).
+A `ModelShape` is what the planner needs to size a replica: the decoder's dimensions, the KV
+heads (KV cache), a mixture of experts' expert count and the module shapes adapters attach to
+(fused names for Phi-3, one entry per expert in a sparse layer), all of them the adapter
+core's own `BaseModelSpec`, which it holds; and its own: the vocabulary and whether the
+embedding is tied (weights), and a mixture of experts' top-k (total vs active parameters).
 """
 
 from __future__ import annotations
@@ -28,25 +28,25 @@ _FUSED_ROLE = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
 _MIXTRAL_ROLE = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
+# The order `plan --json` prints a shape's fields in under "model" (`ModelShape.as_dict`)
+_JSON_FIELDS = ("name", "model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
+                "tie_word_embeddings", "num_experts", "experts_per_tok", "moe_intermediate_size",
+                "moe_layers")  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """Dimensions of a Llama-family decoder (HF config.json field names in comments)."""
+    """A decoder as the planner sizes it: the adapter core's `BaseModelSpec` (layers, widths,
+    heads, experts: the module shapes adapters attach to), whose fields it reads through
+    (`shape.num_layers` is `shape.spec.num_layers`), and what only the planner needs (HF
+    config.json field names in comments)."""
 
-    name: str
-    model_type: str
-    num_layers: int  # num_hidden_layers
-    hidden_size: int
-    num_heads: int  # num_attention_heads
-    num_kv_heads: int  # num_key_value_heads
-    head_dim: int
-    intermediate_size: int
+    spec: BaseModelSpec
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    num_experts: int = 0  # a mixture of experts' experts per sparse layer
-    experts_per_tok: int = 0  # top-k: the experts each token runs through
-    moe_intermediate_size: int = 0  # one expert's
-    moe_layers: tuple[int, ...] = ()  # the sparse layers
+    experts_per_tok: int = 0  # num_experts_per_tok, top-k: the experts each token runs through
 
     def __post_init__(self) -> None:
         for field in (
@@ -68,21 +68,58 @@ class ModelShape:
             raise ValueError("experts_per_tok must be between 1 and num_experts")
 
     @property
-    def spec(self) -> BaseModelSpec:
-        """The adapter core's view of this model (module shapes for adapter bytes)."""
-        return BaseModelSpec(
-            name=self.name,
-            model_type=self.model_type,
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            num_experts=self.num_experts,
-            moe_intermediate_size=self.moe_intermediate_size,
-            moe_layers=self.moe_layers,
-        )
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def model_type(self) -> str:
+        return self.spec.model_type
+
+    @property
+    def num_layers(self) -> int:
+        """num_hidden_layers"""
+        return self.spec.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def num_heads(self) -> int:
+        """num_attention_heads"""
+        return self.spec.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """num_key_value_heads"""
+        return self.spec.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.spec.intermediate_size
+
+    @property
+    def num_experts(self) -> int:
+        """A mixture of experts' experts per sparse layer (0: dense)."""
+        return self.spec.num_experts
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """One expert's."""
+        return self.spec.moe_intermediate_size
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The sparse layers."""
+        return self.spec.moe_layers
+
+    def as_dict(self) -> dict[str, Any]:
+        """The shape's numbers, flat (the spec's and the planner's own): `plan --json`."""
+        return {field: getattr(self, field) for field in _JSON_FIELDS}
 
     def _layer_linear(self, layer: int, experts: int) -> int:
         spec = self.spec
@@ -159,21 +196,11 @@ class ModelShape:
             tied = spec.model_type in TIED_BY_DEFAULT
         top_k = text.get("num_experts_per_tok") or (2 if spec.model_type == "mixtral" else 8)
         return cls(
-            name=name,
-            model_type=spec.model_type,
-            num_layers=spec.num_layers,
-            hidden_size=spec.hidden_size,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            intermediate_size=spec.intermediate_size,
+            spec,
             vocab_size=vocab,
             max_position_embeddings=int(max_len),
             tie_word_embeddings=bool(tied),
-            num_experts=spec.num_experts,
             experts_per_tok=int(top_k) if spec.num_experts else 0,
-            moe_intermediate_size=spec.moe_intermediate_size,
-            moe_layers=spec.moe_layers,
         )
 
     @classmethod
@@ -193,8 +220,11 @@ def _shape(name: str, model_type: str, layers: int, hidden: int, heads: int, kv:
            tied: bool = False, experts: int = 0, top_k: int = 0,
            moe_inter: int = 0) -> ModelShape:  # fmt: skip
     moe_layers = tuple(range(layers)) if experts else ()
-    return ModelShape(name, model_type, layers, hidden, heads, kv, head_dim, inter, vocab,
-                      max_len, tied, experts, top_k, moe_inter, moe_layers)  # fmt: skip
+    spec = BaseModelSpec(name, model_type, num_layers=layers, hidden_size=hidden,
+                         intermediate_size=inter, num_heads=heads, num_kv_heads=kv,
+                         head_dim=head_dim, num_experts=experts, moe_intermediate_size=moe_inter,
+                         moe_layers=moe_layers)  # fmt: skip
+    return ModelShape(spec, vocab, max_len, tied, top_k)
 
 
 # From each model's published config.json.

@@ -76,11 +76,10 @@ class SimTiers:
         if key not in self.host:
             return False
         if len(self.device) >= self.capacity:
-            keep = set(in_use)
-            keep.add(key)
-            wants = set(wanted)
-            idle = [k for k in self.device if k not in keep]  # least recently used first
-            idle.sort(key=lambda k: k in wants)  # stable: the unwanted first, in LRU order
+            in_use = {*in_use, key}
+            wanted = set(wanted)
+            idle = [k for k in self.device if k not in in_use]  # least recently used first
+            idle.sort(key=lambda k: k in wanted)  # stable: the unwanted first, in LRU order
             while len(self.device) >= self.capacity:
                 if not idle:
                     return False
@@ -91,7 +90,7 @@ class SimTiers:
 
     # -- the engine's side ---------------------------------------------------------------------
 
-    def hold(self, keys: Iterable[str]) -> None:
+    def warm(self, keys: Iterable[str]) -> None:
         """Put copies of `keys` in host memory now (a replica that served them before)."""
         for key in keys:
             self.host[key] = None
@@ -105,13 +104,13 @@ class SimTiers:
             for key in [k for k in tier if k in keys]:
                 tier.move_to_end(key)
 
-    def trim_host(self, keep: set[str]) -> None:
+    def trim_host(self, in_use: set[str]) -> None:
         """Evict host copies beyond `max_cpu_loras`, least recently used first, never one on
-        the device or in `keep`."""
+        the device or in `in_use`."""
         excess = len(self.host) - self.max_cpu_loras
         if excess <= 0:
             return
-        for key in [k for k in self.host if k not in self.device and k not in keep][:excess]:
+        for key in [k for k in self.host if k not in self.device and k not in in_use][:excess]:
             del self.host[key]
 
     def prefetch(self, refs: Iterable[LoRARef], now: float) -> None:

@@ -19,7 +19,7 @@ from loraplane.dataplane.kernels import dispatch, sgmv_cpu
 from loraplane.dataplane.kernels import sgmv_cpu_prebuilt as prebuilt
 from loraplane.dataplane.kernels.sgmv_torch import lora_apply as oracle
 from loraplane.dataplane.lora import LoRABatch
-from loraplane.dataplane.lora.pool import ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
 
 IN, OUT = 96, 80
 

@@ -104,8 +104,10 @@ def test_a_sequence_never_gets_a_block_an_adapter_holds(families: dict[str, Fami
     original = engine.runner.execute
 
     def checked(out: Any, in_use: Any, wanted: Any = None) -> torch.Tensor:
+        pool = engine.runner.pool
+        placements = [pool.placement(slot) for slot in range(pool.num_slots)]
         reserved = {
-            b for p in engine.runner.pool._placements if p is not None
+            b for p in placements if p is not None
             for b in range(p.first, p.first + p.num_blocks)
         }  # fmt: skip
         for row in out.scheduled:

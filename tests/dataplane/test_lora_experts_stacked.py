@@ -30,7 +30,8 @@ from loraplane.dataplane.lora.experts import (
 from loraplane.dataplane.lora.layers import LoRAContext
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.lora.metadata import LoRABatch
-from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
+from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.models.moe import MoEConfig, SparseMoeBlock
 
 NUM_EXPERTS, NUM_SLOTS, TOP_K = 4, 5, 2

@@ -33,7 +33,7 @@ from loraplane.dataplane.lora.experts import (  # noqa: E402
     route_rows,
 )
 from loraplane.dataplane.lora.metadata import LoRABatch  # noqa: E402
-from loraplane.dataplane.lora.pool import ModuleSlots  # noqa: E402
+from loraplane.dataplane.lora.module_slots import ModuleSlots  # noqa: E402
 
 if INTERPRETED and type(st._shrink_kernel).__name__ != "InterpretedFunction":
     pytest.skip(

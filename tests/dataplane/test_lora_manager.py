@@ -262,7 +262,7 @@ def test_idle_stored_versions_are_forgotten_and_registered_again_on_use(
     m.prefetch([refs["r4"]])
     m.wait_for([refs["r4"]], timeout=5)  # r4 holds a host copy: it stays
     time.sleep(0.05)
-    forgotten = m.forget_idle(0.01, keep=[refs["r16"].key])  # r16 is wanted by a request
+    forgotten = m.forget_idle(0.01, needed=[refs["r16"].key])  # r16 is wanted by a request
     assert [r.name for r in forgotten] == ["r8-qv"]
     assert not m.is_registered(refs["r8-qv"]) and m.lookup("r8-qv", "acme") is None
     assert all(m.is_registered(r) for r in (refs["r4"], refs["r16"], static))

@@ -28,7 +28,7 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora import LoRABatch, LoRAPool, install_lora, load_lora
 from loraplane.dataplane.lora.experts import expert_lora_torch, route_rows
-from loraplane.dataplane.lora.pool import ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
 from loraplane.dataplane.models import load_model, read_config
 from loraplane.dataplane.models.moe import MoEConfig, MoEForCausalLM
 from tests.dataplane.conftest import Family, LoadedModel, PagedRunner, Seq

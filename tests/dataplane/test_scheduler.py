@@ -702,18 +702,18 @@ def test_random_traffic_keeps_the_adapter_memory_budget_and_finishes_every_reque
     assert all(s.finish_reason is FinishReason.LENGTH for s in everyone)
 
 
-def test_an_adapter_placed_for_a_request_being_admitted_is_pinned_against_kv_reclaim() -> None:
+def test_an_adapter_placed_for_a_request_being_admitted_is_in_use_against_kv_reclaim() -> None:
     """With adapters in KV blocks, admitting a request first places its adapter, then finds
     its KV blocks; if that asks idle adapters for blocks, the one just placed is not idle."""
     sched = make(num_blocks=8, block_size=4, max_loras=8)
     seen: list[set[str]] = []
     sched.block_manager.reserve(6)  # idle adapters' runs: only 2 blocks are free
-    sched.block_manager.reclaim = lambda short: seen.append(sched.pinned_lora_keys)
+    sched.block_manager.reclaim = lambda short: seen.append(sched.in_use_lora_keys)
     new = seq(prompt_len=12, lora=adapter("new"))  # needs 3 blocks: reclaim is asked
     sched.add(new)
     sched.schedule(Tiers())
-    assert seen and all(adapter("new").key in pinned for pinned in seen)
-    assert sched.pinned_lora_keys == sched.running_lora_keys  # outside admission: running only
+    assert seen and all(adapter("new").key in in_use for in_use in seen)
+    assert sched.in_use_lora_keys == sched.running_lora_keys  # outside admission: running only
 
 
 def test_admission_places_an_adapter_knowing_which_ones_waiting_requests_need() -> None:

@@ -46,7 +46,7 @@ from loraplane.dataplane.kernels.slot_weights import SlotWeights
 
 if TYPE_CHECKING:  # annotations only: `lora.layers` imports this module
     from loraplane.dataplane.lora.metadata import LoRABatch
-    from loraplane.dataplane.lora.pool import ModuleSlots
+    from loraplane.dataplane.lora.module_slots import ModuleSlots
 
 ENV = SGMV_ENV
 BACKENDS = SGMV_BACKENDS

@@ -45,7 +45,7 @@ from loraplane.dataplane.kernels.sgmv_torch import checked_pair
 
 if TYPE_CHECKING:
     from loraplane.dataplane.lora.metadata import LoRABatch
-    from loraplane.dataplane.lora.pool import ModuleSlots
+    from loraplane.dataplane.lora.module_slots import ModuleSlots
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 from loraplane.dataplane.lora.layers import LinearWithLoRA, LoRAContext, install_lora
 from loraplane.dataplane.lora.loader import load_lora
 from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
-from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
+from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.lora.weights import LoadedAdapter, LoRAWeights
 
 __all__ = [

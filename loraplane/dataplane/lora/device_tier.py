@@ -50,10 +50,10 @@ class DeviceTier:
     ) -> None:
         """Put every adapter in `keys` (all in host memory) into a device slot, evicting
         least-recently-used adapters that are neither in `keys` nor `in_use`; those in
-        `wanted` (needed by waiting requests) go only after every other idle one. Then trims
-        the host tier, keeping the copies of all of those."""
+        `wanted` (of waiting requests) go only after every other idle one. Then trims the host
+        tier, keeping the copies of all of those (the needed ones)."""
         keys = list(keys)
-        keep = set(keys) | set(in_use)
+        in_use = set(keys) | set(in_use)  # the step's own adapters are in use too
         wanted = set(wanted)
         with self._registry.lock:
             clock = self._registry.tick()
@@ -66,12 +66,12 @@ class DeviceTier:
                     continue
                 if entry.host is None:
                     raise RuntimeError(f"adapter {key} is not in host memory")
-                if not self._place(entry, keep, wanted):
+                if not self._place(entry, in_use, wanted):
                     raise RuntimeError(
                         "the adapters of running requests fill the adapter memory: the"
                         " scheduler admitted more than fits"
                     )
-            self._host.evict(keep | wanted)
+            self._host.evict(in_use | wanted)
 
     def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str] = ()) -> bool:
         """Make `ref` (in host memory) resident now if it can be, evicting idle adapters as
@@ -91,17 +91,17 @@ class DeviceTier:
                 log.warning("placing adapter %s on the device failed: %r", ref.key, e)
                 return False
 
-    def _place(self, entry: Entry, keep: set[str], wanted: set[str]) -> bool:
-        """Load `entry` into a slot, evicting idle residents (not in `keep`; those in `wanted`
-        last) until it fits: within the budget, and with an arena, into a run of blocks. With
-        an arena the run is found first, counting idle adapters' blocks as free: only the
-        adapters it overlaps are evicted, and none when no run can be made (the running
-        adapters' share of the budget is the scheduler's to keep). Under the lock."""
+    def _place(self, entry: Entry, in_use: set[str], wanted: set[str]) -> bool:
+        """Load `entry` into a slot, evicting idle residents (not in `in_use`; those in
+        `wanted` last) until it fits: within the budget, and with an arena, into a run of
+        blocks. With an arena the run is found first, counting idle adapters' blocks as free:
+        only the adapters it overlaps are evicted, and none when no run can be made (the
+        running adapters' share of the budget is the scheduler's to keep). Under the lock."""
         host = entry.host
         if host is None:
             raise RuntimeError(f"adapter {entry.ref.key} is not in host memory")
         start = time.perf_counter()
-        victims = self._victims(keep, wanted)  # the first to evict last
+        victims = self._victims(in_use, wanted)  # the first to evict last
         if self.pool.arena is not None and not self._free_a_run(host, victims):
             return False
         budget = None if self.pool.arena is not None else self.budget_bytes
@@ -131,7 +131,7 @@ class DeviceTier:
         order = victims[::-1]
         runs = []
         for victim in order:
-            placement = None if victim.slot is None else self.pool._placements[victim.slot]
+            placement = None if victim.slot is None else self.pool.placement(victim.slot)
             runs.append((0, 0) if placement is None else (placement.first, placement.num_blocks))
         needed = arena.runs_to_free(arena.blocks_for(host), runs)
         if needed is None:
@@ -149,11 +149,11 @@ class DeviceTier:
             self.stats.failures += 1
             raise
 
-    def _victims(self, keep: set[str], wanted: set[str]) -> list[Entry]:
-        """Idle residents, the first to evict (none waits for it, least recently used) last;
-        pinned versions are never among them."""
+    def _victims(self, in_use: set[str], wanted: set[str]) -> list[Entry]:
+        """Idle residents (not in `in_use`), the first to evict (not wanted, least recently
+        used) last; pinned versions are never among them."""
         entries, pinned = self._registry.entries, self._registry.pinned
-        idle = [entries[k] for k in self.slots.values() if k not in keep and k not in pinned]
+        idle = [entries[k] for k in self.slots.values() if k not in in_use and k not in pinned]
         return sorted(idle, key=lambda e: (e.ref.key not in wanted, -e.last_used))
 
     def reclaim_blocks(self, short: int, in_use: Iterable[str], wanted: Iterable[str]) -> None:

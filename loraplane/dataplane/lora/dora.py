@@ -39,7 +39,7 @@ from loraplane.dataplane.lora.weights import LoRAWeights
 
 if TYPE_CHECKING:
     from loraplane.dataplane.lora.metadata import LoRABatch
-    from loraplane.dataplane.lora.pool import ModuleSlots
+    from loraplane.dataplane.lora.module_slots import ModuleSlots
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # elements of a base weight a fingerprint hashes besides its row norms (`base_print`)

@@ -37,7 +37,7 @@ from loraplane.dataplane.lora import dora
 from loraplane.dataplane.lora.weights import LoadedAdapter
 
 if TYPE_CHECKING:
-    from loraplane.dataplane.lora.pool import ModuleSlots
+    from loraplane.dataplane.lora.module_slots import ModuleSlots
 
 log = logging.getLogger(__name__)
 # the cache's folder in a disk tier's root (model_runner.py; not a digest: the tier skips it)

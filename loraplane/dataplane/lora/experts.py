@@ -35,7 +35,8 @@ import torch
 
 from loraplane.dataplane.kernels import dispatch
 from loraplane.dataplane.lora.metadata import BASE_SLOT, LoRABatch
-from loraplane.dataplane.lora.pool import LoRAPool, ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
+from loraplane.dataplane.lora.pool import LoRAPool
 
 Segment = tuple[int, int, int]  # (slot, start, end): rows start:end of one expert use slot
 

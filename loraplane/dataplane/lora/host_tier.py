@@ -132,18 +132,19 @@ class HostTier:
         entry.host_bytes = 0
         self._peer_parts.pop(entry.ref.key, None)
 
-    def evict(self, in_use: Iterable[str] = ()) -> None:
+    def evict(self, needed: Iterable[str] = ()) -> None:
         """Drop the least recently used copies beyond `max_cpu_loras` (under the lock), none in
-        a device slot, in `in_use` or pinned: the tier may stay over its size until they go."""
+        a device slot, in `needed` (in use or wanted) or pinned: the tier may stay over its
+        size until they go."""
         excess = len(self.hosted) - self.max_cpu_loras
         if excess <= 0:
             return
-        in_use = set(in_use)
+        needed = set(needed)
         pinned = self._registry.pinned
         for victim in sorted(self.hosted.values(), key=lambda e: e.last_used):
             if excess <= 0:
                 break
-            if victim.slot is not None or victim.ref.key in in_use or victim.ref.key in pinned:
+            if victim.slot is not None or victim.ref.key in needed or victim.ref.key in pinned:
                 continue
             self._forget(victim)
             victim.host, victim.state = None, State.COLD

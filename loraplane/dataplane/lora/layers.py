@@ -21,7 +21,8 @@ from loraplane.dataplane.devices import same_device
 from loraplane.dataplane.kernels import cpu_linear, dispatch
 from loraplane.dataplane.lora import dora
 from loraplane.dataplane.lora.metadata import LoRABatch
-from loraplane.dataplane.lora.pool import FUSED_MODULES, LoRAPool, ModuleSlots
+from loraplane.dataplane.lora.module_slots import ModuleSlots
+from loraplane.dataplane.lora.pool import FUSED_MODULES, LoRAPool
 
 # HF names of the projections an adapter may target, e.g. model.layers.3.self_attn.q_proj
 # (Phi-3's fused qkv_proj / gate_up_proj included)

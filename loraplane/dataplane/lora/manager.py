@@ -169,12 +169,12 @@ class LoRAManager:
                 self.host.drop(entry)
         return [e.ref for e in gone]
 
-    def forget_idle(self, idle_s: float, keep: Iterable[str] = ()) -> list[LoRARef]:
+    def forget_idle(self, idle_s: float, needed: Iterable[str] = ()) -> list[LoRARef]:
         """Forget stored versions (catalog mode) that nothing has used for `idle_s` seconds,
-        that hold no host copy or slot and that no request in `keep` needs: the registry must
+        that hold no host copy or slot and are not `needed` by a request: the registry must
         not grow with every version ever served. The next request registers one again."""
         with self.registry.lock:
-            idle = self.registry.forget_idle(idle_s, keep)
+            idle = self.registry.forget_idle(idle_s, needed)
             if idle:
                 self.loads.forget_unregistered()
         return [e.ref for e in idle]

@@ -10,8 +10,8 @@ Rank-exact: a slot's memory is one buffer sized to its adapter's own A and B ten
 pads every slot to max_lora_rank instead), so a rank-8 adapter costs an eighth of a rank-64
 one. Where the host copy already has the slot's device and dtype (CPU serving), the slot reads
 it in place: no second copy, and no second set of bytes. The LoRA layers read the pool
-through `ModuleSlots`, one per (layer, module), whose per-slot lists the kernels index by
-slot id.
+through `ModuleSlots` (lora/module_slots.py), one per (layer, module), whose per-slot lists
+the kernels index by slot id.
 
 A DoRA adapter's slot also holds, per module, its per-row scale g = m / ||W + s B A|| ([out],
 fp32; lora/dora.py), computed from the base weight W (the LoRA layers register their base
@@ -25,18 +25,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.lora import dora, dora_cache, host_form
+from loraplane.dataplane.lora.module_slots import ModuleSlots
 from loraplane.dataplane.lora.weights import LoadedAdapter, LoRAWeights
 
 if TYPE_CHECKING:
-    from loraplane.dataplane.kernels import sgmv_cpu
-    from loraplane.dataplane.kernels.sgmv_torch import CheckedPair
-    from loraplane.dataplane.kernels.slot_weights import SlotWeights
     from loraplane.dataplane.lora.arena import KVArena, Placement
 
 
@@ -54,44 +51,6 @@ def layer_engine_modules(spec: BaseModelSpec, layer: int) -> tuple[str, ...]:
     """The adaptable linears of decoder layer `layer`: a sparse layer's attention and each
     expert's, `experts.N.NAME` (lora/experts.py), else `engine_modules`."""
     return spec.layer_modules(layer) if spec.is_moe_layer(layer) else engine_modules(spec)
-
-
-class ModuleSlots:
-    """Every slot's A, B and scale for one (layer, module); None where a slot does not adapt it."""
-
-    def __init__(self, num_slots: int, device: torch.device) -> None:
-        self.lora_a: list[torch.Tensor | None] = [None] * num_slots  # slot -> [r, in]
-        # slot -> [out, r]; on a pool with b_transposed, the transpose of a dense [r, out]
-        self.lora_b: list[torch.Tensor | None] = [None] * num_slots
-        self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [num_slots]
-        # the CPU kernel's per-slot memo of checked shapes (sgmv_torch.lora_apply_grouped)
-        self.checked: list[CheckedPair | None] = [None] * num_slots
-        # the slot table CUDA graphs read (cuda_graphs.py keeps it current), None without them
-        self.graph_table: SlotWeights | None = None
-        # the native CPU kernel's slot table (sgmv_cpu.lora_apply makes it on first use)
-        self.native: sgmv_cpu.NativeTable | None = None
-        # DoRA: slot -> its per-row scale g [out] fp32 (lora/dora.py), None for plain LoRA;
-        # bit k of dora_mask set when slot k has one
-        self.dora: list[torch.Tensor | None] = [None] * num_slots
-        self.dora_mask = 0
-        # the base projection the LoRA layer wraps (install_lora): DoRA's norm reads its weight
-        self.base: nn.Module | None = None
-        # ||W_i||^2 per row of that weight [out] fp64, once a DoRA adapter needed it (every
-        # later one starts from it: lora/dora.py), and the weight's fingerprint
-        # (dora.base_print: the norm cache's key)
-        self.base_sq: torch.Tensor | None = None
-        self.base_print: bytes | None = None
-
-    def clear(self, slot: int) -> None:
-        """Forget the slot's tensors (the pool frees its buffer)."""
-        self.lora_a[slot] = None
-        self.lora_b[slot] = None
-        self.checked[slot] = None
-        self.dora[slot] = None
-        self.dora_mask &= ~(1 << slot)
-        self.scales[slot] = 0.0
-        if self.native is not None:
-            self.native.forget(slot)
 
 
 class LoRAPool:
@@ -186,8 +145,10 @@ class LoRAPool:
                     f"DoRA adapter on layer {layer} {module} cannot be served: {why}",
                 )
 
-    def _transposing(self) -> bool:
-        """True when slots hold B transposed (an arena lays out its own copies)."""
+    @property
+    def transposes_b(self) -> bool:
+        """True when host copies and slots hold B transposed (`b_transposed`, unless an arena
+        lays out its own copies): the layout a tensor-parallel worker's parts take too."""
         return self.b_transposed and self.arena is None
 
     def host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
@@ -198,7 +159,7 @@ class LoRAPool:
         none of that work."""
         self.check_dora(adapter)
         cuda = self.device.type == "cuda"
-        host = host_form.convert(adapter, self.dtype, transposed=self._transposing(), cuda=cuda)
+        host = host_form.convert(adapter, self.dtype, transposed=self.transposes_b, cuda=cuda)
         return dora_cache.with_norms(host, self._modules, self.dtype, self.norm_cache, pin=cuda)
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
@@ -307,7 +268,7 @@ class LoRAPool:
         self._free.discard(slot)
 
     def _can_share(self, t: torch.Tensor) -> bool:
-        dense = t.is_contiguous() or (self._transposing() and t.t().is_contiguous())
+        dense = t.is_contiguous() or (self.transposes_b and t.t().is_contiguous())
         return dense and t.device == self.device and t.dtype == self.dtype
 
     def free(self, slot: int) -> None:
@@ -337,6 +298,11 @@ class LoRAPool:
     def free_slot(self) -> int | None:
         """The lowest free slot, or None when every slot holds an adapter."""
         return min(self._free) if self._free else None
+
+    def placement(self, slot: int) -> Placement | None:
+        """The run of KV blocks the slot's adapter lies in (with an arena), else None."""
+        self._check_slot(slot)
+        return self._placements[slot]
 
     def slot_bytes(self, slot: int) -> int:
         """Device bytes the slot's adapter occupies (0 when free)."""

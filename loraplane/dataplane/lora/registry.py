@@ -94,11 +94,11 @@ class Registry:
             del self.entries[entry.ref.key]
         return gone
 
-    def forget_idle(self, idle_s: float, keep: Iterable[str]) -> list[Entry]:
+    def forget_idle(self, idle_s: float, needed: Iterable[str]) -> list[Entry]:
         """Forget the stored versions that nothing has used for `idle_s` seconds, that hold
-        no host copy or slot, are not pinned and that no request in `keep` needs; their
+        no host copy or slot, are not pinned and are not `needed` by a request; their
         entries. A static version is never forgotten: it could not be registered again."""
-        keep = set(keep)
+        needed = set(needed)
         horizon = time.monotonic() - idle_s
         with self.lock:
             idle = [
@@ -109,7 +109,7 @@ class Registry:
                 and e.slot is None
                 and e.state in (State.COLD, State.FAILED)
                 and e.touched < horizon
-                and e.ref.key not in keep
+                and e.ref.key not in needed
                 and e.ref.key not in self.pinned
             ]
             for entry in idle:
