@@ -133,6 +133,11 @@ class BlockManager:
         """Fraction of blocks in use by some sequence (vllm:kv_cache_usage_perc)."""
         return 1.0 - (self.num_free_blocks + self.num_reserved) / self.num_blocks
 
+    def held_map(self) -> bytearray:
+        """A copy of the map `reserve` searches: per block 1 when reserved or used by a
+        sequence, 0 when nobody holds it (the adapter arena plans its reclaims on it)."""
+        return bytearray(self._held)
+
     def reserve(self, n: int) -> int | None:
         """Take a run of `n` consecutive blocks that no sequence uses (free, or cached and
         evicted for it), the highest such run; return its first id, or None when no run is

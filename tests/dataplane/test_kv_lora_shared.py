@@ -259,7 +259,7 @@ def test_a_run_is_planned_from_the_fewest_idle_adapters_it_overlaps(
             blocks.release(f, k)
     runs = [(f, k) for is_adapter, f, k in spans if is_adapter]
     rng.shuffle(runs)  # any eviction order
-    held = bytearray(blocks._held)
+    held = blocks.held_map()
     plan = arena.runs_to_free(n, runs)
     every = bytearray(held)
     for f, k in runs:

@@ -130,9 +130,9 @@ class KVArena:
         ones, so an adapter the run does not touch stays; [] when a run is free now; None
         when there is none even with all of `runs` freed (under fragmentation, sequences'
         blocks split the cache): then freeing any of them would be for nothing."""
-        # the block manager's own map (1: reserved or used by a sequence), copied to plan on;
+        # the block manager's map (1: reserved or used by a sequence), a copy to plan on;
         # `reserve` looks for the same thing in it (the highest run of n zeros)
-        held = bytearray(self.blocks._held)
+        held = self.blocks.held_map()
         if n < 1 or n > len(held):
             return None
         empty = bytes(n)
