@@ -14,27 +14,19 @@ interpreter is slow.
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import random
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+from tests.dataplane.triton_mode import DEVICE, INTERPRETED, require_triton
 
-import dataclasses  # noqa: E402
-import random  # noqa: E402
-import textwrap  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
+require_triton()
 
 from loraplane.dataplane import attention, kv_quant  # noqa: E402
 from loraplane.dataplane.attention import AttentionMetadata, write_kv  # noqa: E402

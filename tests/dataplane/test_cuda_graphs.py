@@ -12,35 +12,29 @@ inside the capture) is checked by `benchmarks/gpu_check.sh` (engine step: graph 
 
 from __future__ import annotations
 
-import os
+import logging
+from collections.abc import Sequence
+from pathlib import Path
 
+import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-import logging  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-from loraplane.dataplane import attention  # noqa: E402
-from loraplane.dataplane.config import EngineConfig  # noqa: E402
-from loraplane.dataplane.cuda_graphs import (  # noqa: E402
+from loraplane.dataplane import attention
+from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.cuda_graphs import (
     Forward,
     batch_sizes,
     replay_eagerly,
 )
-from loraplane.dataplane.engine import Engine  # noqa: E402
-from loraplane.dataplane.kernels import dispatch  # noqa: E402
-from loraplane.dataplane.sampling import SamplingParams  # noqa: E402
-from loraplane.dataplane.sequence import LoRARef  # noqa: E402
-from tests.dataplane.conftest import Family  # noqa: E402
+from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.kernels import dispatch
+from loraplane.dataplane.sampling import SamplingParams
+from loraplane.dataplane.sequence import LoRARef
+from tests.dataplane.conftest import Family
 
 # fixtures: the Gemma models and their adapters, built once for this module
-from tests.dataplane.test_models_gemma_parity import gemma_families  # noqa: E402, F401
+from tests.dataplane.test_models_gemma_parity import gemma_families  # noqa: F401
+from tests.dataplane.triton_mode import INTERPRETED
 
 pytest.importorskip("triton")
 

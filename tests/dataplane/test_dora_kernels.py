@@ -12,24 +12,16 @@ kernels run in Triton's interpreter; the real capture is the `gpu` test at the e
 
 from __future__ import annotations
 
-import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
 
+import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+from tests.dataplane.triton_mode import DEVICE, INTERPRETED, require_triton
 
-import random  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
+require_triton()
 
 from loraplane.adapters.base_model import BaseModelSpec  # noqa: E402
 from loraplane.dataplane import attention  # noqa: E402

@@ -9,20 +9,12 @@ TRITON_INTERPRET unset, the compiled kernels run on CUDA tensors.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+from tests.dataplane.triton_mode import DEVICE, INTERPRETED, require_triton
 
-import pytest  # noqa: E402
-
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
+require_triton()
 
 from loraplane.dataplane.kernels import dispatch  # noqa: E402
 from loraplane.dataplane.kernels import sgmv_triton as st  # noqa: E402

@@ -9,24 +9,16 @@ the same tests run the compiled kernel on CUDA tensors.
 
 from __future__ import annotations
 
-import os
+import textwrap
+from pathlib import Path
 
+import pytest
 import torch
+from torch.nn import functional as F  # noqa: N812
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+from tests.dataplane.triton_mode import DEVICE, INTERPRETED, require_triton
 
-import textwrap  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from torch.nn import functional as F  # noqa: E402, N812
-
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-pytest.importorskip("triton")
+require_triton()
 
 from loraplane.dataplane.config import EngineConfig  # noqa: E402
 from loraplane.dataplane.engine import Engine  # noqa: E402
