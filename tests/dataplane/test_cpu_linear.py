@@ -14,10 +14,12 @@ from loraplane.dataplane.kernels import cpu_linear
 
 @pytest.fixture
 def weight_major() -> Iterator[None]:
-    before = cpu_linear.mode()
+    before, threads = cpu_linear.mode(), torch.get_num_threads()
     cpu_linear.set_mode("auto")
+    torch.set_num_threads(max(2, threads))  # where the weight-major order is taken
     yield
     cpu_linear.set_mode(before)
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64, 65, 200])
@@ -36,6 +38,12 @@ def test_it_equals_f_linear(weight_major: None, rows: int, bias: bool) -> None:
 
 
 def test_it_takes_decode_sized_fp32_rows_of_plain_linears_only(weight_major: None) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: F.linear is the faster order
+    try:
+        assert not cpu_linear.weight_major(nn.Linear(32, 48), torch.randn(8, 32))
+    finally:
+        torch.set_num_threads(threads)
     layer = nn.Linear(32, 48)
     assert cpu_linear.weight_major(layer, torch.randn(8, 32))
     assert cpu_linear.weight_major(layer, torch.randn(cpu_linear.ROWS_MAX, 32))

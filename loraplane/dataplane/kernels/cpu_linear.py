@@ -1,17 +1,19 @@
 """A CPU linear over the few rows of a decode step, computed weight-major: (W @ x^T)^T.
 
-`F.linear(x, W)` asks the BLAS for x @ W^T. For a decode step's few rows and an fp32 weight
-streamed from memory, torch's MKL sgemm reaches about half the bandwidth that the same product
-taken the other way round, W @ x^T, does on this project's machines (AMD EPYC, AVX-512; torch
-2.13 with MKL 2024.2). Measured on the SmolLM-135M shape, 2 threads, weights out of cache:
+`F.linear(x, W)` asks the BLAS for x @ W^T. For a decode step's few rows and fp32 weights
+streamed from memory, torch's MKL sgemm shares that product out poorly among threads: on this
+project's machines (AMD EPYC, AVX-512; torch 2.13, MKL 2024.2), with 2 threads it runs 1.26x
+faster than on one, while W @ x^T, the same product taken the other way round, runs 1.67x
+faster and so ends ahead. Measured on the SmolLM-135M shape, weights out of cache, 2 threads:
 30 layers' seven projections at 8 rows 44.3 ms against 39.3 ms, at 32 rows 85.4 against
-71.7 ms; the 49,152 x 576 lm_head at 8 rows 18.1 against 8.4 ms; a whole 8-row decode step of
-the engine 104 ms against 69 ms (benchmarks/engine_cpu.py prints its own pair). A single row
-costs the same both ways, and from about 128 rows on x @ W^T is as fast or faster, so only
-steps of at most `ROWS_MAX` rows take the other order.
+71.7 ms, at 64 rows 133.2 against 112.3 ms; the 49,152 x 576 lm_head at 8 rows 18.1 against
+8.4 ms; an engine decode step of 8 requests 102-106 ms against 68-70 ms. On one thread the
+order is the other way (55.9 against 65.5 ms at 8 rows), so one-thread processes keep
+`F.linear`; from about 128 rows on x @ W^T is as fast or faster, so only steps of at most
+`ROWS_MAX` rows take the other order. `benchmarks/engine_cpu.py` prints its own pair.
 
 `LORAPLANE_CPU_LINEAR` (read once, at import): `auto` (the rule above) or `torch` (always
-`F.linear`, e.g. on a CPU where a measurement says its BLAS needs no help). Only plain
+`F.linear`, e.g. on a CPU where that pair says its BLAS needs no help). Only plain
 `nn.Linear` layers in fp32 take this path: FP8 and 4-bit layers have kernels of their own, and
 bf16/fp16 on CPU were not measured.
 """
@@ -58,6 +60,7 @@ def weight_major(layer: nn.Module, x: torch.Tensor) -> bool:
         and x.shape[0] <= ROWS_MAX
         and x.device.type == "cpu"
         and layer.weight.dtype == torch.float32
+        and torch.get_num_threads() > 1
     )
 
 
