@@ -25,8 +25,15 @@ no GPU run has validated yet (tests/test_planner.py checks the simulator against
 replica only), so no run of this script can meet or miss them. What it predicts is in
 results/fleet_sim.md: met on the H100s, not on the H200s (1.04x, 1.10x with long outputs).
 Plot: benchmarks/results/fleet_sim.png, a column per scenario (p99 TTFT and tokens/s against
-the offered rate, every rate the searches simulated; Llama-3-8B bf16, 2,000 rank-16 adapters,
-Zipf(1.0), the roofline).
+the offered rate, every rate the searches simulated to the end; Llama-3-8B bf16, 2,000 rank-16
+adapters, Zipf(1.0), the roofline).
+Run time (issue 32): both searches only ask whether a point meets the target, so a point whose
+p99 is certain to miss it ends its run there (`simulate`'s `stop_past_ttft_p99_s`: once 1% of
+the counted requests have waited past 1 s for their first token, nothing later can bring the
+p99 back; tests/test_planner.py checks each verdict against the full run). The overloaded
+points, whose queues made them the slowest to simulate by far, are the ones cut; they are
+left out of the plot. The replica search reuses the rate search's point at round robin's
+rate, and the scenarios run in a process per core. Same figures, same verdicts.
 Run: .venv/bin/python benchmarks/fleet_sim.py [--scenarios h200,...] [--duration 40]
 (--smoke: 2 replicas, 100 adapters, 6 simulated seconds, one scenario)
 """
@@ -35,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from _common import RESULTS, add_smoke_flag, goal, report
 
@@ -67,8 +76,9 @@ POLICIES = {"round_robin": "round_robin", "lora_affinity": "lora_affinity",
 Panel = tuple[str, dict[str, list[tuple[float, FleetResult]]]]
 
 
-def scenario(name: str, replicas: int, adapters: int, duration: float, warmup: float,
-             panels: list[Panel]) -> dict[str, float]:  # fmt: skip
+def scenario(name: str, replicas: int, adapters: int, duration: float,
+             warmup: float) -> tuple[dict[str, float], Panel]:  # fmt: skip
+    """One scenario's figures (keys prefixed with its name) and its plot panel."""
     gpu_name, prompt, output = SCENARIOS[name]
     gpu = GPUS[gpu_name]
     shape = named_shape("llama-3-8b")
@@ -86,7 +96,8 @@ def scenario(name: str, replicas: int, adapters: int, duration: float, warmup: f
     best: dict[str, float] = {}
     for policy, run in POLICIES.items():
         began = time.perf_counter()
-        rate, results = max_rate(settings, cost, run, replicas, load, TTFT_P99_S, start)
+        rate, results = max_rate(settings, cost, run, replicas, load, TTFT_P99_S, start,
+                                 stop_early=True)  # fmt: skip
         best[policy] = rate
         curves[policy] = sorted(results.items())
         at = results.get(rate)
@@ -99,8 +110,13 @@ def scenario(name: str, replicas: int, adapters: int, duration: float, warmup: f
     rr = best["round_robin"]
     for policy, run in POLICIES.items():
         if rr > 0:
+            # only whether each fleet size meets the target counts here: a size that must
+            # miss stops there, and a point the rate search ran is not run again
+            at_rr = dict(curves[policy]).get(rr)
+            known = {replicas: at_rr} if at_rr is not None else None
             needed, _ = replicas_needed(settings, cost, run, dataclasses.replace(load, rate=rr),
-                                        TTFT_P99_S, max_replicas=4 * replicas)  # fmt: skip
+                                        TTFT_P99_S, max_replicas=4 * replicas, stop_early=True,
+                                        known=known)  # fmt: skip
             figures[f"{policy}_replicas_at_rr_rate"] = float(needed or 4 * replicas + 1)
     for policy in ("lora_affinity", "lora_affinity_w2", "lora_affinity_w4", "bounded_k"):
         figures[f"{policy}_over_rr_rate"] = best[policy] / rr if rr else 0.0
@@ -113,8 +129,13 @@ def scenario(name: str, replicas: int, adapters: int, duration: float, warmup: f
         f"{replicas} x {gpu_name.upper()}, prompt {prompt} / output {output} tokens:"
         f" {plan.adapters_resident} adapters at once per replica"
     )
-    panels.append((title, curves))
-    return {f"{name}_{k}": v for k, v in figures.items()}
+    # the plot draws the points simulated to the end (a cut point's p99 is only "> target")
+    drawn = {p: [(x, r) for x, r in c if not r.cut_short] for p, c in curves.items()}
+    return {f"{name}_{k}": v for k, v in figures.items()}, (title, drawn)
+
+
+def _scenario(job: tuple[str, int, int, float, float]) -> tuple[dict[str, float], Panel]:
+    return scenario(*job)
 
 
 def main() -> int:
@@ -131,8 +152,17 @@ def main() -> int:
         names, replicas, adapters, duration, warmup = names[:1], 2, 100, 6.0, 2.0
     figures: dict[str, float] = {}
     panels: list[Panel] = []
-    for name in names:
-        figures.update(scenario(name, replicas, adapters, duration, warmup, panels))
+    jobs = [(name, replicas, adapters, duration, warmup) for name in names]
+    # the scenarios are independent and each is seeded: one process per core, same figures
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            done = list(pool.map(_scenario, jobs))
+    else:
+        done = [_scenario(job) for job in jobs]
+    for found, panel in done:
+        figures.update(found)
+        panels.append(panel)
     if not args.smoke:
         from loraplane.planner.plot import plot_panels
 

@@ -17,7 +17,7 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.cli import main
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUS, LinearCost, Roofline, StepShape
-from loraplane.planner.fleet import Workload, draw_requests, simulate
+from loraplane.planner.fleet import Workload, counted_arrivals, draw_requests, simulate
 from loraplane.planner.memory import (
     AdapterProfile,
     arena_blocks,
@@ -425,6 +425,26 @@ def test_replicas_needed_is_the_fewest_that_meet_the_target() -> None:
     rate, points = max_rate(TINY, TINY_COST, "round_robin", n, load, 0.5, start=50.0,
                             tolerance=0.05)  # fmt: skip
     assert rate >= 150.0 * 0.9 and meets(points[rate], 0.5)
+
+
+def test_a_run_stopped_once_its_p99_must_miss_answers_as_the_full_run_does() -> None:
+    # from hopelessly overloaded (1 replica) to comfortable (4): the verdict of each point is
+    # the full run's, and only points that miss end early (their queues are the slow part)
+    load = dataclasses.replace(TINY_LOAD, rate=150.0, duration_s=10, warmup_s=2)
+    cut = 0
+    for n in (1, 2, 3, 4):
+        full = simulate(TINY, TINY_COST, "round_robin", n, load)
+        assert full.requests == counted_arrivals(load) and not full.cut_short
+        quick = simulate(TINY, TINY_COST, "round_robin", n, load, stop_past_ttft_p99_s=0.5)
+        assert meets(quick, 0.5) == meets(full, 0.5), n
+        if quick.cut_short:
+            cut += 1
+            assert full.ttft_p99_s > 0.5 and quick.ttft_p99_s == float("inf")
+        else:  # not cut: the very same run
+            assert quick == full and quick.ttft_s == full.ttft_s
+    assert cut >= 1  # the control: some point did end early
+    needed = replicas_needed(TINY, TINY_COST, "round_robin", load, 0.5)[0]
+    assert replicas_needed(TINY, TINY_COST, "round_robin", load, 0.5, stop_early=True)[0] == needed
 
 
 def test_the_epp_lora_affinity_scorer_values() -> None:

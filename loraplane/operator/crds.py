@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from loraplane.operator import pins
 from loraplane.operator import specs as s
 
 Schema = dict[str, Any]
@@ -70,6 +71,38 @@ def _conditions() -> Schema:
         "items": condition,
         "x-kubernetes-list-type": "map",
         "x-kubernetes-list-map-keys": ["type"],
+    }
+
+
+def _pins() -> Schema:
+    """A pool's pinned versions and what its replicas report of each (`operator/pins.py`)."""
+    why = _obj(
+        {"replica": _str(), "reason": _str(max_length=pins.MAX_REASON)}, ["replica", "reason"]
+    )
+    whys = {"type": "array", "maxItems": pins.MAX_REPLICAS, "items": why}
+    count = _int(0, pins.MAX_REPLICAS)
+    item = _obj(
+        {
+            "tenant": _str(),
+            "adapter": _str(),
+            "version": _int(0, 2**31 - 1),
+            "digest": _str(max_length=64),
+            "replicas": count,
+            "assigned": count,
+            "held": count,
+            "resident": count,
+            "pending": count,
+            "refused": whys,
+            "failed": whys,
+        },
+        ["tenant", "adapter", "version", "replicas", "held"],
+    )
+    return {
+        "type": "array",
+        "maxItems": pins.MAX_SHOWN,
+        "items": item,
+        "description": "pinned versions (those not held on all their replicas first) and what"
+        " the replicas' pressure reports say of each",
     }
 
 
@@ -349,6 +382,7 @@ def pool_schema() -> Schema:
                 }
             ),
             "lastScaleTime": {"type": "string", "format": "date-time"},
+            "pins": _pins(),
             "observedGeneration": _int(0, 2**62, fmt="int64"),
             "conditions": _conditions(),
             "kopf": _kopf_state(),

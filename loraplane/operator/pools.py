@@ -7,8 +7,9 @@ named by its namespace and name as here (pools named alike in two namespaces nev
 catalog entry, pressure or scale). A timer reads
 the Deployment's replica counts and the pool's pressure, applies the autoscaling policy
 (`autoscaling`; not with `autoscaling.mode: keda`, where a ScaledObject owns the count) and
-writes the status; every scale emits an Event. It also looks again at an InferencePool the
-cluster could not take yet (no CRD, no RBAC).
+writes the status, with the pool's pinned versions and the `PinsHeld` condition (`pins`);
+every scale emits an Event. It also looks again at an InferencePool the cluster could not
+take yet (no CRD, no RBAC).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from loraplane.operator import autoscaling, inferencepool, manifests
+from loraplane.operator import autoscaling, inferencepool, manifests, pins
 from loraplane.operator.basemodels import BaseModelUnavailable
 from loraplane.operator.catalog import CatalogError
 from loraplane.operator.conditions import Condition, now_iso, set_condition
@@ -338,10 +339,38 @@ async def observe_pool(
         policy=policy,
         pressure=pressure,
     )
+    if catalog_pool is not None and isinstance(catalog_pool.get("pins"), list):
+        _show_pins(body, catalog_pool["pins"], status, update)
     changed = {k: v for k, v in update.items() if status.get(k) != v}
     if changed:
         patch.status.update(changed)
     await _retry_route(ctx, body, name, namespace, pool, status, patch, memo)
+
+
+def _show_pins(
+    body: kopf.Body, catalog_pins: list[Any], status: kopf.Status, update: dict[str, Any]
+) -> None:
+    """`status.pins` and the `PinsHeld` condition from the catalog's pins into `update`
+    (`pins`); an Event when the condition changes. A pool that never had a pin gets
+    neither."""
+    entries = pins.pins_status(catalog_pins)
+    conditions = status.get("conditions") or []
+    before = next((c for c in conditions if c.get("type") == pins.CONDITION), None)
+    if not entries and before is None:
+        return
+    update["pins"] = pins.shown(entries)
+    held = pins.verdict(entries)
+    generation = body.get("metadata", {}).get("generation")
+    update["conditions"] = set_condition(
+        conditions, pins.CONDITION, held.held, held.reason, held.message,
+        generation=generation, now=now_iso(),
+    )  # fmt: skip
+    if before is None or (before.get("status"), before.get("reason")) != (
+        "True" if held.held else "False",
+        held.reason,
+    ):
+        post = kopf.info if held.held else kopf.warn
+        post(body, reason=held.reason, message=held.message[:1024])
 
 
 def _describe(pressure: autoscaling.Pressure | None) -> str:

@@ -123,6 +123,9 @@ class FleetResult:
     served_rate: float  # requests/s finished after the warm-up (whenever they arrived)
     ttft_s: tuple[float, ...] = field(default=(), repr=False, compare=False)  # counted ones
     deferred: int = 0  # requests the adapter rules held back at least once, all replicas
+    # ended as soon as its p99 TTFT was certain to exceed `simulate`'s `stop_past_ttft_p99_s`:
+    # a miss, whose other figures cover only the simulated time (its p99 is reported as inf)
+    cut_short: bool = False
 
     @property
     def stable(self) -> bool:
@@ -138,9 +141,64 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def counted_arrivals(load: Workload) -> int:
+    """How many requests an open-loop run counts (arrivals in [warm-up, duration)): the
+    arrivals are drawn from their own seeded generator, as `_Sim.run` draws them."""
+    rate = load.rate or 1.0
+    rng = random.Random(load.seed + 1)  # noqa: S311 - the arrivals' seeded generator
+    count, t = 0, rng.expovariate(rate)
+    while t < load.duration_s:
+        count += t >= load.warmup_s
+        t += rng.expovariate(rate)
+    return count
+
+
+class _MissWatch:
+    """Whether an open-loop run's p99 TTFT is already certain to exceed `target`, so that the
+    rest of the run cannot change the verdict.
+
+    p99 is the value at index int(0.99 n) of the n counted waits sorted, so it exceeds the
+    target once n - int(0.99 n) of them do. A counted request's wait is known to exceed it when
+    its first token came later than `target` after it arrived, or, at time `now` (within the
+    run), when it still has none `target` after it arrived: its first token can only come
+    later, and a request without one at the end counts with the time it waited until then.
+    Requests whose first token is decided but not yet delivered are counted in neither, so
+    the count never runs ahead of the truth."""
+
+    def __init__(self, load: Workload, target: float) -> None:
+        n = counted_arrivals(load)
+        self.needed = max(1, n - min(n - 1, int(0.99 * n))) if n else 0
+        self.target = target
+        self.late = 0  # counted requests whose first token came later than target
+        self.front = 0  # requests before it have a first token (or were not counted)
+
+    def first_token(self, req: Request, warmup_s: float) -> None:
+        """`req` got its first token (each request once)."""
+        if req.arrival >= warmup_s and req.first_token - req.arrival > self.target:
+            self.late += 1
+
+    def missed(self, requests: list[Request], now: float, warmup_s: float) -> bool:
+        """Is the p99 certain to exceed the target? (`now` within the run's duration.)"""
+        if not self.needed:
+            return False
+        while self.front < len(requests) and (
+            requests[self.front].first_token >= 0 or requests[self.front].arrival < warmup_s
+        ):
+            self.front += 1
+        late, horizon = self.late, now - self.target
+        for req in itertools.islice(requests, self.front, None):
+            if req.arrival >= horizon:
+                break
+            late += req.first_token < 0
+            if late >= self.needed:
+                return True
+        return late >= self.needed
+
+
 class _Sim:
     def __init__(self, settings: ReplicaSettings, cost: CostModel, policy: Policy, replicas: int,
-                 load: Workload, jitter_seed: int, parts: Parts) -> None:  # fmt: skip
+                 load: Workload, jitter_seed: int, parts: Parts,
+                 stop_past: float | None = None) -> None:  # fmt: skip
         self.replicas = [
             Replica(settings, cost, seed=jitter_seed * 100_003 + i, parts=parts)
             for i in range(replicas)
@@ -159,6 +217,9 @@ class _Sim:
         self.tokens = 0
         self.end = 0.0
         self.done: list[StepDone | None] = [None] * replicas
+        # open loop only: end the run once its p99 TTFT is certain to exceed `stop_past`
+        self.watch = _MissWatch(load, stop_past) if stop_past is not None and load.rate else None
+        self.cut_short = False
 
     def _snapshot(self, r: Replica) -> Snapshot:  # what the replica's /metrics would say
         return Snapshot(
@@ -212,6 +273,10 @@ class _Sim:
                 self.send(t)
                 self.push(t + self.rng.expovariate(load.rate or 1.0), ARRIVAL)
             elif kind == SCRAPE:
+                watch = self.watch
+                if watch and t <= load.duration_s and watch.missed(self.requests, t, load.warmup_s):
+                    self.end, self.cut_short = t, True
+                    return
                 self.snaps = [self._snapshot(r) for r in self.replicas]
                 self.policy.scraped()
                 if self.events:
@@ -219,6 +284,9 @@ class _Sim:
             else:
                 step = self.done[i] if kind == STEP_END else None
                 self.done[i] = None
+                if step is not None and self.watch:
+                    for req in step.first:
+                        self.watch.first_token(req, load.warmup_s)
                 if step is not None and t >= self.counted_from:
                     self.tokens += step.generated
                 if step is not None and load.concurrency is not None:
@@ -247,7 +315,7 @@ class _Sim:
             replicas=len(self.replicas),
             tokens_per_s=self.tokens / span,
             ttft_p50_s=percentile(waits, 0.5),
-            ttft_p99_s=percentile(waits, 0.99),
+            ttft_p99_s=math.inf if self.cut_short else percentile(waits, 0.99),
             requests=len(counted),
             completed=done,
             cold_loads=sum(r.loads for r in self.replicas),
@@ -255,6 +323,7 @@ class _Sim:
             served_rate=served / span,
             ttft_s=tuple(waits),
             deferred=sum(r.deferred_total for r in self.replicas),
+            cut_short=self.cut_short,
         )
 
 
@@ -269,17 +338,21 @@ def simulate(
     load: Workload,
     jitter_seed: int = 0,
     parts: Parts = ALL_PARTS,
+    stop_past_ttft_p99_s: float | None = None,
 ) -> FleetResult:
     """Run the fleet of `replicas` under `policy` on `load`; deterministic for the load's
     seed (the requests and arrivals) and `jitter_seed` (where each replica starts replaying
     the cost model's jitter). `parts` switches parts of the simulator off, for negative
-    controls only (`replica.Parts`)."""
+    controls only (`replica.Parts`). `stop_past_ttft_p99_s` (open loop): end the run as soon
+    as its p99 time to first token is certain to exceed it (`cut_short`, p99 inf), for a
+    search that only asks whether a point meets that target: the answer is the full run's,
+    the overloaded points (whose queues make them the slowest to simulate) end early."""
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     chosen = (
         make_policy(policy, replicas, settings.max_num_seqs) if isinstance(policy, str) else policy
     )
-    sim = _Sim(settings, cost, chosen, replicas, load, jitter_seed, parts)
+    sim = _Sim(settings, cost, chosen, replicas, load, jitter_seed, parts, stop_past_ttft_p99_s)
     sim.run()
     return sim.result()
 

@@ -26,14 +26,21 @@ def replicas_needed(
     load: Workload,
     ttft_p99_s: float,
     max_replicas: int = 256,
+    *,
+    stop_early: bool = False,
+    known: dict[int, FleetResult] | None = None,
 ) -> tuple[int | None, dict[int, FleetResult]]:
     """The fewest replicas that meet `ttft_p99_s` at `load` (None past `max_replicas`), and
-    every fleet size simulated on the way."""
-    results: dict[int, FleetResult] = {}
+    every fleet size simulated on the way. `stop_early`: a fleet size whose p99 is certain
+    to miss the target ends its run there (`simulate`'s `stop_past_ttft_p99_s`: the same
+    answer; its result is `cut_short`, without figures). `known`: results of this policy
+    and load simulated before, by fleet size (used instead of running them again)."""
+    results: dict[int, FleetResult] = dict(known or {})
+    stop = ttft_p99_s if stop_early else None
 
     def ok(n: int) -> bool:
         if n not in results:
-            results[n] = simulate(settings, cost, policy, n, load)
+            results[n] = simulate(settings, cost, policy, n, load, stop_past_ttft_p99_s=stop)
         return meets(results[n], ttft_p99_s)
 
     high = 1
@@ -60,16 +67,21 @@ def max_rate(
     ttft_p99_s: float,
     start: float,
     tolerance: float = 0.02,
+    *,
+    stop_early: bool = False,
 ) -> tuple[float, dict[float, FleetResult]]:
     """The highest request rate (within `tolerance`, relative) at which `replicas` meet
-    `ttft_p99_s` (0.0 if not even `start` / 2**10 does), and every rate simulated."""
+    `ttft_p99_s` (0.0 if not even `start` / 2**10 does), and every rate simulated.
+    `stop_early`: as `replicas_needed`'s (the same rate; missed points are `cut_short`)."""
     results: dict[float, FleetResult] = {}
+    stop = ttft_p99_s if stop_early else None
 
     def ok(rate: float) -> bool:
         if rate not in results:
             results[rate] = simulate(
-                settings, cost, policy, replicas, dataclasses.replace(load, rate=rate)
-            )
+                settings, cost, policy, replicas, dataclasses.replace(load, rate=rate),
+                stop_past_ttft_p99_s=stop,
+            )  # fmt: skip
         return meets(results[rate], ttft_p99_s)
 
     low, high = start, start

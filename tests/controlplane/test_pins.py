@@ -56,11 +56,17 @@ def test_a_tenant_pins_a_version_on_k_replicas_and_unpins_it_in_one_call(api: Ap
     # the operator reads the pool: it keeps at least 2 replicas while this pin holds
     pool = api.client.get("/internal/v1/pools/pool-a", headers=SERVICE_H).json()
     assert pool["pinned_replicas"] == 2
+    # ... and shows each pin as GET /v1/pins does, for the ServingPool's status
+    (shown,) = pool["pins"]
+    assert shown["adapter"] == "bot" and shown["version"] == 1
+    assert shown["replicas"] == 2 and shown["held"] == 0  # no report says it is held yet
+    holders = sorted(r for r, v in kept.items() if v)
+    assert sorted(p["replica"] for p in shown["placement"]) == holders
     r = api.client.delete(PIN.format(v=1), params={"pool": "pool-a"}, headers=bearer(key))
     assert r.status_code == 204
     assert pinned_on(api, replicas) == {r: [] for r in replicas}
     pool = api.client.get("/internal/v1/pools/pool-a", headers=SERVICE_H).json()
-    assert pool["pinned_replicas"] == 0
+    assert pool["pinned_replicas"] == 0 and pool["pins"] == []
     r = api.client.delete(PIN.format(v=1), params={"pool": "pool-a"}, headers=bearer(key))
     assert r.status_code == 404 and "is not pinned" in r.json()["error"]["message"]
 

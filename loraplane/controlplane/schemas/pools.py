@@ -18,6 +18,7 @@ from loraplane.controlplane.schemas.common import (
     ResourceName,
     Strict,
 )
+from loraplane.controlplane.schemas.pins import PinPublic
 
 
 class BaseModelRef(Strict):
@@ -89,3 +90,14 @@ class PoolPublic(Public):
     pressure_at: datetime | None
     created_at: datetime
     updated_at: datetime
+
+
+class PoolInternal(PoolPublic):
+    """A pool as the operator reads it (`GET /internal/v1/pools/{pool}`): `PoolPublic` and
+    the pool's pins, each with what its assigned replicas' last pressure reports say (held,
+    refused and why), which the ServingPool's status shows."""
+
+    pins: list[PinPublic] = Field(
+        default_factory=list,
+        description="every pin of the pool, oldest first, as `GET /v1/pins` shows each",
+    )

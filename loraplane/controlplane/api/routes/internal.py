@@ -15,6 +15,7 @@ from loraplane.controlplane import basemodels
 from loraplane.controlplane.api.deps import ContextDep, PoolNamespace, ServiceDep, SessionDep
 from loraplane.controlplane.api.responses import errors
 from loraplane.controlplane.api.routes.adapters import adapter_public
+from loraplane.controlplane.api.routes.pins import pin_public
 from loraplane.controlplane.context import AppContext
 from loraplane.controlplane.crud import adapters as crud_adapters
 from loraplane.controlplane.crud import pins as crud_pins
@@ -43,7 +44,7 @@ from loraplane.controlplane.schemas.internal import (
     VersionRecord,
 )
 from loraplane.controlplane.schemas.pins import PinAssignment
-from loraplane.controlplane.schemas.pools import PoolCreate, PoolPublic
+from loraplane.controlplane.schemas.pools import PoolCreate, PoolInternal, PoolPublic
 from loraplane.controlplane.signatures import SignatureClaim, signature_check, signed_fields
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], responses=errors(400, 401))
@@ -236,14 +237,19 @@ def put_pool(
     return PoolPublic.model_validate(row)
 
 
-@router.get("/pools/{pool}", response_model=PoolPublic, responses=errors(404))
+@router.get("/pools/{pool}", response_model=PoolInternal, responses=errors(404))
 def get_pool(
     pool: str, session: SessionDep, _: ServiceDep, namespace: PoolNamespace = DEFAULT_NAMESPACE
-) -> PoolPublic:
-    """A pool with its replicas' last pressure and its base model config (for the operator).
+) -> PoolInternal:
+    """A pool with its replicas' last pressure, its base model config and its pins with what
+    the replicas report of each (for the operator).
 
-    The autoscaler reads the pressure; adapters are validated against the config."""
-    return PoolPublic.model_validate(crud_pools.get_pool(session, namespace=namespace, name=pool))
+    The autoscaler reads the pressure, the ServingPool's status the pins; adapters are
+    validated against the config."""
+    row = crud_pools.get_pool(session, namespace=namespace, name=pool)
+    pins = [pin_public(session, p) for p in crud_pins.pool_pins(session, pool=row)]
+    public = PoolPublic.model_validate(row).model_dump()
+    return PoolInternal.model_validate({**public, "pins": pins})
 
 
 @router.delete("/pools/{pool}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404))

@@ -24,7 +24,9 @@ PoolQuery = Annotated[ResourceName, Query(description="the pool's name")]
 NamespaceQuery = Annotated[Namespace, Query(description="the pool's namespace")]
 
 
-def _public(session: Session, pin: AdapterPin) -> PinPublic:
+def pin_public(session: Session, pin: AdapterPin) -> PinPublic:
+    """The answer for `pin`, with what its assigned replicas' last reports say of it (also
+    the operator's pool view: `GET /internal/v1/pools/{pool}`)."""
     tenant, adapter = crud.names(session, pin)
     placement = [
         PinReplica(replica=r, state=state) for r, state in crud.replica_states(pin, tenant, adapter)
@@ -40,7 +42,7 @@ def _pin(
         session, tenant=tenant, name=name, version=version, namespace=body.namespace,
         pool=body.pool, replicas=body.replicas, actor=actor, admin=admin,
     )  # fmt: skip
-    return _public(session, pin)
+    return pin_public(session, pin)
 
 
 @router.put(PIN, response_model=PinPublic, responses=errors(404, 409))
@@ -73,7 +75,7 @@ def unpin_version(
 def list_pins(session: SessionDep, caller: CallerDep) -> list[PinPublic]:
     """The caller's pins, each with the replicas that hold it and those that refused it (with
     the reason), from the replicas' last pressure reports."""
-    return [_public(session, p) for p in crud.list_pins(session, tenant=caller.tenant)]
+    return [pin_public(session, p) for p in crud.list_pins(session, tenant=caller.tenant)]
 
 
 @router.put(ADMIN_PIN, response_model=PinPublic, responses=errors(404, 409), tags=["admin: pins"])
