@@ -308,7 +308,7 @@ def test_rank_0s_host_tier_weighs_every_ranks_part_and_evicts_them_together(
         pool, spec, 64, max_cpu_loras=2,
         shard=functools.partial(shard_adapter, shard=shard, heads=heads),
         peers=functools.partial(peer_parts, shard=shard, heads=heads, dtype=torch.float32,
-                                transposed=pool._transposing()),
+                                transposed=pool.transposes_b),
     )  # fmt: skip
     try:
         refs = [manager.register(n, peft_adapters[n]) for n in ("r4", "r16")]
