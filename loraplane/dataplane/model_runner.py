@@ -21,6 +21,7 @@ import torch
 from loraplane.adapters.base_model import read_config
 from loraplane.dataplane import host_memory
 from loraplane.dataplane.config import GPU_MEMORY_FRACTION, EngineConfig
+from loraplane.dataplane.cpus import size_torch_threads
 from loraplane.dataplane.cuda_graphs import (
     Capture,
     DecodeGraphs,
@@ -44,7 +45,6 @@ from loraplane.dataplane.models import gemma
 from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
 from loraplane.dataplane.parallel.shard import heads_of, shard_adapter
 from loraplane.dataplane.parallel.ship import PackedPart, peer_parts, wire
-from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow
 from loraplane.dataplane.tiers.disk import DiskTier
@@ -84,9 +84,10 @@ class ModelRunner:
         # shards) while it loads its own
         self.workers: WorkerGroup | None = None
         shard = None
+        # torch's team within the CPUs the process may use (a container's CPU limit, not the
+        # node's cores), shared out between the ranks of a CPU tensor-parallel group
+        size_torch_threads(config.tensor_parallel_size if self.device.type == "cpu" else 1)
         if config.tensor_parallel_size > 1:
-            if self.device.type == "cpu":  # the cores shared out between the ranks
-                torch.set_num_threads(cpu_threads(config.tensor_parallel_size))
             self.workers = WorkerGroup.start(config, self.device)
             shard = self.workers.comm.shard
         try:

@@ -10,13 +10,13 @@ names it) before the process exits.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from typing import Any
 
 import torch
 
 from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.cpus import size_torch_threads
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.model_step import build_model, run_plan
@@ -35,11 +35,6 @@ def device_of(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank) if base.type == "cuda" else base
 
 
-def cpu_threads(size: int) -> int:
-    """Threads per rank on the CPU: the cores shared out."""
-    return max(1, (os.cpu_count() or 1) // size)
-
-
 def main(config: EngineConfig, rank: int, address: str, errors: Any) -> None:
     """The worker process (multiprocessing's target)."""
     # the engine's process stops it (a None step, a SIGTERM at its exit, or its collectives
@@ -48,7 +43,7 @@ def main(config: EngineConfig, rank: int, address: str, errors: Any) -> None:
     shard = TPShard(rank, config.tensor_parallel_size)
     device = device_of(config, rank)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(shard.size))
+        size_torch_threads(shard.size)  # the usable CPUs shared out
     else:  # Triton launches on the current device, and NCCL binds to it
         torch.cuda.set_device(device)
     try:

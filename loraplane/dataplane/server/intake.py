@@ -17,23 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from loraplane.dataplane.cpus import usable_cpus
+
 T = TypeVar("T")
 MAX_AUTO_WORKERS = 4
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask; the machine's count elsewhere)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def auto_workers(cores: int | None = None) -> int:
@@ -43,7 +36,7 @@ def auto_workers(cores: int | None = None) -> int:
     short bursts; two workers per pool is the least that lets a second tenant in while one
     holds a worker, four keeps the pools from taking a large machine's cores from the engine.
     """
-    cores = available_cores() if cores is None else cores
+    cores = usable_cpus() if cores is None else cores
     return max(2, min(MAX_AUTO_WORKERS, cores // 4))
 
 
