@@ -338,6 +338,56 @@ def test_rank_0s_host_tier_weighs_every_ranks_part_and_evicts_them_together(
         manager.close()
 
 
+def test_rank_0s_byte_limit_weighs_every_ranks_part_and_evicts_them_together(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """TP = 2 under `max_cpu_lora_bytes`: the limit weighs a version's own part and the
+    worker's together, evicts the least recently used version with all its parts, and refuses
+    a version whose own part would fit but not with the worker's beside it."""
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.adapters.errors import AdapterRejected, ReasonCode
+    from loraplane.dataplane.lora import LoRAPool
+    from loraplane.dataplane.lora.manager import LoRAManager
+    from loraplane.dataplane.parallel.shard import heads_of, local_spec
+    from loraplane.dataplane.parallel.ship import peer_parts
+
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    shard, heads = TPShard(0, 2), heads_of(spec)
+    pool = LoRAPool(2, local_spec(spec, shard), torch.float32, "cpu")
+    manager = LoRAManager(
+        pool, spec, 64, max_cpu_loras=8,
+        shard=functools.partial(shard_adapter, shard=shard, heads=heads),
+        peers=functools.partial(peer_parts, shard=shard, heads=heads, dtype=torch.float32,
+                                transposed=pool.transposes_b),
+    )  # fmt: skip
+    try:
+        refs = {n: manager.register(n, peft_adapters[n]) for n in ("r4", "r16", "r32-mlp")}
+        weights = {n: manager.registry.entries[r.key].host_bytes for n, r in refs.items()}
+        own = manager.host_copy(refs["r16"]).nbytes
+        assert weights["r16"] == 2 * own  # the worker's part beside rank 0's own
+        manager.max_cpu_lora_bytes = weights["r16"] + weights["r32-mlp"]
+        manager.host.evict()
+        assert not manager.in_host_memory(refs["r4"])  # the LRU, with its worker's part
+        with pytest.raises(KeyError):
+            manager.peer_parts(refs["r4"].key)
+        assert manager.host.bytes == weights["r16"] + weights["r32-mlp"]
+        manager.unregister("r16")
+        manager.unregister("r32-mlp")
+        manager.max_cpu_lora_bytes = None
+        big = manager.register("r64", peft_adapters["r64"])
+        whole = manager.registry.entries[big.key].host_bytes
+        manager.unregister("r64")
+        manager.max_cpu_lora_bytes = whole - 1  # rank 0's own part alone would fit
+        with pytest.raises(AdapterRejected) as caught:
+            manager.register("r64", peft_adapters["r64"])
+        assert caught.value.code is ReasonCode.TOO_LARGE
+        assert f"needs {whole} bytes of host memory (every tensor-parallel rank's part)" in (
+            caught.value.message
+        )
+    finally:
+        manager.close()
+
+
 # -- two processes over gloo -------------------------------------------------------------------
 
 
