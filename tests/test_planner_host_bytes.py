@@ -93,3 +93,6 @@ def test_plan_takes_the_flag_and_reports_the_copies(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--model-shape", "llama-3-8b", "--max-cpu-lora-bytes", "half"])
     assert exit_.value.code == 2
+    assert main(["plan", "--model-shape", "llama-3-8b", "--gpu", "h200",
+                 "--max-cpu-lora-bytes", "1024"]) == 2  # fmt: skip
+    assert "every adapter's load would fail" in capsys.readouterr().err
