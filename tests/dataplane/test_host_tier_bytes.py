@@ -152,3 +152,24 @@ def test_the_flag_takes_sizes_as_users_write_them() -> None:
     settings = ServerSettings.load(model="m", max_cpu_lora_bytes="512MiB")
     assert settings.engine_config().max_cpu_lora_bytes == 512 * 2**20
     assert ServerSettings.load(model="m").engine_config().max_cpu_lora_bytes is None
+
+
+def test_serve_takes_the_flag_and_the_variable_and_names_them_when_bad(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from loraplane.dataplane.server.cli import EXIT_USAGE, add_commands, run_serve
+    from loraplane.dataplane.server.settings import SettingsError
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "m", "--max-cpu-lora-bytes", "half a GiB"])
+    assert run_serve(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "LORAPLANE_MAX_CPU_LORA_BYTES / --max-cpu-lora-bytes" in err and "8GiB" in err
+    monkeypatch.setenv("LORAPLANE_MAX_CPU_LORA_BYTES", "2GiB")
+    assert ServerSettings.load(model="m").engine_config().max_cpu_lora_bytes == 2 << 30
+    monkeypatch.setenv("LORAPLANE_MAX_CPU_LORA_BYTES", "0")
+    with pytest.raises(SettingsError, match="LORAPLANE_MAX_CPU_LORA_BYTES"):
+        ServerSettings.load(model="m")
