@@ -458,6 +458,36 @@ def test_tp2_gives_tp1s_tokens_in_mixed_adapter_batches(
     assert len(got["prompt"]["r1"]) == len(expected["prompt"]["r1"])
 
 
+def test_tp2_under_a_host_byte_limit_serves_more_adapters_than_fit_with_tp1s_tokens(
+    families: dict[str, Family],
+) -> None:
+    """Two processes, one slot, a byte limit for two of three versions (each weighed with the
+    worker's part): every request gets TP = 1's tokens, rank 0's host tier stays within the
+    limit between requests, and versions evicted from it are read and shipped again."""
+    family = families["llama"]
+    names = ["r4", "r16", "r32-mlp", "r4", "r16"]
+    one = _engine(family, 1, max_loras=1, max_cpu_loras=8)
+    expected = [
+        one.generate([[5, 17, 33]], GREEDY, [one.register_lora(n, family.adapters[n], "t")])[0]
+        for n in names
+    ]
+    two = _engine(family, 2, max_loras=1, max_cpu_loras=8)
+    try:
+        refs = {n: two.register_lora(n, family.adapters[n], "t") for n in set(names)}
+        host = two.loras.host
+        weights = sorted(host.hosted[r.key].host_bytes for r in refs.values())
+        two.loras.max_cpu_lora_bytes = limit = weights[-1] + weights[-2]
+        for name, want in zip(names, expected, strict=True):
+            (out,) = two.generate([[5, 17, 33]], GREEDY, [refs[name]])
+            assert out.error is None, out.error
+            assert out.token_ids == want.token_ids, name
+            assert host.bytes <= limit, name
+        assert two.loras.host_stats.evictions > 0
+        _check_host_bytes(two)
+    finally:
+        two.close()
+
+
 def test_tp2_equals_hf_peft(families: dict[str, Family], hf_reference: Any) -> None:
     family = families["llama"]
     engine = _engine(family, 2)
