@@ -1,7 +1,8 @@
 """Memory sizes as users write them: `2GiB`, `512MiB`, `1G`, `1073741824`, or a fraction `0.1`.
 
-Shared by the data plane (`--lora-memory`) and the operator (ServingPool `spec.lora.memory`),
-which checks a pool's value the way the data plane will read it. No torch here.
+Shared by the data plane (`--lora-memory`, `--max-cpu-lora-bytes`) and the operator (ServingPool
+`spec.lora.memory`, `spec.lora.maxCpuLoraBytes`), which checks a pool's value the way the data
+plane will read it. No torch here.
 """
 
 from __future__ import annotations
@@ -41,6 +42,26 @@ def parse_memory(text: str | int | float) -> int | float:
         return value
     if value < 1:
         raise ValueError(f"lora_memory must be at least 1 byte, got {value!r}")
+    return value
+
+
+def parse_bytes(text: str | int, name: str = "size") -> int:
+    """A byte size only (`8GiB`, `512MiB`, `1G`, plain `1073741824`; no fraction), at least 1
+    byte; ValueError naming `name` otherwise."""
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ValueError(f"{name} must be a size such as 8GiB or 1073741824, got {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(text)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS or (unit == "" and "." in match.group(1)):
+            raise ValueError(
+                f"{name} must be a size such as 8GiB, 512MiB or 1073741824, got {text!r}"
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {text!r}")
     return value
 
 

@@ -408,6 +408,7 @@ def test_pools_are_listed_shown_created_updated_and_deleted(
     assert lines[1] == f"  base model      tiny-b ({tiny_llama_dir})"
     assert "  model config    llama" in lines and "  max_lora_rank   16" in lines
     assert "  max_loras       4" in lines and "  max_cpu_loras   32" in lines
+    assert "  max_cpu_lora_bytes  none" in lines  # no byte limit unless given
     pending = cli(capsys, "pools", "create", "pool-c", "--base-model", "tiny-c", "--base-model-uri",
                   "/models/tiny-c", "--config-from-replicas", "--json")  # fmt: skip
     assert pending.code == 0, pending.err
@@ -427,6 +428,12 @@ def test_pools_are_listed_shown_created_updated_and_deleted(
                   "--max-loras", "6")  # fmt: skip
     assert updated.code == 0, updated.err
     assert "  max_loras       6" in updated.out and "  max_lora_rank   16" in updated.out
+    sized = cli(capsys, "pools", "update", "pool-b", "--namespace", "team-b",
+                "--max-cpu-lora-bytes", "512MiB", "--json")  # fmt: skip
+    assert sized.code == 0, sized.err
+    assert (sized.json()["max_cpu_lora_bytes"], sized.json()["max_loras"]) == (512 << 20, 6)
+    bad = cli(capsys, "pools", "update", "pool-b", "--max-cpu-lora-bytes", "half")
+    assert bad.code == 2 and "must be a size such as 8GiB" in bad.err
     nothing = cli(capsys, "pools", "update", "pool-b", "--namespace", "team-b")
     assert nothing.code == 2 and "nothing to change: pass at least one of --max-lora-rank" in (
         nothing.err

@@ -248,6 +248,8 @@ class Pool(Base):
     max_lora_rank: Mapped[int] = mapped_column(Integer)
     max_loras: Mapped[int] = mapped_column(Integer)
     max_cpu_loras: Mapped[int] = mapped_column(Integer)
+    # host bytes a replica's host tier may take (--max-cpu-lora-bytes); None: no byte limit
+    max_cpu_lora_bytes: Mapped[int | None] = mapped_column(BigInteger)
     # uploads for this pool's base model must be signed, whatever their tenant's policy
     require_signed_adapters: Mapped[bool] = mapped_column(default=False, server_default=false())
     pressure: Mapped[dict[str, Any] | None]

@@ -64,6 +64,9 @@ class EngineConfig:
     max_loras: int | None = None
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    # host bytes the host tier's copies may take (under tensor parallelism with the other
+    # ranks' parts rank 0 keeps); None: no byte limit, only max_cpu_loras
+    max_cpu_lora_bytes: int | None = None
     # device memory for adapter slots: bytes (int) or a fraction in (0, 1] (float) of the
     # device memory the weights leave free; the scheduler admits adapters within it
     lora_memory: int | float = DEFAULT_LORA_MEMORY
@@ -139,6 +142,8 @@ class EngineConfig:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}):"
                 " every adapter in the GPU pool is also held in the CPU cache"
             )
+        if self.max_cpu_lora_bytes is not None:
+            _positive_int("max_cpu_lora_bytes", self.max_cpu_lora_bytes)
         self.lora_memory = parse_memory(self.lora_memory)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         split = self.tensor_parallel_size > 1

@@ -105,6 +105,7 @@ class ModelRunner:
             built.spec,
             config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
+            max_cpu_lora_bytes=config.max_cpu_lora_bytes,
             disk=disk,
             device_budget_bytes=self.lora_budget_bytes,
             prefetch=config.enable_lora_prefetch,

@@ -45,6 +45,7 @@ class EngineSnapshot:
     gpu_bytes_capacity: int = 0
     # host bytes of the host tier's copies (tensor parallelism: every rank's part rank 0 keeps)
     cpu_bytes_used: int = 0
+    cpu_bytes_limit: int | None = None  # max_cpu_lora_bytes (None: no byte limit)
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # free or cached prefix blocks nobody uses
     kv_blocks_adapters: int = 0  # lent to adapters (kv_lora_shared)
@@ -109,6 +110,7 @@ class EngineSnapshot:
             gpu_bytes_used=engine.runner.pool.bytes_used,
             gpu_bytes_capacity=engine.runner.lora_budget_bytes,
             cpu_bytes_used=loras.host.bytes,
+            cpu_bytes_limit=loras.host.max_cpu_lora_bytes,
             kv_blocks_total=engine.block_manager.num_blocks,
             kv_blocks_free=engine.block_manager.num_free_blocks,
             kv_blocks_adapters=engine.block_manager.num_reserved,

@@ -53,6 +53,7 @@ class Pressure:
     slots_used: int = 0
     adapter_memory_used: int = 0  # device bytes of resident adapters
     adapter_memory_total: int = 0  # the replicas' adapter memory budgets
+    host_adapter_memory_used: int = 0  # host bytes of the replicas' host tiers (cpu_bytes)
     replicas_reporting: int = 0
 
 
@@ -163,5 +164,6 @@ def aggregate(report: object, now: float, stale_seconds: float) -> Pressure | No
         slots_used=sum(int(r.get("slots_used", 0)) for r in fresh),
         adapter_memory_used=sum(int(r.get("gpu_bytes", 0)) for r in fresh),
         adapter_memory_total=sum(int(r.get("gpu_bytes_capacity", 0)) for r in fresh),
+        host_adapter_memory_used=sum(int(r.get("cpu_bytes", 0)) for r in fresh),
         replicas_reporting=len(fresh),
     )

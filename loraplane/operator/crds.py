@@ -262,6 +262,9 @@ def pool_schema() -> Schema:
             "maxLoras": _int(1, 1024),
             "maxLoraRank": _int(1, 4096, s.DEFAULT_MAX_LORA_RANK),
             "maxCpuLoras": _int(1, 100_000),
+            # host memory the adapters kept there may take (every tensor-parallel rank's
+            # part counted): a size (8GiB, 512MiB) or bytes; unset: no byte limit
+            "maxCpuLoraBytes": {"type": "string", "maxLength": 32, "pattern": s.CPU_LORA_BYTES},
             # device memory for adapters: a size (2GiB) or a fraction (0.1) of what the
             # weights leave free; unset: the data plane's default (0.1)
             "memory": {"type": "string", "maxLength": 32, "pattern": s.LORA_MEMORY},
@@ -377,6 +380,7 @@ def pool_schema() -> Schema:
                         "slotsUsed",
                         "adapterMemoryUsed",
                         "adapterMemoryTotal",
+                        "hostAdapterMemoryUsed",
                         "replicasReporting",
                     )
                 }

@@ -68,6 +68,11 @@ def serve_args(spec: PoolSpec, controlplane_url: str) -> list[str]:
         "--max-lora-rank",
         str(spec.max_lora_rank),
         *([] if spec.max_cpu_loras is None else ["--max-cpu-loras", str(spec.max_cpu_loras)]),
+        *(
+            []
+            if spec.max_cpu_lora_bytes is None
+            else ["--max-cpu-lora-bytes", str(spec.max_cpu_lora_bytes)]
+        ),
         *([] if spec.lora_memory is None else ["--lora-memory", spec.lora_memory]),
         "--device",
         spec.device,

@@ -25,6 +25,7 @@ SIGNALS = (
     "slots_used",
     "adapter_memory_used",
     "adapter_memory_total",
+    "host_adapter_memory_used",
     "replicas_reporting",
 )
 DIRECTIONS = ("up", "down")

@@ -116,6 +116,8 @@ def _mirror(ctx: OperatorContext, namespace: str, name: str, pool: PoolSpec) -> 
                 ("max_lora_rank", pool.max_lora_rank),
                 ("max_loras", pool.max_loras),
                 ("max_cpu_loras", pool.max_cpu_loras),
+                # left out when unset: the catalog's PUT then clears a limit set before
+                ("max_cpu_lora_bytes", pool.max_cpu_lora_bytes),
             )
             if v is not None
         },
@@ -313,6 +315,7 @@ async def observe_pool(
             "slotsUsed": pressure.slots_used,
             "adapterMemoryUsed": pressure.adapter_memory_used,
             "adapterMemoryTotal": pressure.adapter_memory_total,
+            "hostAdapterMemoryUsed": pressure.host_adapter_memory_used,
             "replicasReporting": pressure.replicas_reporting,
         }
     desired = current

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplane.adapters.base_model import BaseModelSpec, tensor_parallel_problem
-from loraplane.sizes import parse_memory
+from loraplane.sizes import parse_bytes, parse_memory
 
 GROUP = "loraplane.io"
 VERSION = "v1alpha1"
@@ -42,6 +42,9 @@ DEFAULT_MAX_LORA_RANK = 64
 # lora.maxLoras and lora.maxCpuLoras default to the data plane's auto sizing (memory decides);
 # lora.memory to its default share (--lora-memory 0.1)
 LORA_MEMORY = r"^[0-9. ]+[A-Za-z]{0,3}$"  # the CRD's coarse check; parse_memory decides
+CPU_LORA_BYTES = (
+    r"^[0-9]+(\.[0-9]+)? ?[A-Za-z]{0,3}$"  # the CRD's coarse check; parse_bytes decides
+)
 DEFAULT_DEVICE = "cuda"
 DEFAULT_DEFERRED_PER_REPLICA = 4
 DEFAULT_WAITING_ADAPTERS_PER_REPLICA = 2
@@ -102,6 +105,17 @@ def _lora_memory(value: object) -> str | None:
     except ValueError as e:
         raise SpecError(f"spec.lora.memory: {e}") from None
     return str(value)
+
+
+def _cpu_lora_bytes(value: object) -> int | None:
+    """spec.lora.maxCpuLoraBytes in bytes, as the data plane will read it
+    (`--max-cpu-lora-bytes`), or None."""
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value if isinstance(value, str | int) else repr(value), "size")
+    except ValueError as e:
+        raise SpecError(f"spec.lora.maxCpuLoraBytes: {e}") from None
 
 
 def _match(pattern: str, value: object, field: str) -> str:
@@ -235,6 +249,7 @@ class PoolSpec:
     max_loras: int | None  # None: auto
     max_lora_rank: int
     max_cpu_loras: int | None  # None: auto
+    max_cpu_lora_bytes: int | None  # host bytes of the host tier; None: no byte limit
     lora_memory: str | None  # None: the data plane's default
     device: str
     resources: dict[str, Any]
@@ -311,6 +326,7 @@ class PoolSpec:
             max_loras=_opt_int(lora, "maxLoras", 1, 1024),
             max_lora_rank=_int(lora, "maxLoraRank", DEFAULT_MAX_LORA_RANK, 1, 4096),
             max_cpu_loras=_opt_int(lora, "maxCpuLoras", 1, 100_000),
+            max_cpu_lora_bytes=_cpu_lora_bytes(lora.get("maxCpuLoraBytes")),
             lora_memory=_lora_memory(lora.get("memory")),
             device=device,
             resources=dict(_get(spec, "resources")),

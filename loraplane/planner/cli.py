@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES
-from loraplane.sizes import parse_memory
+from loraplane.sizes import parse_bytes, parse_memory
 
 EXIT_USAGE = 2
 # --warmup's default follows --duration: a short simulation still counts most of its requests
@@ -78,6 +78,13 @@ def _auto_int(text: str) -> int | None:
         return None
     value: int = _positive(int)(text)
     return value
+
+
+def _host_bytes(text: str) -> int:
+    try:
+        return parse_bytes(text, "the size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _modules(text: str) -> tuple[str, ...]:
@@ -219,6 +226,11 @@ def add_commands(subparsers: Any) -> None:
     engine.add_argument(
         "--max-cpu-loras", type=_auto_int, default=None, metavar="auto|N",
         help="adapters in the host tier (default: auto, as `loraplane serve`)",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-cpu-lora-bytes", type=_host_bytes, default=None, metavar="SIZE",
+        help="host memory the host tier's copies may take (8GiB, 512MiB or bytes; under"
+        " tensor parallelism rank 0 keeps every rank's part); default: no byte limit",
     )  # fmt: skip
     engine.add_argument(
         "--max-num-seqs", type=_positive(int), default=256, metavar="N",

@@ -14,7 +14,9 @@
 - adapters running at once: as many as fit in the adapter memory, at most the pool's slots
   (`EngineConfig.lora_slots`: `--max-loras`, or for `auto` `max_num_seqs`);
 - host tier: `max_cpu_loras` copies (auto: twice the slots), each the rank-exact bytes (split
-  over N ranks: rank 0 keeps every rank's part of each copy, N parts);
+  over N ranks: rank 0 keeps every rank's part of each copy, N parts); with
+  `max_cpu_lora_bytes` at most as many copies as those bytes hold (`host_copies`), and one
+  copy larger than them is refused (every load would fail);
 - disk tier: every adapter's stored file;
 - pinned adapters (`AdapterProfile.pinned`): resident on every replica, counted in the adapter
   memory (`pinned_bytes`, `adapters_unpinned` is what the rest of the traffic has), and refused
@@ -104,6 +106,17 @@ class MemoryPlan:
     adapter_full_bytes: int = 0  # one adapter unsplit (what a load reads), rank-exact
     adapters_pinned: int = 0  # of adapters_resident, pinned: always there, for their tenants
     pinned_bytes: int = 0  # the device bytes they hold
+    max_cpu_lora_bytes: int | None = None  # the host tier's byte limit (None: none)
+
+    @property
+    def host_copies(self) -> int:
+        """Copies the host tier keeps at most: `max_cpu_loras`, and as many as
+        `max_cpu_lora_bytes` holds of copies of `adapter_bytes` on each of the ranks (rank 0
+        keeps every rank's part)."""
+        if self.max_cpu_lora_bytes is None:
+            return self.max_cpu_loras
+        copy = self.adapter_bytes * self.tensor_parallel_size
+        return min(self.max_cpu_loras, self.max_cpu_lora_bytes // copy)
 
     @property
     def adapters_unpinned(self) -> int:
@@ -247,6 +260,14 @@ def plan_memory(
     pinned_bytes = profile.pinned * device_bytes
     _check_pins(profile.pinned, pinned_bytes, budget, config.lora_slots)
     cpu_loras = config.max_cpu_loras or config.lora_slots
+    host_limit = config.max_cpu_lora_bytes
+    copies = cpu_loras if host_limit is None else min(cpu_loras, host_limit // (exact * size))
+    if copies < 1:
+        ranks = f" (every one of the {size} ranks' parts, which rank 0 keeps)" if size > 1 else ""
+        raise ValueError(
+            f"--max-cpu-lora-bytes ({host_limit} bytes) is less than one adapter's host copy"
+            f" ({exact * size} bytes{ranks}): every adapter's load would fail"
+        )
     return MemoryPlan(
         device_memory=device_memory,
         weights_bytes=weights,
@@ -263,7 +284,7 @@ def plan_memory(
         adapters_resident=min(config.lora_slots, budget // device_bytes),
         max_cpu_loras=cpu_loras,
         # rank 0 keeps every rank's part of each copy (lora/host_tier.py), all the same size
-        host_tier_bytes=min(cpu_loras, profile.count) * exact * size,
+        host_tier_bytes=min(copies, profile.count) * exact * size,
         disk_tier_bytes=profile.count * stored,
         kv_lora_shared=shared,
         tensor_parallel_size=size,
@@ -271,6 +292,7 @@ def plan_memory(
         adapter_full_bytes=full * DTYPE_BYTES[dtype],
         adapters_pinned=profile.pinned,
         pinned_bytes=pinned_bytes,
+        max_cpu_lora_bytes=host_limit,
     )
 
 

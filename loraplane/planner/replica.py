@@ -92,6 +92,8 @@ class ReplicaSettings:
     max_cpu_loras: int
     kv_blocks: int
     block_size: int
+    # host copies `--max-cpu-lora-bytes` holds (`MemoryPlan.host_copies`); None: no byte limit
+    host_copies: int | None = None
     max_deferral_steps: int = 32
     loads_in_flight: int = 2
     device_copies: bool = True  # placing an adapter copies it to the device (not on CPU)
@@ -116,6 +118,7 @@ class ReplicaSettings:
             adapter_bytes=plan.adapter_full_bytes or plan.adapter_bytes,
             adapter_device_bytes=plan.adapter_device_bytes,
             max_cpu_loras=plan.max_cpu_loras,
+            host_copies=None if plan.max_cpu_lora_bytes is None else plan.host_copies,
             kv_blocks=plan.kv_blocks,
             block_size=config.block_size,
             max_deferral_steps=config.max_deferral_steps,
@@ -185,7 +188,7 @@ class Replica:
         self.tiers = SimTiers(settings.lora_slots, settings.lora_budget_bytes,
                               settings.adapter_device_bytes, settings.max_cpu_loras,
                               cost.host_load_seconds(settings.adapter_bytes),
-                              settings.loads_in_flight)  # fmt: skip
+                              settings.loads_in_flight, settings.host_copies)  # fmt: skip
         self.requests: dict[Sequence, Request] = {}  # waiting or running
         self._refs: dict[tuple[str, int], LoRARef] = {}
         self._adapter_of: dict[str, int] = {}  # LoRARef.key -> adapter index
@@ -289,9 +292,9 @@ class Replica:
         self.steps += 1
         self.busy_until = end
         # the model runner's make_resident: the step's adapters are the most recently used;
-        # host copies beyond max_cpu_loras go, never a running one
+        # host copies beyond max_cpu_loras (and the byte limit) go, never a running one
         tiers.touch(out.lora_keys)
-        if self.parts.host_limit and len(tiers.host) > s.max_cpu_loras:
+        if self.parts.host_limit and len(tiers.host) > tiers.host_limit:
             tiers.trim_host(set(out.lora_keys) | sched.running_lora_keys)
         return self._finish_step(out, now, end)
 

@@ -65,7 +65,8 @@ class PlanReport:
             "quantization": self.config.quantization,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "device": self.config.device,
-            "memory": dataclasses.asdict(plan) | {"kv_tokens": plan.kv_tokens},
+            "memory": dataclasses.asdict(plan)
+            | {"kv_tokens": plan.kv_tokens, "host_copies": plan.host_copies},
             "adapter_bytes": plan.adapter_bytes,
             "adapter_device_bytes": plan.adapter_device_bytes,
             "kv_bytes_per_token": plan.kv_bytes_per_token,
@@ -127,8 +128,9 @@ class PlanReport:
             f"  running at once  {plan.adapters_resident:,} per replica (of"
             f" {plan.lora_slots} slots)",
             *_pinned_lines(plan),
-            f"  host tier        {min(plan.max_cpu_loras, self.profile.count):,} adapters,"
+            f"  host tier        {min(plan.host_copies, self.profile.count):,} adapters,"
             f" {plan.host_tier_bytes / gb:.1f} GB (max_cpu_loras {plan.max_cpu_loras}"
+            f"{_host_limit(plan)}"
             f"{'; rank 0 holds the slices of every rank' if plan.devices > 1 else ''})",
             f"  disk tier        {self.profile.count:,} adapters,"
             f" {plan.disk_tier_bytes / gb:.1f} GB",
@@ -310,6 +312,16 @@ def _pinned_lines(plan: MemoryPlan) -> list[str]:
     ]
 
 
+def _host_limit(plan: MemoryPlan) -> str:
+    """The report's words for the host tier's byte limit, if any."""
+    if plan.max_cpu_lora_bytes is None:
+        return ""
+    return (
+        f", max_cpu_lora_bytes {plan.max_cpu_lora_bytes / 1e9:.1f} GB:"
+        f" {plan.host_copies:,} copies fit"
+    )
+
+
 def run_plan(args: argparse.Namespace) -> PlanReport:
     """Work out the plan `args` (the `plan` command's flags) ask for."""
     shape = _shape(args)
@@ -333,6 +345,7 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
                 max_model_len=args.max_model_len,
                 max_loras=args.max_loras,
                 max_cpu_loras=args.max_cpu_loras,
+                max_cpu_lora_bytes=getattr(args, "max_cpu_lora_bytes", None),
                 max_lora_rank=max(64, args.adapter_rank),
                 lora_memory=args.lora_memory,
             )

@@ -2,7 +2,9 @@
 
 `SimTiers` implements the scheduler's `Adapters` protocol (`ready`, `device_bytes`,
 `budget_bytes`, `place`) over simulated time, and the engine-side housekeeping around it:
-- host tier: `max_cpu_loras` copies, least recently used first out, never one on the device,
+- host tier: `max_cpu_loras` copies, and with `max_cpu_lora_bytes` only as many as those
+  bytes hold (every simulated copy weighs the same, so the byte limit is a count: `host_copies`),
+  least recently used first out, never one on the device,
   in the step or running (`HostTier.evict`); a copy arrives `load_s` after its load
   starts, on `loads_in_flight` loader threads that go on down the prefetch list (the waiting
   requests' first `max_cpu_loras / 2` distinct adapters, `LoRAManager.prefetch`);
@@ -27,7 +29,8 @@ class SimTiers:
     """Host and device adapter tiers of one simulated replica, keyed by `LoRARef.key`."""
 
     def __init__(self, slots: int, budget_bytes: int, device_bytes: int, max_cpu_loras: int,
-                 load_s: float, loads_in_flight: int) -> None:  # fmt: skip
+                 load_s: float, loads_in_flight: int,
+                 host_copies: int | None = None) -> None:  # fmt: skip
         if device_bytes < 1 or budget_bytes < device_bytes:
             raise ValueError(
                 f"the adapter memory ({budget_bytes} bytes) must hold one adapter"
@@ -37,7 +40,9 @@ class SimTiers:
         self._budget = budget_bytes
         self.capacity = max(1, min(slots, budget_bytes // device_bytes))  # adapters on device
         self.max_cpu_loras = max_cpu_loras
-        self.prefetch_depth = max(1, max_cpu_loras // 2)
+        # copies kept at most: the count, and what the byte limit holds (None: no byte limit)
+        self.host_limit = max_cpu_loras if host_copies is None else min(max_cpu_loras, host_copies)
+        self.prefetch_depth = max(1, max_cpu_loras // 2)  # the engine's: from the count
         self.load_s = load_s
         self.loads_in_flight = loads_in_flight
         self.host: OrderedDict[str, None] = OrderedDict()  # least recently used first
@@ -105,9 +110,9 @@ class SimTiers:
                 tier.move_to_end(key)
 
     def trim_host(self, in_use: set[str]) -> None:
-        """Evict host copies beyond `max_cpu_loras`, least recently used first, never one on
-        the device or in `in_use`."""
-        excess = len(self.host) - self.max_cpu_loras
+        """Evict host copies beyond `host_limit` (`max_cpu_loras`, and the byte limit's
+        copies), least recently used first, never one on the device or in `in_use`."""
+        excess = len(self.host) - self.host_limit
         if excess <= 0:
             return
         for key in [k for k in self.host if k not in self.device and k not in in_use][:excess]:

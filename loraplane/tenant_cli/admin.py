@@ -16,7 +16,8 @@ from loraplane.tenant_cli import confirm
 from loraplane.tenant_cli.commands import UsageError, _connect, _emit, _table
 
 # The pool limit flags of `pools create` and `pools update`: the API's field names.
-POOL_LIMITS = ("max_lora_rank", "max_loras", "max_cpu_loras", "require_signed_adapters")
+POOL_LIMITS = ("max_lora_rank", "max_loras", "max_cpu_loras", "max_cpu_lora_bytes",
+               "require_signed_adapters")  # fmt: skip
 
 
 # -- tenants --------------------------------------------------------------------------------------
@@ -61,12 +62,16 @@ def _config_state(pool: dict[str, Any]) -> str:
     return str(config.get("model_type") or "known")
 
 
+def _limit(value: Any) -> str:
+    return "none" if value is None else str(value)  # a null byte limit: none
+
+
 def _pool_lines(pool: dict[str, Any], verb: str) -> list[str]:
     lines = [
         f"{verb}pool {_ref(pool)}",
         f"  base model      {pool['base_model']['name']} ({pool['base_model']['uri']})",
         f"  model config    {_config_state(pool)}",
-        *(f"  {f:<14}  {pool[f]}" for f in POOL_LIMITS if f in pool),
+        *(f"  {f:<14}  {_limit(pool[f])}" for f in POOL_LIMITS if f in pool),
         f"  replicas        {_replicas(pool)} reported",
     ]
     for replica, report in sorted(((pool.get("pressure") or {}).get("replicas") or {}).items()):
@@ -74,7 +79,8 @@ def _pool_lines(pool: dict[str, Any], verb: str) -> list[str]:
         lines.append(
             f"    {replica}  last report {when}: {report.get('running_adapters', 0)} adapters "
             f"running, {report.get('waiting_adapters', 0)} waiting, "
-            f"{report.get('deferred', 0)} requests deferred"
+            f"{report.get('deferred', 0)} requests deferred, {report.get('cpu_bytes', 0)} bytes of"
+            f" adapters in host memory"
         )
     return lines
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from loraplane.sizes import parse_bytes
 from loraplane.tenant_cli import admin, confirm, lifecycle, pins, rollouts, signing
 from loraplane.tenant_cli import commands as cmd
 
@@ -39,6 +40,13 @@ def _count(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (0, 1, 2, ...)")
     return int(text)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, "the size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
@@ -506,6 +514,13 @@ def _pool_flags(parser: argparse.ArgumentParser) -> None:
         ("max-cpu-loras", "adapters a replica keeps in CPU memory (default 32)"),
     ):
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
+    parser.add_argument(
+        "--max-cpu-lora-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="host memory a replica's adapters in CPU memory may take: 8GiB, 512MiB or bytes"
+        " (default: no byte limit)",
+    )
     parser.add_argument(
         "--require-signed-adapters",
         action=argparse.BooleanOptionalAction,

@@ -275,6 +275,39 @@ def test_0009_lets_existing_tenants_register_their_own_signing_keys(
         engine.dispose()
 
 
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def test_0010_gives_existing_pools_no_host_byte_limit_and_downgrades_without_it(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """0010 adds `pools.max_cpu_lora_bytes`, null for rows already there (no byte limit, as
+    before); a pool keeps a limit as large as a host's memory; the downgrade drops it."""
+    engine = db.make_engine(fresh_url(backend, tmp_path, request))
+    now = datetime.now(UTC)
+    try:
+        db.upgrade(engine, "0009")
+        with engine.begin() as conn:
+            pools = Table("pools", MetaData(), autoload_with=conn)
+            conn.execute(insert(pools).values(
+                namespace="default", name="old", base_model_name="b", base_model_uri="/m",
+                max_lora_rank=8, max_loras=4, max_cpu_loras=8, require_signed_adapters=False,
+                created_at=now, updated_at=now,
+            ))  # fmt: skip
+        db.upgrade(engine)
+        with Session(engine) as session:
+            (old,) = session.scalars(select(Pool))
+            assert old.max_cpu_lora_bytes is None
+            old.max_cpu_lora_bytes = 1 << 40  # over 32 bits: a BIGINT
+            session.commit()
+        with Session(engine) as session:
+            assert session.scalars(select(Pool)).one().max_cpu_lora_bytes == 1 << 40
+        db.downgrade(engine, "0009")
+        assert "max_cpu_lora_bytes" not in {c["name"] for c in inspect(engine).get_columns("pools")}
+    finally:
+        engine.dispose()
+
+
 def _tenant_row_then_upgrade(engine: Engine, before: str) -> None:
     """The schema at revision `before`, a tenant row written there, then the head's."""
     now = datetime.now(UTC)

@@ -153,3 +153,40 @@ def test_a_pending_pool_is_skipped_for_shapes_but_its_rank_limit_holds(api: Api)
     assert api.upload(key, "bot", api.adapter_dir(r=4)).status_code == 201
     # a replica of a pool with a config sends it once, then is told it is known
     assert report(api, base_model_config=BASE_CONFIG).json()["base_model_config_known"] is True
+
+
+def test_a_pools_host_byte_limit_is_mirrored_patched_and_cleared(api: Api) -> None:
+    """`max_cpu_lora_bytes` (ServingPool spec.lora.maxCpuLoraBytes): null by default (no byte
+    limit); the operator's PUT sets it as the spec has it, null included; a PATCH leaving it
+    out keeps it, one giving null clears it."""
+    c = api.client
+    base = {"name": BASE_NAME, "uri": str(api.base_model_dir)}
+    body = {"name": "pool-h", "base_model": base, "max_cpu_loras": 8}
+    made = c.put("/internal/v1/pools/pool-h", json=body, headers=SERVICE_H)
+    assert made.status_code == 201 and made.json()["max_cpu_lora_bytes"] is None
+    sized = {**body, "max_cpu_lora_bytes": 8 << 30}
+    assert c.put("/internal/v1/pools/pool-h", json=sized, headers=SERVICE_H).json()[
+        "max_cpu_lora_bytes"
+    ] == (8 << 30)
+    r = c.patch("/v1/pools/pool-h", json={"max_loras": 4}, headers=ADMIN_H)
+    assert (r.json()["max_loras"], r.json()["max_cpu_lora_bytes"]) == (4, 8 << 30)  # kept
+    r = c.patch("/v1/pools/pool-h", json={"max_cpu_lora_bytes": None}, headers=ADMIN_H)
+    assert r.status_code == 200 and r.json()["max_cpu_lora_bytes"] is None
+    assert c.put("/internal/v1/pools/pool-h", json=sized, headers=SERVICE_H).status_code == 200
+    unset = c.put("/internal/v1/pools/pool-h", json=body, headers=SERVICE_H)
+    assert unset.json()["max_cpu_lora_bytes"] is None  # the spec lost it: so does the pool
+    bad = c.patch("/v1/pools/pool-h", json={"max_cpu_lora_bytes": 0}, headers=ADMIN_H)
+    assert bad.status_code == 400 and "max_cpu_lora_bytes" in bad.json()["error"]["message"]
+
+
+def test_the_pool_keeps_each_replicas_host_bytes_and_byte_limit(api: Api) -> None:
+    """Reports carry the host tier's bytes (`cpu_bytes`) and its byte limit
+    (`cpu_bytes_capacity`, null: none); a report from before them records zero and null."""
+    api.pool("pool-a")
+    assert report(api, cpu_bytes=3 << 20, cpu_bytes_capacity=8 << 20).status_code == 200
+    old = {"pool": "pool-a", "replica": "r1", "deferred": 1, "gpu_bytes": 5}
+    assert api.client.post("/internal/v1/pressure", json=old, headers=SERVICE_H).status_code == 200
+    replicas = api.client.get("/v1/pools/pool-a", headers=ADMIN_H).json()["pressure"]["replicas"]
+    assert (replicas["r0"]["cpu_bytes"], replicas["r0"]["cpu_bytes_capacity"]) == (3 << 20, 8 << 20)
+    assert (replicas["r1"]["cpu_bytes"], replicas["r1"]["cpu_bytes_capacity"]) == (0, None)
+    assert report(api, cpu_bytes=-1).status_code == 400

@@ -338,6 +338,56 @@ def test_rank_0s_host_tier_weighs_every_ranks_part_and_evicts_them_together(
         manager.close()
 
 
+def test_rank_0s_byte_limit_weighs_every_ranks_part_and_evicts_them_together(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """TP = 2 under `max_cpu_lora_bytes`: the limit weighs a version's own part and the
+    worker's together, evicts the least recently used version with all its parts, and refuses
+    a version whose own part would fit but not with the worker's beside it."""
+    from loraplane.adapters.base_model import BaseModelSpec
+    from loraplane.adapters.errors import AdapterRejected, ReasonCode
+    from loraplane.dataplane.lora import LoRAPool
+    from loraplane.dataplane.lora.manager import LoRAManager
+    from loraplane.dataplane.parallel.shard import heads_of, local_spec
+    from loraplane.dataplane.parallel.ship import peer_parts
+
+    spec = BaseModelSpec.from_dir(tiny_llama_dir)
+    shard, heads = TPShard(0, 2), heads_of(spec)
+    pool = LoRAPool(2, local_spec(spec, shard), torch.float32, "cpu")
+    manager = LoRAManager(
+        pool, spec, 64, max_cpu_loras=8,
+        shard=functools.partial(shard_adapter, shard=shard, heads=heads),
+        peers=functools.partial(peer_parts, shard=shard, heads=heads, dtype=torch.float32,
+                                transposed=pool.transposes_b),
+    )  # fmt: skip
+    try:
+        refs = {n: manager.register(n, peft_adapters[n]) for n in ("r4", "r16", "r32-mlp")}
+        weights = {n: manager.registry.entries[r.key].host_bytes for n, r in refs.items()}
+        own = manager.host_copy(refs["r16"]).nbytes
+        assert weights["r16"] == 2 * own  # the worker's part beside rank 0's own
+        manager.max_cpu_lora_bytes = weights["r16"] + weights["r32-mlp"]
+        manager.host.evict()
+        assert not manager.in_host_memory(refs["r4"])  # the LRU, with its worker's part
+        with pytest.raises(KeyError):
+            manager.peer_parts(refs["r4"].key)
+        assert manager.host.bytes == weights["r16"] + weights["r32-mlp"]
+        manager.unregister("r16")
+        manager.unregister("r32-mlp")
+        manager.max_cpu_lora_bytes = None
+        big = manager.register("r64", peft_adapters["r64"])
+        whole = manager.registry.entries[big.key].host_bytes
+        manager.unregister("r64")
+        manager.max_cpu_lora_bytes = whole - 1  # rank 0's own part alone would fit
+        with pytest.raises(AdapterRejected) as caught:
+            manager.register("r64", peft_adapters["r64"])
+        assert caught.value.code is ReasonCode.TOO_LARGE
+        assert f"needs {whole} bytes of host memory (every tensor-parallel rank's part)" in (
+            caught.value.message
+        )
+    finally:
+        manager.close()
+
+
 # -- two processes over gloo -------------------------------------------------------------------
 
 
@@ -406,6 +456,36 @@ def test_tp2_gives_tp1s_tokens_in_mixed_adapter_batches(
         torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
     assert got["prompt"].keys() == expected["prompt"].keys() == {"r1"}
     assert len(got["prompt"]["r1"]) == len(expected["prompt"]["r1"])
+
+
+def test_tp2_under_a_host_byte_limit_serves_more_adapters_than_fit_with_tp1s_tokens(
+    families: dict[str, Family],
+) -> None:
+    """Two processes, one slot, a byte limit for two of three versions (each weighed with the
+    worker's part): every request gets TP = 1's tokens, rank 0's host tier stays within the
+    limit between requests, and versions evicted from it are read and shipped again."""
+    family = families["llama"]
+    names = ["r4", "r16", "r32-mlp", "r4", "r16"]
+    one = _engine(family, 1, max_loras=1, max_cpu_loras=8)
+    expected = [
+        one.generate([[5, 17, 33]], GREEDY, [one.register_lora(n, family.adapters[n], "t")])[0]
+        for n in names
+    ]
+    two = _engine(family, 2, max_loras=1, max_cpu_loras=8)
+    try:
+        refs = {n: two.register_lora(n, family.adapters[n], "t") for n in set(names)}
+        host = two.loras.host
+        weights = sorted(host.hosted[r.key].host_bytes for r in refs.values())
+        two.loras.max_cpu_lora_bytes = limit = weights[-1] + weights[-2]
+        for name, want in zip(names, expected, strict=True):
+            (out,) = two.generate([[5, 17, 33]], GREEDY, [refs[name]])
+            assert out.error is None, out.error
+            assert out.token_ids == want.token_ids, name
+            assert host.bytes <= limit, name
+        assert two.loras.host_stats.evictions > 0
+        _check_host_bytes(two)
+    finally:
+        two.close()
 
 
 def test_tp2_equals_hf_peft(families: dict[str, Family], hf_reference: Any) -> None:

@@ -102,6 +102,7 @@ def test_aggregate_sums_fresh_replica_reports_and_ignores_stale_ones() -> None:
                 "time": fresh.isoformat(),
                 "gpu_bytes": 700,
                 "gpu_bytes_capacity": 1000,
+                "cpu_bytes": 5000,
             },
             "gone": {"deferred": 100, "time": stale.isoformat()},
         }
@@ -114,6 +115,7 @@ def test_aggregate_sums_fresh_replica_reports_and_ignores_stale_ones() -> None:
         slots_used=2,
         adapter_memory_used=1000,
         adapter_memory_total=2000,
+        host_adapter_memory_used=5000,  # a replica from before cpu_bytes counts 0
         replicas_reporting=2,
     )
     assert (

@@ -132,11 +132,42 @@ def test_pool_gets_its_deployment_and_service_with_arguments_and_owner_reference
     assert controlplane.admin.get("/v1/pools/tiny-pool", params=IN_PLATFORM).status_code == 404
 
 
+def test_pool_max_cpu_lora_bytes_reaches_the_deployment_args_and_the_catalog(
+    cluster: Cluster,
+    controlplane: ControlPlane,
+    start_operator: StartOperator,
+    base_model_dir: Path,
+) -> None:
+    """spec.lora.maxCpuLoraBytes: the replicas' --max-cpu-lora-bytes in bytes and the catalog
+    pool's max_cpu_lora_bytes; taken out of the spec, it goes from both."""
+    start_operator()
+    lora = {"maxLoras": 4, "maxLoraRank": 16, "maxCpuLoras": 8, "maxCpuLoraBytes": "512MiB"}
+    cluster.create("servingpools", PLATFORM, pool_body("bytes-pool", base_model_dir, lora=lora))
+
+    def args() -> list[str]:
+        dep = _deployment(cluster, "bytes-pool")
+        return [] if dep is None else dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    wait_for(lambda: "--max-cpu-lora-bytes" in args(), what="the Deployment")
+    assert _arg(args(), "--max-cpu-lora-bytes") == str(512 << 20)
+    assert _arg(args(), "--max-cpu-loras") == "8"
+
+    def catalog_limit() -> object:
+        r = controlplane.admin.get("/v1/pools/bytes-pool", params=IN_PLATFORM)
+        return r.json()["max_cpu_lora_bytes"] if r.status_code == 200 else "missing"
+
+    wait_for(lambda: catalog_limit() == 512 << 20, what="the catalog's byte limit")
+    cluster.patch("servingpools", PLATFORM, "bytes-pool",
+                  {"spec": {"lora": {"maxCpuLoraBytes": None}}})  # fmt: skip
+    wait_for(lambda: "--max-cpu-lora-bytes" not in args(), what="the rollout without it")
+    wait_for(lambda: catalog_limit() is None, what="the catalog's byte limit cleared")
+
+
 def _report(
     controlplane: ControlPlane, replica: str, deferred: int, namespace: str = PLATFORM
 ) -> None:
     body = {"namespace": namespace, "pool": "tiny-pool", "replica": replica,
-            "deferred": deferred, "waiting_adapters": 1}  # fmt: skip
+            "deferred": deferred, "waiting_adapters": 1, "cpu_bytes": 4096}  # fmt: skip
     r = httpx.post(
         f"{controlplane.url}/internal/v1/pressure",
         json=body,
@@ -184,6 +215,7 @@ def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
     )
     assert status["pressure"]["deferred"] == 11
     assert status["pressure"]["replicasReporting"] == 1
+    assert status["pressure"]["hostAdapterMemoryUsed"] == 4096  # the host tier's bytes
     assert status["readyReplicas"] == 1
     assert status["lastScaleTime"].endswith("Z")
     # Kopf posts events in the background: wait for it rather than race it
@@ -221,6 +253,7 @@ def test_pool_scales_up_from_reported_pressure_and_records_it_in_status(
         assert metrics["loraplane_pool_autoscaling_target,signal=deferred_per_replica"] == 4
         assert metrics["loraplane_pool_pressure,signal=deferred"] == 11
         assert metrics["loraplane_pool_pressure,signal=replicas_reporting"] == 1
+        assert metrics["loraplane_pool_pressure,signal=host_adapter_memory_used"] == 4096
         assert metrics["loraplane_pool_scale_events_total,direction=up"] == 1
         assert metrics["loraplane_pool_scale_events_total,direction=down"] == 0
         # A deleted pool's series go with it.

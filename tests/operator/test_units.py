@@ -78,6 +78,26 @@ def test_pool_cuda_graphs_reach_serve_only_when_asked_and_only_on_cuda() -> None
         PoolSpec.parse({**POOL, "cudaGraphs": "yes"})
 
 
+def test_pool_max_cpu_lora_bytes_reaches_serve_in_bytes_and_unset_leaves_no_byte_limit() -> None:
+    pool = PoolSpec.parse({**POOL, "lora": {"maxCpuLoras": 64, "maxCpuLoraBytes": "8GiB"}})
+    assert pool.max_cpu_lora_bytes == 8 << 30
+    args = manifests.serve_args(pool, "http://cp:8080")
+    assert args[args.index("--max-cpu-lora-bytes") + 1] == str(8 << 30)
+    assert args[args.index("--max-cpu-loras") + 1] == "64"  # both limits hold
+    unset = PoolSpec.parse(POOL)
+    assert unset.max_cpu_lora_bytes is None
+    assert "--max-cpu-lora-bytes" not in manifests.serve_args(unset, "http://cp:8080")
+    crd_lora = crds.pool_schema()["properties"]["spec"]["properties"]["lora"]["properties"]
+    assert crd_lora["maxCpuLoraBytes"]["type"] == "string"
+    assert "default" not in crd_lora["maxCpuLoraBytes"]
+
+
+@pytest.mark.parametrize("size", ["2 parsecs", "0.5", "0", "-1GiB", "lots"])
+def test_a_pool_max_cpu_lora_bytes_the_data_plane_cannot_read_is_a_spec_error(size: str) -> None:
+    with pytest.raises(SpecError, match=r"spec\.lora\.maxCpuLoraBytes"):
+        PoolSpec.parse({**POOL, "lora": {"maxCpuLoraBytes": size}})
+
+
 @pytest.mark.parametrize("memory", ["2 parsecs", "1.5", "0", "-1GiB"])
 def test_a_pool_lora_memory_the_data_plane_cannot_read_is_a_spec_error(memory: str) -> None:
     with pytest.raises(SpecError, match=r"spec\.lora\.memory"):

@@ -282,7 +282,7 @@ export async function pools() {
           h("dt", {}, "Base model"),
           h("dd", {}, `${p.base_model.name} (${p.base_model.uri})`),
           h("dt", {}, "Limits"),
-          h("dd", {}, `max rank ${p.max_lora_rank}, ${p.max_loras} adapter slots per replica, ${p.max_cpu_loras} in CPU memory`),
+          h("dd", {}, `max rank ${p.max_lora_rank}, ${p.max_loras} adapter slots per replica, ${p.max_cpu_loras} in CPU memory${p.max_cpu_lora_bytes == null ? "" : ` (${p.max_cpu_lora_bytes} bytes at most)`}`),
         ),
         replicas(p),
       ),

@@ -28,6 +28,8 @@ MAX_REPLICAS_KEPT = 1000
 # a replica that reported within this many seconds counts as live: tenants' rate limits are
 # split among the live replicas of a pool (each enforces its share)
 LIVE_REPLICA_SECONDS = 30
+# limits whose null means "none" (given as null in an update: cleared; left out: kept)
+CLEARABLE = frozenset({"max_cpu_lora_bytes"})
 
 
 def pool_ref(namespace: str, name: str) -> str:
@@ -57,6 +59,7 @@ def create_pool(
         max_lora_rank=data.max_lora_rank,
         max_loras=data.max_loras,
         max_cpu_loras=data.max_cpu_loras,
+        max_cpu_lora_bytes=data.max_cpu_lora_bytes,
         require_signed_adapters=data.require_signed_adapters,
     )
     session.add(pool)
@@ -89,9 +92,10 @@ def put_pool(
             f"pool {pool_ref(pool.namespace, pool.name)} serves base model "
             f"{pool.base_model_name!r} ({pool.base_model_uri}); a pool's base model cannot change"
         )
-    limits = PoolUpdate(
-        max_lora_rank=data.max_lora_rank, max_loras=data.max_loras, max_cpu_loras=data.max_cpu_loras
-    )
+    limits = PoolUpdate(  # the byte limit as given, null too: a spec without one clears it
+        max_lora_rank=data.max_lora_rank, max_loras=data.max_loras,
+        max_cpu_loras=data.max_cpu_loras, max_cpu_lora_bytes=data.max_cpu_lora_bytes,
+    )  # fmt: skip
     updated = update_pool(
         session, namespace=data.namespace, name=data.name, data=limits, actor=actor
     )
@@ -130,9 +134,13 @@ def get_pool(session: Session, *, namespace: str, name: str, lock: bool = False)
 def update_pool(
     session: Session, *, namespace: str, name: str, data: PoolUpdate, actor: str
 ) -> Pool:
-    """Change a pool's LoRA limits (the fields given)."""
+    """Change a pool's LoRA limits (the fields given; a null byte limit clears it)."""
     pool = get_pool(session, namespace=namespace, name=name)
-    changes = data.model_dump(exclude_unset=True, exclude_none=True)
+    changes = {
+        field: value
+        for field, value in data.model_dump(exclude_unset=True).items()
+        if value is not None or field in CLEARABLE
+    }
     for field, value in changes.items():
         setattr(pool, field, value)
     target = f"pools/{pool_ref(namespace, name)}"

@@ -88,6 +88,10 @@ class PressureReport(Strict):
     slots_used: int = Field(default=0, ge=0, le=INT32)
     gpu_bytes: int = Field(default=0, ge=0, le=BIG)  # adapter memory used in the device pool
     gpu_bytes_capacity: int = Field(default=0, ge=0, le=BIG)  # the adapter memory budget
+    # host bytes of the host tier's copies (under tensor parallelism every rank's part), and
+    # its byte limit (--max-cpu-lora-bytes; null: none); reporters from before them send none
+    cpu_bytes: int = Field(default=0, ge=0, le=BIG)
+    cpu_bytes_capacity: int | None = Field(default=None, ge=1, le=BIG)
     kv_usage: float = Field(default=0.0, ge=0.0, le=1.0)
     adapters_waiting: list[WaitingAdapter] = Field(default_factory=list, max_length=10_000)
     usage: list[AdapterUsage] = Field(default_factory=list, max_length=10_000)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from loraplane.controlplane.models import DEFAULT_NAMESPACE
 from loraplane.controlplane.schemas.common import (
+    Bytes,
     Count,
     ModelName,
     ModelUri,
@@ -44,6 +45,11 @@ class PoolCreate(Strict):
     max_lora_rank: Rank = 64
     max_loras: Count = 8
     max_cpu_loras: Count = 32
+    max_cpu_lora_bytes: Bytes | None = Field(
+        default=None,
+        description="host bytes a replica's host tier may take (its adapters' copies; under "
+        "tensor parallelism every rank's part): `--max-cpu-lora-bytes`; null: no byte limit",
+    )
     require_signed_adapters: bool = Field(
         default=False,
         description="uploads for this pool's base model must carry a valid signature by one "
@@ -57,6 +63,8 @@ class PoolUpdate(Strict):
     max_lora_rank: Rank | None = None
     max_loras: Count | None = None
     max_cpu_loras: Count | None = None
+    # null given explicitly clears the byte limit (left out: kept)
+    max_cpu_lora_bytes: Bytes | None = None
     require_signed_adapters: bool | None = None
 
 
@@ -80,6 +88,7 @@ class PoolPublic(Public):
     max_lora_rank: int
     max_loras: int
     max_cpu_loras: int
+    max_cpu_lora_bytes: int | None = None
     require_signed_adapters: bool = False
     pinned_replicas: int = Field(
         default=0,

@@ -1,5 +1,7 @@
 """The host tier: adapters in host memory, in the pool's host form, at most `max_cpu_loras` of
-them; the least recently used copy goes first, never one in a device slot, in use or pinned.
+them and, when set, at most `max_cpu_lora_bytes` bytes of them; the least recently used copy
+goes first, never one in a device slot, in use or pinned. A version larger than the whole byte
+limit can never be kept: its load fails (`oversize`), failing only the requests that need it.
 
 Copies arrive from the loader threads (loads.py) and from static registration; a version whose
 load or placement failed loses its copy (the copy may be what is wrong) and is marked FAILED.
@@ -12,7 +14,8 @@ copy and, under tensor parallelism, the other ranks' parts beside it. The ranks'
 equal in size, so on rank 0 a version of an N-rank replica takes N times one rank's part
 (a column-parallel module's A and a row-parallel one's B are whole on every rank): about N
 times what the same version takes in one rank's device pool. `max_cpu_loras` counts versions,
-each with all its parts, so evicting one frees all of them at once.
+each with all its parts, so evicting one frees all of them at once; `max_cpu_lora_bytes` weighs
+them the same way (`bytes`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class HostTier:
         max_cpu_loras: int | None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None,
         peers: Callable[[LoadedAdapter], tuple[HostPart, ...]] | None = None,
+        max_cpu_lora_bytes: int | None = None,
     ) -> None:
         self._registry, self._pool = registry, pool
         # a tensor-parallel rank's part of each adapter read (parallel/shard.py), validated
@@ -67,6 +71,9 @@ class HostTier:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= the pool's slots "
                 f"({pool.num_slots})"
             )
+        # host bytes the copies may take (None: no byte limit); the copies in a device slot,
+        # in use or pinned may hold the tier over it until they go, as with the count
+        self.max_cpu_lora_bytes = max_cpu_lora_bytes
         self.hosted: dict[str, Entry] = {}  # ref.key -> entry with a host copy
         self.bytes = 0  # host bytes of every copy in `hosted`, the other ranks' parts included
         self.stats = TierStats("cpu")
@@ -93,6 +100,21 @@ class HostTier:
         """Ranks 1..N-1's parts of version `key` (in host memory: KeyError if not), in rank
         order: what rank 0 ships the workers when `key` takes a slot."""
         return self._peer_parts[key]
+
+    def oversize(
+        self, name: str, adapter: LoadedAdapter, peers: tuple[HostPart, ...] = ()
+    ) -> str | None:
+        """Why `adapter` (host form, of adapter `name`) and `peers` can never be kept: they
+        weigh more than the whole byte limit (`max_cpu_lora_bytes`); else None."""
+        limit = self.max_cpu_lora_bytes
+        weight = adapter.nbytes + sum(part.nbytes for part in peers)
+        if limit is None or weight <= limit:
+            return None
+        ranks = " (every tensor-parallel rank's part)" if peers else ""
+        return (
+            f"adapter {name} needs {weight} bytes of host memory{ranks}, more than"
+            f" the whole host adapter limit ({limit} bytes, --max-cpu-lora-bytes)"
+        )
 
     def add(self, entry: Entry, adapter: LoadedAdapter, peers: tuple[HostPart, ...] = ()) -> None:
         """Keep `adapter` (in host form) as `entry`'s host copy, the most recently used, and
@@ -132,24 +154,29 @@ class HostTier:
         entry.host_bytes = 0
         self._peer_parts.pop(entry.ref.key, None)
 
+    def over(self) -> bool:
+        """Whether the tier holds more copies than `max_cpu_loras` or more bytes than
+        `max_cpu_lora_bytes`."""
+        limit = self.max_cpu_lora_bytes
+        return len(self.hosted) > self.max_cpu_loras or (limit is not None and self.bytes > limit)
+
     def evict(self, needed: Iterable[str] = ()) -> None:
-        """Drop the least recently used copies beyond `max_cpu_loras` (under the lock), none in
-        a device slot, in `needed` (in use or wanted) or pinned: the tier may stay over its
-        size until they go."""
-        excess = len(self.hosted) - self.max_cpu_loras
-        if excess <= 0:
+        """Drop the least recently used copies (under the lock) until both the count
+        (`max_cpu_loras`) and the bytes (`max_cpu_lora_bytes`) are within their limits, none
+        in a device slot, in `needed` (in use or wanted) or pinned: the tier may stay over
+        its limits until they go."""
+        if not self.over():
             return
         needed = set(needed)
         pinned = self._registry.pinned
         for victim in sorted(self.hosted.values(), key=lambda e: e.last_used):
-            if excess <= 0:
+            if not self.over():
                 break
             if victim.slot is not None or victim.ref.key in needed or victim.ref.key in pinned:
                 continue
             self._forget(victim)
             victim.host, victim.state = None, State.COLD
             self.stats.evictions += 1
-            excess -= 1
 
     def copy(self, ref: LoRARef) -> LoadedAdapter:
         """The adapter's weights in host memory (KeyError if it is not loaded there)."""

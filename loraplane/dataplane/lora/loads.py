@@ -262,7 +262,14 @@ class Loads:
             log.warning("loading adapter %s failed: %s", entry.ref.key, message)
             return
         with self._registry.lock:
-            if entry.ref.key in self._registry.entries:  # not unregistered meanwhile
+            if entry.ref.key not in self._registry.entries:  # unregistered meanwhile
+                return
+            oversize = self._host.oversize(entry.ref.name, adapter, peers)
+            if oversize is not None:  # it would evict every other copy and still not fit
+                self._host.fail(entry, oversize)
+                self._host.stats.failures += 1
+                log.warning("loading adapter %s failed: %s", entry.ref.key, oversize)
+            else:
                 self._host.add(entry, adapter, peers)
                 self._host.stats.load_ended(entry.ref.key, start)
 

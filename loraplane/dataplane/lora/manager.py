@@ -3,7 +3,8 @@
 `LoRAManager` is the one object the engine, the scheduler (its `Adapters` protocol), the
 model runner and the server hold; it hands each call to the part that does that job:
 - the registry (registry.py): versions by key and by (tenant, name), their files, the lock;
-- the host tier (host_tier.py): host copies, an LRU of `max_cpu_loras`;
+- the host tier (host_tier.py): host copies, an LRU of `max_cpu_loras` (and of
+  `max_cpu_lora_bytes` bytes, when set);
 - the loads (loads.py): loader threads filling the host tier, the prefetch list, retries;
 - the device tier (device_tier.py): slots within the adapter memory, eviction, KV reclaim;
 - the pins (pins.py): versions kept resident, within their cap.
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from loraplane.adapters.base_model import BaseModelSpec
+from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.device_tier import DeviceTier
 from loraplane.dataplane.lora.entry import State, TierStats
@@ -51,12 +53,13 @@ class LoRAManager:
         prefetch_depth: int | None = None,
         shard: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
         peers: Callable[[LoadedAdapter], tuple[HostPart, ...]] | None = None,
+        max_cpu_lora_bytes: int | None = None,
     ) -> None:
         self.pool, self.base, self.disk = pool, base, disk  # shared with the parts
         self.limits = AdapterLimits(max_rank=max_lora_rank)
         self.registry = Registry(base, self.limits, disk)
         # under TP: `shard` cuts this rank's part of each adapter, `peers` the others' (rank 0)
-        self.host = HostTier(self.registry, pool, max_cpu_loras, shard, peers)
+        self.host = HostTier(self.registry, pool, max_cpu_loras, shard, peers, max_cpu_lora_bytes)
         self.loads = Loads(self.registry, self.host, prefetch, retry_after_s,
                            max_loads_in_flight, prefetch_depth)  # fmt: skip
         self.device = DeviceTier(self.registry, self.host, pool, device_budget_bytes)
@@ -74,6 +77,15 @@ class LoRAManager:
     @max_cpu_loras.setter
     def max_cpu_loras(self, value: int) -> None:
         self.host.max_cpu_loras = value
+
+    @property
+    def max_cpu_lora_bytes(self) -> int | None:
+        """Host bytes the host copies may take at most (None: no byte limit)."""
+        return self.host.max_cpu_lora_bytes
+
+    @max_cpu_lora_bytes.setter
+    def max_cpu_lora_bytes(self, value: int | None) -> None:
+        self.host.max_cpu_lora_bytes = value
 
     @property
     def device_budget_bytes(self) -> int | None:
@@ -132,17 +144,22 @@ class LoRAManager:
     # -- registry ---------------------------------------------------------------------------
 
     def register(self, name: str, path: Path | str, tenant: str = "default") -> LoRARef:
-        """Validate and read a static adapter now (AdapterRejected if refused); return its ref.
+        """Validate and read a static adapter now (AdapterRejected if refused, TooLarge when
+        it weighs more than the whole host byte limit); return its ref.
 
         The same content again returns the same ref; new content becomes the current version.
         """
         adapter = self.registry.validate(path)
         ref = LoRARef(name=name, tenant=tenant, digest=adapter.digest)
+        host = self.host.host_form(adapter)
+        peers = self.host.peer_forms(adapter)
+        oversize = self.host.oversize(name, host, peers)
+        if oversize is not None:  # refused before it is recorded: it could never be served
+            raise AdapterRejected(ReasonCode.TOO_LARGE, oversize)
         with self.registry.lock:
             entry = self.registry.add(ref, Path(path))
             if entry.host is None:
-                host = self.host.host_form(adapter)
-                self.host.add(entry, host, self.host.peer_forms(adapter))
+                self.host.add(entry, host, peers)
             self.registry.make_current(ref)
             # registering thousands of static adapters must not hold them all in memory: the
             # host tier keeps max_cpu_loras; the others are read again from their folder

@@ -43,6 +43,13 @@ def add_commands(subparsers: Any) -> None:
         " the weights leave free (default 0.1; on CPU of the RAM available, reclaimable page"
         " cache included, within the container's memory limit)",
     )
+    serve.add_argument(
+        "--max-cpu-lora-bytes",
+        metavar="SIZE",
+        help="host memory the adapters kept there may take: a size (8GiB, 512MiB) or bytes"
+        " (default: no byte limit, only --max-cpu-loras); the least recently used copies go"
+        " first",
+    )
     for flag, what in (
         ("--max-lora-rank", "largest adapter rank accepted"),
         ("--max-cpu-loras", "adapters kept in host memory"),
@@ -152,7 +159,8 @@ def run_serve(args: argparse.Namespace) -> int:
         for k in ("model", "served_model_name", "lora_modules", "max_loras", "lora_memory",
                   "max_lora_rank", "cuda_graphs", "engine_process", "quantization",
                   "tensor_parallel_size", "kv_cache_dtype",
-                  "max_cpu_loras", "max_num_seqs", "dtype", "device", "host", "port",
+                  "max_cpu_loras", "max_cpu_lora_bytes", "max_num_seqs", "dtype", "device",
+                  "host", "port",
                   "metrics_port", "gateway_metrics_port", "api_metrics_adapters",
                   "controlplane_url", "usage_spool_dir",
                   "api_key", "admin_token", "tool_call_parser")

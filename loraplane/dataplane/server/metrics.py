@@ -141,6 +141,12 @@ class _EngineCollector(Collector):
             " parallelism)",
             s.cpu_bytes_used,
         )
+        if s.cpu_bytes_limit is not None:  # --max-cpu-lora-bytes; absent: no byte limit
+            yield _gauge(
+                "loraplane_cpu_adapter_bytes_limit",
+                "Host bytes the host tier's adapter copies may take (--max-cpu-lora-bytes)",
+                s.cpu_bytes_limit,
+            )
         blocks = GaugeMetricFamily(
             "loraplane_kv_blocks",
             "KV cache blocks by holder: sequences, adapters (when they share the pool), free",

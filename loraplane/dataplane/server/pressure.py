@@ -10,8 +10,9 @@ id; a report that got no answer (or a 5xx or 429) is sent again with the same ba
 control plane counts only if it has not already (it keeps each replica's last batch), while new
 usage waits in the log for the next batch; a report refused outright (4xx) puts its usage back
 into the log. A failing control plane never stops serving. The body follows the control plane's
-`PressureReport` schema (it forbids unknown fields), so the host cache size, which that schema
-has no field for yet, is not sent.
+`PressureReport` schema (it forbids unknown fields): the host tier's bytes (`cpu_bytes`) and its
+byte limit (`cpu_bytes_capacity`, null without `--max-cpu-lora-bytes`) are sent until a control
+plane from before them refuses them (400 naming the field); the next reports go without them.
 
 The pool is named by its namespace and name (LORAPLANE_POOL_NAMESPACE, LORAPLANE_POOL). Reports
 carry the config.json the replica loaded its base model from until an answer says the pool has
@@ -103,8 +104,10 @@ def pressure_body(
     *,
     namespace: str = "default",
     base_model_config: dict[str, Any] | None = None,
+    host_bytes: bool = True,
 ) -> dict[str, Any]:
-    """The JSON body of one report (`base_model_config` only when given)."""
+    """The JSON body of one report (`base_model_config` only when given; the host tier's
+    bytes unless `host_bytes` is false)."""
     body: dict[str, Any] = {
         "namespace": namespace,
         "pool": pool,
@@ -125,6 +128,9 @@ def pressure_body(
             for (t, a), (r, p, c) in sorted(usage.items())
         ],
     }
+    if host_bytes:
+        body["cpu_bytes"] = snap.cpu_bytes_used
+        body["cpu_bytes_capacity"] = snap.cpu_bytes_limit
     if base_model_config is not None:
         body["base_model_config"] = base_model_config
     return body
@@ -166,6 +172,8 @@ class PressureReporter:
         self.namespace = namespace
         # sent until the control plane has the pool's config (or refuses this one)
         self.base_model_config = base_model_config
+        # the host tier's bytes in each report, until a control plane from before them refuses
+        self.host_bytes = True
         self._snapshot = snapshot
         self._usage = usage
         self._api = AsyncInternalAPIClient(url, token, timeout=TIMEOUT_S, client=client)
@@ -201,7 +209,7 @@ class PressureReporter:
         batch, rows = self._pending
         body = pressure_body(
             self.pool, self.replica, snap, rows, namespace=self.namespace,
-            base_model_config=self.base_model_config,
+            base_model_config=self.base_model_config, host_bytes=self.host_bytes,
         )  # fmt: skip
         if rows:
             body["usage_batch"] = batch
@@ -215,6 +223,10 @@ class PressureReporter:
                 log.error("the control plane refused this replica's base model config.json: %s",
                           e.message[:500])  # fmt: skip
                 self.base_model_config = None
+            elif e.status == 400 and self.host_bytes and "cpu_bytes" in e.message:
+                log.warning("the control plane does not take the host tier's bytes (it is older"
+                            " than them): left out of the reports from now on")  # fmt: skip
+                self.host_bytes = False
             elif e.status is None:
                 log.warning("pressure report failed: %s", type(e.__cause__).__name__)
             else:

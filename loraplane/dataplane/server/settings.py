@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from loraplane.dataplane.config import DEFAULT_LORA_MEMORY, EngineConfig
 from loraplane.envhelp import format_env_help
 from loraplane.redact import clean_credential
-from loraplane.sizes import parse_memory
+from loraplane.sizes import parse_bytes, parse_memory
 
 MAX_N = 8  # choices per request (`n`) at most
 
@@ -49,6 +49,8 @@ class ServerSettings(BaseSettings):
     # HTTP, tokenizing and SSE: neither waits for the other's turn at the GIL. Off: a thread
     engine_process: bool = True
     max_cpu_loras: int | None = Field(default=None, ge=1)
+    # host bytes the host tier may take: a size (8GiB) or bytes; None: no byte limit
+    max_cpu_lora_bytes: str | None = None
     max_num_seqs: int = Field(default=256, ge=1)
     dtype: Literal["float32", "float16", "bfloat16"] | None = None  # None: by device
     # "fp8": the base's projections quantized at load (an FP8 checkpoint needs nothing)
@@ -174,6 +176,14 @@ class ServerSettings(BaseSettings):
         parse_memory(value if isinstance(value, str | int | float) else str(value))
         return str(value)
 
+    @field_validator("max_cpu_lora_bytes", mode="before")
+    @classmethod
+    def _parse_max_cpu_lora_bytes(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        parse_bytes(value if isinstance(value, str | int) else str(value), "max_cpu_lora_bytes")
+        return str(value)
+
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:
         for name in self.lora_modules:
@@ -220,6 +230,9 @@ class ServerSettings(BaseSettings):
             kv_lora_shared=self.kv_lora_shared,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
+            max_cpu_lora_bytes=None
+            if self.max_cpu_lora_bytes is None
+            else parse_bytes(self.max_cpu_lora_bytes, "max_cpu_lora_bytes"),
             cuda_graphs=self.cuda_graphs,
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -247,6 +260,8 @@ SETTINGS_HELP: dict[str, str] = {
     "engine_process": "the engine loop in a process of its own (on), or on a thread of the API"
     " server's (off)",
     "max_cpu_loras": "adapters kept in host memory (unset: twice the device slots)",
+    "max_cpu_lora_bytes": "host memory the adapters kept there may take: a size (8GiB, 512MiB)"
+    " or bytes (unset: no byte limit, only max_cpu_loras)",
     "max_num_seqs": "requests per batch at most",
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",
     "quantization": "fp8: the base's projections quantized to float8 e4m3 at load (unset: as the"

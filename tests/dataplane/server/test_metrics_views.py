@@ -59,6 +59,15 @@ def test_the_metrics_port_view_has_everything() -> None:
     assert b'loraplane_tokens_total{kind="completion",tenant="tenant-b"} 11.0' in text
     assert b'loraplane_adapter_resident{adapter="b-secret",tenant="tenant-b",tier="gpu"}' in text
     assert b"loraplane_cpu_adapter_bytes_used 4096.0" in text  # the host tier's bytes
+    assert b"loraplane_cpu_adapter_bytes_limit" not in text  # no byte limit: no gauge
+
+
+def test_the_host_byte_limit_gauge_shows_max_cpu_lora_bytes_when_set() -> None:
+    metrics = _metrics()
+    assert metrics.snapshot is not None
+    metrics.snapshot.cpu_bytes_limit = 8192
+    text = metrics.render()
+    assert b"loraplane_cpu_adapter_bytes_limit 8192.0" in text
 
 
 def test_the_protocol_gauge_read_as_the_endpoint_picker_reads_it(

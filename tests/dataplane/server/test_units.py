@@ -310,6 +310,7 @@ def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
         resident=Counter({("acme", "bot"): 1}),
         gpu_bytes_used=1024,
         gpu_bytes_capacity=4096,
+        cpu_bytes_used=2048,
         kv_usage=0.25,
         waiting_per_adapter=Counter({("acme", "x"): 3}),
     )
@@ -325,6 +326,7 @@ def test_pressure_reporter_posts_the_snapshot_and_usage() -> None:
     (report,) = state["reports"]
     assert report["deferred"] == 3 and report["slots_used"] == 1 and report["kv_usage"] == 0.25
     assert (report["gpu_bytes"], report["gpu_bytes_capacity"]) == (1024, 4096)
+    assert (report["cpu_bytes"], report["cpu_bytes_capacity"]) == (2048, None)  # no byte limit
     assert report["adapters_waiting"] == [{"tenant": "acme", "adapter": "x", "waiting_requests": 3}]
     assert report["usage"] == [{"tenant": "acme", "adapter": "bot", "requests": 2,
                                 "prompt_tokens": 30, "completion_tokens": 12}]  # fmt: skip
@@ -381,6 +383,57 @@ def test_a_config_the_control_plane_refuses_is_not_sent_again() -> None:
     first, second = state["reports"]
     assert first["namespace"] == "default" and "base_model_config" in first
     assert "base_model_config" not in second and second["usage"] == first["usage"]
+
+
+def test_reports_carry_the_host_tiers_bytes_and_its_byte_limit() -> None:
+    app, state = stand_in()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+
+    async def snapshot() -> EngineSnapshot:
+        return EngineSnapshot(cpu_bytes_used=3000, cpu_bytes_limit=8192)
+
+    reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, UsageLog(), client=client)
+    assert asyncio.run(reporter.report_once())
+    (report,) = state["reports"]
+    assert (report["cpu_bytes"], report["cpu_bytes_capacity"]) == (3000, 8192)
+    schemas = pytest.importorskip("loraplane.controlplane.schemas.internal")
+    recorded = schemas.PressureReport.model_validate(report)
+    assert (recorded.cpu_bytes, recorded.cpu_bytes_capacity) == (3000, 8192)
+
+
+def test_a_control_plane_older_than_the_host_bytes_gets_reports_without_them() -> None:
+    """A control plane from before the host tier's bytes refuses them (its schema forbids
+    unknown fields: 400 naming the field); the usage of that report goes again in the next,
+    which leaves them out, as do the ones after it."""
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        if "cpu_bytes" in body:
+            message = "cpu_bytes: not a known field; cpu_bytes_capacity: not a known field"
+            return httpx.Response(400, json={"error": {"code": "InvalidRequest",
+                                                       "message": message}})  # fmt: skip
+        return httpx.Response(200, json={"replicas": 1, "base_model_config_known": True})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    usage = UsageLog()
+    usage.add("acme", "bot", requests=1, prompt=5, completion=2)
+
+    async def snapshot() -> EngineSnapshot:
+        return EngineSnapshot(cpu_bytes_used=3000)
+
+    reporter = PressureReporter("http://cp", "svc", "p", "r", snapshot, usage, client=client)
+
+    async def run() -> None:
+        assert not await reporter.report_once()
+        assert await reporter.report_once()
+        assert await reporter.report_once()
+
+    asyncio.run(run())
+    first, second, third = sent
+    assert "cpu_bytes" in first and "cpu_bytes" not in second and "cpu_bytes" not in third
+    assert second["usage"] == first["usage"] and second["usage"][0]["prompt_tokens"] == 5
 
 
 def test_the_pools_namespace_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
