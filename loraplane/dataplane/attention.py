@@ -10,9 +10,11 @@ fused kernel can replace `paged_attention` without touching the model. An FP8 ca
 scales, in the queries' dtype.
 
 `LORAPLANE_ATTENTION` picks the implementation (read at each call, so tests can set it): `auto`
-(the default: the Triton kernel `kernels/attention_triton.py` on CUDA, the torch path here on
-CPU), `torch` or `triton`. `triton` on CPU tensors needs `TRITON_INTERPRET=1` set before Triton
-is first imported; Triton is imported only when its path is taken.
+(the default: the Triton kernel `kernels/attention_triton.py` on CUDA; on the CPU the torch
+path, its decode queries in the native kernel `kernels/attention_cpu.py` for fp32 where the
+native library loads), `native`, `torch` (the torch path throughout) or `triton`. `triton` on
+CPU tensors needs `TRITON_INTERPRET=1` set before Triton is first imported; Triton is imported
+only when its path is taken.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch.nn.functional as F  # noqa: N812
 
 from loraplane.dataplane import kv_quant
 from loraplane.dataplane.attention_metadata import AttentionMetadata, check_options
+from loraplane.dataplane.kernels import attention_cpu
 from loraplane.dataplane.kernels.backends import choose
 
 __all__ = ["AttentionMetadata", "check_options", "paged_attention", "query_positions", "write_kv"]
 ENV = "LORAPLANE_ATTENTION"
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "native", "torch", "triton")
 
 
 def query_positions(
@@ -76,8 +79,14 @@ def _mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> tor
 
 
 def backend(q: torch.Tensor) -> str:
-    """The implementation `paged_attention` uses for queries `q`: torch or triton."""
-    return choose(ENV, BACKENDS, q)
+    """The implementation `paged_attention` uses for queries `q`: native (the torch path with
+    its decode queries in the native CPU kernel), torch or triton."""
+    return choose(ENV, BACKENDS, q, cpu_auto=_cpu_auto)
+
+
+def _cpu_auto(q: torch.Tensor) -> str:
+    """`auto` off CUDA: the native kernel for fp32 CPU queries where the library loads."""
+    return "native" if attention_cpu.available(q) else "torch"
 
 
 def paged_attention(
@@ -105,7 +114,8 @@ def paged_attention(
     """
     check_options(sliding_window, softcap)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    if backend(q) == "triton":
+    name = backend(q)
+    if name == "triton":
         from loraplane.dataplane.kernels import attention_triton
 
         return attention_triton.paged_attention(
@@ -113,8 +123,9 @@ def paged_attention(
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return torch_attention(
-        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale
-    )
+        q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_scale, v_scale,
+        native=name == "native",
+    )  # fmt: skip
 
 
 def _attend(
@@ -157,16 +168,20 @@ def torch_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    native: bool = False,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """`paged_attention` after its write_kv, in torch: the CPU path and the Triton kernel's
-    oracle. Single-token queries share one padded gather + SDPA; others get an SDPA each. The
+    oracle. Single-token queries share one padded gather + SDPA (with `native`, one call of
+    the native CPU kernel instead, where it takes the tensors); others get an SDPA each. The
     gathered rows of an FP8 cache are dequantized (kv_quant.dequantize) to q's dtype."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
     plan = _decode_plan(meta, block_size, sliding_window, q.device)
     if plan is not None:  # one batched call for all single-token queries
-        _decode_attention(q, k_cache, v_cache, plan, out, scale, softcap, (k_scale, v_scale))
+        _decode_attention(
+            q, k_cache, v_cache, plan, out, scale, softcap, (k_scale, v_scale), native
+        )
     batched = set(plan.seqs) if plan is not None else set()
     for i, ctx in enumerate(ctx_lens):
         if i in batched:
@@ -191,8 +206,14 @@ class _DecodePlan:
 
     seqs: list[int]  # sequences whose single query is their last position
     tables: torch.Tensor  # [B, width] long: their block tables, -1 padding -> block 0
-    rows: torch.Tensor  # [B]: their query rows in the flat batch
+    rows: torch.Tensor  # [B] int64: their query rows in the flat batch
     allowed: torch.Tensor  # [B, width * block_size] bool: the keys each one sees
+    # the native kernel's inputs (kernels/attention_cpu.py): the tables and context lengths as
+    # int32, and the largest block id they name (checked against the cache before a read)
+    tables32: torch.Tensor  # [B, width] int32
+    lens32: torch.Tensor  # [B] int32
+    top_block: int
+    window: int | None
 
 
 def _decode_plan(
@@ -218,7 +239,9 @@ def _decode_plan(
         if sliding_window is not None:
             allowed &= positions > ctx - 1 - sliding_window
         rows = torch.tensor([cu[i] for i in seqs], device=device)
-        plan = _DecodePlan(seqs, tables, rows, allowed)
+        top = int(tables.max()) if device.type == "cpu" else -1  # (CPU only: no sync)
+        plan = _DecodePlan(seqs, tables, rows, allowed, tables.to(torch.int32),
+                           ctx.view(-1).to(torch.int32), top, sliding_window)  # fmt: skip
     memo[key] = plan
     return plan
 
@@ -232,9 +255,29 @@ def _decode_attention(
     scale: float,
     softcap: float | None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    native: bool = False,
 ) -> None:
-    """Attention of many one-token queries in one call: their contexts are gathered from the
+    """Attention of many one-token queries in one call: with `native`, the CPU kernel reads
+    their keys in place (kernels/attention_cpu.py); else their contexts are gathered from the
     cache into a padded [B, max_ctx] batch and the padding is masked out."""
+    if (
+        native
+        and kv_scales == (1.0, 1.0)
+        and 0 <= plan.top_block < k_cache.shape[0]
+        and attention_cpu.decode(
+            q,
+            k_cache,
+            v_cache,
+            plan.tables32,
+            plan.lens32,
+            plan.rows,
+            out,
+            scale,
+            softcap,
+            plan.window,
+        )
+    ):
+        return
     tables, rows, allowed = plan.tables, plan.rows, plan.allowed
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, width*bs, head_dim]
     values = v_cache[tables].flatten(1, 2).transpose(1, 2)

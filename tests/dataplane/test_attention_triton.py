@@ -33,6 +33,7 @@ from loraplane.dataplane.attention import AttentionMetadata, write_kv  # noqa: E
 from loraplane.dataplane.config import EngineConfig  # noqa: E402
 from loraplane.dataplane.engine import Engine  # noqa: E402
 from loraplane.dataplane.kernels import attention_triton as at  # noqa: E402
+from loraplane.dataplane.kernels import sgmv_cpu  # noqa: E402
 from loraplane.dataplane.sampling import SamplingParams  # noqa: E402
 from tests.dataplane.conftest import (  # noqa: E402
     Family,
@@ -381,10 +382,12 @@ def test_bad_configs_are_rejected_naming_the_field(kwargs: dict[str, int], messa
         at.AttentionConfig(**kwargs)
 
 
-def test_backend_is_triton_on_cuda_torch_on_cpu_unless_overridden(
+def test_backend_is_triton_on_cuda_native_or_torch_on_cpu_unless_overridden(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert attention.backend(torch.zeros(1)) == "torch"
+    native = "native" if sgmv_cpu.library() is not None else "torch"
+    assert attention.backend(torch.zeros(1)) == native  # fp32: the native decode kernel
+    assert attention.backend(torch.zeros(1, dtype=torch.bfloat16)) == "torch"
     if torch.cuda.is_available():
         assert attention.backend(torch.zeros(1, device="cuda")) == "triton"
     monkeypatch.setenv(attention.ENV, "torch")

@@ -316,3 +316,92 @@ int loraplane_host_form_f32(const int64_t *table, int64_t n, float *dst) {
     }
     return 0;
 }
+
+/* ---- Paged decode attention: one query token per sequence ----------------------------------
+ *
+ * `attention.torch_attention`'s single-token queries (kernels/attention_cpu.py): for each
+ * sequence b and query head h, over the keys j it sees (0 <= j < ctx_b; with a sliding window
+ * w, j > ctx_b - 1 - w), read in place from the paged cache through block_tables[b]:
+ *     s_j = scale * q[rows_b, h] . K[j, h / group]   (softcap c > 0: s_j = c * tanh(s_j / c))
+ *     out[rows_b, h] = sum_j softmax(s)_j V[j, h / group]
+ * The torch path gathers every sequence's blocks into a padded copy, masks the padding and
+ * calls SDPA: a copy of all K and V per layer and step, which on a decode step of tens of
+ * sequences cost more than the attention itself. Here the group = heads / kv_heads query heads
+ * of one KV head share each key's read; one task per (sequence, KV head), split over the
+ * caller's thread team. All fp32: q [T, heads, dim] rows `q_stride` floats apart, the caches
+ * dense [num_blocks, block_size, kv_heads, dim], out like q. Returns 0, or -1 when memory for
+ * the scores could not be had (out is then incomplete: the caller runs the torch path).
+ */
+#include <math.h>
+#include <stdlib.h>
+
+static void attend_one(const float *q, const float *k_cache, const float *v_cache,
+                       const int32_t *table, int64_t ctx, int64_t first, int64_t block_size,
+                       int64_t kv_row, int64_t kh, int64_t group, int64_t dim, float scale,
+                       float softcap, float *scores, float *out) {
+    int64_t n_keys = ctx - first, block_floats = block_size * kv_row;
+    for (int64_t j = first; j < ctx; j++) {
+        const float *k = k_cache + (int64_t)table[j / block_size] * block_floats +
+                         (j % block_size) * kv_row + kh * dim;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * dim;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < dim; i++) s += qg[i] * k[i];
+            s *= scale;
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            scores[g * n_keys + (j - first)] = s;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * n_keys, top = sg[0], sum = 0.0f;
+        for (int64_t j = 1; j < n_keys; j++)
+            if (sg[j] > top) top = sg[j];
+        for (int64_t j = 0; j < n_keys; j++) {
+            sg[j] = expf(sg[j] - top);
+            sum += sg[j];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < n_keys; j++) sg[j] *= inv;
+        memset(out + g * dim, 0, (size_t)dim * sizeof(float));
+    }
+    for (int64_t j = first; j < ctx; j++) {
+        const float *v = v_cache + (int64_t)table[j / block_size] * block_floats +
+                         (j % block_size) * kv_row + kh * dim;
+        for (int64_t g = 0; g < group; g++) {
+            float p = scores[g * n_keys + (j - first)], *o = out + g * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) o[i] += p * v[i];
+        }
+    }
+}
+
+int loraplane_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                   const float *v_cache, int64_t block_size,
+                                   const int32_t *block_tables, int64_t table_stride,
+                                   const int32_t *context_lens, const int64_t *rows,
+                                   int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                                   float scale, float softcap, int64_t window, float *out,
+                                   int64_t out_stride, int64_t threads) {
+    int64_t group = heads / kv_heads, tasks = num_seqs * kv_heads, kv_row = kv_heads * dim;
+    int n = (int)(threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads));
+    if (tasks < 2) n = 1;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(n) schedule(static) reduction(| : failed) if (n > 1)
+#endif
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t b = t / kv_heads, kh = t % kv_heads, ctx = context_lens[b];
+        int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
+        float *scores = (float *)malloc((size_t)(group * (ctx - first)) * sizeof(float));
+        if (scores == NULL) {
+            failed |= 1;
+            continue;
+        }
+        attend_one(q + rows[b] * q_stride + kh * group * dim, k_cache, v_cache,
+                   block_tables + b * table_stride, ctx, first, block_size, kv_row, kh, group,
+                   dim, scale, softcap, scores, out + rows[b] * out_stride + kh * group * dim);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

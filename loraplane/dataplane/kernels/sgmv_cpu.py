@@ -126,7 +126,7 @@ def _build(compiler: str, extra: tuple[str, ...]) -> Path:
             errors.append(f"{folder}: {e}")
             continue
         try:
-            subprocess.run([compiler, *flags, "-o", partial, str(SOURCE)], check=True,
+            subprocess.run([compiler, *flags, "-o", partial, str(SOURCE), "-lm"], check=True,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
             os.replace(partial, target)  # whole or not at all, for a concurrent builder
         finally:
@@ -245,6 +245,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.loraplane_sgmv_f32.restype = ctypes.c_int
     lib.loraplane_host_form_f32.argtypes = [p, i64, p]
     lib.loraplane_host_form_f32.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    decode = lib.loraplane_decode_attention_f32
+    decode.argtypes = [p, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, f32, f32, i64, p,
+                       i64, i64]  # fmt: skip
+    decode.restype = ctypes.c_int
     return lib
 
 

@@ -74,7 +74,8 @@ def build(out: Path, compiler: str) -> dict[str, object]:
     for variant in variants(platform.machine()):
         for threading, extra in THREADING.items():
             name = f"sgmv-{variant.name}-{threading}.so"
-            cmd = [compiler, *COMMON, *variant.flags, *extra, "-o", str(out / name), str(SOURCE)]
+            cmd = [compiler, *COMMON, *variant.flags, *extra, "-o", str(out / name), str(SOURCE),
+                   "-lm"]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 print(f"skipped {name}: {done.stderr.strip()[-500:]}", file=sys.stderr)
