@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.cpus import engine_threads
 from loraplane.dataplane.engine import Engine
-from loraplane.dataplane.parallel.worker import cpu_threads
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.demo.build import build_adapter, build_llama
@@ -53,7 +53,8 @@ def run_tp(
         split, refs_split = _engine(model, adapters, size, len(prompts))
         comm = split.runner.workers.comm  # type: ignore[union-attr]
         params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-        for engine, refs, n in ((one, refs_one, threads), (split, refs_split, cpu_threads(size))):
+        per_rank = engine_threads(size)
+        for engine, refs, n in ((one, refs_one, threads), (split, refs_split, per_rank)):
             torch.set_num_threads(n)
             for i, p in enumerate(prompts):
                 engine.add_request(f"p{i}", p, params, refs[i % 8])
@@ -65,7 +66,7 @@ def run_tp(
             start = time.perf_counter()
             one.step()
             whole.append(time.perf_counter() - start)
-            torch.set_num_threads(cpu_threads(size))
+            torch.set_num_threads(per_rank)
             c0, m0 = comm.comm_seconds, comm.message_seconds
             start = time.perf_counter()
             split.step()

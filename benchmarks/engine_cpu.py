@@ -16,6 +16,9 @@ Figures:
   wins depends on the shape: 0.98 at 8 rows and 0.92 at 64 on this model, 2026-12-06, against
   about 0.65 for a whole 8-row step of the SmolLM-135M shape, whose 49,152-row lm_head gains
   most; a first goal of 0.9 at 8 rows was set from that model and missed here)
+- the same two steps with decode attention in the native CPU kernel (the default,
+  kernels/attention_cpu.py) over the torch path's padded gather + SDPA, taken in turn (goals:
+  at most 1.0 at both)
 The last two goals are for a GPU, where a decode step is bound by memory traffic and one step
 of 64 sequences costs about what one of 8 does. On a CPU an fp32 step of 64 sequences is
 compute-bound: `batching_gain_bound_8x8` (8 steps of 8 sequences over one of 64, measured in
@@ -40,12 +43,13 @@ _tp.py): the split step's time into communication, the step message and the rest
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -53,6 +57,7 @@ from _common import NEEDS_GPU, add_smoke_flag, goal, report
 from _families import FAMILIES, MOE, build_family, write_adapter
 from _tp import run_tp
 
+from loraplane.dataplane import attention
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.kernels import cpu_linear
@@ -137,30 +142,52 @@ def paired_decode_times(
     return times
 
 
-def linear_order_times(
-    engine: Engine, loras: Sequence[LoRARef | None], steps: int
+def paired_setting_times(
+    engine: Engine,
+    loras: Sequence[LoRARef | None],
+    steps: int,
+    settings: Mapping[str, Callable[[], None]],
 ) -> dict[str, list[float]]:
-    """Decode step times with the CPU linear weight-major ("auto") and as torch's F.linear
-    ("torch"), the two taken in turn on one batch (kernels/cpu_linear.py)."""
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + 4, ignore_eos=True)
+    """Decode step times under each of `settings` (name -> what sets it), taken in turn on one
+    batch, the first setting left in place at the end."""
+    params = SamplingParams(temperature=0, max_tokens=len(settings) * steps + 4, ignore_eos=True)
     stamp = time.monotonic_ns()
     for i, (p, lora) in enumerate(zip(prompts(len(loras), 1), loras, strict=True)):
         engine.add_request(f"o{stamp}-{i}", p, params, lora)
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    times: dict[str, list[float]] = {"auto": [], "torch": []}
+    times: dict[str, list[float]] = {name: [] for name in settings}
     try:
         for _ in range(steps):
-            for mode, record in times.items():
-                cpu_linear.set_mode(mode)
+            for name, record in times.items():
+                settings[name]()
                 start = time.perf_counter()
                 engine.step()
                 record.append(time.perf_counter() - start)
     finally:
-        cpu_linear.set_mode("auto")
+        next(iter(settings.values()))()
     while engine.has_unfinished:
         engine.step()
     return times
+
+
+def _attention(choice: str) -> Callable[[], None]:
+    def set_it() -> None:
+        os.environ[attention.ENV] = choice
+
+    return set_it
+
+
+# the CPU linear's two orders (kernels/cpu_linear.py), the default first
+LINEAR_ORDERS: dict[str, Callable[[], None]] = {
+    "auto": lambda: cpu_linear.set_mode("auto"),
+    "torch": lambda: cpu_linear.set_mode("torch"),
+}
+# decode attention in the native kernel (the CPU default) or the torch path's gather + SDPA
+ATTENTION_PATHS: dict[str, Callable[[], None]] = {
+    "auto": _attention("auto"),
+    "torch": _attention("torch"),
+}
 
 
 def paired_ratio(times: Mapping[str, Sequence[float]], num: str, den: str) -> float:
@@ -333,7 +360,8 @@ def main() -> int:
 
         # the CPU linear's order (kernels/cpu_linear.py) at 8 and 64 rows over 8 adapters
         for rows in (8, NUM_SEQS):
-            pair = linear_order_times(engine, [refs[i % 8] for i in range(rows)], steps)
+            batch = [refs[i % 8] for i in range(rows)]
+            pair = paired_setting_times(engine, batch, steps, LINEAR_ORDERS)
             figures[f"decode_step_ms_{rows}_seqs_weight_major"] = (
                 statistics.median(pair["auto"]) * 1e3
             )
@@ -341,6 +369,11 @@ def main() -> int:
                 statistics.median(pair["torch"]) * 1e3
             )
             figures[f"weight_major_over_torch_linear_{rows}_seqs"] = paired_ratio(
+                pair, "auto", "torch"
+            )
+            # decode attention (kernels/attention_cpu.py) against the torch path's
+            pair = paired_setting_times(engine, batch, steps, ATTENTION_PATHS)
+            figures[f"native_attention_over_torch_{rows}_seqs"] = paired_ratio(
                 pair, "auto", "torch"
             )
 
@@ -357,6 +390,8 @@ def main() -> int:
             goal(figures, "speedup_vs_one_batch_per_adapter", ">=", 5.0, skip=NEEDS_GPU),
             goal(figures, "weight_major_over_torch_linear_8_seqs", "<=", 1.0),
             goal(figures, "weight_major_over_torch_linear_64_seqs", "<=", 1.0),
+            goal(figures, "native_attention_over_torch_8_seqs", "<=", 1.0),
+            goal(figures, "native_attention_over_torch_64_seqs", "<=", 1.0),
         ]
         if not args.skip_peft:
             del engine
