@@ -330,8 +330,9 @@ class Replica:
         sampled = out.sampled
         requests = self.requests
         for row in sampled:
-            if row.seq.num_output_tokens == 0:  # not a recompute after a preemption
-                req = requests[row.seq]
+            seq = row.seq
+            if len(seq.token_ids) == len(seq.prompt_token_ids):  # not a recompute (preempted)
+                req = requests[seq]
                 req.first_token = end
                 done.first.append(req)
         for seq in self.scheduler.postprocess(out, [FAKE_TOKEN] * len(sampled)):
