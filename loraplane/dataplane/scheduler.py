@@ -48,7 +48,7 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import SchedulerConfig
@@ -116,10 +116,12 @@ class _Room:
         self.placed: set[str] = set()  # made resident for a request being admitted
         self.wanted: set[str] = set()  # adapters of waiting requests (evicted last)
         in_use = self.in_use
+        size = adapters.device_bytes
         for seq in running:
             lora = seq.lora
             if lora is not None and lora.key not in in_use:
-                self.add(lora)
+                in_use.add(lora.key)  # `add`, inlined (every running request, every step)
+                self.used += size(lora)
         # pinned versions hold their memory and a slot whether or not a request runs them:
         # placed now (a no-op when resident), they count as running adapters
         self.pinned: dict[str, LoRARef] = {}
@@ -259,9 +261,11 @@ class Scheduler:
         room = self._room = _Room(self.running, adapters, self.config.max_loras)
         self._admit(batch, budget, barrier, room, preempted, kv_short=bool(preempted))
         self._room = None
-        keys = frozenset(k for r in batch if (k := r.seq.lora_key) is not None)
+        keys: set[str | None] = {r.seq.lora_key for r in batch}
+        keys.discard(None)
         deferred = self._count_deferred(barrier, room)
-        return SchedulerOutput(self.step, batch, keys, preempted, *deferred)
+        lora_keys = cast(frozenset[str], frozenset(keys))  # (None taken out)
+        return SchedulerOutput(self.step, batch, lora_keys, preempted, *deferred)
 
     def _chunk(self, seq: Sequence, want: int, budget: int) -> int:
         """Tokens of `seq` to compute now out of `want`: a chunk, or all-or-nothing without
@@ -284,7 +288,11 @@ class Scheduler:
             order = sorted(self.running, key=lambda s: seats[s.tenant])
         else:
             order = list(self.running)
-        prefill = [s.is_prefill for s in order]  # a row's own stays so until its turn
+        # `Sequence.is_prefill` of each (a row's own stays so until its turn), inlined
+        prefill = [
+            (c := s.num_computed_tokens) < len(s.prompt_token_ids) or len(s.token_ids) - c > 1
+            for s in order
+        ]
         decodes_left = len(order) - sum(prefill)
         gone: set[Sequence] = set()
         block_size = self.block_manager.block_size
@@ -636,13 +644,13 @@ class Scheduler:
         # every step comes here)
         blocks = self.block_manager
         register = blocks.register_full_blocks if blocks.enable_prefix_caching else None
-        for r in output.scheduled:
-            seq = r.seq
+        for seq, start, n, _ in output.scheduled:
             if seq.status is running:  # not aborted while the step ran
-                seq.num_computed_tokens = r.start + r.num_new_tokens
+                seq.num_computed_tokens = start + n
                 if register is not None:
                     register(seq)
         finished: list[Sequence] = []
+        eos, max_len = self.eos_token_id, self._max_len
         for i, (r, token) in enumerate(zip(rows, sampled_token_ids, strict=True)):
             seq = r.seq
             if seq.status is not running:
@@ -656,7 +664,7 @@ class Scheduler:
                 )
             else:
                 seq.token_ids.append(token)  # `append_token` without log-probabilities
-            reason = seq.stop_reason(token, self.eos_token_id, self._max_len)
+            reason = seq.stop_reason(token, eos, max_len)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -148,11 +148,11 @@ class ReplicaSettings:
 def step_shape(out: SchedulerOutput, adapter_bytes: int, placed_bytes: int = 0) -> StepShape:
     """The cost model's view of a scheduled step (adapters of `adapter_bytes` each)."""
     context = attention = tokens = 0
-    for row in out.scheduled:
-        length = row.start + row.num_new_tokens
-        tokens += row.num_new_tokens
+    for _, start, n, _ in out.scheduled:
+        length = start + n
+        tokens += n
         context += length
-        attention += row.num_new_tokens * length
+        attention += n * length
     adapters = len(out.lora_keys)
     return StepShape(tokens, len(out.scheduled), context, attention, adapters,
                      adapters * adapter_bytes, placed_bytes, out.num_deferred)  # fmt: skip
