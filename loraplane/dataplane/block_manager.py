@@ -220,17 +220,12 @@ class BlockManager:
         """
         if self._fits(seq, num_new_tokens):  # most decode steps: the last block has room
             return True
-        if seq.block_table:  # it looks up no prefix (`_prefix_hit`): only new blocks count
-            table = seq.block_table
-            need = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
-            need, revived = need - len(table), 0
-        else:
-            hit = self._prefix_hit(seq)
-            computed = len(hit) * self.block_size if hit else seq.num_computed_tokens
-            have = len(hit)
-            need = blocks_for(computed + num_new_tokens, self.block_size) - have
-            # cached blocks that nobody uses count as free now, but stop being free once shared
-            revived = sum(1 for b in hit if self.blocks[b].ref_count == 0)
+        hit = self._prefix_hit(seq)
+        computed = len(hit) * self.block_size if hit else seq.num_computed_tokens
+        have = len(hit) if hit else len(seq.block_table)
+        need = blocks_for(computed + num_new_tokens, self.block_size) - have
+        # cached blocks that nobody uses count as free now, but stop being free once shared
+        revived = sum(1 for b in hit if self.blocks[b].ref_count == 0)
         short = need + revived - self.num_free_blocks
         if short > 0 and self.reclaim is not None and self.num_reserved:
             self.reclaim(short)  # idle adapters give their blocks back before anyone waits
