@@ -48,11 +48,11 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol, cast
 
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import SchedulerConfig
-from loraplane.dataplane.fairness import Shares
+from loraplane.dataplane.fairness import Shares, TenantShare
 from loraplane.dataplane.sequence import FinishReason, LoRARef, Sequence, SequenceStatus
 
 
@@ -115,9 +115,13 @@ class _Room:
         self.unplaced: set[str] = set()  # fit the budget, but no memory could be freed yet
         self.placed: set[str] = set()  # made resident for a request being admitted
         self.wanted: set[str] = set()  # adapters of waiting requests (evicted last)
+        in_use = self.in_use
+        size = adapters.device_bytes
         for seq in running:
-            if seq.lora is not None and seq.lora.key not in self.in_use:
-                self.add(seq.lora)
+            lora = seq.lora
+            if lora is not None and lora.key not in in_use:
+                in_use.add(lora.key)  # `add`, inlined (every running request, every step)
+                self.used += size(lora)
         # pinned versions hold their memory and a slot whether or not a request runs them:
         # placed now (a no-op when resident), they count as running adapters
         self.pinned: dict[str, LoRARef] = {}
@@ -145,9 +149,9 @@ class _Room:
         self.used -= self.adapters.device_bytes(ref)
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSeq:
-    """One row of a step: compute `num_new_tokens` tokens from position `start`; maybe sample."""
+class ScheduledSeq(NamedTuple):
+    """One row of a step: compute `num_new_tokens` tokens from position `start`; maybe sample.
+    (A named tuple: one is made for every row of every step, and a tuple is made fastest.)"""
 
     seq: Sequence
     start: int
@@ -257,9 +261,11 @@ class Scheduler:
         room = self._room = _Room(self.running, adapters, self.config.max_loras)
         self._admit(batch, budget, barrier, room, preempted, kv_short=bool(preempted))
         self._room = None
-        keys = frozenset(k for r in batch if (k := r.seq.lora_key) is not None)
+        keys: set[str | None] = {r.seq.lora_key for r in batch}
+        keys.discard(None)
         deferred = self._count_deferred(barrier, room)
-        return SchedulerOutput(self.step, batch, keys, preempted, *deferred)
+        lora_keys = cast(frozenset[str], frozenset(keys))  # (None taken out)
+        return SchedulerOutput(self.step, batch, lora_keys, preempted, *deferred)
 
     def _chunk(self, seq: Sequence, want: int, budget: int) -> int:
         """Tokens of `seq` to compute now out of `want`: a chunk, or all-or-nothing without
@@ -276,20 +282,47 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seats = {t: s.seats for t, s in self.shares.tenants.items() if s.running}
         # the tenants with the fewest seats per weight first: their prefill chunks get the
-        # budget first, and when KV blocks run out the rows further down give way
-        order = sorted(self.running, key=lambda s: seats[s.tenant])  # stable: by admission
-        decodes_left = sum(1 for s in order if not s.is_prefill)
+        # budget first, and when KV blocks run out the rows further down give way (a stable
+        # sort: by admission, which is the whole order while a single tenant runs)
+        if len(seats) > 1:
+            order = sorted(self.running, key=lambda s: seats[s.tenant])
+        else:
+            order = list(self.running)
+        # `Sequence.is_prefill` of each (a row's own stays so until its turn), inlined
+        prefill = [
+            (c := s.num_computed_tokens) < len(s.prompt_token_ids) or len(s.token_ids) - c > 1
+            for s in order
+        ]
+        decodes_left = len(order) - sum(prefill)
         gone: set[Sequence] = set()
+        block_size = self.block_manager.block_size
+        shares: dict[str, TenantShare] = {}  # the running tenants', for `Shares.serve` inlined
         for i, seq in enumerate(order):
             if budget <= 0:
                 break
-            if seq in gone:
+            if gone and seq in gone:
                 continue
-            if seq.is_prefill:
+            if prefill[i]:
                 n = self._chunk(seq, seq.num_uncomputed_tokens, budget - decodes_left)
             else:
                 n, decodes_left = 1, decodes_left - 1
             if n <= 0:
+                continue
+            table = seq.block_table
+            start = seq.num_computed_tokens
+            # most rows' last block has room for them (`BlockManager._fits`, inlined: this runs
+            # for every row of every step): `_run` without the allocation; the others look for
+            # blocks, maybe preempting
+            if table and start + n <= len(table) * block_size:
+                batch.append(ScheduledSeq(seq, start, n, start + n == len(seq.token_ids)))
+                share = shares.get(seq.tenant)
+                if share is None:
+                    share = shares[seq.tenant] = self.shares.get(seq.tenant)
+                share.served_tokens += n  # `self.shares.serve(seq.tenant, n)`
+                share.counter += n / share.weight
+                if seq.params.prompt_logprobs is not None:
+                    self._logprob_budget = max(0, self._logprob_budget - n)
+                budget -= n
                 continue
             while not self.block_manager.can_allocate(seq, n):
                 victim = self._kv_victim([s for s in order[i:] if s not in gone])
@@ -340,7 +373,7 @@ class Scheduler:
     def _run(self, seq: Sequence, n: int, batch: list[ScheduledSeq]) -> None:
         self.block_manager.allocate(seq, n)
         start = seq.num_computed_tokens
-        batch.append(ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens))
+        batch.append(ScheduledSeq(seq, start, n, start + n == len(seq.token_ids)))
         self.shares.serve(seq.tenant, n)
         if seq.params.prompt_logprobs is not None:
             self._logprob_budget = max(0, self._logprob_budget - n)
@@ -381,19 +414,25 @@ class Scheduler:
         skip = set(preempted)  # sent back in this step: not admitted again in it
         # (rank, order, preempted first, queue position): lower is admitted first
         heap: list[tuple[int, float, int, int, Sequence]] = []
+        counters: dict[str, float] = {}  # (no tenant is served while the heap is built)
         for pos, seq in enumerate(self.waiting):
             key = seq.lora_key
             if key is not None:
                 room.wanted.add(key)
-            if seq.request_id in skip:
+            if skip and seq.request_id in skip:
                 continue
             if key is not None and key in barrier:
                 heap.append((0, barrier[key], 0, pos, seq))
             else:
-                heap.append(
-                    (1, shares.counter(seq.tenant), 0 if seq.num_preemptions else 1, pos, seq)
-                )
+                tenant = seq.tenant
+                counter = counters.get(tenant)
+                if counter is None:
+                    counter = counters[tenant] = shares.counter(tenant)
+                heap.append((1, counter, 0 if seq.num_preemptions else 1, pos, seq))
         heapq.heapify(heap)
+        # the tenants with a request in the heap: once every one is settled (or gave way) while
+        # the seats are contended, no later entry can be admitted or change anything
+        queued = {entry[4].tenant for entry in heap}
         victims: set[str] = set()  # tenants that gave way in this step
         taken = 0
         limit = max(1, cfg.max_num_seqs // 16)  # seats taken back per step at most
@@ -422,6 +461,8 @@ class Scheduler:
             contended = kv_short or len(self.running) >= cfg.max_num_seqs
             if contended and (tenant in settled or not self._below_share(tenant)):
                 settled.add(tenant)  # no seat to take: skip its other requests cheaply
+                if len(settled) + len(victims) >= len(queued) and queued <= settled | victims:
+                    break  # every entry left would be skipped so (an overloaded replica's)
                 continue
             if lora is not None and lora.key not in room.in_use:
                 if not room.adapters.ready(lora):
@@ -495,6 +536,8 @@ class Scheduler:
         hysteresis, in bytes). That adapter's running sequences (the one with the fewest, and
         at most `most` of them) are preempted, so it turns idle and evictable. Returns them and
         the tokens their rows of this step had."""
+        if not any(s.running for t, s in self.shares.tenants.items() if t != taker):
+            return [], 0  # no other tenant runs an adapter that could be given up
         budget = room.adapters.budget_bytes
         size = room.adapters.device_bytes
 
@@ -508,11 +551,14 @@ class Scheduler:
             held[pin.tenant] = held.get(pin.tenant, 0.0) + cost(pin)
         for seq in self.running:
             ref = seq.lora
-            if ref is None or ref.key not in room.in_use or ref.key in room.pinned:
+            if ref is None:
                 continue
-            users.setdefault(ref.key, []).append(seq)
-            if ref.key not in refs:
-                refs[ref.key] = ref
+            key = ref.key
+            if key not in room.in_use or key in room.pinned:
+                continue
+            users.setdefault(key, []).append(seq)
+            if key not in refs:
+                refs[key] = ref
                 held[seq.tenant] = held.get(seq.tenant, 0.0) + cost(ref)
         gave: list[Sequence] = []
         tokens = 0
@@ -593,22 +639,32 @@ class Scheduler:
         rows = output.sampled
         if len(sampled_token_ids) != len(rows) or len(logprobs or rows) != len(rows):
             raise ValueError(f"expected {len(rows)} sampled token ids (and logprobs, if any)")
-        for r in output.scheduled:
-            if r.seq.status is SequenceStatus.RUNNING:  # not aborted while the step ran
-                r.seq.num_computed_tokens = r.start + r.num_new_tokens
-                self.block_manager.register_full_blocks(r.seq)
+        running = SequenceStatus.RUNNING
+        # (registering is a no-op without the prefix cache: not called then, as every row of
+        # every step comes here)
+        blocks = self.block_manager
+        register = blocks.register_full_blocks if blocks.enable_prefix_caching else None
+        for seq, start, n, _ in output.scheduled:
+            if seq.status is running:  # not aborted while the step ran
+                seq.num_computed_tokens = start + n
+                if register is not None:
+                    register(seq)
         finished: list[Sequence] = []
+        eos, max_len = self.eos_token_id, self._max_len
         for i, (r, token) in enumerate(zip(rows, sampled_token_ids, strict=True)):
             seq = r.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            wants = seq.params.wants_logprobs
-            seq.append_token(
-                token,
-                logprobs[i] if logprobs and wants else None,
-                top_logprobs[i] if top_logprobs and wants else None,
-            )
-            reason = seq.stop_reason(token, self.eos_token_id, self._max_len)
+            if logprobs or top_logprobs:
+                wants = seq.params.wants_logprobs
+                seq.append_token(
+                    token,
+                    logprobs[i] if logprobs and wants else None,
+                    top_logprobs[i] if top_logprobs and wants else None,
+                )
+            else:
+                seq.token_ids.append(token)  # `append_token` without log-probabilities
+            reason = seq.stop_reason(token, eos, max_len)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -31,6 +31,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def _token_ids(ids: list[int]) -> bool:
+    """Are all of `ids` ints >= 0? (Plain ints, the usual case, are checked at C speed: a
+    simulated replica makes thousands of requests of hundreds of tokens.)"""
+    if set(map(type, ids)) == {int}:
+        return min(ids) >= 0
+    return all(isinstance(t, int) and t >= 0 for t in ids)
+
+
 @dataclass(frozen=True, slots=True)
 class LoRARef:
     """Which adapter version a request runs with: the tenant's adapter name and its digest."""
@@ -38,6 +46,8 @@ class LoRARef:
     name: str
     tenant: str
     digest: str
+    # `key`, built once: the scheduler asks it of every running request in every step
+    _key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for field_name in ("name", "tenant", "digest"):
@@ -49,11 +59,12 @@ class LoRARef:
             raise ValueError(f"LoRARef.tenant must not contain '/', got {self.tenant!r}")
         if "@" in self.digest:
             raise ValueError(f"LoRARef.digest must not contain '@', got {self.digest!r}")
+        object.__setattr__(self, "_key", f"{self.tenant}/{self.name}@{self.digest}")
 
     @property
     def key(self) -> str:
         """Identity of the adapter version: `tenant/name@digest` (a new version, a new key)."""
-        return f"{self.tenant}/{self.name}@{self.digest}"
+        return self._key
 
     @property
     def salt(self) -> bytes:
@@ -153,7 +164,7 @@ class Sequence:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token")
-        if not all(isinstance(t, int) and t >= 0 for t in self.prompt_token_ids):
+        if not _token_ids(self.prompt_token_ids):
             raise ValueError("prompt_token_ids must be token ids >= 0")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
@@ -197,14 +208,15 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """True while more than the newest token is uncomputed (a prompt, or a recompute)."""
-        return (
-            self.num_computed_tokens < len(self.prompt_token_ids) or self.num_uncomputed_tokens > 1
-        )
+        # asked of every running sequence in every step: kept to one property call
+        computed = self.num_computed_tokens
+        return computed < len(self.prompt_token_ids) or len(self.token_ids) - computed > 1
 
     @property
     def lora_key(self) -> str | None:
         """The adapter version's key, or None for the base model."""
-        return None if self.lora is None else self.lora.key
+        lora = self.lora
+        return None if lora is None else lora._key
 
     @property
     def cache_salt(self) -> bytes:
@@ -256,7 +268,7 @@ class Sequence:
             not params.ignore_eos and eos_token_id is not None and token_id == eos_token_id
         ):
             return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens:
+        if len(self.token_ids) - len(self.prompt_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
         if max_len is not None and len(self.token_ids) >= max_len:
             return FinishReason.LENGTH

@@ -151,11 +151,11 @@ class ReplicaSettings:
 def step_shape(out: SchedulerOutput, adapter_bytes: int, placed_bytes: int = 0) -> StepShape:
     """The cost model's view of a scheduled step (adapters of `adapter_bytes` each)."""
     context = attention = tokens = 0
-    for row in out.scheduled:
-        length = row.start + row.num_new_tokens
-        tokens += row.num_new_tokens
+    for _, start, n, _ in out.scheduled:
+        length = start + n
+        tokens += n
         context += length
-        attention += row.num_new_tokens * length
+        attention += n * length
     adapters = len(out.lora_keys)
     return StepShape(tokens, len(out.scheduled), context, attention, adapters,
                      adapters * adapter_bytes, placed_bytes, out.num_deferred)  # fmt: skip
@@ -333,8 +333,9 @@ class Replica:
         sampled = out.sampled
         requests = self.requests
         for row in sampled:
-            if row.seq.num_output_tokens == 0:  # not a recompute after a preemption
-                req = requests[row.seq]
+            seq = row.seq
+            if len(seq.token_ids) == len(seq.prompt_token_ids):  # not a recompute (preempted)
+                req = requests[seq]
                 req.first_token = end
                 done.first.append(req)
         for seq in self.scheduler.postprocess(out, [FAKE_TOKEN] * len(sampled)):
