@@ -229,8 +229,8 @@ def add_commands(subparsers: Any) -> None:
     )  # fmt: skip
     engine.add_argument(
         "--max-cpu-lora-bytes", type=_host_bytes, default=None, metavar="SIZE",
-        help="host memory the host tier's copies may take (8GiB, 512MiB or bytes; under"
-        " tensor parallelism rank 0 keeps every rank's part); default: no byte limit",
+        help="host memory the host tier's copies may take, 8GiB, 512MiB or bytes; under"
+        " tensor parallelism rank 0 keeps every rank's part (default: no byte limit)",
     )  # fmt: skip
     engine.add_argument(
         "--max-num-seqs", type=_positive(int), default=256, metavar="N",
