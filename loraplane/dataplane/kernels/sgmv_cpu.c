@@ -405,3 +405,97 @@ int loraplane_decode_attention_f32(const float *q, int64_t q_stride, const float
     }
     return failed ? -1 : 0;
 }
+
+/* ---- A decoder layer's glue: RMSNorm after the residual's add, and RoPE ---------------------
+ *
+ * In a decode step of a small model these tensors are a few rows, and torch spends more on
+ * dispatching each of its operations than on the arithmetic: RMSNorm is seven operations (its
+ * CPU kernel is a composite), rotate-half RoPE five per tensor, each a few microseconds, for
+ * every layer of every step. One call each here, fp32, rows `*_stride` floats apart. The
+ * arithmetic is torch's (fp32 throughout, the same order of the products); only the order of
+ * the sum of squares differs, so results agree to rounding, not bit for bit.
+ */
+
+/* below this many floats a call stays on the calling thread: a team costs more */
+#define GLUE_SPLIT_FLOATS (1 << 15)
+/* each product rounded on its own, as torch's separate operations round them (GCC contracts
+ * a * b - c * d into a fused multiply-add otherwise) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TORCH_ROUNDING __attribute__((optimize("fp-contract=off")))
+#else
+#define TORCH_ROUNDING
+#endif
+
+static int glue_threads(int64_t threads, int64_t floats) {
+    if (floats < GLUE_SPLIT_FLOATS || threads < 2) return 1;
+    return (int)(threads > MAX_THREADS ? MAX_THREADS : threads);
+}
+
+/* Per row t: h[t] += res[t] when res is not NULL (h then holds the residual stream's sum);
+ * out[t] = h[t] * (1 / sqrt(mean(h[t]^2) + eps)) * w. out may not alias h. */
+TORCH_ROUNDING void loraplane_rms_norm_f32(float *h, int64_t h_stride, const float *res,
+                                           int64_t res_stride, const float *w, float *out,
+                                           int64_t out_stride, int64_t rows, int64_t dim,
+                                           float eps, int64_t threads) {
+    int n = glue_threads(threads, rows * dim);
+    (void)n;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(n) schedule(static) if (n > 1)
+#endif
+    for (int64_t t = 0; t < rows; t++) {
+        float *x = h + t * h_stride, *o = out + t * out_stride;
+        if (res != NULL) {
+            const float *r = res + t * res_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) x[i] += r[i];
+        }
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < dim; i++) s += x[i] * x[i];
+        float inv = 1.0f / sqrtf(s / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = (x[i] * inv) * w[i];
+    }
+}
+
+/* Rotate-half ("neox") RoPE in place on the first `rot` dims of each head of x [rows, heads,
+ * head_dim] (heads `head_dim` apart, rows `stride` apart): for i < rot / 2,
+ *     x_i <- x_i cos_i - x_{i+half} sin_i,   x_{i+half} <- x_{i+half} cos_{i+half} + x_i sin_{i+half}
+ * with cos, sin [rows, rot] dense. */
+TORCH_ROUNDING static void rope_rows(float *x, int64_t stride, int64_t heads, int64_t head_dim,
+                      const float *cos_t, const float *sin_t, int64_t rot, int64_t lo,
+                      int64_t hi) {
+    int64_t half = rot / 2;
+    for (int64_t t = lo; t < hi; t++) {
+        const float *c = cos_t + t * rot, *s = sin_t + t * rot;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *v = x + t * stride + hd * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                float a_c = a * c[i], b_s = b * s[i], b_c = b * c[i + half], a_s = a * s[i + half];
+                v[i] = a_c - b_s;
+                v[i + half] = b_c + a_s;
+            }
+        }
+    }
+}
+
+void loraplane_rope_f32(float *q, int64_t q_stride, int64_t q_heads, float *k, int64_t k_stride,
+                        int64_t k_heads, int64_t head_dim, const float *cos_t,
+                        const float *sin_t, int64_t rot, int64_t rows, int64_t threads) {
+    int n = glue_threads(threads, rows * (q_heads + k_heads) * rot);
+    if (n < 2) {
+        rope_rows(q, q_stride, q_heads, head_dim, cos_t, sin_t, rot, 0, rows);
+        rope_rows(k, k_stride, k_heads, head_dim, cos_t, sin_t, rot, 0, rows);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(n) schedule(static)
+#endif
+    for (int i = 0; i < n; i++) {
+        int64_t lo = rows * i / n, hi = rows * (i + 1) / n;
+        rope_rows(q, q_stride, q_heads, head_dim, cos_t, sin_t, rot, lo, hi);
+        rope_rows(k, k_stride, k_heads, head_dim, cos_t, sin_t, rot, lo, hi);
+    }
+}

@@ -250,6 +250,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     decode.argtypes = [p, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, f32, f32, i64, p,
                        i64, i64]  # fmt: skip
     decode.restype = ctypes.c_int
+    lib.loraplane_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, f32, i64]
+    lib.loraplane_rms_norm_f32.restype = None
+    lib.loraplane_rope_f32.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
+    lib.loraplane_rope_f32.restype = None
     return lib
 
 
@@ -293,6 +297,7 @@ class NativeTable:
     def __init__(self, num_slots: int) -> None:
         # numpy, not torch: written between and during steps, inference mode or not
         self.table = np.zeros((3, num_slots), dtype=np.int64)
+        self.address = int(self.table.ctypes.data)  # the table's, for every call
         self.held: list[tuple[torch.Tensor | None, torch.Tensor | None]]
         self.held = [(None, None)] * num_slots
 
@@ -351,21 +356,40 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: Module
         native = slots.native = NativeTable(len(slots.lora_a))
     if not native.current(slots, batch.seg_slots, x, y):
         return False
-    order, seg_slots, bounds = batch.token_order, batch.seg_slots_t, batch.seg_bounds_t
-    if order.dtype != torch.int64 or seg_slots.dtype != torch.int32 or bounds.dtype != torch.int32:
-        return False
-    scales = slots.scales
+    args = batch.native_args
+    if args is None:
+        args = _batch_args(batch)
+        if not args:
+            return False
+    segments, threads = args[:5], args[5]
     status = lib.loraplane_sgmv_f32(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1],
-        order.data_ptr(), seg_slots.data_ptr(), bounds.data_ptr(), len(batch.seg_slots),
-        MAX_SEGMENT, native.table.ctypes.data, native.table.shape[1], scales.data_ptr(),
-        torch.get_num_threads(),
+        *segments, native.address, len(native.held), slots.scales.data_ptr(), threads,
     )  # fmt: skip
     if status < 0:  # pragma: no cover - ranks were checked above
         raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
     if status:  # segments it left to a matrix product
         _long_segments(y, x, batch, slots)
     return True
+
+
+def _batch_args(batch: LoRABatch) -> tuple[int, ...]:
+    """What every call of the step passes the kernel about its segments (kept on the batch):
+    token order, segment slots and bounds, their count, MAX_SEGMENT, and the threads; () when
+    the batch's tensors are not ones the kernel reads."""
+    order, seg_slots, bounds = batch.token_order, batch.seg_slots_t, batch.seg_bounds_t
+    if (
+        order.dtype != torch.int64
+        or seg_slots.dtype != torch.int32
+        or bounds.dtype != torch.int32
+        or any(t.device.type != "cpu" or not t.is_contiguous() for t in (order, seg_slots, bounds))
+    ):
+        args: tuple[int, ...] = ()
+    else:
+        args = (order.data_ptr(), seg_slots.data_ptr(), bounds.data_ptr(), len(batch.seg_slots),
+                MAX_SEGMENT, torch.get_num_threads())  # fmt: skip
+    object.__setattr__(batch, "native_args", args)
+    return args
 
 
 def _long_segments(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> None:

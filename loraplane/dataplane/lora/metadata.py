@@ -54,6 +54,8 @@ class LoRABatch:
     max_seg_len: int = field(init=False)  # the longest segment (a static batch: its rows)
     launch: str = field(init=False)  # "sgmv" or "bgmv" (kernels/launch.py; static: bgmv)
     slot_mask: int = field(init=False)  # bit k set when a segment uses slot k
+    # the native CPU kernel's per-step arguments (sgmv_cpu.lora_apply fills it on first use)
+    native_args: tuple[int, ...] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         bounds = self.seg_bounds

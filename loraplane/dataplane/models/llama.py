@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from loraplane.dataplane.attention import AttentionMetadata, paged_attention
-from loraplane.dataplane.kernels import cpu_linear
+from loraplane.dataplane.kernels import cpu_linear, cpu_ops
 from loraplane.dataplane.lora.layers import LoRAContext
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.models.config import ModelConfig
@@ -36,11 +36,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if x.dim() == 2:  # a step's rows: one native call on the CPU (cpu_ops)
+                return cpu_ops.rms_norm(x, self.weight, self.eps)[0]
             # torch's fused kernel: the same arithmetic (bit for bit in fp32), one op not seven
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, dim]: (norm(x + residual), x + residual)
+        """The norm of `x + residual`, and that sum; `x` (a layer's fresh output, read by
+        nothing else) may hold the sum afterwards."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+        s = residual + x
+        return self(s), s
 
 
 class Attention(nn.Module):
@@ -93,7 +105,8 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not cpu_ops.rope(q, k, cos, sin):  # in place, one native call on the CPU
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(
             q, k, v, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window,
             k_scale=self.k_scale, v_scale=self.v_scale,
@@ -138,8 +151,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        h, x = self.post_attention_layernorm.add_forward(attended, x)
+        out: torch.Tensor = x + self.mlp(h)
         return out
 
 
