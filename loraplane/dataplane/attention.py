@@ -9,7 +9,8 @@ fused kernel can replace `paged_attention` without touching the model. An FP8 ca
 (kv_quant.py) stores K / k_scale and V / v_scale in float8 e4m3 and is read back times the
 scales, in the queries' dtype.
 
-`LORAPLANE_ATTENTION` picks the implementation (read at each call, so tests can set it): `auto`
+`LORAPLANE_ATTENTION` picks the implementation (read once per step, when the step's
+`AttentionMetadata` is built, so tests can set it between steps): `auto`
 (the default: the Triton kernel `kernels/attention_triton.py` on CUDA; on the CPU the torch
 path, its decode queries in the native kernel `kernels/attention_cpu.py` for fp32 where the
 native library loads), `native`, `torch` (the torch path throughout) or `triton`. `triton` on
@@ -28,11 +29,11 @@ import torch.nn.functional as F  # noqa: N812
 from loraplane.dataplane import kv_quant
 from loraplane.dataplane.attention_metadata import AttentionMetadata, check_options
 from loraplane.dataplane.kernels import attention_cpu
-from loraplane.dataplane.kernels.backends import choose
+from loraplane.dataplane.kernels.backends import ATTENTION_BACKENDS, ATTENTION_ENV, choose, resolve
 
 __all__ = ["AttentionMetadata", "check_options", "paged_attention", "query_positions", "write_kv"]
-ENV = "LORAPLANE_ATTENTION"
-BACKENDS = ("auto", "native", "torch", "triton")
+ENV = ATTENTION_ENV
+BACKENDS = ATTENTION_BACKENDS
 
 
 def query_positions(
@@ -78,9 +79,12 @@ def _mask(q_len: int, ctx: int, window: int | None, device: torch.device) -> tor
     return allowed
 
 
-def backend(q: torch.Tensor) -> str:
+def backend(q: torch.Tensor, meta: AttentionMetadata | None = None) -> str:
     """The implementation `paged_attention` uses for queries `q`: native (the torch path with
-    its decode queries in the native CPU kernel), torch or triton."""
+    its decode queries in the native CPU kernel), torch or triton; the choice `meta` read for
+    its step, else `LORAPLANE_ATTENTION` now."""
+    if meta is not None:
+        return resolve(meta.backend, q, _cpu_auto)
     return choose(ENV, BACKENDS, q, cpu_auto=_cpu_auto)
 
 
@@ -110,11 +114,12 @@ def paged_attention(
         S = q K^T * scale;  S = softcap * tanh(S / softcap) when softcap is set (Gemma 2)
         out[s:e] = softmax(S + causal/sliding mask) V, queries at positions c-(e-s)..c-1
     A sliding window w lets the query at position p see keys p-w+1..p only (Mistral, Gemma).
-    The attention itself runs in the Triton kernel or in `torch_attention`, as `backend(q)` says.
+    The attention itself runs in the Triton kernel or in `torch_attention`, as
+    `backend(q, meta)` says.
     """
     check_options(sliding_window, softcap)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-    name = backend(q)
+    name = backend(q, meta)
     if name == "triton":
         from loraplane.dataplane.kernels import attention_triton
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplane.dataplane.kernels.backends import ATTENTION_BACKENDS, ATTENTION_ENV, read_choice
+
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -31,8 +33,13 @@ class AttentionMetadata:
     # what the CPU attention derives from these once per step and every layer reuses
     # (attention._decode_plan); only for CPU tensors, which nobody refills in place
     memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    # LORAPLANE_ATTENTION (auto, native, torch, triton): read here, once per step, unless given;
+    # every layer's `attention.backend` resolves it against its queries
+    backend: str = ""
 
     def __post_init__(self) -> None:
+        if not self.backend:
+            self.backend = read_choice(ATTENTION_ENV, ATTENTION_BACKENDS)
         for name in ("cu_seqlens_q", "context_lens", "block_tables", "slot_mapping"):
             value = getattr(self, name)
             if not isinstance(value, torch.Tensor) or value.dtype not in _INT_DTYPES:

@@ -158,3 +158,46 @@ def test_the_engine_decodes_the_same_with_the_native_and_the_torch_decode_attent
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
                                    rtol=0, atol=1e-4)  # fmt: skip
+
+
+def test_a_steps_metadata_keeps_the_choice_it_was_built_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(attention.ENV, "torch")
+    q, _, _, meta = _batch([1, 1], [5, 9], 4, 2, 32, seed=3)
+    monkeypatch.setenv(attention.ENV, "native")
+    assert attention.backend(q, meta) == "torch"  # read when the step's metadata was built
+    assert attention.backend(q) == "native"  # no metadata: read now
+    monkeypatch.setenv(attention.ENV, "fast")
+    with pytest.raises(ValueError, match="LORAPLANE_ATTENTION must be one of"):
+        _batch([1], [5], 4, 2, 32, seed=4)
+
+
+def test_the_engine_reads_the_choice_once_per_step_not_per_layer(
+    families: dict[str, Family], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loraplane.dataplane import attention_metadata
+    from loraplane.dataplane.models import llama
+
+    engine, refs = make_engine(families["llama"])
+    layers = engine.runner.model.config.num_layers
+    assert layers > 1
+    reads: list[str] = []
+    calls: list[int] = []
+    read_choice, paged = attention_metadata.read_choice, llama.paged_attention
+
+    def counted_read(env: str, backends: tuple[str, ...]) -> str:
+        reads.append(env)
+        return read_choice(env, backends)
+
+    def counted_call(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return paged(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_metadata, "read_choice", counted_read)
+    monkeypatch.setattr(llama, "paged_attention", counted_call)
+    monkeypatch.setattr(attention, "choose", None)  # a per-call read would now fail
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.generate(prompts(2, seed=5, high=40), params, [refs[next(iter(refs))], None])
+    assert reads and set(reads) == {attention.ENV}
+    assert len(calls) == len(reads) * layers  # one read per step, every layer's call served

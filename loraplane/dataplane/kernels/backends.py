@@ -4,7 +4,8 @@
 torch) for the rest; any other listed value is taken as is.
 
 The LoRA layers read `LORAPLANE_SGMV` once per step: `read_choice` when the step's `LoRABatch`
-is built, `resolve` per layer (attribute checks, no environment read)."""
+is built, `resolve` per layer (attribute checks, no environment read); the attention layers
+read `LORAPLANE_ATTENTION` the same way, when the step's `AttentionMetadata` is built."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def has_triton() -> bool:
 
 SGMV_ENV = "LORAPLANE_SGMV"
 SGMV_BACKENDS = ("auto", "native", "torch", "triton", "triton-fused")
+ATTENTION_ENV = "LORAPLANE_ATTENTION"
+ATTENTION_BACKENDS = ("auto", "native", "torch", "triton")
 
 
 def read_choice(env: str, backends: Sequence[str]) -> str:
