@@ -191,7 +191,8 @@ def make_engine(
                           num_kv_blocks=sizes.max_rows * per_seq + 1,
                           enable_prefix_caching=False, cuda_graphs=graphs,
                           quantization=quantization)  # fmt: skip
-    return Engine(config)
+    # as `loraplane serve` runs it: its engine process leaves the text to the server's process
+    return Engine(config, detokenize=False)
 
 
 def free_engine(engine: Engine) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from loraplane.dataplane.kernels import cpu_ops, sgmv_cpu
+from loraplane.dataplane.kernels.backends import Switch
 from loraplane.dataplane.models.rope import apply_rotary
 from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import Family
@@ -134,7 +135,7 @@ def test_what_the_native_path_does_not_take_goes_to_torch() -> None:
 def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_ops.ENV, "fast")
     with pytest.raises(ValueError, match="LORAPLANE_CPU_OPS must be one of auto, torch"):
-        cpu_ops._mode_from_env()
+        Switch(cpu_ops.ENV)
     with pytest.raises(ValueError, match="mode must be one of"):
         cpu_ops.set_mode("native")
 

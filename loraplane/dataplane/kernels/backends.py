@@ -59,3 +59,26 @@ def choose(
     """The implementation `env` asks for (one of `backends`) for tensors like `x`; `auto` on a
     tensor that is not CUDA is `cpu_auto(x)` when given, else torch."""
     return resolve(read_choice(env, backends), x, cpu_auto)
+
+
+class Switch:
+    """A CPU fast path that `env` turns off: `auto` (on where it applies, the default) or
+    `torch` (off); read once, at import, and settable for the rest of the process (tests and
+    benchmarks compare the two)."""
+
+    MODES = ("auto", "torch")
+
+    def __init__(self, env: str) -> None:
+        self.env = env
+        value = os.environ.get(env, "auto")
+        if value not in self.MODES:
+            raise ValueError(f"{env} must be one of {', '.join(self.MODES)}, got {value!r}")
+        self.on = value == "auto"
+
+    def set(self, mode: str) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {', '.join(self.MODES)}, got {mode!r}")
+        self.on = mode == "auto"
+
+    def mode(self) -> str:
+        return "auto" if self.on else "torch"

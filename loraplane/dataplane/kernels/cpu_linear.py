@@ -20,41 +20,29 @@ bf16/fp16 on CPU were not measured.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from loraplane.dataplane.kernels.backends import Switch
+
 ROWS_MAX = 64
-MODES = ("auto", "torch")
-
-
-def _mode_from_env() -> str:
-    mode = os.environ.get("LORAPLANE_CPU_LINEAR", "auto")
-    if mode not in MODES:
-        raise ValueError(f"LORAPLANE_CPU_LINEAR must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
-
-
-_weight_major = _mode_from_env() == "auto"
+MODES = Switch.MODES
+_switch = Switch("LORAPLANE_CPU_LINEAR")
 
 
 def set_mode(mode: str) -> None:
     """Choose the path for the rest of the process (tests and benchmarks compare the two)."""
-    global _weight_major
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    _weight_major = mode == "auto"
+    _switch.set(mode)
 
 
 def mode() -> str:
-    return "auto" if _weight_major else "torch"
+    return _switch.mode()
 
 
 def weight_major(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `apply(layer, x)` takes the weight-major order (the module docstring)."""
     return (
-        _weight_major
+        _switch.on
         and type(layer) is nn.Linear
         and x.dim() == 2
         and x.shape[0] <= ROWS_MAX

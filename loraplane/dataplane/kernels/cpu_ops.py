@@ -15,37 +15,24 @@ else (bf16, CUDA, an odd stride) runs the torch operations, unchanged. `LORAPLAN
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 from loraplane.dataplane.kernels import sgmv_cpu
+from loraplane.dataplane.kernels.backends import Switch
 
 ENV = "LORAPLANE_CPU_OPS"
-MODES = ("auto", "torch")
-
-
-def _mode_from_env() -> str:
-    mode = os.environ.get(ENV, "auto")
-    if mode not in MODES:
-        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode
-
-
-_native = _mode_from_env() == "auto"
+MODES = Switch.MODES
+_switch = Switch(ENV)
 
 
 def set_mode(mode: str) -> None:
     """Choose the path for the rest of the process (tests and benchmarks compare the two)."""
-    global _native
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    _native = mode == "auto"
+    _switch.set(mode)
 
 
 def mode() -> str:
-    return "auto" if _native else "torch"
+    return _switch.mode()
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -62,7 +49,7 @@ def rms_norm(
     """(rms_norm(s) * weight, s) with s = x + residual (s = x without one). With a residual,
     the sum is written into `x` itself on the native path: pass an `x` nothing else reads
     (a layer's fresh output)."""
-    lib = sgmv_cpu.library() if _native else None
+    lib = sgmv_cpu.library() if _switch.on else None
     if (
         lib is None
         or not _rows(x)
@@ -101,7 +88,7 @@ def rope(
 ) -> bool:
     """Rotate q and k in place (`rope.apply_rotary`'s result, written over its input); False
     (nothing written) where the native path does not take these tensors."""
-    lib = sgmv_cpu.library() if _native else None
+    lib = sgmv_cpu.library() if _switch.on else None
     if lib is None or not (_heads(q) and _heads(k)):
         return False
     rot, tokens = cos.shape[-1], q.shape[0]
