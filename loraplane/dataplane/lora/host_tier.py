@@ -2,6 +2,7 @@
 them and, when set, at most `max_cpu_lora_bytes` bytes of them; the least recently used copy
 goes first, never one in a device slot, in use or pinned. A version larger than the whole byte
 limit can never be kept: its load fails (`oversize`), failing only the requests that need it.
+Static adapters are read and kept at once (`register_static`).
 
 Copies arrive from the loader threads (loads.py) and from static registration; a version whose
 load or placement failed loses its copy (the copy may be what is wrong) and is marked FAILED.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Protocol
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
@@ -99,7 +101,30 @@ class HostTier:
     def peer_parts(self, key: str) -> tuple[HostPart, ...]:
         """Ranks 1..N-1's parts of version `key` (in host memory: KeyError if not), in rank
         order: what rank 0 ships the workers when `key` takes a slot."""
-        return self._peer_parts[key]
+        with self._registry.lock:
+            return self._peer_parts[key]
+
+    def register_static(self, name: str, path: Path | str, tenant: str) -> LoRARef:
+        """Validate and read static adapter `name` from `path` now and keep its copy, the
+        current version of (tenant, name); its ref (the same for the same content).
+        AdapterRejected if refused, TooLarge (nothing recorded) when it weighs more than the
+        whole byte limit."""
+        adapter = self._registry.validate(path)
+        ref = LoRARef(name=name, tenant=tenant, digest=adapter.digest)
+        host = self.host_form(adapter)
+        peers = self.peer_forms(adapter)
+        oversize = self.oversize(name, host, peers)
+        if oversize is not None:  # refused before it is recorded: it could never be served
+            raise AdapterRejected(ReasonCode.TOO_LARGE, oversize)
+        with self._registry.lock:
+            entry = self._registry.add(ref, Path(path))
+            if entry.host is None:
+                self.add(entry, host, peers)
+            self._registry.make_current(ref)
+            # registering thousands of static adapters must not hold them all in memory: the
+            # host tier keeps max_cpu_loras; the others are read again from their folder
+            self.evict()
+        return ref
 
     def oversize(
         self, name: str, adapter: LoadedAdapter, peers: tuple[HostPart, ...] = ()

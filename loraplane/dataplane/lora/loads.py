@@ -133,20 +133,21 @@ class Loads:
                 started += 1
         return started
 
-    def forget_unregistered(self) -> None:
-        """Drop the versions no longer registered from the prefetch list (under the lock)."""
-        self._queue = [e for e in self._queue if e.ref.key in self._registry.entries]
-
     def _next_load(self) -> Entry | None:
         """The adapter of the prefetch list to load now, or None (under the lock): the first
-        one needing a load of the tenant `load_order.next_tenant` picks."""
+        one needing a load of the tenant `load_order.next_tenant` picks (the list may hold a
+        version forgotten as idle since: it is passed over)."""
         now = time.monotonic()
         first: dict[str, Entry] = {}  # tenant -> its first adapter needing a load
         for entry in self._queue:
             tenant = entry.ref.tenant
-            if tenant not in first and (
-                entry.state is State.COLD
-                or (entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s)
+            if (
+                tenant not in first
+                and entry.ref.key in self._registry.entries
+                and (
+                    entry.state is State.COLD
+                    or (entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s)
+                )
             ):
                 first[tenant] = entry
         chosen = next_tenant(first, self._tenant_loads, self._served, self.max_loads_in_flight)
