@@ -2,18 +2,21 @@
 
 Real adapters (PEFT, on the tiny model): the tier evicts least recently used copies until both
 its count and its bytes are within their limits, never one in a device slot, in use or pinned;
-a version larger than the whole limit fails alone with the reason.
+a version larger than the whole limit fails alone with the reason, and is not read again while
+the limit stays below its weight.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.config import EngineConfig
+from loraplane.dataplane.lora import registry as registry_module
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
@@ -42,6 +45,25 @@ def hosted(
 
 def in_host(m: LoRAManager) -> set[str]:
     return {r.name for r in m.in_host}
+
+
+def copy_bytes(model: Path, adapter: Path) -> int:
+    """Host bytes of `adapter`'s copy on the tiny model's CPU pool."""
+    probe = manager(model, None)
+    return probe.registry.entries[probe.register("probe", adapter).key].host_bytes
+
+
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The folders the loader threads read adapters from, from now on."""
+    seen: list[Path] = []
+    real = registry_module.load_lora
+
+    def counted(path: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(Path(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(registry_module, "load_lora", counted)
+    return seen
 
 
 def test_the_byte_limit_evicts_least_recently_used_copies_until_under_it(
@@ -132,6 +154,36 @@ def test_a_stored_adapter_larger_than_the_whole_byte_limit_fails_its_request_alo
     assert "--max-cpu-lora-bytes" in outs[0].error
     assert outs[1].error is None  # the base model's request went on
     assert engine.loras.host.bytes == 0 and engine.loras.host_stats.failures >= 1
+    engine.loras.close()
+
+
+def test_a_version_too_heavy_for_the_limit_is_read_once_while_the_limit_stays_below_it(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Its requests fail with the reason (`refusal`: a client's error, not a retry) and, with
+    the retry window closed at once, later ones fail the same without another read; once the
+    limit is raised above its weight it loads and serves."""
+    store = LocalStore(tmp_path / "store")
+    versions = stored(store, tiny_llama_dir, {"r64": peft_adapters["r64"]})
+    engine = engine_for(tiny_llama_dir, DiskTier(store), max_cpu_lora_bytes=1024)
+    engine.loras.retry_after_s = 0.0  # a failed load would be tried again at once
+    (ref,) = register(engine, versions).values()
+    folders = reads(monkeypatch)
+    for _ in range(3):
+        (out,) = engine.generate([[5, 6, 7]], GREEDY, [ref])
+        assert out.error is not None and "(1024 bytes, --max-cpu-lora-bytes)" in out.error
+    assert len(folders) == 1  # read once, refused since by its weight
+    assert engine.loras.refusal(ref) == engine.loras.failure(ref) == out.error
+    weight = engine.loras.registry.entries[ref.key].last_host_bytes
+    assert weight is not None and weight > 1024
+    engine.loras.max_cpu_lora_bytes = weight - 1  # changed, still too small: still no read
+    (out,) = engine.generate([[5, 6, 7]], GREEDY, [ref])
+    assert out.error is not None and f"({weight - 1} bytes" in out.error and len(folders) == 1
+    engine.loras.max_cpu_lora_bytes = weight
+    assert engine.loras.refusal(ref) is None
+    (out,) = engine.generate([[5, 6, 7]], GREEDY, [ref])
+    assert out.error is None and len(folders) == 2 and engine.loras.host.bytes == weight
     engine.loras.close()
 
 

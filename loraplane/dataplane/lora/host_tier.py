@@ -1,7 +1,8 @@
 """The host tier: adapters in host memory, in the pool's host form, at most `max_cpu_loras` of
 them and, when set, at most `max_cpu_lora_bytes` bytes of them; the least recently used copy
 goes first, never one in a device slot, in use or pinned. A version larger than the whole byte
-limit can never be kept: its load fails (`oversize`), failing only the requests that need it.
+limit can never be kept: its load fails (`oversize`), failing only the requests that need it,
+and while the limit stays below its weight it is refused without another read (`too_heavy`).
 Static adapters are read and kept at once (`register_static`).
 
 Copies arrive from the loader threads (loads.py) and from static registration; a version whose
@@ -126,18 +127,35 @@ class HostTier:
             self.evict()
         return ref
 
+    @staticmethod
+    def weigh(adapter: LoadedAdapter, peers: tuple[HostPart, ...] = ()) -> int:
+        """Host bytes `adapter` (host form) and `peers` take together, as the tier counts."""
+        return adapter.nbytes + sum(part.nbytes for part in peers)
+
     def oversize(
         self, name: str, adapter: LoadedAdapter, peers: tuple[HostPart, ...] = ()
     ) -> str | None:
         """Why `adapter` (host form, of adapter `name`) and `peers` can never be kept: they
         weigh more than the whole byte limit (`max_cpu_lora_bytes`); else None."""
+        return self._over_limit(name, self.weigh(adapter, peers), bool(peers))
+
+    def too_heavy(self, key: str) -> str | None:
+        """Why version `key` is refused without reading it again: it is registered, not in
+        host memory, and its copy, as last weighed (`Entry.last_host_bytes`), is more than
+        the whole byte limit; else None. So a version too heavy for the limit is read once,
+        not once per request, for as long as the limit stays below its weight."""
+        entry = self._registry.entries.get(key)
+        if entry is None or entry.host is not None or entry.last_host_bytes is None:
+            return None
+        return self._over_limit(entry.ref.name, entry.last_host_bytes, self._peers is not None)
+
+    def _over_limit(self, name: str, weight: int, ranks: bool) -> str | None:
         limit = self.max_cpu_lora_bytes
-        weight = adapter.nbytes + sum(part.nbytes for part in peers)
         if limit is None or weight <= limit:
             return None
-        ranks = " (every tensor-parallel rank's part)" if peers else ""
+        parts = " (every tensor-parallel rank's part)" if ranks else ""
         return (
-            f"adapter {name} needs {weight} bytes of host memory{ranks}, more than"
+            f"adapter {name} needs {weight} bytes of host memory{parts}, more than"
             f" the whole host adapter limit ({limit} bytes, --max-cpu-lora-bytes)"
         )
 
@@ -150,7 +168,7 @@ class HostTier:
         self._forget(entry)  # a copy it held before (a static version registered again)
         if self._peers is not None:
             self._peer_parts[entry.ref.key] = peers
-        entry.host_bytes = adapter.nbytes + sum(part.nbytes for part in peers)
+        entry.host_bytes = entry.last_host_bytes = self.weigh(adapter, peers)
         self.bytes += entry.host_bytes
         entry.host, entry.state, entry.error = adapter, State.HOST, None
         entry.device_bytes = self._pool.bytes_needed(adapter)

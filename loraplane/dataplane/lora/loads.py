@@ -9,7 +9,8 @@ and the loader threads are shared as `tiers/load_order.py` says, so one tenant's
 objects delay only its own loads. A load that fails (any exception: digest mismatch, store
 unreachable after retries, a bad path) marks the version failed for `retry_after_s`: the
 engine fails only the requests that need it, and the next request after that window tries
-again.
+again; a version heavier than the whole host byte limit is not read again while the limit
+stays below its weight (`HostTier.too_heavy`).
 """
 
 from __future__ import annotations
@@ -135,23 +136,24 @@ class Loads:
 
     def _next_load(self) -> Entry | None:
         """The adapter of the prefetch list to load now, or None (under the lock): the first
-        one needing a load of the tenant `load_order.next_tenant` picks (the list may hold a
-        version forgotten as idle since: it is passed over)."""
+        one needing a load (`_startable`) of the tenant `load_order.next_tenant` picks."""
         now = time.monotonic()
         first: dict[str, Entry] = {}  # tenant -> its first adapter needing a load
         for entry in self._queue:
-            tenant = entry.ref.tenant
-            if (
-                tenant not in first
-                and entry.ref.key in self._registry.entries
-                and (
-                    entry.state is State.COLD
-                    or (entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s)
-                )
-            ):
-                first[tenant] = entry
+            if entry.ref.tenant not in first and self._startable(entry, now):
+                first[entry.ref.tenant] = entry
         chosen = next_tenant(first, self._tenant_loads, self._served, self.max_loads_in_flight)
         return None if chosen is None else first[chosen]
+
+    def _startable(self, entry: Entry, now: float) -> bool:
+        """Whether `entry` needs a load: registered (the prefetch list may hold a version
+        forgotten as idle since), cold or failed before the retry window, and not refused for
+        its weight (`HostTier.too_heavy`). Under the lock."""
+        if entry.ref.key not in self._registry.entries or self._host.too_heavy(entry.ref.key):
+            return False
+        if entry.state is State.FAILED:
+            return now - entry.failed_at >= self.retry_after_s
+        return entry.state is State.COLD
 
     def _begin_load(self, entry: Entry) -> None:
         """Hand `entry` to a loader thread (under the lock)."""
@@ -164,13 +166,12 @@ class Loads:
         entry.future = self._pool.submit(self._load, entry)
 
     def _due(self, entry: Entry) -> bool:
-        """Whether `entry` needs a load now: cold, or failed before the retry window (then
-        cold again). Under the lock."""
-        if entry.state is State.FAILED:
-            if time.monotonic() - entry.failed_at < self.retry_after_s:
-                return False
-            entry.state = State.COLD
-        return entry.state is State.COLD
+        """Whether `entry` needs a load now (`_startable`; a failed one is cold again then).
+        Under the lock."""
+        if not self._startable(entry, time.monotonic()):
+            return False
+        entry.state = State.COLD
+        return True
 
     def load_if_due(self, entry: Entry) -> None:
         """Start loading `entry` if it is cold (or failed, past the retry window) and the
@@ -222,7 +223,11 @@ class Loads:
             return True
 
     def failure(self, entry: Entry) -> str | None:
-        """Why `entry`'s last load failed, while within the retry window; else None."""
+        """Why `entry` cannot load: too heavy for the byte limit (`HostTier.too_heavy`), or
+        its last load failed and the retry window is open; else None."""
+        refused = self._host.too_heavy(entry.ref.key)
+        if refused is not None:
+            return refused
         if entry.state is State.FAILED and time.monotonic() - entry.failed_at < self.retry_after_s:
             return entry.error
         return None
@@ -265,7 +270,8 @@ class Loads:
         with self._registry.lock:
             if entry.ref.key not in self._registry.entries:  # unregistered meanwhile
                 return
-            oversize = self._host.oversize(entry.ref.name, adapter, peers)
+            entry.last_host_bytes = self._host.weigh(adapter, peers)  # kept once it goes
+            oversize = self._host.too_heavy(entry.ref.key)
             if oversize is not None:  # it would evict every other copy and still not fit
                 self._host.fail(entry, oversize)
                 self._host.stats.failures += 1

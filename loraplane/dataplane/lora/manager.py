@@ -267,12 +267,17 @@ class LoRAManager:
         return self.loads.wait_for_load(timeout)
 
     def failure(self, ref: LoRARef) -> str | None:
-        """Why `ref` cannot run now (its last load failed recently, or it is larger than the
-        whole adapter memory budget), or None."""
+        """Why `ref` cannot run now (its last load failed recently, it is heavier than the
+        whole host byte limit, or larger than the whole adapter memory budget), or None."""
         entry = self.registry.entries.get(ref.key)
         if entry is None:
             return f"adapter {ref.name} is not registered"
         return self.loads.failure(entry) or self.device.too_large(entry)
+
+    def refusal(self, ref: LoRARef) -> str | None:
+        """Why `ref` can never run on this replica as it is set up, or None: its copy weighs
+        more than the whole host byte limit (a client's error, `TooLarge`, not a retry)."""
+        return self.host.too_heavy(ref.key)
 
     # -- device tier ------------------------------------------------------------------------
 
