@@ -450,6 +450,32 @@ def test_pools_are_listed_shown_created_updated_and_deleted(
     assert missing.code == 1 and missing.err.startswith("error: NotFound: ")
 
 
+def test_pools_update_clears_the_byte_limit_with_none_and_keeps_the_other_limits(
+    env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny_llama_dir: Path,
+    controlplane: str,
+) -> None:  # fmt: skip
+    """`--max-cpu-lora-bytes none` sends null, which clears the pool's byte limit (as PATCH
+    with null does); `pools create` takes it too, as its default."""
+    made = cli(capsys, "pools", "create", "pool-n", "--base-model", "tiny-n", "--base-model-uri",
+               str(tiny_llama_dir), "--max-cpu-lora-bytes", "none", "--json")  # fmt: skip
+    assert made.code == 0, made.err
+    assert made.json()["max_cpu_lora_bytes"] is None
+    sized = cli(capsys, "pools", "update", "pool-n", "--max-cpu-lora-bytes", "1GiB",
+                "--max-loras", "3", "--json")  # fmt: skip
+    assert (sized.json()["max_cpu_lora_bytes"], sized.json()["max_loras"]) == (1 << 30, 3)
+    cleared = cli(capsys, "pools", "update", "pool-n", "--max-cpu-lora-bytes", "None")
+    assert cleared.code == 0, cleared.err
+    assert "  max_cpu_lora_bytes  none" in cleared.out.splitlines()
+    stored = httpx.get(controlplane + "/v1/pools/pool-n", headers=ADMIN_H)
+    assert (stored.json()["max_cpu_lora_bytes"], stored.json()["max_loras"]) == (None, 3)
+    bad = cli(capsys, "pools", "update", "pool-n", "--max-cpu-lora-bytes", "nothing")
+    assert bad.code == 2 and "or none for no limit" in bad.err
+    helped = cli(capsys, "pools", "update", "--help")
+    assert "--max-cpu-lora-bytes SIZE|none" in helped.out
+    assert "none clears it (no byte limit)" in " ".join(helped.out.split())
+    assert cli(capsys, "pools", "delete", "pool-n", "--yes").code == 0
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -282,8 +282,10 @@ class Engine:
 
     def _compute(self, out: SchedulerOutput) -> Computed:
         """Run the rows of `out` through the model and the sampler; records nothing."""
-        # the step's adapters were placed when their requests were admitted: this only checks
-        logits = self.runner.execute(out, self.scheduler.running_lora_keys)
+        # the step's adapters were placed when their requests were admitted: this only checks,
+        # and trims the host tier, sparing the copies waiting requests need
+        s = self.scheduler
+        logits = self.runner.execute(out, s.running_lora_keys, s.waiting_lora_keys)
         rows = out.sampled
         seqs = [r.seq for r in rows]
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]

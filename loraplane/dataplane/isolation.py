@@ -7,7 +7,9 @@ copy next time. When the base model's rows fail, or every adapter fails alone, t
 the engine's or the device's (a poisoned CUDA context), not one tenant's: the step is
 `broken`. Before a step, waiting requests whose adapter cannot be loaded (its load failed, or
 it is still not in host memory `adapter_load_timeout_s` after they arrived) end with an
-error; the others go on.
+error; the others go on. One whose adapter can never run here (heavier than the whole host
+byte limit) ends with its reason code as `error_code` (`TooLarge`): the server answers a
+client error, not a retry.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from loraplane.adapters.errors import ReasonCode
 from loraplane.dataplane.emission import Emitter, RequestOutput
 from loraplane.dataplane.prompt_logprobs import PromptScores
 from loraplane.dataplane.sampler import SamplerOutput
@@ -91,16 +94,20 @@ class FaultIsolation:
             self.loras.drop_slot(key)
 
     def fail_unloadable(self, timeout: float) -> list[RequestOutput]:
-        """End waiting requests whose adapter's last load failed, and those whose adapter is
-        still not in host memory `timeout` seconds after they arrived (a store that never
-        answers must not hold them forever); other requests go on."""
+        """End waiting requests whose adapter can never run here (`TooLarge`), those whose
+        adapter's last load failed, and those whose adapter is still not in host memory
+        `timeout` seconds after they arrived (a store that never answers must not hold them
+        forever); other requests go on."""
         outputs = []
         horizon = time.monotonic() - timeout
         for seq in list(self.scheduler.waiting):
             if seq.lora is None:
                 continue
-            error = self.loras.failure(seq.lora)
-            if error is not None:
+            refused = self.loras.refusal(seq.lora)
+            error = self.loras.failure(seq.lora) if refused is None else None
+            if refused is not None:
+                outputs.append(self.emitter.fail(seq, refused, ReasonCode.TOO_LARGE.value))
+            elif error is not None:
                 outputs.append(self.emitter.fail(seq, error))
             elif seq.arrival_time < horizon and not self.loras.in_host_memory(seq.lora):
                 late = f"adapter {seq.lora.name} was not loaded within {timeout:g} s"

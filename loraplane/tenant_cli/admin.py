@@ -18,6 +18,9 @@ from loraplane.tenant_cli.commands import UsageError, _connect, _emit, _table
 # The pool limit flags of `pools create` and `pools update`: the API's field names.
 POOL_LIMITS = ("max_lora_rank", "max_loras", "max_cpu_loras", "max_cpu_lora_bytes",
                "require_signed_adapters")  # fmt: skip
+# What `--max-cpu-lora-bytes none` parses to: no byte limit, sent as null (which `pools update`
+# uses to clear one; the API's PATCH takes null for it), shown as "none" as `pools show` does
+NO_LIMIT = "none"
 
 
 # -- tenants --------------------------------------------------------------------------------------
@@ -115,7 +118,9 @@ def show_pool(args: argparse.Namespace) -> int:
 
 
 def _limits(args: argparse.Namespace) -> dict[str, Any]:
-    return {f: getattr(args, f) for f in POOL_LIMITS if getattr(args, f, None) is not None}
+    """The limit flags given, as the API takes them (`none` as null)."""
+    given = {f: getattr(args, f) for f in POOL_LIMITS if getattr(args, f, None) is not None}
+    return {f: None if value == NO_LIMIT else value for f, value in given.items()}
 
 
 def create_pool(args: argparse.Namespace) -> int:

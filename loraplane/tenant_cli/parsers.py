@@ -49,6 +49,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _size_or_none(text: str) -> int | str:
+    """A size, or `none`: no limit (`admin.NO_LIMIT`, sent as null)."""
+    if text.strip().lower() == admin.NO_LIMIT:
+        return admin.NO_LIMIT
+    try:
+        return parse_bytes(text, "the size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or none for no limit") from None
+
+
 def _quota_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
     """`--weight` and the integer quotas; the control plane checks their ranges."""
     parser.add_argument(
@@ -507,7 +517,7 @@ def _confirmed(parser: argparse.ArgumentParser) -> None:
     parser.epilog = f"{CONFIRM_HELP}\n\n{parser.epilog}"
 
 
-def _pool_flags(parser: argparse.ArgumentParser) -> None:
+def _pool_flags(parser: argparse.ArgumentParser, *, creating: bool) -> None:
     for flag, meaning in (
         ("max-lora-rank", "the highest LoRA rank its replicas load (default 64)"),
         ("max-loras", "adapters in one batch on a replica (default 8)"),
@@ -516,10 +526,10 @@ def _pool_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{flag}", type=_count, metavar="N", help=meaning)
     parser.add_argument(
         "--max-cpu-lora-bytes",
-        type=_size,
-        metavar="SIZE",
-        help="host memory a replica's adapters in CPU memory may take: 8GiB, 512MiB or bytes"
-        " (default: no byte limit)",
+        type=_size_or_none,
+        metavar="SIZE|none",
+        help="host memory a replica's adapters in CPU memory may take: 8GiB, 512MiB or bytes; "
+        + ("none: no byte limit (the default)" if creating else "none clears it (no byte limit)"),
     )
     parser.add_argument(
         "--require-signed-adapters",
@@ -574,7 +584,7 @@ def _add_pool_commands(sub: SubParsers) -> None:
         help="the model is only on the replicas' volume: take config.json from their first "
         "report (uploads wait until then)",
     )
-    _pool_flags(create)
+    _pool_flags(create, creating=True)
     update = _add(
         psub,
         "update",
@@ -583,7 +593,7 @@ def _add_pool_commands(sub: SubParsers) -> None:
         summary="change a pool's LoRA limits; the others keep their value",
         example="loraplane pools update pool-a --max-loras 16",
     )
-    _pool_flags(update)
+    _pool_flags(update, creating=False)
     delete = _add(
         psub,
         "delete",

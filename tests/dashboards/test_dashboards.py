@@ -21,8 +21,10 @@ def exported_series_names() -> set[str]:
     from loraplane.dataplane.server.metrics import ServerMetrics
     from loraplane.operator.metrics import PoolMetrics
 
+    server = ServerMetrics()
+    server.snapshot.cpu_bytes_limit = 1 << 30  # exported when --max-cpu-lora-bytes is set
     names: set[str] = set()
-    for text in (ServerMetrics().render(), Metrics().render(), PoolMetrics().render()):
+    for text in (server.render(), Metrics().render(), PoolMetrics().render()):
         for family in text_string_to_metric_families(text.decode()):
             suffixes = {
                 "counter": ["_total", "_created"],
@@ -65,6 +67,23 @@ def test_metric_names_are_read_from_promql() -> None:
         "[$__rate_interval]))) / on (pool) group_left sum(vllm:y) or vector(0)"
     )
     assert metric_names(expr) == {"x_bucket", "vllm:y"}
+
+
+def test_the_host_tier_shows_its_adapters_and_their_bytes_against_the_limit() -> None:
+    """The adapters dashboard's host tier: the copies per replica beside their bytes and the
+    byte limit (`--max-cpu-lora-bytes`), in one panel, as the device pool's memory is shown."""
+    host = [q for q in queries() if q.dashboard == "adapters.json" and "Host-tier" in q.panel]
+    count = {q.panel for q in host if 'loraplane_adapter_resident{tier="cpu"' in q.expr}
+    used = {q.panel for q in host if "loraplane_cpu_adapter_bytes_used" in q.metrics}
+    limit = {q.panel for q in host if "loraplane_cpu_adapter_bytes_limit" in q.metrics}
+    assert count and used and used == limit and not count & used
+    board = BOARDS["adapters.json"]
+    rows = [p for p in board["panels"] if p["type"] == "row"]
+    (row,) = [r for r in rows if r["title"] == "Host tier"]
+    below = [r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > row["gridPos"]["y"]]
+    for panel in panels(board):
+        if panel["title"] in count | used:  # in the host tier's row
+            assert row["gridPos"]["y"] < panel["gridPos"]["y"] < min(below), panel["title"]
 
 
 def test_queries_use_only_exported_metrics() -> None:

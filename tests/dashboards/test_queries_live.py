@@ -245,6 +245,7 @@ def test_every_dashboard_query_returns_data_from_live_components(
             model=str(tiny_llama_dir), served_model_name=BASE, controlplane_url=cp_internal,
             service_token=SERVICE, store=str(store), pool=POOL, pool_namespace=PLATFORM,
             pressure_interval_s=0.5, num_kv_blocks=256, max_loras=MAX_LORAS,
+            max_cpu_lora_bytes="256MiB",  # every adapter fits; the limit's gauge has data
         )  # fmt: skip
         with (
             operator(cp_internal, store, tiny_llama_dir) as op,

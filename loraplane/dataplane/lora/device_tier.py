@@ -205,6 +205,11 @@ class DeviceTier:
             return slots
         return max(1, min(slots, budget * resident // self.pool.bytes_used))
 
+    def bytes_of(self, ref: LoRARef) -> int:
+        """Device bytes `ref` takes in the pool (0 until it is in host memory)."""
+        entry = self._registry.entries.get(ref.key)
+        return 0 if entry is None else entry.device_bytes
+
     def too_large(self, entry: Entry) -> str | None:
         """Why `entry` can never be placed (larger than the whole budget), or None."""
         budget = self.budget_bytes

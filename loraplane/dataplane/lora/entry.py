@@ -45,6 +45,9 @@ class Entry:
     device_bytes: int = 0  # bytes it takes in the device pool (known once in host memory)
     # host bytes of its copy and (tensor parallelism, rank 0) the other ranks' parts beside it
     host_bytes: int = 0
+    # those bytes as last weighed (kept once the copy goes): what loading it again adds, and
+    # why it is refused without a read while they exceed the host byte limit
+    last_host_bytes: int | None = None
     touched: float = field(default_factory=time.monotonic)  # last registered or used
     future: Future[None] | None = field(default=None, repr=False)
 

@@ -9,7 +9,17 @@ and the loader threads are shared as `tiers/load_order.py` says, so one tenant's
 objects delay only its own loads. A load that fails (any exception: digest mismatch, store
 unreachable after retries, a bad path) marks the version failed for `retry_after_s`: the
 engine fails only the requests that need it, and the next request after that window tries
-again.
+again; a version heavier than the whole host byte limit is not read again while the limit
+stays below its weight (`HostTier.too_heavy`).
+
+Under the host byte limit (`max_cpu_lora_bytes`) each tenant's first adapter in the list (its
+oldest waiting request's: the one its next admission needs) loads whatever the room, as a
+pinned version's does; the others are loaded ahead only into room (`HostTier.room`): what each
+is expected to add must fit beside the copies that must stay (in a device slot, in use, pinned,
+or wanted by a waiting request) and the loads in flight, else it is skipped until it fits or
+comes first (best effort). A copy read ahead is kept only once the copies that may go made room
+for it; otherwise it is dropped, its weight now known. So loads ahead never take the tier over
+its byte limit.
 """
 
 from __future__ import annotations
@@ -76,6 +86,12 @@ class Loads:
         self.prefetch_depth = prefetch_depth or max(1, host.max_cpu_loras // 2)
         self._queue: list[Entry] = []  # the latest prefetch list, in load order
         self._loading: set[str] = set()  # ref.keys being loaded
+        # the latest prefetch list's versions (the waiting requests'): their copies stay when
+        # a load makes room under the byte limit
+        self._wanted: frozenset[str] = frozenset()
+        self._expected: dict[str, int] = {}  # ref.key -> host bytes its load in flight adds
+        self._demanded: set[str] = set()  # loads in flight kept whatever the room
+        self._skipped: set[str] = set()  # the list's versions left for want of room, now
         self._load_ended = threading.Condition(registry.lock)  # notified as each load ends
         self._loads_in_flight = 0
         self._tenant_loads: Counter[str] = Counter()  # tenant -> its loads in flight
@@ -114,12 +130,15 @@ class Loads:
         started = 0
         with self._registry.lock:
             by_tenant: dict[str, list[Entry]] = {}
+            wanted: set[str] = set()
             for ref in refs:
+                wanted.add(ref.key)
                 entry = self._registry.entries.get(ref.key)
                 if entry is not None:
                     mine = by_tenant.setdefault(ref.tenant, [])
                     if len(mine) < self.prefetch_depth:  # more of one could never be kept
                         mine.append(entry)
+            self._wanted = frozenset(wanted)
             queue = in_turn(by_tenant.values())
             # every waiting tenant has a place: another tenant's loads, however slow, never
             # fill the list
@@ -128,34 +147,55 @@ class Loads:
             self._served = {
                 t: n for t, n in self._served.items() if t in by_tenant or self._tenant_loads[t]
             }
-            while (entry := self._next_load()) is not None:
-                self._begin_load(entry)
+            while (picked := self._next_load()) is not None:
+                self._begin_load(*picked)
                 started += 1
         return started
 
-    def forget_unregistered(self) -> None:
-        """Drop the versions no longer registered from the prefetch list (under the lock)."""
-        self._queue = [e for e in self._queue if e.ref.key in self._registry.entries]
-
-    def _next_load(self) -> Entry | None:
-        """The adapter of the prefetch list to load now, or None (under the lock): the first
-        one needing a load of the tenant `load_order.next_tenant` picks."""
+    def _next_load(self) -> tuple[Entry, bool] | None:
+        """The adapter of the prefetch list to load now and whether its tenant's next
+        admission needs it (its first in the list), or None (under the lock): the first one
+        needing a load of the tenant `load_order.next_tenant` picks. Under the byte limit an
+        adapter that is not its tenant's first is passed over (`_skipped`) while what it
+        would add does not fit in the room the copies that must stay and the loads in flight
+        leave."""
         now = time.monotonic()
-        first: dict[str, Entry] = {}  # tenant -> its first adapter needing a load
+        room = self._host.room(self._wanted)
+        if room is not None:
+            room -= sum(self._expected.values())
+        heads: dict[str, Entry] = {}  # tenant -> its first adapter in the list
+        first: dict[str, Entry] = {}  # tenant -> its first adapter to load now
+        self._skipped = set()
         for entry in self._queue:
             tenant = entry.ref.tenant
-            if tenant not in first and (
-                entry.state is State.COLD
-                or (entry.state is State.FAILED and now - entry.failed_at >= self.retry_after_s)
-            ):
+            head = heads.setdefault(tenant, entry) is entry
+            if not self._startable(entry, now):
+                continue
+            if not head and room is not None and self._host.expected_bytes(entry) > room:
+                self._skipped.add(entry.ref.key)  # loaded ahead only into room
+            elif tenant not in first:
                 first[tenant] = entry
         chosen = next_tenant(first, self._tenant_loads, self._served, self.max_loads_in_flight)
-        return None if chosen is None else first[chosen]
+        return None if chosen is None else (first[chosen], first[chosen] is heads[chosen])
 
-    def _begin_load(self, entry: Entry) -> None:
-        """Hand `entry` to a loader thread (under the lock)."""
+    def _startable(self, entry: Entry, now: float) -> bool:
+        """Whether `entry` needs a load: registered (the prefetch list may hold a version
+        forgotten as idle since), cold or failed before the retry window, and not refused for
+        its weight (`HostTier.too_heavy`). Under the lock."""
+        if entry.ref.key not in self._registry.entries or self._host.too_heavy(entry.ref.key):
+            return False
+        if entry.state is State.FAILED:
+            return now - entry.failed_at >= self.retry_after_s
+        return entry.state is State.COLD
+
+    def _begin_load(self, entry: Entry, demanded: bool = True) -> None:
+        """Hand `entry` to a loader thread (under the lock); a `demanded` one's copy is kept
+        whatever the room (`_keeps`)."""
         entry.state = State.LOADING
         self._loading.add(entry.ref.key)
+        self._expected[entry.ref.key] = self._host.expected_bytes(entry)
+        if demanded:
+            self._demanded.add(entry.ref.key)
         self._loads_in_flight += 1
         self._tenant_loads[entry.ref.tenant] += 1
         self._starts += 1
@@ -163,13 +203,12 @@ class Loads:
         entry.future = self._pool.submit(self._load, entry)
 
     def _due(self, entry: Entry) -> bool:
-        """Whether `entry` needs a load now: cold, or failed before the retry window (then
-        cold again). Under the lock."""
-        if entry.state is State.FAILED:
-            if time.monotonic() - entry.failed_at < self.retry_after_s:
-                return False
-            entry.state = State.COLD
-        return entry.state is State.COLD
+        """Whether `entry` needs a load now (`_startable`; a failed one is cold again then).
+        Under the lock."""
+        if not self._startable(entry, time.monotonic()):
+            return False
+        entry.state = State.COLD
+        return True
 
     def load_if_due(self, entry: Entry) -> None:
         """Start loading `entry` if it is cold (or failed, past the retry window) and the
@@ -194,7 +233,8 @@ class Loads:
             return self._pending()
 
     def _pending(self) -> set[str]:
-        return self._loading | {e.ref.key for e in self._queue if e.state is State.COLD}
+        queued = {e.ref.key for e in self._queue if e.state is State.COLD}
+        return self._loading | (queued - self._skipped)  # skipped: none would start now
 
     def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> None:
         """Block until none of `refs` is loading or queued to load, for at most `timeout`
@@ -221,7 +261,11 @@ class Loads:
             return True
 
     def failure(self, entry: Entry) -> str | None:
-        """Why `entry`'s last load failed, while within the retry window; else None."""
+        """Why `entry` cannot load: too heavy for the byte limit (`HostTier.too_heavy`), or
+        its last load failed and the retry window is open; else None."""
+        refused = self._host.too_heavy(entry.ref.key)
+        if refused is not None:
+            return refused
         if entry.state is State.FAILED and time.monotonic() - entry.failed_at < self.retry_after_s:
             return entry.error
         return None
@@ -237,11 +281,13 @@ class Loads:
                 if self._tenant_loads[entry.ref.tenant] <= 0:
                     del self._tenant_loads[entry.ref.tenant]
                 self._loading.discard(entry.ref.key)
+                self._expected.pop(entry.ref.key, None)
+                self._demanded.discard(entry.ref.key)
                 self._load_ended.notify_all()
                 if self.prefetch_enabled and not self.closed:
                     following = self._next_load()  # go on down the prefetch list
                     if following is not None:
-                        self._begin_load(following)
+                        self._begin_load(*following)
 
     def _load_once(self, entry: Entry) -> None:
         # read and converted without the lock: the engine's step goes on meanwhile
@@ -264,14 +310,29 @@ class Loads:
         with self._registry.lock:
             if entry.ref.key not in self._registry.entries:  # unregistered meanwhile
                 return
-            oversize = self._host.oversize(entry.ref.name, adapter, peers)
+            weight = self._host.weigh(adapter, peers)
+            entry.last_host_bytes = weight  # known from now on, kept once the copy goes
+            oversize = self._host.too_heavy(entry.ref.key)
             if oversize is not None:  # it would evict every other copy and still not fit
                 self._host.fail(entry, oversize)
                 self._host.stats.failures += 1
                 log.warning("loading adapter %s failed: %s", entry.ref.key, oversize)
-            else:
+            elif self._keeps(entry, weight):
                 self._host.add(entry, adapter, peers)
                 self._host.stats.load_ended(entry.ref.key, start)
+            else:  # read ahead, and no room beside the copies that must stay: read it again
+                entry.state = State.COLD  # when it fits or comes first in the list
+
+    def _keeps(self, entry: Entry, weight: int) -> bool:
+        """Whether a copy just read (`weight` bytes) is kept (under the lock). With prefetch,
+        room is made for it under the byte limit by evicting copies that may go (never one
+        the prefetch list wants); one its tenant's next admission needs, a pinned one, or
+        one loaded to run at once is kept even where the copies that must stay leave none."""
+        if not self.prefetch_enabled or self._host.make_room(weight, self._wanted):
+            return True
+        key, tenant = entry.ref.key, entry.ref.tenant
+        head = next((e for e in self._queue if e.ref.tenant == tenant), None)
+        return key in self._demanded or key in self._registry.pinned or head is entry
 
     def close(self) -> None:
         """Stop the loader threads."""

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from loraplane.adapters.base_model import BaseModelSpec
-from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.device_tier import DeviceTier
 from loraplane.dataplane.lora.entry import State, TierStats
@@ -145,26 +144,11 @@ class LoRAManager:
 
     def register(self, name: str, path: Path | str, tenant: str = "default") -> LoRARef:
         """Validate and read a static adapter now (AdapterRejected if refused, TooLarge when
-        it weighs more than the whole host byte limit); return its ref.
+        it weighs more than the whole host byte limit); return its ref (host_tier.py).
 
         The same content again returns the same ref; new content becomes the current version.
         """
-        adapter = self.registry.validate(path)
-        ref = LoRARef(name=name, tenant=tenant, digest=adapter.digest)
-        host = self.host.host_form(adapter)
-        peers = self.host.peer_forms(adapter)
-        oversize = self.host.oversize(name, host, peers)
-        if oversize is not None:  # refused before it is recorded: it could never be served
-            raise AdapterRejected(ReasonCode.TOO_LARGE, oversize)
-        with self.registry.lock:
-            entry = self.registry.add(ref, Path(path))
-            if entry.host is None:
-                self.host.add(entry, host, peers)
-            self.registry.make_current(ref)
-            # registering thousands of static adapters must not hold them all in memory: the
-            # host tier keeps max_cpu_loras; the others are read again from their folder
-            self.host.evict()
-        return ref
+        return self.host.register_static(name, path, tenant)
 
     def register_stored(self, ref: LoRARef, store_path: str) -> LoRARef:
         """Record a stored version (read from the disk tier when a request first needs it)."""
@@ -190,11 +174,7 @@ class LoRAManager:
         """Forget stored versions (catalog mode) that nothing has used for `idle_s` seconds,
         that hold no host copy or slot and are not `needed` by a request: the registry must
         not grow with every version ever served. The next request registers one again."""
-        with self.registry.lock:
-            idle = self.registry.forget_idle(idle_s, needed)
-            if idle:
-                self.loads.forget_unregistered()
-        return [e.ref for e in idle]
+        return [e.ref for e in self.registry.forget_idle(idle_s, needed)]
 
     def is_registered(self, ref: LoRARef) -> bool:
         """Whether `ref` is known; a hit counts as a use (it is not forgotten as idle now)."""
@@ -208,8 +188,7 @@ class LoRAManager:
     def peer_parts(self, key: str) -> tuple[HostPart, ...]:
         """The other tensor-parallel ranks' parts of version `key`, in rank order (KeyError
         when it is not in host memory): what rank 0 ships the workers as `key` takes a slot."""
-        with self.registry.lock:
-            return self.host.peer_parts(key)
+        return self.host.peer_parts(key)
 
     # -- pins -------------------------------------------------------------------------------
 
@@ -288,19 +267,23 @@ class LoRAManager:
         return self.loads.wait_for_load(timeout)
 
     def failure(self, ref: LoRARef) -> str | None:
-        """Why `ref` cannot run now (its last load failed recently, or it is larger than the
-        whole adapter memory budget), or None."""
+        """Why `ref` cannot run now (its last load failed recently, it is heavier than the
+        whole host byte limit, or larger than the whole adapter memory budget), or None."""
         entry = self.registry.entries.get(ref.key)
         if entry is None:
             return f"adapter {ref.name} is not registered"
         return self.loads.failure(entry) or self.device.too_large(entry)
 
+    def refusal(self, ref: LoRARef) -> str | None:
+        """Why `ref` can never run on this replica as it is set up, or None: its copy weighs
+        more than the whole host byte limit (a client's error, `TooLarge`, not a retry)."""
+        return self.host.too_heavy(ref.key)
+
     # -- device tier ------------------------------------------------------------------------
 
     def device_bytes(self, ref: LoRARef) -> int:
         """Device bytes `ref` takes in the pool (0 until it is in host memory)."""
-        entry = self.registry.entries.get(ref.key)
-        return 0 if entry is None else entry.device_bytes
+        return self.device.bytes_of(ref)
 
     @property
     def budget_bytes(self) -> int | None:

@@ -58,6 +58,12 @@ class InvalidRequest(APIError):
     """A parameter is missing, malformed, out of range or not supported (400)."""
 
 
+class AdapterRefused(APIError):
+    """An adapter this replica refuses, for good: a validation rule or one of its limits (400,
+    `code` the adapter reason code, e.g. `RankTooLarge`, or `TooLarge` for a version heavier
+    than the whole --max-cpu-lora-bytes). No Retry-After: sending it again cannot help."""
+
+
 class ContextTooLong(APIError):
     """Prompt plus max_tokens do not fit in the model's context (400)."""
 

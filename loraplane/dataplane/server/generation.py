@@ -18,18 +18,24 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import cast
 
+from loraplane.adapters.errors import ReasonCode
 from loraplane.dataplane.engine import ADAPTER_LOAD_TIMEOUT, RequestOutput
 from loraplane.dataplane.sampler import TopLogprobs
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef, PromptLogprob
 from loraplane.dataplane.server.errors import (
     AdapterLoadTimeout,
+    AdapterRefused,
     ContextTooLong,
     InvalidRequest,
     Unavailable,
 )
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.tools import ToolPlan
+
+# RequestOutput.error_code values that refuse the adapter for good (isolation.py): a client
+# error (AdapterRefused), never a retry
+REFUSALS = frozenset(code.value for code in ReasonCode)
 
 
 @dataclass(slots=True)
@@ -140,6 +146,8 @@ async def _run_choice(
             async for out in outputs:
                 if out.error_code == ADAPTER_LOAD_TIMEOUT:  # names the adapter, not a path
                     raise AdapterLoadTimeout(f"{out.error}; try again later", retry_after=5)
+                if out.error_code in REFUSALS:  # the adapter can never run here: no retry
+                    raise AdapterRefused(out.error or "", param="model", code=out.error_code)
                 if out.error is not None:  # e.g. its adapter could not be loaded from the store
                     raise Unavailable(f"request failed: {out.error}", retry_after=5)
                 now = time.perf_counter()

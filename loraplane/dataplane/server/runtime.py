@@ -39,6 +39,7 @@ from loraplane.dataplane.server.admission import QueueLimits
 from loraplane.dataplane.server.catalog import DEFAULT_TENANT, Catalog, Resolved, StaticCatalog
 from loraplane.dataplane.server.catalog_http import HttpCatalog
 from loraplane.dataplane.server.errors import (
+    AdapterRefused,
     InvalidRequest,
     ModelNotFound,
     ModelUnloading,
@@ -395,7 +396,7 @@ class Runtime:
             ref = await self.command("register_lora", name, path, DEFAULT_TENANT)
         except AdapterRejected as e:
             self.metrics.cpu_loads["rejected"] += 1
-            raise InvalidRequest(f"adapter {name} rejected: {e.message}", code=e.code.value) from e
+            raise AdapterRefused(f"adapter {name} rejected: {e.message}", code=e.code.value) from e
         except OSError as e:  # e.g. its files are not readable by this process
             self.metrics.cpu_loads["error"] += 1
             raise Unavailable(
