@@ -569,8 +569,10 @@ def test_the_simulator_agrees_with_a_real_replica_where_deferral_and_eviction_bi
     detail = json.dumps({"verdicts": verdicts, "rounds": rounds, "seconds": out["seconds"]})
     print(detail)
     assert len(rounds) == 3, detail
-    for r in rounds:  # where the parts bind: most requests deferred, cold loads all along
-        assert r["real"]["deferred"] > 150 and r["real"]["cold_loads"] > 100, detail
+    for r in rounds:  # where the parts bind: most requests deferred, and adapters loaded
+        # again and again (half as many again as with a host tier that never evicts)
+        once = r["sim"]["unbounded_host_tier"]["cold_loads"]
+        assert r["real"]["deferred"] > 150 and r["real"]["cold_loads"] > 1.5 * once, detail
     assert verdicts["simulator"]["agrees"], detail
     assert verdicts["simulator"]["misses"] == [], detail
     # the negative controls: what each part moves fails the comparison
@@ -600,7 +602,7 @@ def test_the_negative_controls_change_what_their_part_decides() -> None:
                          parts=Parts(host_limit=False))  # fmt: skip
     distinct = len({a for a, _, _ in draw_requests(VALIDATION, VALIDATION.requests)})
     assert full.deferred > VALIDATION.requests // 2  # the slots bind
-    assert full.cold_loads > 3 * distinct  # the host tier evicts and reloads
+    assert full.cold_loads > 1.5 * distinct  # the host tier evicts and reloads
     assert no_barrier.deferred < (1 - TOLERANCE["deferred"]) * full.deferred
     assert unbounded.cold_loads == distinct
     assert unbounded.cold_loads < (1 - TOLERANCE["cold_loads"]) * full.cold_loads

@@ -292,10 +292,11 @@ class Replica:
         self.steps += 1
         self.busy_until = end
         # the model runner's make_resident: the step's adapters are the most recently used;
-        # host copies beyond max_cpu_loras (and the byte limit) go, never a running one
+        # host copies beyond max_cpu_loras (and the byte limit) go, never a running one nor
+        # one a waiting request needs
         tiers.touch(out.lora_keys)
         if self.parts.host_limit and len(tiers.host) > tiers.host_limit:
-            tiers.trim_host(set(out.lora_keys) | sched.running_lora_keys)
+            tiers.trim_host(set(out.lora_keys) | sched.running_lora_keys | sched.waiting_lora_keys)
         return self._finish_step(out, now, end)
 
     def _wait_for_loads(self, now: float) -> float:

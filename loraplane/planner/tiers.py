@@ -5,7 +5,7 @@
 - host tier: `max_cpu_loras` copies, and with `max_cpu_lora_bytes` only as many as those
   bytes hold (every simulated copy weighs the same, so the byte limit is a count: `host_copies`),
   least recently used first out, never one on the device,
-  in the step or running (`HostTier.evict`); a copy arrives `load_s` after its load
+  in the step, running or wanted by a waiting request (`HostTier.evict`); a copy arrives `load_s` after its load
   starts, on `loads_in_flight` loader threads that go on down the prefetch list (the waiting
   requests' first `max_cpu_loras / 2` distinct adapters, `LoRAManager.prefetch`);
 - device pool: as many adapters as the slots and the adapter memory hold; placing one evicts
@@ -111,7 +111,8 @@ class SimTiers:
 
     def trim_host(self, in_use: set[str]) -> None:
         """Evict host copies beyond `host_limit` (`max_cpu_loras`, and the byte limit's
-        copies), least recently used first, never one on the device or in `in_use`."""
+        copies), least recently used first, never one on the device or in `in_use` (the
+        step's, the running and the waiting requests' adapters)."""
         excess = len(self.host) - self.host_limit
         if excess <= 0:
             return
