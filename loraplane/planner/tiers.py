@@ -3,11 +3,11 @@
 `SimTiers` implements the scheduler's `Adapters` protocol (`ready`, `device_bytes`,
 `budget_bytes`, `place`) over simulated time, and the engine-side housekeeping around it:
 - host tier: `max_cpu_loras` copies, and with `max_cpu_lora_bytes` only as many as those
-  bytes hold (every simulated copy weighs the same, so the byte limit is a count: `host_copies`),
-  least recently used first out, never one on the device,
-  in the step, running or wanted by a waiting request (`HostTier.evict`); a copy arrives `load_s` after its load
-  starts, on `loads_in_flight` loader threads that go on down the prefetch list (the waiting
-  requests' first `max_cpu_loras / 2` distinct adapters, `LoRAManager.prefetch`);
+  bytes hold (every simulated copy weighs the same, so the byte limit is a count:
+  `host_copies`), least recently used first out, never one on the device, in the step,
+  running or wanted by a waiting request (`HostTier.evict`); a copy arrives `load_s` after
+  its load starts, on `loads_in_flight` loader threads that go on down the prefetch list (the
+  waiting requests' first `max_cpu_loras / 2` distinct adapters, `LoRAManager.prefetch`);
 - device pool: as many adapters as the slots and the adapter memory hold; placing one evicts
   idle residents, those no waiting request wants first, least recently used first
   (`DeviceTier._victims`). A step's adapters become the most recently used
