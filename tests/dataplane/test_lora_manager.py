@@ -183,6 +183,8 @@ def test_an_adapter_larger_than_the_whole_budget_fails_its_requests_with_the_rea
     (out,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2), [big])
     assert out.finish_reason == "error" and out.error is not None
     assert "more than the whole adapter memory budget" in out.error and "--lora-memory" in out.error
+    refused = engine.loras.refusal(big)  # never to run here: a client's error (TooLarge)
+    assert refused is not None and "--lora-memory" in refused
     assert small_ok[0].error is None
 
 

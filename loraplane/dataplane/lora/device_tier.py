@@ -210,10 +210,11 @@ class DeviceTier:
         entry = self._registry.entries.get(ref.key)
         return 0 if entry is None else entry.device_bytes
 
-    def too_large(self, entry: Entry) -> str | None:
-        """Why `entry` can never be placed (larger than the whole budget), or None."""
+    def too_large(self, entry: Entry | None) -> str | None:
+        """Why `entry` can never be placed (larger than the whole budget), or None (also for
+        no entry, and while its size is unknown: before its first read)."""
         budget = self.budget_bytes
-        if budget is not None and entry.device_bytes > budget:
+        if entry is not None and budget is not None and entry.device_bytes > budget:
             return (
                 f"adapter {entry.ref.name} needs {entry.device_bytes} bytes of device memory,"
                 f" more than the whole adapter memory budget ({budget} bytes, --lora-memory)"

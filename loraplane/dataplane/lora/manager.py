@@ -275,9 +275,10 @@ class LoRAManager:
         return self.loads.failure(entry) or self.device.too_large(entry)
 
     def refusal(self, ref: LoRARef) -> str | None:
-        """Why `ref` can never run on this replica as it is set up, or None: its copy weighs
-        more than the whole host byte limit (a client's error, `TooLarge`, not a retry)."""
-        return self.host.too_heavy(ref.key)
+        """Why `ref` can never run here as set up (a client's error, `TooLarge`): heavier than
+        the whole host byte limit, or larger than the whole adapter memory; else None."""
+        entry = self.registry.entries.get(ref.key)
+        return self.host.too_heavy(ref.key) or self.device.too_large(entry)
 
     # -- device tier ------------------------------------------------------------------------
 
@@ -318,9 +319,8 @@ class LoRAManager:
         self.device.make_resident(keys, in_use, wanted)
 
     def place(self, ref: LoRARef, in_use: Iterable[str], wanted: Iterable[str] = ()) -> bool:
-        """Make `ref` (in host memory) resident now if it can be, evicting idle adapters as
-        `make_resident` does; False when it cannot (its copy to the device failed, or no run
-        of KV blocks can be freed)."""
+        """Make `ref` (in host memory) resident now, evicting idle adapters as `make_resident`
+        does; False when it cannot (its device copy failed, or no run of KV blocks frees)."""
         return self.device.place(ref, in_use, wanted)
 
     def reclaim_blocks(self, short: int, in_use: Iterable[str], wanted: Iterable[str]) -> None:

@@ -67,3 +67,27 @@ def test_an_adapter_heavier_than_the_host_byte_limit_is_a_400_TooLarge_and_read_
     assert '"code": "TooLarge"' in streamed.text and "--max-cpu-lora-bytes" in streamed.text
     assert small.choices[0].finish_reason and base.choices[0].finish_reason
     assert len(folders) == 2  # small's one read
+
+
+def test_an_adapter_larger_than_the_whole_adapter_memory_is_a_400_TooLarge_too(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    folders = reads(monkeypatch)
+    with replica(tiny_llama_dir, tmp_path, {"acme": 1}, engine_process=False,
+                 lora_memory="1024") as r:  # fmt: skip
+        key = r.keys["acme"]
+        _upload(r.cp, key, "big", peft_adapters["r16"])
+        client = r.client("acme")
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="big", prompt=[5, 6, 7], max_tokens=2)
+        assert caught.value.code == "TooLarge"
+        again = httpx.post(r.url + "/v1/completions",
+                           json={"model": "big", "prompt": [5, 6, 7], "max_tokens": 2},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+        base = client.completions.create(model=BASE, prompt=[5, 6, 7], max_tokens=2)
+    assert again.status_code == 400 and "Retry-After" not in again.headers, again.text
+    error = again.json()["error"]
+    assert error["code"] == "TooLarge" and "--lora-memory" in error["message"], error
+    assert len(folders) == 1  # read once, to learn its size
+    assert base.choices[0].finish_reason
