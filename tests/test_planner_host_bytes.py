@@ -68,6 +68,27 @@ def test_the_simulated_host_tier_trims_to_the_copies_the_bytes_hold() -> None:
     assert count_only.host_limit == 8
 
 
+def test_under_a_byte_limit_the_simulated_prefetch_loads_ahead_only_into_room() -> None:
+    """The engine's room rule (lora/loads.py): the tenant's first adapter loads whatever the
+    room, the others only while the copies that must stay and the loads in flight leave room."""
+    refs = [LoRARef(f"a{i}", "t", f"{i:064x}") for i in range(6)]
+
+    def run(host_copies: int | None) -> SimTiers:
+        tiers = SimTiers(slots=4, budget_bytes=4000, device_bytes=1000, max_cpu_loras=8,
+                         load_s=0.1, loads_in_flight=2, host_copies=host_copies)  # fmt: skip
+        tiers.prefetch(refs, 0.0)  # the list: the first 4 (max_cpu_loras / 2)
+        for step in range(1, 10):
+            tiers.advance(step * 0.1)
+        return tiers
+
+    limited = run(3)
+    assert limited.loads == 3 and list(limited.host) == [r.key for r in refs[:3]]
+    assert limited.pending() == set()  # a3 is held back by the room, not awaited
+    count_only = run(None)  # no byte limit: the whole list loads
+    assert count_only.loads == 4 and len(count_only.host) == 4
+    assert count_only.pending() == set()
+
+
 def test_replica_settings_take_the_byte_limits_copies_from_the_plan() -> None:
     copy = _plan().adapter_bytes
     config = EngineConfig(model="m", dtype="bfloat16", device="cuda", max_cpu_lora_bytes=7 * copy)

@@ -13,6 +13,12 @@
   (`DeviceTier._victims`). A step's adapters become the most recently used
   (`LoRAManager.make_resident`).
 
+Under a byte limit (`host_copies`) loads ahead of need follow the engine's room rule
+(`lora/loads.py`): each tenant's first adapter in the prefetch list loads whatever the room;
+any other starts only while the copies that must stay (on the device, or wanted by a waiting
+request) and the loads in flight leave room for one more, and a copy loaded ahead that finds
+no room when it arrives (nothing left to evict) is dropped.
+
 Simplification: with adapters inside the KV cache the engine may keep idle adapters in blocks
 no sequence holds; here the pool keeps them only within the adapter memory.
 """
@@ -49,6 +55,11 @@ class SimTiers:
         self.device: OrderedDict[str, None] = OrderedDict()
         self.loading: list[tuple[float, str]] = []  # (end, key), at most loads_in_flight
         self.queue: list[str] = []  # the prefetch list
+        # under a byte limit: the waiting requests' adapters (their copies stay) and each
+        # tenant's first in the list (loaded whatever the room)
+        self.byte_limited = host_copies is not None
+        self.wanted: set[str] = set()
+        self.heads: set[str] = set()
         self.loads = 0  # loads into host memory started
         self.placed = 0  # adapters made resident since the caller last reset it
 
@@ -123,28 +134,59 @@ class SimTiers:
         """The new prefetch list: the first `prefetch_depth` of `refs` (the waiting requests'
         adapters, the oldest request's first); loads start on free loader threads."""
         queue: list[str] = []
+        wanted: set[str] = set()
+        tenants: set[str] = set()
+        heads: set[str] = set()
         for ref in refs:
-            queue.append(ref.key)
-            if len(queue) >= self.prefetch_depth:
-                break
-        self.queue = queue
+            wanted.add(ref.key)
+            if len(queue) < self.prefetch_depth:
+                queue.append(ref.key)
+                if ref.tenant not in tenants:
+                    tenants.add(ref.tenant)
+                    heads.add(ref.key)
+        self.queue, self.wanted, self.heads = queue, wanted, heads
         self._start_loads(now)
 
     def pending(self) -> set[str]:
-        """Adapters loading or queued to load (`LoRAManager.pending`)."""
+        """Adapters loading or queued to load (`LoRAManager.pending`); under a byte limit not
+        those a lack of room holds back."""
         pending = {k for _, k in self.loading}
-        pending.update(k for k in self.queue if k not in self.host)
+        held_back = self.byte_limited and self._room() < 1
+        for key in self.queue:
+            if key not in self.host and not (held_back and key not in self.heads):
+                pending.add(key)
         return pending
+
+    def _room(self) -> int:
+        """Copies the byte limit leaves beside those that must stay (on the device or wanted
+        by a waiting request) and the loads in flight (`HostTier.room`)."""
+        fixed = sum(1 for k in self.host if k in self.device or k in self.wanted)
+        return self.host_limit - fixed - len(self.loading)
 
     def _start_loads(self, now: float) -> None:
         busy = {k for _, k in self.loading}
         for key in self.queue:
             if len(self.loading) >= self.loads_in_flight:
                 return
-            if key not in self.host and key not in busy:
-                self.loading.append((now + self.load_s, key))
-                busy.add(key)
-                self.loads += 1
+            if key in self.host or key in busy:
+                continue
+            if self.byte_limited and key not in self.heads and self._room() < 1:
+                continue  # loaded ahead only into room
+            self.loading.append((now + self.load_s, key))
+            busy.add(key)
+            self.loads += 1
+
+    def _keep(self, key: str) -> bool:
+        """Whether an arriving copy stays: always without a byte limit or for a tenant's
+        first adapter; else once a copy that may go (not on the device, not wanted) makes room,
+        the least recently used first (`HostTier.make_room`)."""
+        if not self.byte_limited or key in self.heads or len(self.host) < self.host_limit:
+            return True
+        for victim in self.host:
+            if victim not in self.device and victim not in self.wanted:
+                del self.host[victim]
+                return True
+        return False
 
     def advance(self, now: float) -> None:
         """Finish the loads that end by `now`; each loader thread goes on down the list."""
@@ -153,8 +195,9 @@ class SimTiers:
             if end > now:
                 return
             self.loading.remove((end, key))
-            self.host[key] = None
-            self.host.move_to_end(key)
+            if self._keep(key):
+                self.host[key] = None
+                self.host.move_to_end(key)
             self._start_loads(end)
 
     def next_load_end(self) -> float | None:
