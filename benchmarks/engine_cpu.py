@@ -19,6 +19,8 @@ Figures:
 - the same two steps with decode attention in the native CPU kernel (the default,
   kernels/attention_cpu.py) over the torch path's padded gather + SDPA, taken in turn (goals:
   at most 1.0 at both)
+- the same two steps with each layer's RMSNorms and RoPE in native calls (the default,
+  kernels/cpu_ops.py) over torch's operations, taken in turn (goals: at most 1.0 at both)
 The last two goals are for a GPU, where a decode step is bound by memory traffic and one step
 of 64 sequences costs about what one of 8 does. On a CPU an fp32 step of 64 sequences is
 compute-bound: `batching_gain_bound_8x8` (8 steps of 8 sequences over one of 64, measured in
@@ -60,7 +62,7 @@ from _tp import run_tp
 from loraplane.dataplane import attention
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
-from loraplane.dataplane.kernels import cpu_linear
+from loraplane.dataplane.kernels import cpu_linear, cpu_ops
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.demo.build import build_adapter, build_llama
@@ -187,6 +189,11 @@ LINEAR_ORDERS: dict[str, Callable[[], None]] = {
 ATTENTION_PATHS: dict[str, Callable[[], None]] = {
     "auto": _attention("auto"),
     "torch": _attention("torch"),
+}
+# a layer's RMSNorms and RoPE in native calls (kernels/cpu_ops.py, the default) or in torch's
+CPU_OPS: dict[str, Callable[[], None]] = {
+    "auto": lambda: cpu_ops.set_mode("auto"),
+    "torch": lambda: cpu_ops.set_mode("torch"),
 }
 
 
@@ -376,6 +383,9 @@ def main() -> int:
             figures[f"native_attention_over_torch_{rows}_seqs"] = paired_ratio(
                 pair, "auto", "torch"
             )
+            # the layer's small operations (kernels/cpu_ops.py) against torch's
+            pair = paired_setting_times(engine, batch, steps, CPU_OPS)
+            figures[f"native_ops_over_torch_{rows}_seqs"] = paired_ratio(pair, "auto", "torch")
 
         mixed = [[refs[i % 8] for i in range(NUM_SEQS)]]
         ours = engine_tokens_per_s(engine, mixed, gen_tokens)
@@ -392,6 +402,8 @@ def main() -> int:
             goal(figures, "weight_major_over_torch_linear_64_seqs", "<=", 1.0),
             goal(figures, "native_attention_over_torch_8_seqs", "<=", 1.0),
             goal(figures, "native_attention_over_torch_64_seqs", "<=", 1.0),
+            goal(figures, "native_ops_over_torch_8_seqs", "<=", 1.0),
+            goal(figures, "native_ops_over_torch_64_seqs", "<=", 1.0),
         ]
         if not args.skip_peft:
             del engine
