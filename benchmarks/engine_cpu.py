@@ -14,8 +14,8 @@ Figures:
   (the default, kernels/cpu_linear.py) over the same step through torch's F.linear, the two
   orders taken in turn (goals: at most 1.0 at 64 rows, where it wins clearly, 0.80-0.83 on
   2026-12-06; at most 1.02 at 8 rows, where the two tie on this model, 0.95-1.01: the goal
-  guards against a cost, not the tie's noise; the order wins about 0.65 of a whole 8-row step of
-  the SmolLM-135M shape, whose 49,152-row lm_head gains most)
+  guards against a cost, not the tie's noise; a whole 8-row step of the SmolLM-135M shape,
+  whose 49,152-row lm_head gains most, takes about 0.65x with it)
 - the same two steps with decode attention in the native CPU kernel (the default,
   kernels/attention_cpu.py) over the torch path's padded gather + SDPA, taken in turn (goals:
   at most 1.02 at both: with this benchmark's 32-token contexts the two paths tie, 0.96-1.03 at
@@ -28,7 +28,7 @@ Each of these three pairs' ratios is the median of 3 rounds (a fresh batch each)
 step of each setting, the order alternating), printed with the rounds' spread: a single round of
 8 turns, with goals of 1.0 on these ties, met them in one run and missed them in the next
 (2026-12-06).
-The last two goals are for a GPU, where a decode step is bound by memory traffic and one step
+The 5x and PEFT goals are for a GPU, where a decode step is bound by memory traffic and one step
 of 64 sequences costs about what one of 8 does. On a CPU an fp32 step of 64 sequences is
 compute-bound: `batching_gain_bound_8x8` (8 steps of 8 sequences over one of 64, measured in
 the run) is the most batching can win here, far below 5, and the PEFT margin shrinks alike.
@@ -196,9 +196,8 @@ def paired_setting_rounds(
 ) -> dict[str, list[float]]:
     """`paired_setting_times` over `rounds` fresh batches of `turns` turns each: figure `name`
     is the median of the rounds' `paired_ratio` of the first setting over the second, recorded
-    with its spread (`median_of_rounds`); returns every step time per setting. The native
-    paths win a few percent at this benchmark's shapes, about the noise of one round of 8
-    turns on 2 shared cores: one round met a goal of 1.0 in one run and missed it in the next."""
+    with its spread (`median_of_rounds`); returns every step time per setting. Why rounds:
+    the module's docstring."""
     first, second = list(settings)[:2]
     ratios, times = [], {key: [] for key in settings}
     for _ in range(rounds):
