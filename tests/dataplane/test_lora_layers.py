@@ -10,6 +10,7 @@ from torch import nn
 
 from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.dataplane.attention import AttentionMetadata
+from loraplane.dataplane.kernels import cpu_linear
 from loraplane.dataplane.lora import (
     LinearWithLoRA,
     LoadedAdapter,
@@ -76,7 +77,7 @@ def test_wrapped_layer_adds_scaled_update_only_to_its_adapters_tokens() -> None:
     layer = host.layers[0].self_attn.q_proj
     assert isinstance(layer, LinearWithLoRA)
     x = torch.randn(3, 8)
-    base = layer.base_layer(x)
+    base = cpu_linear.apply(layer.base_layer, x)  # the base projection the layer computes
     context.activate(LoRABatch.from_token_slots([1, -1, 1]))
     out = layer(x)
     torch.testing.assert_close(out[1], base[1], atol=0, rtol=0)

@@ -1,32 +1,48 @@
-"""A CPU linear over the few rows of a decode step, computed weight-major: (W @ x^T)^T.
+"""A CPU linear over the few rows of a decode step: the native kernel, else weight-major.
 
 `F.linear(x, W)` asks the BLAS for x @ W^T. For a decode step's few rows and fp32 weights
-streamed from memory, torch's MKL sgemm shares that product out poorly among threads: on this
-project's machines (AMD EPYC, AVX-512; torch 2.13, MKL 2024.2), with 2 threads it runs 1.26x
-faster than on one, while W @ x^T, the same product taken the other way round, runs 1.67x
-faster and so ends ahead. Measured on the SmolLM-135M shape, weights out of cache, 2 threads:
-30 layers' seven projections at 8 rows 44.3 ms against 39.3 ms, at 32 rows 85.4 against
-71.7 ms, at 64 rows 133.2 against 112.3 ms; the 49,152 x 576 lm_head at 8 rows 18.1 against
-8.4 ms; an engine decode step of 8 requests 102-106 ms against 68-70 ms. On one thread the
-order is the other way (55.9 against 65.5 ms at 8 rows), so one-thread processes keep
-`F.linear`; from about 128 rows on x @ W^T is as fast or faster, so only steps of at most
-`ROWS_MAX` rows take the other order. `benchmarks/engine_cpu.py` prints its own pair.
+streamed from memory, torch's MKL sgemm shares that product out poorly among threads, and at
+row counts that are not a multiple of 8 it slows down further. On this project's machines
+(AMD EPYC, AVX-512; torch 2.13, MKL 2024.2) two replacements beat it, in this order:
 
-`LORAPLANE_CPU_LINEAR` (read once, at import): `auto` (the rule above) or `torch` (always
+- `native`: `loraplane_linear_f32` in the native library (`sgmv_cpu.c`): each thread takes a
+  band of W's rows, and a tile of 8 rows of W against 3 rows of x keeps its dot products in
+  vector registers, so W is read from memory once. Every output element is one dot product
+  summed in one order whatever the rows around it: a row's result does not depend on the
+  step's batch size. Taken where the library loads, its build has vectors of 8 lanes or more
+  (AVX, AVX-512) and it shares torch's OpenMP team (or torch runs one thread).
+- `weight-major`: W @ x^T, the same product taken the other way round, which MKL shares out
+  better (2 threads 1.67x faster than one, against 1.26x for x @ W^T). Where the native kernel
+  is not there, and only with more than one thread (on one thread it is the slower order).
+
+Measured on the SmolLM-135M shape (30 layers' seven projections, weights out of cache, 2
+threads; `/tmp` scratch timing, best of 4), F.linear / weight-major / native:
+1 row 37.2 / 38.6 / 17.0 ms; 8 rows 43.8 / 39.7 / 24.1; 13 rows 52.2 / 75.4 / 30.1; 32 rows
+74.2 / 73.6 / 56.7; 64 rows 111.1 / 119.9 / 99.3. The 49,152 x 576 lm_head at 32 rows:
+weight-major 25.6 ms, native 16.4. From about 96 rows on the BLAS is as fast or faster, so
+only steps of at most `ROWS_MAX` rows leave it. `benchmarks/engine_cpu.py` prints the pair.
+
+`LORAPLANE_CPU_LINEAR` (read once, at import): `auto` (the rules above) or `torch` (always
 `F.linear`, e.g. on a CPU where that pair says its BLAS needs no help). Only plain
-`nn.Linear` layers in fp32 take this path: FP8 and 4-bit layers have kernels of their own, and
-bf16/fp16 on CPU were not measured.
+`nn.Linear` layers in fp32 take these paths: FP8 and 4-bit layers have kernels of their own,
+and bf16/fp16 on CPU were not measured.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from loraplane.dataplane.kernels import sgmv_cpu
 from loraplane.dataplane.kernels.backends import Switch
 
 ROWS_MAX = 64
 MODES = Switch.MODES
+PATHS = ("native", "weight-major", "torch")
+# below this many lanes a build's kernel does not beat the BLAS (a baseline x86-64 build)
+MIN_LANES = 8
 _switch = Switch("LORAPLANE_CPU_LINEAR")
 
 
@@ -39,29 +55,67 @@ def mode() -> str:
     return _switch.mode()
 
 
-def weight_major(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `apply(layer, x)` takes the weight-major order (the module docstring)."""
+@functools.cache
+def _lanes() -> int:
+    """The native linear's vector lanes in the loaded library; 0 where none loads."""
+    lib = sgmv_cpu.library()
+    return 0 if lib is None else int(lib.loraplane_linear_lanes())
+
+
+def _native(layer: nn.Linear, x: torch.Tensor) -> bool:
+    loaded = sgmv_cpu.loaded()
+    bias = layer.bias
     return (
-        _switch.on
-        and type(layer) is nn.Linear
-        and x.dim() == 2
-        and x.shape[0] <= ROWS_MAX
-        and x.device.type == "cpu"
-        and layer.weight.dtype == torch.float32
-        and torch.get_num_threads() > 1
+        _lanes() >= MIN_LANES
+        and loaded is not None
+        and (loaded.threading == "openmp" or torch.get_num_threads() == 1)
+        and x.stride(1) == 1
+        and layer.weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
     )
 
 
+def path(layer: nn.Module, x: torch.Tensor) -> str:
+    """Which of PATHS `apply(layer, x)` takes (the module docstring)."""
+    if not (
+        _switch.on
+        and type(layer) is nn.Linear
+        and x.dim() == 2
+        and 0 < x.shape[0] <= ROWS_MAX
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and layer.weight.dtype == torch.float32
+    ):
+        return "torch"
+    if _native(layer, x):
+        return "native"
+    return "weight-major" if torch.get_num_threads() > 1 else "torch"
+
+
 def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-    """`layer(x)`, weight-major where that is the faster order."""
-    if weight_major(layer, x):
-        assert isinstance(layer, nn.Linear)
-        y = torch.mm(layer.weight, x.t()).t().contiguous()
-        if layer.bias is not None:
-            y += layer.bias
+    """`layer(x)`, by the fastest path that takes it."""
+    way = path(layer, x)
+    if way == "torch":
+        out: torch.Tensor = layer(x)
+        return out
+    assert isinstance(layer, nn.Linear)
+    weight, bias = layer.weight, layer.bias
+    if way == "native":
+        rows, (n_out, n_in) = x.shape[0], weight.shape
+        if x.shape[1] != n_in:  # the message F.linear would give
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied "
+                               f"({rows}x{x.shape[1]} and {n_in}x{n_out})")  # fmt: skip
+        y = torch.empty(rows, n_out, dtype=torch.float32)
+        sgmv_cpu.library().loraplane_linear_f32(  # type: ignore[union-attr]
+            x.data_ptr(), x.stride(0), weight.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), rows, n_in,
+            n_out, torch.get_num_threads(),
+        )  # fmt: skip
         return y
-    out: torch.Tensor = layer(x)
-    return out
+    y = torch.mm(weight, x.t()).t().contiguous()
+    if bias is not None:
+        y += bias
+    return y
 
 
-__all__ = ["MODES", "ROWS_MAX", "apply", "mode", "set_mode", "weight_major"]
+__all__ = ["MIN_LANES", "MODES", "PATHS", "ROWS_MAX", "apply", "mode", "path", "set_mode"]

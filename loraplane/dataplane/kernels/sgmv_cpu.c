@@ -499,3 +499,147 @@ void loraplane_rope_f32(float *q, int64_t q_stride, int64_t q_heads, float *k, i
         rope_rows(k, k_stride, k_heads, head_dim, cos_t, sin_t, rot, lo, hi);
     }
 }
+
+/* ---- a linear over a decode step's few rows: y = x W^T (+ bias), fp32 ----
+ *
+ * For T rows (a decode step: one per sequence) torch's BLAS call streams W [out, in] from
+ * memory and shares it out poorly among threads at this size (kernels/cpu_linear.py). Here
+ * each thread takes a contiguous band of W's rows; a tile of RO rows of W against RT rows of
+ * x keeps RO x RT vector accumulators in registers over `in`, so W is read from memory once
+ * and x (a few KiB a row) from cache. Every output element is one dot product summed in the
+ * same order whatever the tile, band, thread count or number of rows around it: a row's
+ * result does not depend on which other rows share its step. */
+
+#if defined(__AVX512F__)
+#define LIN_VW 16
+#define LIN_RO 8
+#define LIN_RT 3
+#elif defined(__AVX__)
+#define LIN_VW 8
+#define LIN_RO 4
+#define LIN_RT 2
+#else
+#define LIN_VW 4
+#define LIN_RO 4
+#define LIN_RT 2
+#endif
+/* below this many multiply-adds a call stays on the calling thread */
+#define LIN_SPLIT_MACS (1 << 16)
+
+typedef float lin_vf __attribute__((vector_size(LIN_VW * sizeof(float))));
+
+static inline lin_vf lin_load(const float *p) {
+    lin_vf v;
+    memcpy(&v, p, sizeof v); /* an unaligned vector load */
+    return v;
+}
+
+/* the sum of a vector's lanes: halves folded onto each other, as shuffles where the compiler
+ * has them (GCC 12 and clang), else through memory */
+static inline float lin_hsum(lin_vf v) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define LIN_SHUFFLE 1
+#endif
+#endif
+#if defined(LIN_SHUFFLE) && LIN_VW == 16
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2);
+    return v[0];
+#elif defined(LIN_SHUFFLE) && LIN_VW == 8
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 1, 0, 3, 2);
+    return v[0];
+#else
+    float a[LIN_VW];
+    memcpy(a, &v, sizeof a);
+    for (int w = LIN_VW / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+#endif
+}
+
+/* y[j][i] = sum_q w[i][q] x[j][q] (+ bias[i]) for i < no, j < nt; both compile-time constants
+ * where this is inlined */
+static inline __attribute__((always_inline)) void lin_tile(const float *x, int64_t xs,
+                                                           const float *w, int64_t in,
+                                                           const float *bias, float *y,
+                                                           int64_t ys, const int no,
+                                                           const int nt) {
+    lin_vf acc[LIN_RO][LIN_RT];
+    for (int i = 0; i < no; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = (lin_vf){0};
+    int64_t q = 0;
+    for (; q + LIN_VW <= in; q += LIN_VW) {
+        lin_vf wv[LIN_RO], xv[LIN_RT];
+        for (int i = 0; i < no; i++) wv[i] = lin_load(w + i * in + q);
+        for (int j = 0; j < nt; j++) xv[j] = lin_load(x + j * xs + q);
+        for (int i = 0; i < no; i++)
+            for (int j = 0; j < nt; j++) acc[i][j] += wv[i] * xv[j];
+    }
+    for (int i = 0; i < no; i++)
+        for (int j = 0; j < nt; j++) {
+            float s = lin_hsum(acc[i][j]);
+            for (int64_t r = q; r < in; r++) s += w[i * in + r] * x[j * xs + r];
+            y[j * ys + i] = bias != NULL ? s + bias[i] : s;
+        }
+}
+
+/* every row of x against `no` rows of W */
+static inline __attribute__((always_inline)) void lin_rows(const float *x, int64_t xs,
+                                                           int64_t rows, const float *w,
+                                                           int64_t in, const float *bias,
+                                                           float *y, int64_t ys, const int no) {
+    int64_t j = 0;
+    for (; j + LIN_RT <= rows; j += LIN_RT)
+        lin_tile(x + j * xs, xs, w, in, bias, y + j * ys, ys, no, LIN_RT);
+    switch (rows - j) {
+    case 0:
+        break;
+#if LIN_RT > 2
+    case 2:
+        lin_tile(x + j * xs, xs, w, in, bias, y + j * ys, ys, no, 2);
+        break;
+#endif
+    default: /* 1 */
+        lin_tile(x + j * xs, xs, w, in, bias, y + j * ys, ys, no, 1);
+    }
+}
+
+static void lin_band(const float *x, int64_t xs, int64_t rows, const float *w, int64_t in,
+                     const float *bias, float *y, int64_t ys, int64_t lo, int64_t hi) {
+    int64_t i = lo;
+    for (; i + LIN_RO <= hi; i += LIN_RO)
+        lin_rows(x, xs, rows, w + i * in, in, bias != NULL ? bias + i : NULL, y + i, ys, LIN_RO);
+    for (; i < hi; i++)
+        lin_rows(x, xs, rows, w + i * in, in, bias != NULL ? bias + i : NULL, y + i, ys, 1);
+}
+
+/* y [rows, out] (rows y_stride apart) = x [rows, in] (rows x_stride apart) W^T + bias, W a
+ * dense [out, in], bias [out] or NULL; threads split W's rows in bands of LIN_RO */
+void loraplane_linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias,
+                          float *y, int64_t y_stride, int64_t rows, int64_t in, int64_t out,
+                          int64_t threads) {
+    int64_t blocks = (out + LIN_RO - 1) / LIN_RO;
+    int64_t n = threads < MAX_THREADS ? threads : MAX_THREADS;
+    if (n > blocks) n = blocks;
+    if (n < 2 || rows * in * out < LIN_SPLIT_MACS) {
+        lin_band(x, x_stride, rows, w, in, bias, y, y_stride, 0, out);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)n) schedule(static)
+#endif
+    for (int64_t p = 0; p < n; p++) {
+        int64_t lo = blocks * p / n * LIN_RO, hi = blocks * (p + 1) / n * LIN_RO;
+        if (hi > out) hi = out;
+        if (lo < hi) lin_band(x, x_stride, rows, w, in, bias, y, y_stride, lo, hi);
+    }
+}
+
+/* the lanes of the linear's vectors in this build (16: AVX-512, 8: AVX/AVX2, 4: otherwise):
+ * the caller keeps torch's BLAS where the build is too narrow to beat it */
+int64_t loraplane_linear_lanes(void) { return LIN_VW; }
