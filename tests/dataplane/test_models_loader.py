@@ -202,3 +202,18 @@ def test_loading_a_full_precision_checkpoint_in_bf16_never_holds_it_in_host_memo
     )  # fmt: skip
     peak = int(out.stdout.split()[-1])
     assert peak < bf16_model + largest_fp32_tensor + (24 << 20), (peak, checkpoint)
+
+
+def test_cpu_weights_are_copied_out_of_the_checkpoints_mapping(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """safetensors hands out views of the file's mapping; a CPU model keeps none of them
+    (loader._owned: the native CPU linear reads its own copies faster), so the file is no
+    longer mapped once the model is loaded, and the model computes as before."""
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / "model")  # a path of this test's own
+    files = [str(p.resolve()) for p in model_dir.glob("*.safetensors")]
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    maps = Path("/proc/self/maps").read_text()
+    assert files and not any(f in maps for f in files)
+    reference = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"))
+    assert torch.equal(_logits(model, [1, 2, 3]), _logits(reference, [1, 2, 3]))

@@ -134,7 +134,9 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        # in place: no [T, inter] tensor allocated for silu(gate) or the product (at a prefill's
+        # size each would be fresh pages, faulted in on first write)
+        out: torch.Tensor = self.down_proj(F.silu(gate, inplace=True).mul_(up))
         return out
 
 
