@@ -11,9 +11,8 @@ from torch import nn
 from torch.nn.functional import linear
 
 from loraplane.dataplane.kernels import cpu_linear, sgmv_cpu
-from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import Family
-from tests.dataplane.test_engine import make_engine, prompts
+from tests.dataplane.test_engine import assert_same_outputs, mixed_batch
 
 native_library = pytest.mark.skipif(
     sgmv_cpu.library() is None or cpu_linear._lanes() < cpu_linear.MIN_LANES,
@@ -148,12 +147,8 @@ def test_a_wrong_mode_is_refused_by_name() -> None:
 def test_the_engine_decodes_the_same_through_the_native_linear_and_f_linear(
     families: dict[str, Family], monkeypatch: pytest.MonkeyPatch, auto: None
 ) -> None:
-    family = families["qwen2"]  # q/k/v bias, tied embeddings, 4 heads over 1 KV head
-    engine, refs = make_engine(family)
-    names: list[str | None] = [*family.adapters, None]
-    batch = prompts(len(names), seed=29, high=40)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=True)
-    loras = [refs[n] if n else None for n in names]
+    # qwen2: q/k/v bias, tied embeddings, 4 heads over 1 KV head
+    engine, batch, params, loras = mixed_batch(families["qwen2"], seed=29)
     lib = sgmv_cpu.library()
     assert lib is not None
     original, calls = lib.loraplane_linear_f32, [0]
@@ -169,7 +164,4 @@ def test_the_engine_decodes_the_same_through_the_native_linear_and_f_linear(
     seen = calls[0]
     plain = engine.generate(batch, params, loras)
     assert calls[0] == seen  # the torch path called nothing native
-    for a, b in zip(native, plain, strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
-                                   rtol=0, atol=1e-4)  # fmt: skip
+    assert_same_outputs(native, plain)

@@ -13,9 +13,8 @@ import torch.nn.functional as F  # noqa: N812
 from loraplane.dataplane.kernels import cpu_ops, sgmv_cpu
 from loraplane.dataplane.kernels.backends import Switch
 from loraplane.dataplane.models.rope import apply_rotary
-from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import Family
-from tests.dataplane.test_engine import make_engine, prompts
+from tests.dataplane.test_engine import assert_same_outputs, mixed_batch
 
 pytestmark = pytest.mark.skipif(sgmv_cpu.library() is None, reason="no native CPU library here")
 
@@ -143,12 +142,8 @@ def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_engine_decodes_the_same_with_the_native_and_the_torch_operations(
     families: dict[str, Family], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    family = families["qwen2"]  # q/k/v bias, tied embeddings, 4 heads over 1 KV head
-    engine, refs = make_engine(family)
-    names: list[str | None] = [*family.adapters, None]
-    batch = prompts(len(names), seed=23, high=40)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=True)
-    loras = [refs[n] if n else None for n in names]
+    # qwen2: q/k/v bias, tied embeddings, 4 heads over 1 KV head
+    engine, batch, params, loras = mixed_batch(families["qwen2"], seed=23)
     lib = sgmv_cpu.library()
     calls: dict[str, int] = {"loraplane_rms_norm_f32": 0, "loraplane_rope_f32": 0}
     for name in calls:
@@ -165,7 +160,4 @@ def test_the_engine_decodes_the_same_with_the_native_and_the_torch_operations(
     seen = dict(calls)
     plain = engine.generate(batch, params, loras)
     assert calls == seen  # the torch path called nothing native
-    for a, b in zip(native, plain, strict=True):
-        assert a.token_ids == b.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
-                                   rtol=0, atol=1e-4)  # fmt: skip
+    assert_same_outputs(native, plain)

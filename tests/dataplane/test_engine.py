@@ -18,7 +18,7 @@ import torch
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.async_engine import AsyncEngine
 from loraplane.dataplane.config import EngineConfig
-from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.engine import Engine, RequestOutput
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from tests.dataplane.conftest import Family, hf_logits
@@ -55,6 +55,26 @@ def hf_greedy(
 def prompts(count: int, seed: int, low: int = 3, high: int = 24) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 380) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def mixed_batch(
+    family: Family, seed: int
+) -> tuple[Engine, list[list[int]], SamplingParams, list[LoRARef | None]]:
+    """An engine over `family`'s adapters, and a greedy batch of one request per adapter and one
+    of the base model asking for log-probs: for comparing two settings of a CPU fast path."""
+    engine, refs = make_engine(family)
+    names: list[str | None] = [*family.adapters, None]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=True)
+    loras = [refs[n] if n else None for n in names]
+    return engine, prompts(len(names), seed=seed, high=40), params, loras
+
+
+def assert_same_outputs(a: list[RequestOutput], b: list[RequestOutput]) -> None:
+    """The same tokens, and log-probs equal to rounding."""
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs),
+                                   rtol=0, atol=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])

@@ -318,6 +318,53 @@ def test_a_copy_read_ahead_that_turns_out_too_big_for_the_room_is_dropped_and_no
     m.close()
 
 
+def test_a_copy_read_ahead_leaves_room_for_the_loads_before_it_that_end_later(
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Nothing hosted yet, so no load's weight is known when a1 (acme's next), a2 and a3
+    start together; a3 ends first, then a1, then a2. a3 is not kept: the room it would take
+    is a2's, which comes before it in the list (kept, a2 would be dropped, then load over the
+    limit once its request came first, beside a1 in the device slot and a3 waiting)."""
+    store = LocalStore(tmp_path / "store")
+    names = ["a1", "a2", "a3"]
+    versions = stored(store, tiny_llama_dir, dict.fromkeys(names, peft_adapters["r16"]))
+    copy = copy_bytes(tiny_llama_dir, peft_adapters["r16"])
+    m = manager(tiny_llama_dir, None, disk=DiskTier(store), max_cpu_lora_bytes=2 * copy,
+                max_loads_in_flight=3)  # fmt: skip
+    refs = [m.register_stored(LoRARef(n, v.tenant, v.digest), v.path) for n, v in versions.items()]
+    may_end = {n: threading.Event() for n in names}
+    folders: list[str] = []
+    read = m.registry.read
+
+    def gated(entry: Any) -> Any:
+        folders.append(entry.ref.name)
+        whole = read(entry)
+        assert may_end[entry.ref.name].wait(30)
+        return whole
+
+    def wait_until(predicate: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert predicate()
+
+    m.registry.read = gated  # type: ignore[method-assign]
+    assert m.prefetch(refs) == 3  # all three in flight, none weighed yet
+    for name in ("a3", "a1", "a2"):
+        may_end[name].set()
+        wait_until(lambda name=name: name not in {e.ref.name for e in m.registry.entries.values()
+                                                  if e.state is State.LOADING})  # fmt: skip
+    assert in_host(m) == {"a1", "a2"} and m.host.bytes == 2 * copy
+    assert sorted(folders) == names  # a3, weighed now, was not read again while no room
+    assert m.registry.entries[refs[2].key].state is State.COLD  # read, not kept
+    m.make_resident([refs[0].key], in_use=[refs[0].key])  # a1's request runs
+    m.prefetch(refs[1:])  # a2 comes first now, held; a3 has no room beside a1 and a2
+    m.wait_for(refs, 30)
+    assert in_host(m) == {"a1", "a2"} and m.host.bytes == 2 * copy <= 2 * copy
+    assert refs[2].key not in m.pending() and len(folders) == 3
+    m.close()
+
+
 def test_max_cpu_lora_bytes_must_be_a_positive_integer() -> None:
     assert EngineConfig(model="m").max_cpu_lora_bytes is None  # default: no byte limit
     assert EngineConfig(model="m", max_cpu_lora_bytes=4096).max_cpu_lora_bytes == 4096

@@ -18,49 +18,28 @@ pinned version's does; the others are loaded ahead only into room (`HostTier.roo
 is expected to add must fit beside the copies that must stay (in a device slot, in use, pinned,
 or wanted by a waiting request) and the loads in flight, else it is skipped until it fits or
 comes first (best effort). A copy read ahead is kept only once the copies that may go made room
-for it; otherwise it is dropped, its weight now known. So loads ahead never take the tier over
-its byte limit.
+for it and for the loads still in flight before it in the list (a load whose weight is not known
+yet is taken to weigh what this one does); otherwise it is dropped, its weight now known. So
+loads ahead never take the tier over its byte limit, in whatever order they end.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 from loraplane.adapters.errors import AdapterRejected, StoreError
 from loraplane.dataplane.lora.entry import Entry, State
 from loraplane.dataplane.lora.host_tier import HostTier
+from loraplane.dataplane.lora.loader_pool import loader_pool
 from loraplane.dataplane.lora.registry import Registry
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.load_order import in_turn, next_tenant
 
 log = logging.getLogger(__name__)
-
-NICE_ENV = "LORAPLANE_LOADER_NICE"
-
-
-def loader_nice() -> int:
-    """The loader threads' nice value, from LORAPLANE_LOADER_NICE (default 19; 0 leaves them
-    at the engine's priority). ValueError naming the variable when it is not 0..19."""
-    text = os.environ.get(NICE_ENV, "19").strip()
-    if not text.isdigit() or not 0 <= int(text) <= 19:
-        raise ValueError(f"{NICE_ENV} must be an integer in 0..19, got {text!r}")
-    return int(text)
-
-
-def _lower_priority(nice: int) -> None:
-    """Loader threads run at a low CPU priority: they fill the CPU time the step leaves idle
-    instead of taking cores from its compute threads (on a CPU device an OpenMP barrier waits
-    for a descheduled thread), while a GPU step leaves the CPU to them anyway. Linux only."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 class Loads:
@@ -98,12 +77,8 @@ class Loads:
         self._served: dict[str, int] = {}  # tenant -> when its last load started (a counter)
         self._starts = 0
         self.closed = False
-        nice = loader_nice()
-        self._pool = ThreadPoolExecutor(  # room for the threads lent beyond the limit
-            max_workers=2 * max_loads_in_flight,
-            thread_name_prefix="lora-load",
-            initializer=functools.partial(_lower_priority, nice) if nice else None,
-        )
+        # room for the threads lent beyond the limit
+        self._pool = loader_pool(2 * max_loads_in_flight)
 
     def ready(self, ref: LoRARef) -> bool:
         """True when `ref` can run in the next step (in host memory). With prefetch off, a
@@ -161,8 +136,10 @@ class Loads:
         leave."""
         now = time.monotonic()
         room = self._host.room(self._wanted)
+        unknown = 0  # loads in flight whose weight was not known when they started
         if room is not None:
             room -= sum(self._expected.values())
+            unknown = sum(1 for v in self._expected.values() if not v)
         heads: dict[str, Entry] = {}  # tenant -> its first adapter in the list
         first: dict[str, Entry] = {}  # tenant -> its first adapter to load now
         self._skipped = set()
@@ -171,7 +148,12 @@ class Loads:
             head = heads.setdefault(tenant, entry) is entry
             if not self._startable(entry, now):
                 continue
-            if not head and room is not None and self._host.expected_bytes(entry) > room:
+            # those weighing unknown weigh what this one is expected to: `_keeps`'s estimate
+            if (
+                not head
+                and room is not None
+                and self._host.expected_bytes(entry) * (1 + unknown) > room
+            ):
                 self._skipped.add(entry.ref.key)  # loaded ahead only into room
             elif tenant not in first:
                 first[tenant] = entry
@@ -327,12 +309,26 @@ class Loads:
         """Whether a copy just read (`weight` bytes) is kept (under the lock). With prefetch,
         room is made for it under the byte limit by evicting copies that may go (never one
         the prefetch list wants); one its tenant's next admission needs, a pinned one, or
-        one loaded to run at once is kept even where the copies that must stay leave none."""
-        if not self.prefetch_enabled or self._host.make_room(weight, self._wanted):
+        one loaded to run at once is kept even where the copies that must stay leave none.
+        A copy read ahead also leaves room for the loads still in flight that come before it
+        (demanded, or earlier in the prefetch list), each weighing what it is expected to add
+        or, where that is not known yet (nothing was hosted when it started), this copy's
+        weight: loads end in any order, and one further down the list taking their room would
+        leave them dropped, then loaded over the limit once their request comes first."""
+        if not self.prefetch_enabled:
             return True
         key, tenant = entry.ref.key, entry.ref.tenant
         head = next((e for e in self._queue if e.ref.tenant == tenant), None)
-        return key in self._demanded or key in self._registry.pinned or head is entry
+        if key in self._demanded or key in self._registry.pinned or head is entry:
+            self._host.make_room(weight, self._wanted)
+            return True
+        before = set(self._demanded)
+        for queued in self._queue:
+            if queued is entry:
+                break
+            before.add(queued.ref.key)
+        owed = sum(self._expected.get(k) or weight for k in (before & self._loading) - {key})
+        return self._host.make_room(weight + owed, self._wanted)
 
     def close(self) -> None:
         """Stop the loader threads."""
