@@ -6,13 +6,14 @@ row counts that are not a multiple of 8 it slows down further. On this project's
 (AMD EPYC, AVX-512; torch 2.13, MKL 2024.2) two replacements beat it, in this order:
 
 - `native`: `loraplane_linear_f32` in the native library (`sgmv_cpu.c`): each thread takes a
-  band of W's rows, and a tile of 8 rows of W against 3 rows of x keeps its dot products in
-  vector registers, so W is read from memory once. Every output element is one dot product
-  summed in one order whatever the rows around it: a row's result does not depend on the
-  step's batch size. Taken where the library loads, its build has vectors of 8 lanes or more
-  (AVX, AVX-512) and it shares torch's OpenMP team (or torch runs one thread). It wants the
-  weights in the process's own memory, not in pages mapped from the checkpoint file (1.4x
-  slower there at 64 rows): the loader copies them (models/loader.py `_owned`).
+  band of W's rows, and a tile of 8 rows of W against 3 rows of x (3 against 4 on AVX2) keeps
+  its dot products in vector registers, so W is read from memory once. Every output element
+  is one dot product summed in one order whatever the rows around it: a row's result does
+  not depend on the step's batch size. Taken where the library loads, its build has vectors
+  of 8 lanes or more (AVX, AVX-512) and it shares torch's OpenMP team (or torch runs one
+  thread). It wants the weights in the process's own memory, not in pages mapped from the
+  checkpoint file (1.4x slower there at 64 rows): the loader copies them (models/loader.py
+  `_owned`).
 - `weight-major`: W @ x^T, the same product taken the other way round, which MKL shares out
   better (2 threads 1.67x faster than one, against 1.26x for x @ W^T). Where the native kernel
   is not there, and only with more than one thread (on one thread it is the slower order).
