@@ -54,7 +54,12 @@ class DiskTier:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.store = store
         self.local = isinstance(store, LocalStore)
-        self.root = Path(root or tempfile.mkdtemp(prefix="loraplane-disk-"))
+        if root:
+            self.root = Path(root)
+        elif self.local:  # reads go to the store's own files: no folder of copies to make
+            self.root = Path(store.url())
+        else:
+            self.root = Path(tempfile.mkdtemp(prefix="loraplane-disk-"))
         self.budget_bytes = budget_bytes
         self.retries = retries
         self.backoff_s = backoff_s
