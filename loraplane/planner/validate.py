@@ -27,11 +27,24 @@ Calibrations and real runs alternate (each run is simulated with the mean of the
 just before and just after it), and the verdict is the rounds' median ratio for each figure,
 so a neighbour's burst during one run only moves one round.
 
-Figures, simulated over real (`Verdict`): tokens/s and p99 time to first token (within 15%),
-cold loads (adapter loads into host memory, within 20%: the real count hangs on when loader
-threads finish relative to steps, which a loaded host shifts) and deferrals (requests the
-adapter rules held back at least once, within 15%). The real ones come from the engine's step
-records (step_observer.py).
+Figures, simulated over real (`Verdict`): tokens/s and p99 time to first token in tokens' time
+(within 15%), cold loads (adapter loads into host memory, within 20%: the real count hangs on
+when loader threads finish relative to steps, which a loaded host shifts) and deferrals
+(requests the adapter rules held back at least once, within 15%). The real ones come from the
+engine's step records (step_observer.py).
+
+The p99 TTFT is judged in tokens' time: its seconds times the side's own tokens/s, the tokens
+the replica makes while the slowest requests wait for their first. The machine's speed drifts
+between a calibration and the run it prices (simulated/real tokens/s 0.77 to 1.26 from round to
+round over 13 runs on a 2-core CI-like host), and in seconds the p99 ratio moved with it: one
+CI run failed at a median of 1.154, from a round whose calibrations ran 8% slower than its real
+run. Counted in tokens the drift cancels, and what is left is the simulator's queueing (slots,
+deferrals, the barrier, the loads) against the engine's; tokens/s, judged on its own, still
+holds the cost model to the clock. Over 18 rounds on that host the seconds' ratio spread 0.71
+to 1.30 and the tokens' 0.81 to 1.24, the outliers all in the third round's workload, whose
+tail moves from run to run on both sides (its real p99 0.69 to 1.37 s); the first two rounds'
+tokens' ratios stayed within 0.90 to 1.05, so the median holds. The p99 in seconds is still
+reported (`ttft_p99_s`).
 
 `python -m loraplane.planner.validate` runs it in a process of its own (as
 `tests/test_planner.py` does): a process that also holds other engines, servers or their threads
@@ -70,7 +83,8 @@ VALIDATION = Workload(60, "zipf:1.3", prompt_tokens=16, output_tokens=16, spread
 CLOCK = time.process_time
 
 # simulated over real, each figure: |ratio - 1| at most this
-TOLERANCE = {"tokens_per_s": 0.15, "ttft_p99": 0.15, "cold_loads": 0.20, "deferred": 0.15}
+TOLERANCE = {"tokens_per_s": 0.15, "ttft_p99_tokens": 0.15, "cold_loads": 0.20,
+             "deferred": 0.15}  # fmt: skip
 
 # the simulator, and its negative controls (each must fail the comparison)
 CONTROLS: dict[str, Parts] = {
@@ -90,10 +104,11 @@ class Side:
     deferred: float
 
     def figures(self) -> dict[str, float]:
-        """The compared figures (keys of `TOLERANCE`)."""
-        return {"tokens_per_s": self.tokens_per_s,
-                "ttft_p99": percentile(list(self.ttft_s), 0.99),
-                "cold_loads": self.cold_loads, "deferred": self.deferred}  # fmt: skip
+        """The compared figures (keys of `TOLERANCE`), and the p99 TTFT in seconds."""
+        p99 = percentile(list(self.ttft_s), 0.99)
+        return {"tokens_per_s": self.tokens_per_s, "ttft_p99_tokens": p99 * self.tokens_per_s,
+                "cold_loads": self.cold_loads, "deferred": self.deferred,
+                "ttft_p99_s": p99}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         "the starvation barrier and host-tier eviction bind: calibrate the cost model (other "
         "batch shapes), run a closed loop on a real CPU replica, simulate the same requests "
         "(and the negative controls: no barrier, an unbounded host tier) and print simulated "
-        "over real tokens/s, p99 time to first token, cold loads and deferrals (the process's "
-        "CPU time on both sides; medians over rounds).",
+        "over real tokens/s, p99 time to first token (in tokens' time), cold loads and "
+        "deferrals (the process's CPU time on both sides; medians over rounds).",
     )
     parser.add_argument("--rounds", type=int, default=3, help="runs, each between calibrations")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
