@@ -70,7 +70,7 @@ def _route(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.Tensor, torch.
     `torch`. Called for every linear of every step (about 210 a decode step of a 30-layer
     model), so it reads the parameters from the module's dict once: `layer.weight` goes
     through nn.Module.__getattr__, about 1 us a read, and the checks read them five times."""
-    none = ("torch", x, None)
+    none = ("torch", x, None)  # `torch` calls the layer itself: the tensors go unread
     if not (
         _switch.on
         and type(layer) is nn.Linear
