@@ -10,7 +10,17 @@ import torch
 from torch import nn
 from torch.nn.functional import linear
 
+from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.dataplane.kernels import cpu_linear, sgmv_cpu
+from loraplane.dataplane.lora import (
+    LinearWithLoRA,
+    LoadedAdapter,
+    LoRABatch,
+    LoRAContext,
+    LoRAPool,
+    LoRAWeights,
+    install_lora,
+)
 from tests.dataplane.conftest import Family
 from tests.dataplane.test_engine import assert_same_outputs, mixed_batch
 
@@ -151,13 +161,13 @@ def test_the_engine_decodes_the_same_through_the_native_linear_and_f_linear(
     engine, batch, params, loras = mixed_batch(families["qwen2"], seed=29)
     lib = sgmv_cpu.library()
     assert lib is not None
-    original, calls = lib.loraplane_linear_f32, [0]
+    original, calls = lib.loraplane_linear_lora_f32, [0]
 
-    def counted(*args: object) -> None:
+    def counted(*args: object) -> int:
         calls[0] += 1
-        original(*args)
+        return int(original(*args))
 
-    monkeypatch.setattr(lib, "loraplane_linear_f32", counted)
+    monkeypatch.setattr(lib, "loraplane_linear_lora_f32", counted)
     native = engine.generate(batch, params, loras)
     assert calls[0] > 0  # every decode step's projections and lm_head
     cpu_linear.set_mode("torch")
@@ -165,3 +175,108 @@ def test_the_engine_decodes_the_same_through_the_native_linear_and_f_linear(
     plain = engine.generate(batch, params, loras)
     assert calls[0] == seen  # the torch path called nothing native
     assert_same_outputs(native, plain)
+
+
+def _lora_host(pool: LoRAPool, n_in: int, n_out: int) -> tuple[list[LinearWithLoRA], LoRAContext]:
+    """A layer's q_proj and k_proj (with biases), wrapped and bound to `pool`."""
+
+    class Host(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Module()])
+            self.layers[0].self_attn = nn.Module()
+            self.layers[0].self_attn.q_proj = nn.Linear(n_in, n_out)
+            self.layers[0].self_attn.k_proj = nn.Linear(n_in, n_out)
+            self.lora_context: LoRAContext | None = None
+
+    host = Host()
+    context = install_lora(host, pool)
+    layers = [host.layers[0].self_attn.q_proj, host.layers[0].self_attn.k_proj]
+    assert all(isinstance(layer, LinearWithLoRA) for layer in layers)
+    return layers, context
+
+
+def _adapter(name: str, rank: int, n_in: int, n_out: int, scale: float) -> LoadedAdapter:
+    modules = {(0, m): LoRAWeights(torch.randn(rank, n_in), torch.randn(n_out, rank), scale)
+               for m in ("q_proj", "k_proj")}  # fmt: skip
+    return LoadedAdapter(name, modules)
+
+
+def _expected(layer: LinearWithLoRA, x: torch.Tensor, slots: list[int],
+              adapters: dict[int, LoadedAdapter]) -> torch.Tensor:  # fmt: skip
+    y = linear(x, layer.base_layer.weight, layer.base_layer.bias)
+    for t, k in enumerate(slots):
+        if k >= 0:
+            w = adapters[k].modules[(0, layer.module_name)]
+            y[t] += w.scale * (w.b @ (w.a @ x[t]))
+    return y
+
+
+def _assert_lora(y: torch.Tensor, layer: LinearWithLoRA, x: torch.Tensor, slots: list[int],
+                 adapters: dict[int, LoadedAdapter]) -> None:  # fmt: skip
+    torch.testing.assert_close(y, _expected(layer, x, slots, adapters), rtol=1e-5, atol=1e-4)
+
+
+@native_library
+def test_a_lora_layer_computes_in_one_native_call_what_the_two_calls_compute(
+    auto: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(41)
+    n_in, n_out = 96, 163
+    spec = BaseModelSpec("m", "llama", 1, n_in, 2 * n_in, 1, 1, n_out)
+    pool = LoRAPool(3, spec, torch.float32, "cpu", b_transposed=True)  # the engine's CPU layout
+    adapters = {1: _adapter("a", 4, n_in, n_out, 0.5), 2: _adapter("b", 8, n_in, n_out, 2.0)}
+    for k, adapter in adapters.items():
+        pool.load(k, pool.host_form(adapter))
+    (q, k_proj), context = _lora_host(pool, n_in, n_out)
+    lib = sgmv_cpu.library()
+    assert lib is not None
+    original, fused = lib.loraplane_linear_lora_f32, []
+
+    def counted(*args: object) -> int:
+        fused.append(args[6] is not None and args[7] is not None)  # slots and step given
+        return int(original(*args))
+
+    monkeypatch.setattr(lib, "loraplane_linear_lora_f32", counted)
+    token_slots = [1, -1, 2, 1, 2, 2, -1, 1]
+    x = torch.randn(len(token_slots), n_in)
+    context.activate(LoRABatch.from_token_slots(token_slots))
+    pair = q(x)  # the step's first LoRA layer: the linear, then the SGMV kernel
+    assert fused == [False]
+    one = q(x)  # every later one: one call
+    assert fused == [False, True]
+    assert torch.equal(one, pair)
+    _assert_lora(one, q, x, token_slots, adapters)
+    _assert_lora(k_proj(x), k_proj, x, token_slots, adapters)
+    assert fused[-1]
+
+    # another adapter in slot 1: the pool's stamp moves, and the next step's calls read it
+    pool.free(1)
+    adapters[1] = _adapter("c", 16, n_in, n_out, 1.5)
+    pool.load(1, pool.host_form(adapters[1]))
+    context.activate(LoRABatch.from_token_slots(token_slots))
+    _assert_lora(q(x), q, x, token_slots, adapters)  # the pair (its table brought up to date)
+    swapped = k_proj(x)
+    assert fused[-1]  # one call, its table checked again at the new stamp
+    _assert_lora(swapped, k_proj, x, token_slots, adapters)
+
+
+@native_library
+def test_a_lora_layer_off_the_native_linear_takes_the_two_calls(auto: None) -> None:
+    torch.manual_seed(43)
+    n_in, n_out = 32, 48
+    spec = BaseModelSpec("m", "llama", 1, n_in, 2 * n_in, 1, 1, n_out)
+    pool = LoRAPool(2, spec, torch.float32, "cpu", b_transposed=True)
+    adapters = {1: _adapter("a", 4, n_in, n_out, 0.5)}
+    pool.load(1, pool.host_form(adapters[1]))
+    (q, _), context = _lora_host(pool, n_in, n_out)
+    token_slots = [1, -1, 1]
+    x = torch.randn(3, n_in)
+    batch = LoRABatch.from_token_slots(token_slots)
+    context.activate(batch)
+    q(x)
+    assert batch.native_step is not None
+    cpu_linear.set_mode("torch")  # F.linear for the base: apply_lora leaves it to the pair
+    assert cpu_linear.apply_lora(q.base_layer, x, batch, pool.module_slots(0, "q_proj"),
+                                 context.stamp) is None  # fmt: skip
+    _assert_lora(q(x), q, x, token_slots, adapters)

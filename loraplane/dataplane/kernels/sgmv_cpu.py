@@ -256,6 +256,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.loraplane_rope_f32.restype = None
     lib.loraplane_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
     lib.loraplane_linear_f32.restype = None
+    lib.loraplane_linear_lora_f32.argtypes = [p, i64, p, i64, i64, p, p, p]
+    lib.loraplane_linear_lora_f32.restype = ctypes.c_int
     lib.loraplane_linear_lanes.argtypes = []
     lib.loraplane_linear_lanes.restype = i64
     return lib
@@ -298,12 +300,19 @@ class NativeTable:
     """One (layer, module)'s slots as the kernel reads them: [3, slots] int64 (A pointers,
     B^T pointers, ranks), and the tensors those pointers belong to."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, scales: torch.Tensor) -> None:
         # numpy, not torch: written between and during steps, inference mode or not
         self.table = np.zeros((3, num_slots), dtype=np.int64)
         self.address = int(self.table.ctypes.data)  # the table's, for every call
         self.held: list[tuple[torch.Tensor | None, torch.Tensor | None]]
         self.held = [(None, None)] * num_slots
+        # the fused call's `slots` words (sgmv_cpu.c loraplane_linear_lora_f32): the table,
+        # its slots, the module's scales (a tensor made once per ModuleSlots)
+        self.scales = scales
+        self.words = np.array([self.address, num_slots, scales.data_ptr()], dtype=np.int64)
+        self.words_address = int(self.words.ctypes.data)
+        # (stamp, segment slots) of the last `current_at` that found every entry current
+        self.seen: tuple[int, tuple[int, ...]] | None = None
 
     def current(self, slots: ModuleSlots, used: tuple[int, ...], x: torch.Tensor,
                 y: torch.Tensor) -> bool:  # fmt: skip
@@ -333,10 +342,34 @@ class NativeTable:
             self.held[k] = (a, b)
         return True
 
+    def current_at(self, stamp: int, slots: ModuleSlots, used: tuple[int, ...], x: torch.Tensor,
+                   y: torch.Tensor) -> bool:  # fmt: skip
+        """`current`, skipped where it already held at this pool stamp for these slots (the
+        stamp moves with every load and free: LoRAContext.stamp)."""
+        key = (stamp, used)
+        if self.seen == key:
+            return True
+        ok = self.current(slots, used, x, y)
+        self.seen = key if ok else None
+        return ok
+
     def forget(self, slot: int) -> None:
         """Drop a freed slot's entry and its tensors."""
         self.table[:, slot] = 0
         self.held[slot] = (None, None)
+        self.seen = None
+
+
+def native_table(slots: ModuleSlots) -> NativeTable:
+    """The module's native slot table, made on first use (and again if its slots grew)."""
+    native = slots.native
+    if (
+        native is None
+        or native.table.shape[1] != len(slots.lora_a)
+        or native.scales is not slots.scales
+    ):
+        native = slots.native = NativeTable(len(slots.lora_a), slots.scales)
+    return native
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> bool:
@@ -355,9 +388,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: Module
         or y.stride(1) != 1
     ):
         return False
-    native = slots.native
-    if native is None or native.table.shape[1] != len(slots.lora_a):
-        native = slots.native = NativeTable(len(slots.lora_a))
+    native = native_table(slots)
     if not native.current(slots, batch.seg_slots, x, y):
         return False
     args = batch.native_args
@@ -373,7 +404,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: Module
     if status < 0:  # pragma: no cover - ranks were checked above
         raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
     if status:  # segments it left to a matrix product
-        _long_segments(y, x, batch, slots)
+        long_segments(y, x, batch, slots)
     return True
 
 
@@ -392,11 +423,14 @@ def _batch_args(batch: LoRABatch) -> tuple[int, ...]:
     else:
         args = (order.data_ptr(), seg_slots.data_ptr(), bounds.data_ptr(), len(batch.seg_slots),
                 MAX_SEGMENT, torch.get_num_threads())  # fmt: skip
+        # the fused call's `step` words (sgmv_cpu.c): the same five, kept with their address
+        words = np.array(args[:5], dtype=np.int64)
+        object.__setattr__(batch, "native_step", (words, int(words.ctypes.data)))
     object.__setattr__(batch, "native_args", args)
     return args
 
 
-def _long_segments(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> None:
+def long_segments(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> None:
     """The segments the kernel left (longer than MAX_SEGMENT tokens), as matrix products."""
     bounds = batch.seg_bounds
     for s, k in enumerate(batch.seg_slots):

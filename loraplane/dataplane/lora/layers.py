@@ -91,23 +91,26 @@ class LinearWithLoRA(nn.Module):
         self.context = context
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        y = cpu_linear.apply(self.base_layer, x)
-        context = self.context
+        context, slots = self.context, self.slots
         batch = context.batch if context is not None else None
-        if context is None or batch is None or batch.is_empty or self.slots is None:
-            return y
-        # Triton SGMV/BGMV kernels on CUDA, the native or torch path elsewhere (dispatch.py);
-        # the Triton kernels also rescale DoRA rows where they store y (bias left out)
-        bias = self.base_layer.bias
-        y = dispatch.lora_apply(y, x, batch, self.slots, context.stamp, bias)
+        if context is None or batch is None or batch.is_empty or slots is None:
+            return cpu_linear.apply(self.base_layer, x)
+        # on the CPU, the base linear and the native LoRA kernel in one call where both serve
+        y = cpu_linear.apply_lora(self.base_layer, x, batch, slots, context.stamp)
+        if y is None:
+            # Triton SGMV/BGMV kernels on CUDA, the native or torch path elsewhere
+            # (dispatch.py); the Triton kernels also rescale DoRA rows where they store y (bias
+            # left out)
+            y = cpu_linear.apply(self.base_layer, x)
+            y = dispatch.lora_apply(y, x, batch, slots, context.stamp, self.base_layer.bias)
         # DoRA rows on the torch and native paths (a static batch's mask is 0: its kernels
         # rescale them)
-        mask = self.slots.dora_mask & batch.slot_mask
+        mask = slots.dora_mask & batch.slot_mask
         if mask and not dispatch.fuses_dora(batch, x):
             rows = context.dora_rows.get(mask)
             if rows is None:  # the first module this step with these DoRA slots
-                rows = context.dora_rows[mask] = dora.dora_rows(batch, self.slots)
-            dora.rescale(y, self.slots, rows, bias)
+                rows = context.dora_rows[mask] = dora.dora_rows(batch, slots)
+            dora.rescale(y, slots, rows, self.base_layer.bias)
         return y
 
     def extra_repr(self) -> str:

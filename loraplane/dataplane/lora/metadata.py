@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -56,6 +57,9 @@ class LoRABatch:
     slot_mask: int = field(init=False)  # bit k set when a segment uses slot k
     # the native CPU kernel's per-step arguments (sgmv_cpu.lora_apply fills it on first use)
     native_args: tuple[int, ...] | None = field(init=False, default=None, repr=False)
+    # the same as the int64 words the fused linear-and-LoRA call reads, and their address
+    # (set with native_args where the kernel takes the batch: cpu_linear.apply_lora)
+    native_step: tuple[Any, int] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         bounds = self.seg_bounds
