@@ -25,8 +25,14 @@ $(VENV)/.run: pyproject.toml $(VENV)/.torch
 	$(PIP) install --quiet -e ".[dataplane,controlplane,operator,demo]"
 	touch $@
 
+# TEST_WORKERS: the suite runs on this many pytest-xdist workers (each worker's torch, and the
+# servers it starts, take one thread: tests/conftest.py), then the `serial` tests (timings
+# compared on this machine) run alone; TEST_WORKERS=0 runs everything in one process.
+# PYTEST_ARGS: passed to both runs (a run that selects no test is not a failure).
+TEST_WORKERS ?= 2
 test: $(VENV)/.dev
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # DEMO_ARGS: flags for `loraplane demo` (see `loraplane demo --help`), e.g.
 #   make demo DEMO_ARGS=--once      the scripted tour, then exit (0: everything behaved)

@@ -10,6 +10,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# A worker of a parallel run (pytest-xdist, `make test`) shares the machine's cores with the
+# other workers: its torch team, and those of the servers it starts, take one thread each, so
+# the workers' teams never outnumber the cores (an OpenMP barrier waiting on a thread that
+# another process displaced costs a whole scheduler slice: data plane cpus.py). Set before torch
+# is imported; tests that set their own thread count still do.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["LORAPLANE_CPU_THREADS"] = "1"
+
 # Triton reads TRITON_INTERPRET once, when it is first imported, and PEFT and torch._dynamo import
 # it as a side effect: any test module collected before the kernel tests (one importing PEFT at
 # module level) would otherwise freeze Triton's own @jit helpers (tl.sum, tl.max) uninterpreted,

@@ -541,6 +541,7 @@ def test_plan_draws_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_simulator_agrees_with_a_real_replica_where_deferral_and_eviction_bind() -> None:
     """Calibrate on a small CPU model (batches of other shapes, adapters warm: no slot limit,
     and 16 slots with 64 in flight for the cost per deferred request), then run one real

@@ -25,6 +25,10 @@ threads; `/tmp` scratch timing, best of 4), F.linear / weight-major / native:
 weight-major 25.6 ms, native 16.4. From about 96 rows on the BLAS is as fast or faster, so
 only steps of at most `ROWS_MAX` rows leave it. `benchmarks/engine_cpu.py` prints the pair.
 
+A LoRA layer's base linear and its adapters' SGMV go through the library in one call where both
+take the native kernels (`apply_lora`, sgmv_cpu.c `loraplane_linear_lora_f32`): the same y to
+the bit, for one call's Python and ctypes work instead of two.
+
 `LORAPLANE_CPU_LINEAR` (read once, at import): `auto` (the rules above) or `torch` (always
 `F.linear`, e.g. on a CPU where that pair says its BLAS needs no help). Only plain
 `nn.Linear` layers in fp32 take these paths: FP8 and 4-bit layers have kernels of their own,
