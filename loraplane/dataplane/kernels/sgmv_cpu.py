@@ -254,8 +254,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.loraplane_rms_norm_f32.restype = None
     lib.loraplane_rope_f32.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
     lib.loraplane_rope_f32.restype = None
-    lib.loraplane_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
-    lib.loraplane_linear_f32.restype = None
     lib.loraplane_linear_lora_f32.argtypes = [p, i64, p, i64, i64, p, p, p]
     lib.loraplane_linear_lora_f32.restype = ctypes.c_int
     lib.loraplane_linear_lanes.argtypes = []
