@@ -656,7 +656,7 @@ int64_t loraplane_linear_lanes(void) { return LIN_VW; }
  * What `LinearWithLoRA` does on the CPU in two calls (`loraplane_linear_f32`, then
  * `loraplane_sgmv_f32`), in one: the same two computations in the same order, so y is the same
  * to the bit. The caller keeps the arguments that do not change between calls in three small
- * int64 arrays, so a call converts 8 arguments, not 26 (ctypes converts each, ~0.25 us apiece):
+ * int64 arrays, so a call converts 8 arguments, not 26 (ctypes converts each one):
  *   linear [4]: W, bias (0: none), in, out (cpu_linear.py)
  *   slots  [3]: the slot table [3, num_slots], num_slots, the scales [num_slots] (sgmv_cpu.py)
  *   step   [5]: token order, segment slots, segment bounds, segments, max_len (sgmv_cpu.py)
