@@ -159,10 +159,7 @@ def apply_lora(
     if not native.current_at(stamp, slots, batch.seg_slots, x, y):
         return None  # tensors the kernel does not take: the pair's torch path serves them
     status = _native(x, y, _words(layer, weight, bias), native.words_address, step[1])
-    if status < 0:  # pragma: no cover - ranks were checked by current_at
-        raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
-    if status:  # segments it left to a matrix product
-        sgmv_cpu.long_segments(y, x, batch, slots)
+    sgmv_cpu.finish(status, y, x, batch, slots)
     return y
 
 

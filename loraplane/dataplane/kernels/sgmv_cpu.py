@@ -399,11 +399,19 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: Module
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1],
         *segments, native.address, len(native.held), slots.scales.data_ptr(), threads,
     )  # fmt: skip
-    if status < 0:  # pragma: no cover - ranks were checked above
-        raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
-    if status:  # segments it left to a matrix product
-        long_segments(y, x, batch, slots)
+    finish(status, y, x, batch, slots)
     return True
+
+
+def finish(status: int, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch,
+           slots: ModuleSlots) -> None:  # fmt: skip
+    """What follows a native LoRA call that returned `status` (sgmv_cpu.c): a negative one is an
+    error (a rank over MAX_RANK: the callers check ranks first), a positive one the number of
+    segments it left to a matrix product, done here."""
+    if status < 0:  # pragma: no cover - ranks were checked by the caller
+        raise RuntimeError(f"the native CPU LoRA kernel failed ({status})")
+    if status:
+        _long_segments(y, x, batch, slots)
 
 
 def _batch_args(batch: LoRABatch) -> tuple[int, ...]:
@@ -428,7 +436,7 @@ def _batch_args(batch: LoRABatch) -> tuple[int, ...]:
     return args
 
 
-def long_segments(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> None:
+def _long_segments(y: torch.Tensor, x: torch.Tensor, batch: LoRABatch, slots: ModuleSlots) -> None:
     """The segments the kernel left (longer than MAX_SEGMENT tokens), as matrix products."""
     bounds = batch.seg_bounds
     for s, k in enumerate(batch.seg_slots):
