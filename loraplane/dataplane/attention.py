@@ -177,32 +177,70 @@ def torch_attention(
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """`paged_attention` after its write_kv, in torch: the CPU path and the Triton kernel's
     oracle. Single-token queries share one padded gather + SDPA (with `native`, one call of
-    the native CPU kernel instead, where it takes the tensors); others get an SDPA each. The
-    gathered rows of an FP8 cache are dequantized (kv_quant.dequantize) to q's dtype."""
-    block_size = k_cache.shape[1]
+    the native CPU kernel instead, where it takes the tensors); the other sequences share one
+    SDPA per (query length, context length), e.g. prompts of one length with nothing cached
+    (`_attend_alike`). The gathered rows of an FP8 cache are dequantized (kv_quant.dequantize)
+    to q's dtype."""
     out = torch.empty_like(q)
     cu, ctx_lens = meta.host_cu_seqlens_q, meta.host_context_lens
-    plan = _decode_plan(meta, block_size, sliding_window, q.device)
+    plan = _decode_plan(meta, k_cache.shape[1], sliding_window, q.device)
     if plan is not None:  # one batched call for all single-token queries
         _decode_attention(
             q, k_cache, v_cache, plan, out, scale, softcap, (k_scale, v_scale), native
         )
     batched = set(plan.seqs) if plan is not None else set()
+    alike: dict[tuple[int, int], list[int]] = {}  # (query length, context length) -> sequences
     for i, ctx in enumerate(ctx_lens):
-        if i in batched:
-            continue
-        start, end = cu[i], cu[i + 1]
-        num_blocks = -(-ctx // block_size)
-        blocks = meta.block_tables[i, :num_blocks].long()
-        keys = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [kv_heads, ctx, head_dim]
-        values = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
-        queries = q[start:end].transpose(0, 1)  # [heads, q_len, head_dim]
-        mask = _mask(end - start, ctx, sliding_window, q.device)
-        keys = kv_quant.dequantize(keys, k_scale, q.dtype)
-        values = kv_quant.dequantize(values, v_scale, q.dtype)
-        attended = _attend(queries, keys, values, mask, scale, softcap)
-        out[start:end] = attended.transpose(0, 1)
+        if i not in batched:
+            alike.setdefault((cu[i + 1] - cu[i], ctx), []).append(i)
+    for (q_len, ctx), seqs in alike.items():
+        _attend_alike(q, k_cache, v_cache, meta, seqs, q_len, ctx, out, scale, sliding_window,
+                      softcap, (k_scale, v_scale))  # fmt: skip
     return out
+
+
+def _attend_alike(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seqs: list[int],  # sequences of `q_len` queries each over `ctx` keys
+    q_len: int,
+    ctx: int,
+    out: torch.Tensor,  # [T, num_heads, head_dim]: their rows written
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    kv_scales: tuple[float, float],
+) -> None:
+    """The attention of sequences that have the same query and context lengths, in one SDPA
+    over a batch of them: one mask serves them all. A call per sequence cost about 0.25 ms of
+    dispatch on the CPU, most of a prefill's attention at tens of short prompts (32 prompts of
+    32 tokens, 9 heads: 9.2 ms a layer one by one, 1.8 batched, 2-core AVX2 EPYC). The batched
+    call rounds differently from the single ones, by a float's last bits."""
+    n, device = len(seqs), q.device
+    num_blocks = -(-ctx // k_cache.shape[1])
+    blocks = meta.block_tables[torch.tensor(seqs, device=device), :num_blocks].long()  # [n, nb]
+    # [n, kv_heads, ctx, head_dim]
+    keys = k_cache[blocks].flatten(1, 2)[:, :ctx].transpose(1, 2)
+    values = v_cache[blocks].flatten(1, 2)[:, :ctx].transpose(1, 2)
+    cu = meta.host_cu_seqlens_q
+    if n == 1:
+        rows: torch.Tensor | slice = slice(cu[seqs[0]], cu[seqs[0]] + q_len)
+        queries = q[rows].unsqueeze(0)
+    else:
+        starts = torch.tensor([cu[i] for i in seqs], device=device)
+        rows = (starts[:, None] + torch.arange(q_len, device=device)).flatten()
+        queries = q.index_select(0, rows).view(n, q_len, *q.shape[1:])
+    mask = _mask(q_len, ctx, sliding_window, device)
+    keys = kv_quant.dequantize(keys, kv_scales[0], q.dtype)
+    values = kv_quant.dequantize(values, kv_scales[1], q.dtype)
+    attended = _attend(queries.transpose(1, 2), keys, values, mask, scale, softcap)
+    attended = attended.transpose(1, 2)  # [n, q_len, heads, head_dim]
+    if isinstance(rows, slice):
+        out[rows] = attended[0]
+    else:
+        out.index_copy_(0, rows, attended.reshape(n * q_len, *q.shape[1:]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,48 @@ def test_a_batch_mixing_prefill_chunks_and_decode_queries() -> None:
     torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-5)
 
 
+def _one_by_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    window: int | None, softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """Each sequence's attention on its own, spelled out (scores, cap, mask, softmax, V)."""
+    out = torch.empty_like(q)
+    cu, ctxs = meta.cu_seqlens_q.tolist(), meta.context_lens.tolist()
+    block_size, group = k.shape[1], q.shape[1] // k.shape[2]
+    for i, ctx in enumerate(ctxs):
+        blocks = meta.block_tables[i, : -(-ctx // block_size)].long()
+        keys = k[blocks].flatten(0, 1)[:ctx].repeat_interleave(group, 1).transpose(0, 1)
+        values = v[blocks].flatten(0, 1)[:ctx].repeat_interleave(group, 1).transpose(0, 1)
+        queries = q[cu[i] : cu[i + 1]].transpose(0, 1)  # [heads, q_len, dim]
+        scores = queries @ keys.transpose(1, 2) * 0.125
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        pos = torch.arange(ctx - queries.shape[1], ctx)[:, None]
+        seen = torch.arange(ctx) <= pos
+        if window is not None:
+            seen &= torch.arange(ctx) > pos - window
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[cu[i] : cu[i + 1]] = (probs @ values).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (4, None), (None, 30.0)])
+def test_sequences_of_equal_lengths_share_one_attention_call_with_the_same_result(
+    window: int | None, softcap: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # three prompts of 5 with nothing cached, two chunks of 3 over 7 keys, a prompt of its
+    # own and two decode queries: 3 calls for the prompts and chunks, not 6
+    q_lens, ctx = [5, 3, 5, 1, 5, 3, 6, 1], [5, 7, 5, 9, 5, 7, 6, 4]
+    q, k, v, meta = _batch(q_lens, ctx, 6, 2, 16, seed=11)
+    calls = []
+    attend = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a: calls.append(a[0].shape) or attend(*a))
+    got = attention.torch_attention(q, k, v, meta, 0.125, window, softcap, native=True)
+    assert sorted(tuple(s) for s in calls) == [(1, 6, 6, 16), (2, 6, 3, 16), (3, 6, 5, 16)]
+    want = _one_by_one(q, k, v, meta, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_is_what_answers_and_a_wrong_answer_would_show() -> None:
     ctx = [6, 11, 23]
     q, k, v, meta = _batch([1] * 3, ctx, 4, 2, 32, seed=7)
