@@ -216,7 +216,13 @@ def test_upload_is_staged_as_a_loraadapter_the_operator_makes_ready(
         timeout=30,
         what="catalog marks the adapter deleted",
     )
-    assert plane.tenant.delete("/v1/adapters/support-bot").status_code == 404
+    # the catalog is marked before the finalizer comes off the resource: until it has, a
+    # second delete still finds it terminating
+    wait_for(
+        lambda: plane.tenant.delete("/v1/adapters/support-bot").status_code == 404,
+        timeout=30,
+        what="a second delete answers 404 once the resource is gone",
+    )
 
 
 def test_staged_files_are_what_the_operator_fetches(
