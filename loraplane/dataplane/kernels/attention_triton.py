@@ -38,6 +38,9 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from loraplane.dataplane import kv_quant
 from loraplane.dataplane.attention_metadata import AttentionMetadata, check_options
+from loraplane.dataplane.kernels import interpreter
+
+interpreter.skip_nested_patching()  # in the interpreter: one language swap a launch
 
 __all__ = ["AttentionConfig", "default_config", "paged_attention"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -22,7 +22,10 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane.kernels import interpreter
 from loraplane.dataplane.kernels.slot_weights import SlotWeights
+
+interpreter.skip_nested_patching()  # in the interpreter: one language swap a launch
 
 __all__ = ["check_bias", "dora_epilogue", "epilogue_args"]
 

@@ -24,6 +24,10 @@ import torch
 import triton  # type: ignore[import-untyped]  # Triton ships no type information
 import triton.language as tl  # type: ignore[import-untyped]
 
+from loraplane.dataplane.kernels import interpreter
+
+interpreter.skip_nested_patching()  # in the interpreter: one language swap a launch
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # x's and y's
 # (rows, y, grid, tile and precision keyword arguments) -> None: the kernel's launch
 Launch = Callable[[torch.Tensor, torch.Tensor, tuple[int, int], dict[str, Any]], None]
