@@ -204,6 +204,36 @@ def test_loading_a_full_precision_checkpoint_in_bf16_never_holds_it_in_host_memo
     assert peak < bf16_model + largest_fp32_tensor + (24 << 20), (peak, checkpoint)
 
 
+def test_a_load_leaves_torch_dynamo_unimported_and_a_model_built_off_meta_is_drawn(
+    tiny_llama_dir: Path,
+) -> None:
+    """The loader builds the decoder on the meta device; torch's own embedding init there
+    would import torch._dynamo (2-4 s of each engine's start). In a fresh process: the load
+    imports no torch._dynamo and gives the checkpoint's embedding; a model built on the CPU
+    still draws its embedding as nn.Embedding does."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from loraplane.dataplane.models.loader import load_model\n"
+        "from loraplane.dataplane.models.llama import token_embedding\n"
+        "model = load_model(sys.argv[1], torch.float32, 'cpu')\n"
+        "print('dynamo', 'torch._dynamo' in sys.modules)\n"
+        "torch.manual_seed(0); ours = token_embedding(50, 8).weight\n"
+        "torch.manual_seed(0); torchs = torch.nn.Embedding(50, 8).weight\n"
+        "print('drawn', torch.equal(ours, torchs))\n"
+        "from safetensors.torch import load_file\n"
+        "want = load_file(sys.argv[1] + '/model.safetensors')['model.embed_tokens.weight']\n"
+        "print('loaded', torch.equal(model.model.embed_tokens.weight, want.float()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_llama_dir)], capture_output=True, text=True,
+        check=True, cwd=Path(__file__).parents[2],
+    ).stdout.split()  # fmt: skip
+    assert out == ["dynamo", "False", "drawn", "True", "loaded", "True"], out
+
+
 def test_cpu_weights_are_copied_out_of_the_checkpoints_mapping(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

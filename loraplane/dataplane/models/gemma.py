@@ -37,7 +37,7 @@ from loraplane.dataplane.models.config import (
     RopeConfig,
     UnsupportedModelError,
 )
-from loraplane.dataplane.models.llama import LlamaForCausalLM
+from loraplane.dataplane.models.llama import LlamaForCausalLM, token_embedding
 from loraplane.dataplane.models.rope import RotaryEmbedding, apply_rotary
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -373,7 +373,7 @@ class GemmaModel(nn.Module):
 
     def __init__(self, config: GemmaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         layers = [GemmaDecoderLayer(config, i) for i in range(config.num_layers)]
         self.layers = nn.ModuleList(layers)

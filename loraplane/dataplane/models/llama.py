@@ -159,12 +159,22 @@ class DecoderLayer(nn.Module):
         return out
 
 
+def token_embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """nn.Embedding(vocab_size, hidden_size), drawn as torch draws it except on the meta device
+    (the loader's, before the checkpoint's weights replace it): there torch's init imports
+    torch._dynamo, 2-4 s of every engine's start and nothing else the engine needs."""
+    weight = torch.empty(vocab_size, hidden_size)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(vocab_size, hidden_size, _weight=weight)
+
+
 class DecoderModel(nn.Module):
     """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         layers = [DecoderLayer(config, i) for i in range(config.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.decoder_layers = layers  # the same modules, typed
