@@ -13,29 +13,19 @@ quarter of an interpreted engine test's time.
 (`triton.language` and `triton.language.core`, which Triton's own helpers such as `tl.sum`
 reach), and a helper called within it swaps nothing. What the helper runs is the same: the
 modules' builtins are already the interpreted ones, the same objects the walk would install
-again; and the launch undoes all of it at its end. Outside a launch Triton's own function
-runs. Nothing changes where Triton
-compiles the kernels (CUDA), or where its interpreter lacks the names this relies on (then the
-wrapper is not installed).
+again; and the launch undoes all of it at its end. Nothing changes where Triton compiles the
+kernels (CUDA), or where its interpreter lacks the names this relies on (then the wrapper is
+not installed).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import types
-from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
 _INSTALLED = "_loraplane_skips_nested_patching"
-
-
-def _languages(fn: Any, candidates: tuple[ModuleType, ...]) -> frozenset[int]:
-    """The ids of the language modules `fn`'s globals reach (what Triton's swap patches)."""
-    return frozenset(
-        id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in candidates
-    )
 
 
 def skip_nested_patching() -> bool:
@@ -57,26 +47,24 @@ def skip_nested_patching() -> bool:
         return False
     if getattr(original, _INSTALLED, False):
         return True
-    candidates = (tl, tl.core)
-    # a function whose globals reach both language modules: a launch swaps both at once, so
-    # that Triton's own helpers (tl.sum, tl.max: globals reaching tl.core only) find them swapped
+    # a function whose globals reach both language modules (Triton swaps the ones a function's
+    # globals reach): a launch swaps both, so that Triton's own helpers (tl.sum, tl.max, whose
+    # globals reach tl.core only) find them swapped too
     both = types.FunctionType((lambda: None).__code__, {"tl": tl, "core": tl.core})
-    every = _languages(both, candidates)
-    swapped: list[frozenset[int]] = []  # the languages of the launch in progress, if any
+    inside = False  # a launch is in progress: the language is swapped
 
     def patch_lang(fn: Any) -> Any:
-        langs = _languages(fn, candidates)
-        if swapped and langs <= swapped[-1]:
-            return scope_type()  # already swapped by the launch: nothing to do or undo
-        if swapped or not langs <= every:  # as Triton does (a module this does not know)
-            return original(fn)
+        nonlocal inside
+        if inside:
+            return scope_type()  # a helper within the launch: nothing to do or undo
         scope = original(both)
-        swapped.append(every)
+        inside = True
         restore = scope.restore
 
         def restore_and_leave() -> None:
+            nonlocal inside
             restore()
-            swapped.clear()
+            inside = False
 
         scope.restore = restore_and_leave
         return scope
