@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -29,6 +30,19 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+# Every data plane a test starts in this process (tests/dataplane/server's start_server and
+# others) runs its engine in a child process (engine_process.py). Spawned, as in a replica, each
+# child would import torch and the engine afresh: about 4 s of CPU, over a hundred times a run.
+# Forked from one forkserver that imported them once, a child starts in a fraction of a second;
+# it still takes the test's environment as it is at the start (engine_child.main).
+# Subprocesses (`loraplane serve`) spawn their engine as a replica does.
+from loraplane.dataplane import engine_process
+
+engine_process.START_METHOD = "forkserver"
+multiprocessing.get_context("forkserver").set_forkserver_preload(
+    ["loraplane.dataplane.engine_child"]
+)
 
 # name -> LoraConfig arguments; ranks 4 to 64 and every PEFT feature the engine honours
 ADAPTER_CONFIGS: dict[str, dict[str, object]] = {

@@ -57,10 +57,16 @@ def _leave_stopping_to_the_server() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def main(conn: Connection, settings: ServerSettings, log_level: int) -> None:
+def main(
+    conn: Connection, settings: ServerSettings, log_level: int, environ: dict[str, str]
+) -> None:
     """The engine process: build the engine, report, serve the pipe until told to stop or the
-    server goes away."""
+    server goes away. `environ`: the server's environment when it started this process (what a
+    spawned child has anyway; a child forked from a forkserver has the forkserver's)."""
     _leave_stopping_to_the_server()  # before anything else: a signal may come while it loads
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     _child_logging(log_level, settings)
     loads: deque[tuple[str, float]] = deque()
     try:

@@ -4,7 +4,8 @@ runs the engine loop (scheduler, model, sampler): only the model's work.
 
 Why: in one interpreter the event loop's per-token work (JSON, SSE, the HTTP stack) and the
 engine's step take turns at the GIL, so each slows the other. Here they share nothing but a pipe
-(`multiprocessing` spawn context, pickled plain dataclasses between two processes of one replica):
+(`multiprocessing`, a spawned child: START_METHOD; pickled plain dataclasses between the two
+processes of one replica):
 
     server -> engine   ("add", id, prompt, params, constraint, lora, tenant) | ("abort", id)
                        ("cmd", call id | None, name, args)  (engine_commands.py) | ("stop",)
@@ -47,6 +48,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -82,6 +84,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How the engine's process starts: "spawn" (a fresh interpreter), one engine a replica. A process
+# that starts many engines (the test suite: tests/conftest.py) may set "forkserver" here, with
+# the engine's modules preloaded (`set_forkserver_preload`): each engine then forks from a
+# server that imported torch once, in a fraction of a second in place of seconds. Either way the
+# child takes this process's environment as it is at the start (`engine_child.main`).
+START_METHOD = "spawn"
+
 
 class EngineGone(RuntimeError):
     """The engine process has exited: nothing will answer."""
@@ -113,14 +122,14 @@ class ProcessEngine:
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context(START_METHOD)
         self._conn, child = context.Pipe()
         # a daemon process may not start processes: with tensor parallelism the engine starts
         # its workers (the finalizer below stops it at exit either way)
         self._proc = context.Process(
             target=engine_child.main, name="loraplane-engine",
             daemon=settings.tensor_parallel_size == 1,
-            args=(child, settings, _server_log_level()),
+            args=(child, settings, _server_log_level(), dict(os.environ)),
         )  # fmt: skip
         self._proc.start()
         child.close()  # the child's end lives in the child only: its exit means end of file

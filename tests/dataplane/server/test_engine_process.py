@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,8 +21,10 @@ import httpx
 import pytest
 
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
+from loraplane.dataplane import engine_process
 from loraplane.dataplane.engine_messages import portable, rebuild
 from loraplane.dataplane.engine_process import EngineGone, ProcessEngine
+from loraplane.dataplane.engine_setup import StartupError
 from loraplane.dataplane.server.runtime import Runtime
 from tests.dataplane.server.conftest import (
     API_KEY,
@@ -139,6 +142,24 @@ def test_a_stopped_engine_process_is_a_stall_not_a_death_and_recovers(
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
     wait_until(lambda: httpx.get(url + "/ready").status_code == 200)
+
+
+def test_the_engine_process_takes_the_servers_environment_as_it_is_at_the_start(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The suite forks engines from a forkserver that started earlier, with the environment of
+    that time (tests/conftest.py); the child still reads the server's, as a spawned one does:
+    a LORAPLANE_CPU_THREADS set now fails its start, naming the variable."""
+    assert engine_process.START_METHOD == "forkserver"
+    assert multiprocessing.get_context("forkserver").get_start_method() == "forkserver"
+    settings = server_settings(tiny_llama_dir, {}, engine_process=True)
+    first = ProcessEngine(settings)  # the forkserver runs (started here if no test did yet)
+    first.wait_ready()
+    first.shutdown()
+    monkeypatch.setenv("LORAPLANE_CPU_THREADS", "none")
+    second = ProcessEngine(settings)
+    with pytest.raises(StartupError, match=r"LORAPLANE_CPU_THREADS must be a positive integer"):
+        second.wait_ready()
 
 
 def test_commands_cross_to_the_engine_process_and_shutdown_leaves_no_child(
