@@ -25,14 +25,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loraplane.dataplane.engine import Engine, RequestOutput
-from loraplane.dataplane.parallel.comm import WorkerLost
+from loraplane.dataplane.outputs import RequestOutput
+from loraplane.dataplane.parallel.errors import WorkerLost
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.structured import GrammarCompiler
 from loraplane.dataplane.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the API server's process reads EngineHealth and Stream without the engine
+    from loraplane.dataplane.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -12,58 +12,17 @@ the error. Prompt log-probabilities a step scored are kept on their sequence
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from loraplane.dataplane.detokenizer import IncrementalDetokenizer
+from loraplane.dataplane.outputs import RequestOutput, failure_message
 from loraplane.dataplane.prompt_logprobs import PromptScores
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.scheduler import ScheduledSeq, Scheduler
-from loraplane.dataplane.sequence import FinishReason, PromptLogprob, Sequence
+from loraplane.dataplane.sequence import FinishReason, Sequence
 from loraplane.dataplane.structured import Matcher
 from loraplane.dataplane.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step produced for one request: the new tokens and text since the last output
-    (no text from an engine that does not detokenize: its API server's process adds it)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    error: str | None = None  # set when the request failed (e.g. its adapter could not load)
-    error_code: str | None = None  # what kind of failure, where callers tell kinds apart
-    # per token, its best alternatives (token id, log-probability), when the request asked
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    # with the first token, per prompt token after the first, when the request asked
-    prompt_logprobs: list[PromptLogprob] | None = None
-    # prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details)
-    num_cached_tokens: int = 0
-    # the token is a stop token (EOS among them) that ended the output: its text is hidden
-    # unless include_stop_str_in_output (what a detokenizer outside the engine needs to know)
-    stop_token: bool = False
-
-    @classmethod
-    def failed(
-        cls, request_id: str, error: str, num_prompt_tokens: int, num_output_tokens: int,
-        code: str | None = None,
-    ) -> RequestOutput:  # fmt: skip
-        """The last output of a request that failed with `error`: no tokens, no text."""
-        return cls(request_id=request_id, token_ids=[], text="", finished=True,
-                   finish_reason="error", logprobs=None, num_prompt_tokens=num_prompt_tokens,
-                   num_output_tokens=num_output_tokens, error=error, error_code=code)  # fmt: skip
-
-
-def failure_message(error: BaseException) -> str:
-    """A failed request's `error`, from what failed (the step, or forming its output)."""
-    return f"the step serving this request failed: {type(error).__name__}: {error}"
 
 
 def record_prompt_logprobs(seq: Sequence, scores: PromptScores) -> None:

@@ -34,16 +34,12 @@ from loraplane.dataplane import kv_quant
 from loraplane.dataplane.block_manager import BlockManager
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import Capture
-from loraplane.dataplane.emission import (
-    Emitter,
-    RequestOutput,
-    failure_message,
-    record_prompt_logprobs,
-)
-from loraplane.dataplane.isolation import ADAPTER_LOAD_TIMEOUT, Computed, FaultIsolation
+from loraplane.dataplane.emission import Emitter, record_prompt_logprobs
+from loraplane.dataplane.isolation import Computed, FaultIsolation
 from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_runner import ModelRunner
-from loraplane.dataplane.parallel.comm import WorkerLost
+from loraplane.dataplane.outputs import ADAPTER_LOAD_TIMEOUT, RequestOutput, failure_message
+from loraplane.dataplane.parallel.errors import WorkerLost
 from loraplane.dataplane.sampler import Sampler, make_generator
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.scheduler import Scheduler, SchedulerOutput
@@ -53,8 +49,8 @@ from loraplane.dataplane.structured import GrammarCompiler, Matcher
 from loraplane.dataplane.tiers.disk import DiskTier
 from loraplane.dataplane.tokenizer import Tokenizer
 
-# what the engine's callers import from here (RequestOutput and failure_message: emission.py;
-# ADAPTER_LOAD_TIMEOUT: isolation.py)
+# what the engine's callers import from here (RequestOutput, failure_message and
+# ADAPTER_LOAD_TIMEOUT: outputs.py, which the API server's process imports without the engine)
 __all__ = [
     "ADAPTER_LOAD_TIMEOUT",
     "LOAD_WAIT_S",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loraplane.adapters.errors import AdapterRejected
-from loraplane.dataplane.engine import RequestOutput
+from loraplane.dataplane.outputs import RequestOutput
 from loraplane.dataplane.sequence import LoRARef
 
 if TYPE_CHECKING:

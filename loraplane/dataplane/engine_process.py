@@ -57,12 +57,10 @@ from dataclasses import dataclass, field
 from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from loraplane import fileaccess
-from loraplane.dataplane import engine_child
 from loraplane.dataplane.async_engine import EngineHealth, Stream, judge
-from loraplane.dataplane.engine import RequestOutput
 from loraplane.dataplane.engine_messages import (
     EXIT_GRACE_S,
     Died,
@@ -74,6 +72,7 @@ from loraplane.dataplane.engine_messages import (
 )
 from loraplane.dataplane.engine_setup import StartupError
 from loraplane.dataplane.output_text import OutputText
+from loraplane.dataplane.outputs import RequestOutput
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.structured import GrammarCompiler
@@ -89,7 +88,15 @@ log = logging.getLogger(__name__)
 # the engine's modules preloaded (`set_forkserver_preload`): each engine then forks from a
 # server that imported torch once, in a fraction of a second in place of seconds. Either way the
 # child takes this process's environment as it is at the start (`engine_child.main`).
-START_METHOD = "spawn"
+START_METHOD: Literal["spawn", "forkserver"] = "spawn"
+
+
+def _child_main(*args: Any) -> None:
+    """The engine process's target: `engine_child.main`, imported there. Named by reference
+    from here, the server's process never imports the engine (nor torch) to start it."""
+    from loraplane.dataplane import engine_child
+
+    engine_child.main(*args)
 
 
 class EngineGone(RuntimeError):
@@ -122,12 +129,16 @@ class ProcessEngine:
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        context = multiprocessing.get_context(START_METHOD)
+        context = (
+            multiprocessing.get_context("forkserver")
+            if START_METHOD == "forkserver"
+            else multiprocessing.get_context("spawn")
+        )
         self._conn, child = context.Pipe()
         # a daemon process may not start processes: with tensor parallelism the engine starts
         # its workers (the finalizer below stops it at exit either way)
         self._proc = context.Process(
-            target=engine_child.main, name="loraplane-engine",
+            target=_child_main, name="loraplane-engine",
             daemon=settings.tensor_parallel_size == 1,
             args=(child, settings, _server_log_level(), dict(os.environ)),
         )  # fmt: skip

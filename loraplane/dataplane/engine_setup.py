@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from loraplane import fileaccess
 from loraplane.adapters.errors import AdapterRejected
-from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.step_observer import StepRecord
 
 if TYPE_CHECKING:
+    from loraplane.dataplane.engine import Engine
     from loraplane.dataplane.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,9 @@ def build_engine(
     "gpu": into a device slot): the static ones' here, the others' from the engine's step
     records (a step observer). Raises StartupError. Runs in the server's process or in the
     engine's (there with `detokenize` False: the server's process makes the text)."""
+    from loraplane.dataplane.engine import Engine  # here: the server's process imports this
+    # module for StartupError and LOG_FORMAT, without torch when the engine has a process
+
     disk = None
     if settings.controlplane_url:  # catalog mode: stored versions, through the tiers
         from loraplane.adapters.store import open_store

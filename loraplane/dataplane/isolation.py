@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraplane.adapters.errors import ReasonCode
-from loraplane.dataplane.emission import Emitter, RequestOutput
+from loraplane.dataplane.emission import Emitter
+from loraplane.dataplane.outputs import ADAPTER_LOAD_TIMEOUT, RequestOutput
 from loraplane.dataplane.prompt_logprobs import PromptScores
 from loraplane.dataplane.sampler import SamplerOutput
 from loraplane.dataplane.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -34,9 +35,6 @@ log = logging.getLogger(__name__)
 
 # a step's sampled tokens, and the prompt scores of requests that want prompt log-probabilities
 Computed = tuple[SamplerOutput, dict[str, PromptScores]]
-# RequestOutput.error_code of a request whose adapter was still not in host memory
-# adapter_load_timeout_s after it arrived (the server answers 504 AdapterLoadTimeout)
-ADAPTER_LOAD_TIMEOUT = "AdapterLoadTimeout"
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 
 from loraplane.dataplane.detokenizer import Decoder, IncrementalDetokenizer
-from loraplane.dataplane.engine import RequestOutput, failure_message
+from loraplane.dataplane.outputs import RequestOutput, failure_message
 from loraplane.dataplane.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,10 @@ from typing import Protocol
 import torch
 
 from loraplane.dataplane.host_copy import HostCopy, to_device
+from loraplane.dataplane.outputs import TopLogprobs
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.structured import Matcher, allocate_bitmask, apply_bitmask, fill_bitmasks
 
-TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), best first
 _LONG, _INT = torch.long, torch.int32
 
 

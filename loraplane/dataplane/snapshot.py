@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.fairness import TenantShare
+
+if TYPE_CHECKING:
+    from loraplane.dataplane.engine import Engine
 
 
 @dataclass(slots=True)

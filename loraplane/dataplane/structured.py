@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
 import llguidance
-import torch
 
 if TYPE_CHECKING:
+    import torch
     from llguidance._lib import JsonCompileOptions
 
 from loraplane.dataplane.tokenizer import Tokenizer
@@ -163,6 +163,8 @@ class GrammarCompiler:
 
 
 def _check_bitmask(bitmask: torch.Tensor, vocab_size: int) -> None:
+    import torch  # here: the API server's process compiles grammars without torch
+
     width = (vocab_size + 31) // 32
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
         raise ValueError(
@@ -240,6 +242,8 @@ def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) ->
 def allocate_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
     """A CPU bitmask [rows, ceil(vocab_size/32)] int32 with every token allowed; `pin` puts it
     in pinned memory (the sampler's, on CUDA), so `apply_bitmask` copies it without a sync."""
+    import torch
+
     shape = (rows, (vocab_size + 31) // 32)
     return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
 
@@ -259,6 +263,8 @@ def apply_bitmask(
     bitmask to the logits' device (non-blocking from a pinned bitmask), no loop over rows;
     the masking itself runs on that device.
     """
+    import torch
+
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be [B, V] float, got {logits.dtype} {tuple(logits.shape)}")
     if bitmask.dim() != 2 or bitmask.dtype != torch.int32:

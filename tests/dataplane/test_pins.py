@@ -18,7 +18,8 @@ from loraplane.adapters.limits import AdapterLimits
 from loraplane.adapters.store import LocalStore
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
-from loraplane.dataplane.lora.manager import LoRAManager, PinRefused
+from loraplane.dataplane.lora.errors import PinRefused
+from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier

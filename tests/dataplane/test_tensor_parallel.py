@@ -20,7 +20,7 @@ from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.lora.loader import LoadedAdapter, LoRAWeights
 from loraplane.dataplane.models.config import UnsupportedModelError
 from loraplane.dataplane.models.loader import load_model
-from loraplane.dataplane.parallel.comm import WorkerLost
+from loraplane.dataplane.parallel.errors import WorkerLost
 from loraplane.dataplane.parallel.shard import Heads, TPShard, checkpoint_slice, shard_adapter
 from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import Family, hf_logits

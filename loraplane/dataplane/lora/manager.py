@@ -23,9 +23,10 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.device_tier import DeviceTier
 from loraplane.dataplane.lora.entry import State, TierStats
+from loraplane.dataplane.lora.errors import PinRefused
 from loraplane.dataplane.lora.host_tier import HostPart, HostTier
 from loraplane.dataplane.lora.loads import Loads
-from loraplane.dataplane.lora.pins import PIN_FRACTION, PinRefused, Pins
+from loraplane.dataplane.lora.pins import PIN_FRACTION, Pins
 from loraplane.dataplane.lora.pool import LoRAPool
 from loraplane.dataplane.lora.registry import Registry
 from loraplane.dataplane.lora.weights import LoadedAdapter

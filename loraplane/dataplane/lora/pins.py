@@ -13,16 +13,12 @@ import logging
 
 from loraplane.dataplane.lora.device_tier import DeviceTier
 from loraplane.dataplane.lora.entry import Entry, State
+from loraplane.dataplane.lora.errors import PinRefused
 from loraplane.dataplane.lora.loads import Loads
 from loraplane.dataplane.lora.registry import Registry
 from loraplane.dataplane.sequence import LoRARef
 
 log = logging.getLogger(__name__)
-
-
-class PinRefused(Exception):
-    """A pin that would not fit: pinned adapters would take more than their cap of the
-    adapter memory or of the slots. `str()` names the numbers."""
 
 
 PIN_FRACTION = 0.5  # of the adapter memory and of the slots, at most, pinned

@@ -18,12 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from loraplane.dataplane.parallel.errors import WorkerLost
 from loraplane.dataplane.parallel.shard import TPShard
-
-
-class WorkerLost(RuntimeError):
-    """A tensor-parallel rank died or stopped answering: the replica cannot step again (its
-    engine gives up and reports not ready; a restart brings the group back)."""
 
 
 @dataclass(slots=True)

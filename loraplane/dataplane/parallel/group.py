@@ -27,7 +27,8 @@ import torch
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.parallel import worker
-from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, leave
+from loraplane.dataplane.parallel.comm import Collectives, join, leave
+from loraplane.dataplane.parallel.errors import WorkerLost
 from loraplane.dataplane.parallel.shard import TPShard
 
 if TYPE_CHECKING:

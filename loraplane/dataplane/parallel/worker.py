@@ -20,7 +20,8 @@ from loraplane.dataplane.cpus import size_torch_threads
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.model_step import build_model, run_plan
-from loraplane.dataplane.parallel.comm import Collectives, WorkerLost, join, leave
+from loraplane.dataplane.parallel.comm import Collectives, join, leave
+from loraplane.dataplane.parallel.errors import WorkerLost
 from loraplane.dataplane.parallel.shard import TPShard
 from loraplane.dataplane.parallel.ship import unpack, with_buffer
 

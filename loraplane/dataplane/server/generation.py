@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from loraplane.adapters.errors import ReasonCode
-from loraplane.dataplane.engine import ADAPTER_LOAD_TIMEOUT, RequestOutput
-from loraplane.dataplane.sampler import TopLogprobs
+from loraplane.dataplane.outputs import ADAPTER_LOAD_TIMEOUT, RequestOutput, TopLogprobs
 from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.sequence import LoRARef, PromptLogprob
 from loraplane.dataplane.server.errors import (

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loraplane.dataplane.sampler import TopLogprobs
+from loraplane.dataplane.outputs import TopLogprobs
 from loraplane.dataplane.server.generation import Choice, Job
 
 TokenText = Callable[[int], str]

@@ -26,7 +26,7 @@ import jinja2
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from loraplane.dataplane.engine import RequestOutput
+from loraplane.dataplane.outputs import RequestOutput
 from loraplane.dataplane.server import openai_format as fmt
 from loraplane.dataplane.server.catalog import ModelEntry, Resolved
 from loraplane.dataplane.server.deps import CallerKeyDep, CatalogDep, RolloutKeyDep, RuntimeDep

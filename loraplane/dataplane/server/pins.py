@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from loraplane.dataplane.lora.manager import PinRefused
+from loraplane.dataplane.lora.errors import PinRefused
 from loraplane.dataplane.sequence import LoRARef
 
 log = logging.getLogger(__name__)

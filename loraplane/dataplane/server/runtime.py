@@ -23,17 +23,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplane import fileaccess
 from loraplane.adapters.base_model import BaseModelError, read_config
 from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.async_engine import AsyncEngine, EngineHealth
-from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.engine_process import EngineGone, ProcessEngine
 from loraplane.dataplane.engine_setup import StartupError, build_engine
 from loraplane.dataplane.heap import freeze_startup_heap
-from loraplane.dataplane.lora.manager import PinRefused
+from loraplane.dataplane.lora.errors import PinRefused
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.admission import QueueLimits
 from loraplane.dataplane.server.catalog import DEFAULT_TENANT, Catalog, Resolved, StaticCatalog
@@ -57,6 +56,9 @@ from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
 from loraplane.dataplane.server.rollout import Warmer
 from loraplane.dataplane.server.settings import ServerSettings
 from loraplane.dataplane.snapshot import EngineSnapshot
+
+if TYPE_CHECKING:  # in-process mode only (`_build_engine`): no torch in this process otherwise
+    from loraplane.dataplane.engine import Engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from loraplane.dataplane.lora.manager import PinRefused
+from loraplane.dataplane.lora.errors import PinRefused
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.pins import PinSync, assigned
 from loraplane.dataplane.server.pressure import PressureReporter, UsageLog
