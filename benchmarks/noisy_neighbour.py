@@ -9,7 +9,8 @@ the default is a quarter of RAM (4 GiB here, a million tokens of this model), wh
 stands in for a GPU's KV cache. Tenants upload their adapters through the REST API; the client
 (this process) speaks raw HTTP/1.1, streaming.
 
-Phases, each on a fresh pair of servers (weights, caches and counters start clean):
+Phases, each on a fresh pair of servers (weights, caches and counters start clean; with --smoke,
+whose figures mean nothing, one pair for all, each phase with tenants of its own):
 - flood: tenant A opens max_num_seqs + 64 streams of 512 tokens over 32 of its adapters, with
   prompts (256 tokens) long enough to exhaust the KV cache as they grow, plus 32 requests with
   distinct complex JSON schemas and requests over its rate limit (requests_per_minute 400, so
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -227,6 +229,9 @@ class System:
     metrics_port: int
     procs: list[subprocess.Popen[bytes]]
     keys: dict[str, str] = field(default_factory=dict)
+    # a phase's tenants are created as PREFIX + name (--smoke: every phase on one pair of
+    # servers, each with tenants of its own); the phases name them without it
+    prefix: str = ""
 
     def admin(self, method: str, path: str, **kw: object) -> httpx.Response:
         r = httpx.request(
@@ -239,8 +244,9 @@ class System:
     def tenant(self, name: str, adapters: list[Path], **quota: object) -> list[str]:
         """Create a tenant with `quota`, a key, and its adapters uploaded; their names."""
         unlimited = {"requests_per_minute": 1_000_000, "tokens_per_minute": 1_000_000_000}
-        self.admin("POST", "/v1/tenants", json={"name": name, **unlimited, **quota})
-        self.keys[name] = self.admin("POST", f"/v1/tenants/{name}/keys", json={"name": "k"}).json()[
+        full = self.prefix + name
+        self.admin("POST", "/v1/tenants", json={"name": full, **unlimited, **quota})
+        self.keys[name] = self.admin("POST", f"/v1/tenants/{full}/keys", json={"name": "k"}).json()[
             "key"
         ]
         names = []
@@ -248,14 +254,14 @@ class System:
             files = [("files", (p.name, p.read_bytes())) for p in sorted(src.iterdir())]
             r = httpx.post(
                 self.cp + "/v1/adapters",
-                data={"name": f"{name}-{i}", "base_model": BASE},
+                data={"name": f"{full}-{i}", "base_model": BASE},
                 files=files,
                 headers={"Authorization": f"Bearer {self.keys[name]}"},
                 timeout=120,
             )
             if r.status_code not in (200, 201):
                 raise RuntimeError(f"upload for {name}: {r.status_code} {r.text[:300]}")
-            names.append(f"{name}-{i}")
+            names.append(f"{full}-{i}")
         return names
 
     def tenant_series(self, family: str) -> dict[str, float]:
@@ -264,7 +270,8 @@ class System:
         for line in text.splitlines():
             if line.startswith(family + "{"):
                 tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
-                values[tenant] = float(line.rsplit(" ", 1)[1])
+                if tenant.startswith(self.prefix):
+                    values[tenant.removeprefix(self.prefix)] = float(line.rsplit(" ", 1)[1])
         return values
 
 
@@ -599,7 +606,7 @@ def main() -> int:
     phases = set(args.phases.split(","))
     figures: dict[str, float] = {"window_s": window, "kv_blocks": float(kv_blocks)}
     goals = []
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp, contextlib.ExitStack() as shared:
         root = Path(tmp)
         print("building the benchmark model and adapters ...", flush=True)
         model = build_llama(root / "model", **(SMOKE_SHAPE if args.smoke else SHAPE))
@@ -610,11 +617,19 @@ def main() -> int:
         ]
         a_src, b_src, c_src, d_src = made[: z.adapters], made[-3:-2], made[-2:-1], made[-1:]
         runs = 0
+        one: list[System] = []  # --smoke: the pair every phase runs on
 
         def fresh(src: Path = REPO) -> contextlib.AbstractContextManager[System]:
+            """A fresh pair of servers for a phase; with --smoke (whose figures mean nothing)
+            one pair for every phase, each phase with tenants of its own (seconds, not a
+            minute, of servers starting)."""
             nonlocal runs
             runs += 1
-            return system(src, model, root / f"run{runs}", kv_blocks)
+            if not args.smoke:
+                return system(src, model, root / f"run{runs}", kv_blocks)
+            if not one:
+                one.append(shared.enter_context(system(src, model, root / "run1", kv_blocks)))
+            return contextlib.nullcontext(dataclasses.replace(one[0], keys={}, prefix=f"p{runs}-"))
 
         if "flood" in phases:
             print("flood: A's burst against B's short requests ...", flush=True)
