@@ -23,7 +23,6 @@ from loraplane.adapters.base_model import BaseModelSpec
 from loraplane.adapters.limits import AdapterLimits
 from loraplane.dataplane.lora.device_tier import DeviceTier
 from loraplane.dataplane.lora.entry import State, TierStats
-from loraplane.dataplane.lora.errors import PinRefused
 from loraplane.dataplane.lora.host_tier import HostPart, HostTier
 from loraplane.dataplane.lora.loads import Loads
 from loraplane.dataplane.lora.pins import PIN_FRACTION, Pins
@@ -33,7 +32,7 @@ from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.tiers.disk import DiskTier
 
-__all__ = ["PIN_FRACTION", "LoRAManager", "PinRefused", "State", "TierStats"]
+__all__ = ["PIN_FRACTION", "LoRAManager", "State", "TierStats"]
 
 
 class LoRAManager:
