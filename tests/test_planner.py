@@ -558,12 +558,13 @@ def test_the_simulator_agrees_with_a_real_replica_where_deferral_and_eviction_bi
     the real runs, not the calibrations); both sides read the process's CPU time, so other
     processes' load does not count (wall time did: the engine thread got a third of a core at
     a load average of 5); calibrations and runs alternate, each run simulated with the mean of
-    the calibrations on either side of it, and each figure's verdict is the median of three
-    rounds' ratios. Cold loads and deferrals are counts, which the machine's load barely
-    moves."""
+    the calibrations on either side of it, and each figure's verdict is the median of five
+    rounds' ratios (three failed one CI run in several: tokens/s 1.156 against the 15%, where
+    single rounds on this host read 0.77 to 1.26). Cold loads and deferrals are counts, which
+    the machine's load barely moves."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_LOADER_NICE": "0"}
     done = subprocess.run(
-        [sys.executable, "-m", "loraplane.planner.validate", "--json"],
+        [sys.executable, "-m", "loraplane.planner.validate", "--json", "--rounds", "5"],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -571,7 +572,7 @@ def test_the_simulator_agrees_with_a_real_replica_where_deferral_and_eviction_bi
     verdicts, rounds = out["verdicts"], out["rounds"]
     detail = json.dumps({"verdicts": verdicts, "rounds": rounds, "seconds": out["seconds"]})
     print(detail)
-    assert len(rounds) == 3, detail
+    assert len(rounds) == 5, detail
     for r in rounds:  # where the parts bind: most requests deferred, and adapters loaded
         # again and again (half as many again as with a host tier that never evicts)
         once = r["sim"]["unbounded_host_tier"]["cold_loads"]
