@@ -223,13 +223,21 @@ class AsyncInternalAPIClient(_Calls):
     ) -> httpx.Response:
         """The answer when it is 2xx or in `allow`; InternalAPIError otherwise. `token` is
         sent as bearer instead of the service token."""
-        try:
-            response = await self._http.request(
-                method, self._url(path), json=json, params=params,
-                headers=self._headers(tenant_key, token),
-            )  # fmt: skip
-        except httpx.HTTPError as exc:
-            raise unreachable(exc) from exc
+        # a GET whose kept-alive connection the server closed as it was reused (the two sides'
+        # idle timeouts race) goes once more, on a new connection: reading repeats nothing
+        attempts = 2 if method == "GET" else 1
+        for attempt in range(attempts):
+            try:
+                response = await self._http.request(
+                    method, self._url(path), json=json, params=params,
+                    headers=self._headers(tenant_key, token),
+                )  # fmt: skip
+                break
+            except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                if attempt + 1 == attempts:
+                    raise unreachable(exc) from exc
+            except httpx.HTTPError as exc:
+                raise unreachable(exc) from exc
         return _accepted(response, allow)
 
     async def aclose(self) -> None:

@@ -309,3 +309,32 @@ def test_standalone_mode_gives_its_one_tenant_weight_1() -> None:
     catalog.add("bot", "ab" * 32)
     for model in ("base", "bot"):
         assert asyncio.run(catalog.resolve(None, model)).weight == 1.0
+
+
+def test_a_get_whose_kept_alive_connection_was_dropped_goes_once_more_and_a_post_does_not() -> None:
+    """The server closing a kept-alive connection as the client reuses it (a ReadError) fails
+    no GET: it goes once more. A second drop, or any drop of a POST, is the outage error."""
+    calls: list[str] = []
+    drops = {"GET": 1, "POST": 1}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        if drops[request.method] > 0:
+            drops[request.method] -= 1
+            raise httpx.ReadError("connection closed", request=request)
+        return httpx.Response(200, json={"ok": True})
+
+    async def run() -> None:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        client = AsyncInternalAPIClient("http://cp", "svc", client=http)
+        assert json_of(await client.request("GET", "/internal/v1/resolve")) == {"ok": True}
+        with pytest.raises(InternalAPIError) as info:
+            await client.request("POST", "/internal/v1/usage", json={})
+        assert info.value.status is None and "ReadError" in info.value.message
+        drops["GET"] = 2
+        with pytest.raises(InternalAPIError):
+            await client.request("GET", "/internal/v1/resolve")
+        await client.aclose()
+
+    asyncio.run(run())
+    assert calls == ["GET", "GET", "POST", "GET", "GET"]
