@@ -2,7 +2,9 @@
 
 The metrics port (`--metrics-port`) and the gateway-metrics port (`--gateway-metrics-port`) are
 uvicorn servers of their own in the same event loop, on the same runtime; they keep answering
-while the API port drains, and stop after it."""
+while the API port drains, and stop after it. uvicorn's lines about its own life ("Started
+server process", "Shutting down", ...) come once, from the API's server; each metrics port
+says once where it serves."""
 
 from __future__ import annotations
 
@@ -32,11 +34,29 @@ from loraplane.redact import env_secrets, install_log_redaction
 from loraplane.sockets import listen
 
 EXIT_OK, EXIT_FAILED = 0, 1
+SIDE_TASK = "metrics-"  # the name of each metrics port's task starts with it
 log = logging.getLogger(__name__)
 
 
+class QuietSides(logging.Filter):
+    """Drops what uvicorn logs from a metrics port's task: its server's life cycle, which
+    would repeat the API server's lines ("Started server process [pid]" three times)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no event loop running in this thread
+            return True
+        return task is None or not task.get_name().startswith(SIDE_TASK)
+
+
 class MetricsServer(uvicorn.Server):
-    """uvicorn's server for a metrics port: it leaves signals to the API's server."""
+    """uvicorn's server for a metrics port (`what` it serves, for the log): it leaves signals
+    to the API's server."""
+
+    def __init__(self, config: uvicorn.Config, what: str) -> None:
+        super().__init__(config)
+        self.what = what
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -61,10 +81,14 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         """Serve the API (and the metrics ports until the API has drained)."""
-        tasks = [
-            asyncio.create_task(side.serve([sock]), name=f"metrics-{sock.getsockname()[1]}")
-            for side, sock in self.sides
-        ]
+        quiet = QuietSides()
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(quiet)
+        tasks = []
+        for side, sock in self.sides:
+            host, port = sock.getsockname()[:2]
+            log.info("%s on http://%s:%d/metrics", side.what, host, port)
+            tasks.append(asyncio.create_task(side.serve([sock]), name=f"{SIDE_TASK}{port}"))
         try:
             await super().serve(sockets)
         finally:
@@ -72,6 +96,7 @@ class DrainingServer(uvicorn.Server):
                 side.should_exit = True
             for task in tasks:
                 await task
+            uvicorn_log.removeFilter(quiet)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -114,19 +139,20 @@ def serve(settings: ServerSettings, access_log: AccessLogSettings | None = None)
             " (--gateway-metrics-port %d); the API port's /metrics never names adapters",
             settings.gateway_metrics_port,
         )
-    listeners = (  # (port, the flag and variable that set it, the app factory)
-        (settings.metrics_port, "--metrics-port / LORAPLANE_METRICS_PORT", create_metrics_app),
+    listeners = (  # (port, the flag and variable that set it, the app factory, what it serves)
+        (settings.metrics_port, "--metrics-port / LORAPLANE_METRICS_PORT", create_metrics_app,
+         "metrics (every series)"),
         (settings.gateway_metrics_port, "--gateway-metrics-port / LORAPLANE_GATEWAY_METRICS_PORT",
-         create_gateway_metrics_app),
+         create_gateway_metrics_app, "gateway metrics (the endpoint picker's)"),
     )  # fmt: skip
-    bound: list[tuple[socket.socket, Callable[[Runtime], FastAPI]]] = []
-    for port, where, factory in listeners:
+    bound: list[tuple[socket.socket, Callable[[Runtime], FastAPI], str]] = []
+    for port, where, factory, what in listeners:
         if not port:
             continue
         try:
-            bound.append((listen(settings.host, port), factory))
+            bound.append((listen(settings.host, port), factory, what))
         except OSError as e:
-            for sock, _ in bound:
+            for sock, _, _ in bound:
                 sock.close()
             print(f"error: cannot serve metrics on {settings.host}:{port}"
                   f" ({where}; 0 turns it off): {e}", file=sys.stderr, flush=True)  # fmt: skip
@@ -135,13 +161,13 @@ def serve(settings: ServerSettings, access_log: AccessLogSettings | None = None)
     try:
         requests_log = make_logger(access_log or AccessLogSettings(), "dataplane", secrets)
     except (AccessLogError, ValueError) as e:
-        for sock, _ in bound:
+        for sock, _, _ in bound:
             sock.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     app = create_app(settings, on_fatal=on_fatal, freeze_heap=True)
-    sides = [(_side_server(factory(app.state.runtime), settings.host, sock), sock)
-             for sock, factory in bound]  # fmt: skip
+    sides = [(_side_server(factory(app.state.runtime), settings.host, sock, what), sock)
+             for sock, factory, what in bound]  # fmt: skip
     config = uvicorn.Config(
         wrap(app, "dataplane", requests_log),  # one JSON line per request (accesslog.py)
         host=settings.host,
@@ -158,11 +184,11 @@ def serve(settings: ServerSettings, access_log: AccessLogSettings | None = None)
     return EXIT_FAILED if failures else EXIT_OK
 
 
-def _side_server(app: FastAPI, host: str, sock: socket.socket) -> MetricsServer:
-    """A metrics port's server for `app` on the bound `sock`."""
+def _side_server(app: FastAPI, host: str, sock: socket.socket, what: str) -> MetricsServer:
+    """A metrics port's server for `app` on the bound `sock`, serving `what`."""
     # log_config None: this Config leaves the logging the API's Config set up alone
     config = uvicorn.Config(
         app, host=host, port=sock.getsockname()[1], lifespan="off", access_log=False,
         log_config=None, log_level=None,
     )  # fmt: skip
-    return MetricsServer(config)
+    return MetricsServer(config, what)

@@ -85,7 +85,8 @@ def test_bad_settings_are_a_usage_error(tiny_llama_dir: Path) -> None:
 
 def test_tenant_series_are_served_on_the_metrics_port_only(tiny_llama_dir: Path) -> None:
     """The process serves two ports: the API's /metrics has vLLM's protocol gauges and no
-    tenant label; the metrics port has every series; both stop on SIGTERM with exit 0."""
+    tenant label; the metrics port has every series; both stop on SIGTERM with exit 0, and
+    the log has uvicorn's start and stop lines once."""
     port, metrics_port = free_port(), free_port()
     proc = spawn(
         ["--model", str(tiny_llama_dir), "--port", str(port), "--metrics-port", str(metrics_port),
@@ -111,6 +112,11 @@ def test_tenant_series_are_served_on_the_metrics_port_only(tiny_llama_dir: Path)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
+        # uvicorn's life-cycle lines once (the API's server), not once per port; the metrics
+        # port says where it serves
+        for line in ("Started server process", "Shutting down", "Finished server process"):
+            assert err.count(line) == 1, (line, err)
+        assert f"metrics (every series) on http://127.0.0.1:{metrics_port}/metrics" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
