@@ -3,13 +3,16 @@
 Flags override `LORAPLANE_*` environment variables. SIGTERM or SIGINT drain the server: it stops
 accepting connections, lets running requests finish for up to LORAPLANE_SHUTDOWN_GRACE_S
 seconds (then aborts them), stops the engine and exits 0. A start that fails (a bad model, a
-rejected `--lora-modules` adapter) exits 1 with the reason on stderr.
+rejected `--lora-modules` adapter) exits 1 with the reason on stderr; a model path that is no
+folder at all (a typo) exits 2 at once, before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import stat
 import sys
+from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
@@ -173,6 +176,31 @@ def run_serve(args: argparse.Namespace) -> int:
     except (SettingsError, AccessLogError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    problem = model_folder_problem(settings.model)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     from loraplane.dataplane.server.serving import serve  # torch and uvicorn: only now
 
     return serve(settings, access_log)
+
+
+def model_folder_problem(model: str) -> str | None:
+    """Why `model` cannot be a base model's folder, known before anything starts: it does not
+    exist, or is a file (None otherwise: what is in the folder, and what this process may
+    read, the load checks and names, file by file)."""
+    try:
+        mode = Path(model).stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        found = "no such folder"
+    except OSError:
+        return None  # a folder on the way this process may not enter: the load names it
+    else:
+        if stat.S_ISDIR(mode):
+            return None
+        found = "not a folder"
+    return (
+        f"--model / LORAPLANE_MODEL {model}: {found} (the base model's folder in Hugging Face "
+        "format: config.json, tokenizer.json and *.safetensors weights; `loraplane demo` "
+        "builds a small one)"
+    )

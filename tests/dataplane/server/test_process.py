@@ -83,6 +83,19 @@ def test_bad_settings_are_a_usage_error(tiny_llama_dir: Path) -> None:
     assert "LORAPLANE_LORA_MODULES" in err and "NAME=DIR" in err
 
 
+def test_a_model_path_that_is_no_folder_is_a_usage_error_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    for model, found in ((tmp_path / "typo", "no such folder"), (weights, "not a folder")):
+        proc = spawn(["--model", str(model)])
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err
+        assert f"--model / LORAPLANE_MODEL {model}: {found}" in err, err
+        assert "Started server process" not in err, "no server started for it"
+
+
 def test_tenant_series_are_served_on_the_metrics_port_only(tiny_llama_dir: Path) -> None:
     """The process serves two ports: the API's /metrics has vLLM's protocol gauges and no
     tenant label; the metrics port has every series; both stop on SIGTERM with exit 0, and
