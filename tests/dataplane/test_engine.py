@@ -144,7 +144,9 @@ def test_output_is_the_same_alone_batched_with_prefix_caching_and_under_preempti
 def test_max_loras_defers_requests_and_every_step_holds_at_most_that_many_adapters(
     families: dict[str, Family],
 ) -> None:
-    engine, refs = make_engine(families["llama"], max_loras=2, max_deferral_steps=3)
+    engine, refs = make_engine(
+        families["llama"], max_loras=2, max_deferral_steps=3, max_cpu_loras=8
+    )
     seen: list[frozenset[str]] = []
     execute = engine.runner.execute
 
@@ -155,6 +157,13 @@ def test_max_loras_defers_requests_and_every_step_holds_at_most_that_many_adapte
 
     engine.runner.execute = spy  # type: ignore[method-assign]
     names = ["r4", "r16", "r64", "r8-qv", "r4", "r16", "r64", "r8-qv"]
+    # all four in host memory first (room for all there, for 2 on the device): a request is deferred
+    # only once its adapter is ready (on a busy machine, loads still running while the first
+    # two adapters' requests run would defer none)
+    wanted = [refs[n] for n in dict.fromkeys(names)]
+    engine.loras.prefetch(wanted)
+    engine.loras.wait_for(wanted, 60)
+    assert set(wanted) <= set(engine.loras.in_host)
     outs = engine.generate(prompts(8, seed=3), GREEDY, [refs[n] for n in names])
     assert all(len(o.token_ids) == 32 for o in outs)
     assert max(len(keys) for keys in seen) <= 2

@@ -121,6 +121,11 @@ def test_preemptions_and_deferred_requests_are_in_the_records_as_the_engine_coun
     computed token is a prefill or a decode token."""
     engine = engine_for(tiny_llama_dir, None, max_loras=1, num_kv_blocks=12)
     refs = [engine.register_lora(n, peft_adapters[n], "acme") for n in ("r4", "r16")]
+    # both in host memory first: r16's requests are deferred only once it is ready (a load
+    # still running when r4's requests finish, on a busy machine, would defer none)
+    engine.loras.prefetch(refs)
+    engine.loras.wait_for(refs, 60)
+    assert set(refs) <= set(engine.loras.in_host)
     records: list[StepRecord] = []
     engine.observers.append(records.append)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
