@@ -101,6 +101,18 @@ def server(tiny_llama_dir: Path, adapter_names: dict[str, Path]) -> Iterator[Run
         yield Running(url, runtime, settings, adapter_names, metrics_url)
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (read from /proc), zombies left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                    found.append(int(entry.name))
+    return found
+
+
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """`python -m loraplane.dataplane.server serve ARGS` in a subprocess (no metrics ports
     unless ARGS or `env` ask for them: the default ports may be taken on a shared machine)."""

@@ -29,6 +29,7 @@ from loraplane.dataplane.server.runtime import Runtime
 from tests.dataplane.server.conftest import (
     API_KEY,
     REPO,
+    children_of,
     server_settings,
     spawn,
     start_server,
@@ -56,18 +57,6 @@ def gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (read from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                    found.append(int(entry.name))
-    return found
 
 
 def front(runtime: Runtime) -> ProcessEngine:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.dataplane.server.conftest import spawn, wait_ready
+from tests.dataplane.server.conftest import children_of, spawn, wait_ready
 from tests.servers import free_port
 
 
@@ -141,19 +141,6 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def test_the_api_servers_process_serves_without_torch_which_only_its_engine_process_loads(
     tiny_llama_dir: Path,
 ) -> None:
@@ -177,7 +164,7 @@ def test_the_api_servers_process_serves_without_torch_which_only_its_engine_proc
                                 "json_schema": {"name": "s", "schema": schema}}})  # fmt: skip
         assert chat.status_code == 200, chat.text
         assert not _maps_torch(proc.pid), "the API server's process imported torch"
-        engines = [pid for pid in _children(proc.pid) if _maps_torch(pid)]
+        engines = [pid for pid in children_of(proc.pid) if _maps_torch(pid)]
         assert len(engines) == 1, "one engine process, with torch"
     finally:
         proc.kill()
