@@ -6,8 +6,11 @@ the same static buffers and host objects, and the Triton kernels run in the inte
 capture (sizes, host numbers, launch grids, the slot tables' host fields) is frozen here too,
 so these tests check the static buffers, the padding rows, the LoRA segments laid out for a
 fixed launch, the slot tables kept current under adapter churn, and every fallback to eager,
-against the eager engine on the same kernels. What only a GPU shows (a sync or an allocation
-inside the capture) is checked by `benchmarks/gpu_check.sh` (engine step: graph replays).
+against the eager engine on the torch paths (`_torch_eager`: the Triton kernels' own equality
+to those paths is their tests', in fp32 to the same tolerance; the eager reference on the
+interpreted kernels took as long as the graphs' run and checked less). What only a GPU shows
+(a sync or an allocation inside the capture) is checked by `benchmarks/gpu_check.sh` (engine
+step: graph replays).
 """
 
 from __future__ import annotations
@@ -93,6 +96,24 @@ def _generate(
     return outs
 
 
+def _torch_eager(
+    monkeypatch: pytest.MonkeyPatch,
+    model: Path,
+    adapters: dict[str, Path],
+    names: Sequence[str | None],
+    **overrides: object,
+) -> list[tuple[list[int], list[float]]]:
+    """What the replayed steps must give: the eager engine's tokens and log-probs on the torch
+    attention and LoRA paths; the Triton paths are set again after."""
+    monkeypatch.setenv(attention.ENV, "torch")
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    try:
+        return _generate(_engine(model, **overrides), adapters, names)
+    finally:
+        monkeypatch.setenv(attention.ENV, "triton")
+        monkeypatch.setenv(dispatch.ENV, "triton")
+
+
 def _same(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]):
     for (g_tokens, g_lp), (w_tokens, w_lp) in zip(got, want, strict=True):
         assert g_tokens == w_tokens
@@ -100,12 +121,15 @@ def _same(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], 
 
 
 def test_replayed_decode_steps_generate_the_eager_engines_tokens_and_logprobs(
-    tiny_llama_dir: Path, peft_adapters: dict[str, Path], triton_paths: None
+    tiny_llama_dir: Path,
+    peft_adapters: dict[str, Path],
+    triton_paths: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Four adapters of ranks 8 to 64 (all modules, q/v only, MLP only) and the base model in
     one batch of 5 (graph 8: three padding rows), shrinking to 1 as requests finish."""
     names = ["r16", "r8-qv", None, "r32-mlp", "r64"]
-    want = _generate(_engine(tiny_llama_dir), peft_adapters, names)
+    want = _torch_eager(monkeypatch, tiny_llama_dir, peft_adapters, names)
     engine = _engine(tiny_llama_dir)
     assert engine.enable_cuda_graphs(capture=replay_eagerly)
     graphs = engine.runner.cuda_graphs
@@ -141,12 +165,13 @@ def test_replayed_decode_steps_over_an_fp8_cache_holding_the_adapters_match_the_
 def test_replayed_gemma2_decode_steps_generate_the_eager_engines_tokens_and_logprobs(
     gemma_families: dict[str, Family],  # noqa: F811 - the imported fixture
     triton_paths: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Soft-capped scores in the Triton kernel and windows of 6 that the decodes outgrow,
     replayed from the graphs with padding rows (Gemma 3 adds nothing the graphs freeze)."""
     family = gemma_families["gemma2"]
     names = ["r64", "r8-qv", None, "r32-mlp", "r16-rslora"]
-    want = _generate(_engine(family.model_dir), family.adapters, names)
+    want = _torch_eager(monkeypatch, family.model_dir, family.adapters, names)
     engine = _engine(family.model_dir)
     assert engine.enable_cuda_graphs(capture=replay_eagerly)
     graphs = engine.runner.cuda_graphs
@@ -156,10 +181,12 @@ def test_replayed_gemma2_decode_steps_generate_the_eager_engines_tokens_and_logp
 
 
 def test_base_model_steps_replay_the_graphs_without_lora_launches(
-    tiny_llama_dir: Path, triton_paths: None
+    tiny_llama_dir: Path,
+    triton_paths: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     names: list[str | None] = [None] * len(PROMPTS)
-    want = _generate(_engine(tiny_llama_dir), {}, names)
+    want = _torch_eager(monkeypatch, tiny_llama_dir, {}, names)
     engine = _engine(tiny_llama_dir)
     assert engine.enable_cuda_graphs(capture=replay_eagerly)
     _same(_generate(engine, {}, names), want)
@@ -167,12 +194,15 @@ def test_base_model_steps_replay_the_graphs_without_lora_launches(
 
 
 def test_slot_tables_follow_adapters_moving_between_slots(
-    tiny_llama_dir: Path, peft_adapters: dict[str, Path], triton_paths: None
+    tiny_llama_dir: Path,
+    peft_adapters: dict[str, Path],
+    triton_paths: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two device slots for three adapters: slots are emptied and refilled between replays
     (new tensors, new ranks), and each replay must read the slot's current adapter."""
     names = ["r16", "r64", "r8-qv", "r16", "r64"]
-    want = _generate(_engine(tiny_llama_dir, max_loras=2), peft_adapters, names)
+    want = _torch_eager(monkeypatch, tiny_llama_dir, peft_adapters, names, max_loras=2)
     engine = _engine(tiny_llama_dir, max_loras=2)
     assert engine.enable_cuda_graphs(capture=replay_eagerly)
     got = _generate(engine, peft_adapters, names)
@@ -183,12 +213,15 @@ def test_slot_tables_follow_adapters_moving_between_slots(
 
 
 def test_a_slot_breaking_the_tables_alignment_promise_runs_eagerly(
-    tiny_llama_dir: Path, peft_adapters: dict[str, Path], triton_paths: None
+    tiny_llama_dir: Path,
+    peft_adapters: dict[str, Path],
+    triton_paths: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Ranks 4 and 12 (r4, r8-patterns) are not multiples of 8: steps using them run eagerly,
     the others still replay, and the tokens are the eager engine's."""
     names = ["r16", "r8-patterns", None, "r4", "r16"]
-    want = _generate(_engine(tiny_llama_dir), peft_adapters, names)
+    want = _torch_eager(monkeypatch, tiny_llama_dir, peft_adapters, names)
     engine = _engine(tiny_llama_dir)
     assert engine.enable_cuda_graphs(capture=replay_eagerly)
     _same(_generate(engine, peft_adapters, names), want)
@@ -202,12 +235,13 @@ def test_a_capture_error_leaves_the_engine_eager_and_says_so(
     peft_adapters: dict[str, Path],
     triton_paths: None,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def broken(forward: Forward) -> Forward:
         raise RuntimeError("operation not permitted when stream is capturing")
 
     names = ["r16", None, "r8-qv", "r16", None]
-    want = _generate(_engine(tiny_llama_dir), peft_adapters, names)
+    want = _torch_eager(monkeypatch, tiny_llama_dir, peft_adapters, names)
     engine = _engine(tiny_llama_dir)
     with caplog.at_level(logging.WARNING, logger="loraplane.dataplane.cuda_graphs"):
         assert not engine.enable_cuda_graphs(capture=broken)
