@@ -55,7 +55,8 @@ format: $(VENV)/.dev
 # ones are skipped (bench-smoke takes the CPU path of those that have one). The status is
 # non-zero when a script failed or (bench) missed a goal; the summary counts goals met, missed
 # and skipped (a goal only a GPU can meet, where a CPU measured it: never met, never missed).
-# BENCH_ARGS: only these scripts, e.g. make bench-smoke BENCH_ARGS="ingest tiers"
+# BENCH_ARGS: only these scripts, e.g. make bench-smoke BENCH_ARGS="ingest tiers", or all but
+# some: BENCH_ARGS="--skip engine_gpu"
 bench: $(VENV)/.dev
 	$(PY) benchmarks/_run.py $(BENCH_ARGS)
 

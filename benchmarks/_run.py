@@ -9,7 +9,7 @@ checked for its shape (_common.report's). The summary gives each script's outcom
 goals (met/missed/skipped), then the goals of all scripts counted: a goal skipped for want of
 a GPU (or another stated reason) is neither met nor missed. The exit status is 0 when every
 script ran (or was skipped) and, at full size, missed no goal.
-Run: .venv/bin/python benchmarks/_run.py [--smoke] [NAME ...]
+Run: .venv/bin/python benchmarks/_run.py [--smoke] [--skip NAME ...] [NAME ...]
 """
 
 from __future__ import annotations
@@ -122,11 +122,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="run every script with --smoke")
     parser.add_argument("names", nargs="*", help="only these scripts (e.g. ingest tiers)")
+    parser.add_argument(
+        "--skip", action="append", default=[], metavar="NAME",
+        help="leave this script out (repeatable; CI leaves out the *_gpu scripts' CPU smoke "
+        "paths, which its test suite runs in gpu_check.sh's dry run)",
+    )  # fmt: skip
     args = parser.parse_args()
-    todo = [s for s in scripts() if not args.names or s.stem in args.names]
-    unknown = set(args.names) - {s.stem for s in todo}
+    known = {s.stem for s in scripts()}
+    unknown = (set(args.names) | set(args.skip)) - known
     if unknown:
         parser.error(f"no such benchmark: {', '.join(sorted(unknown))}")
+    todo = [s for s in scripts() if not args.names or s.stem in args.names]
     cuda = has_cuda()
     kind = "bench-smoke" if args.smoke else "bench"
     summary: list[str] = []
@@ -136,6 +142,10 @@ def main() -> int:
     for script in todo:
         extra = ["--smoke"] if args.smoke else []
         note = ""
+        if script.stem in args.skip:
+            print(f"== {script.relative_to(REPO)}: skipped (--skip)")
+            summary.append(f"skipped  {script.name:<20}  --skip")
+            continue
         if script.stem.endswith("_gpu") and not cuda:
             if not (args.smoke and script.stem in CPU_SMOKE_ARGS):
                 print(f"== {script.relative_to(REPO)}: skipped (needs a CUDA device; none here)")

@@ -34,15 +34,16 @@
 # (skipped).
 # --dry-run (implies --smoke) runs where there is no GPU (CUDA hidden where there is one), in
 # well under 2 minutes on 2 cores: each step in its CPU form, or skipped with the reason in the
-# summary. The kernel test steps run some of the same files' non-`gpu` tests in Triton's
-# interpreter (-k "$DRY_RUN_TESTS": all of them take ~40 s there, and a dry run checks the
-# runbook, not the kernels); a benchmark takes its CPU smoke path where it has one (_run.py's
+# summary. The kernel test steps run a few of the same files' non-`gpu` tests (-k
+# "$DRY_RUN_TESTS": the argument checks, which launch nothing; all of them take ~40 s in
+# Triton's interpreter, the suite runs them, and a dry run checks the runbook, not the
+# kernels); a benchmark takes its CPU smoke path where it has one (_run.py's
 # CPU_SMOKE_ARGS, which `make bench-smoke` uses too), else it is skipped (needs CUDA).
 set -u
 
 OUT="${OUT:-./gpu-out}"
 PYTHON="${PYTHON:-python}"
-DRY_RUN_TESTS="reject or without_launching or mixed"
+DRY_RUN_TESTS="reject or without_launching"
 smoke=()
 dry_run=0
 only=""

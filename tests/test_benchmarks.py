@@ -60,6 +60,24 @@ def test_every_script_takes_smoke_and_reports_under_its_own_name_with_it(script:
         assert [k.arg for k in call.keywords] == ["smoke"], f"{script.name}: report(..., smoke=)"
 
 
+def test_skip_leaves_a_script_out_said_in_the_summary_and_an_unknown_name_is_refused(
+    runner: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ran: list[str] = []
+    monkeypatch.setattr(runner, "run_one", lambda script, *_: ran.append(script.stem) or 1)
+    monkeypatch.setattr(runner, "has_cuda", lambda: False)
+    monkeypatch.setattr("sys.argv", ["_run.py", "--smoke", "--skip", "ingest", "ingest", "pins"])
+    assert runner.main() != 0  # pins "failed" (rc 1 here)
+    assert ran == ["pins"]
+    out = capsys.readouterr().out
+    assert "skipped  ingest.py" in out and "--skip" in out
+    monkeypatch.setattr("sys.argv", ["_run.py", "--smoke", "--skip", "no-such-script"])
+    with pytest.raises(SystemExit) as refused:
+        runner.main()
+    assert refused.value.code == 2
+    assert "no such benchmark: no-such-script" in capsys.readouterr().err
+
+
 def test_the_gpu_runbook_takes_smoke_and_skips_without_cuda() -> None:
     text = (BENCH / "gpu_check.sh").read_text()
     assert "--smoke)" in text
