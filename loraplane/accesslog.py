@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -59,19 +60,27 @@ class AccessLogSettings(BaseSettings):
     access_log_file: Path | None = Field(default=None, description="append there, not stderr")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--access-log {on,off}` and `--access-log-file PATH` on a service's command."""
+def add_arguments(parser: argparse.ArgumentParser, default: str = "on") -> None:
+    """`--access-log {on,off}` and `--access-log-file PATH` on a service's command (`default`:
+    what its help says happens when neither they nor their variables are given)."""
     parser.add_argument(
         "--access-log",
         choices=["on", "off"],
         help="one JSON line per request on stderr: method, route, status, duration, tenant,"
-        " request id; never a header, body or prompt (default: on; LORAPLANE_ACCESS_LOG)",
+        f" request id; never a header, body or prompt (default: {default}; LORAPLANE_ACCESS_LOG)",
     )
     parser.add_argument(
         "--access-log-file",
         metavar="PATH",
         help="append the access log to this file instead of stderr (LORAPLANE_ACCESS_LOG_FILE)",
     )
+
+
+def chosen(args: argparse.Namespace) -> bool:
+    """Whether the access log's flags or variables were given (else each service's default)."""
+    flags = getattr(args, "access_log", None) is not None or getattr(args, "access_log_file", None)
+    names = {f"LORAPLANE_{field}".upper() for field in AccessLogSettings.model_fields}
+    return bool(flags) or any(key.upper() in names for key in os.environ)  # as pydantic reads them
 
 
 def settings_from(args: argparse.Namespace) -> AccessLogSettings:

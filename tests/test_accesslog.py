@@ -25,6 +25,7 @@ from loraplane.accesslog import (
     AccessLogError,
     AccessLogSettings,
     add_arguments,
+    chosen,
     make_logger,
     settings_from,
     wrap,
@@ -277,3 +278,17 @@ def test_an_exception_behind_the_control_planes_error_handlers_keeps_its_reason(
     line = one(lines_of(log.read_text(), "controlplane"), "GET", "/v1/things/t1", 500)
     assert line["route"] == "/v1/things/{thing}"
     assert line["error"] == "RuntimeError: catalog lost t1; key lp_QQQ…"
+
+
+def test_chosen_says_whether_a_flag_or_a_variable_set_the_access_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The demo's default (a file in its run folder) holds only where nothing was chosen."""
+    for name in ("LORAPLANE_ACCESS_LOG", "LORAPLANE_ACCESS_LOG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    bare = argparse.Namespace(access_log=None, access_log_file=None)
+    assert not chosen(bare)
+    assert chosen(argparse.Namespace(access_log="on", access_log_file=None))
+    assert chosen(argparse.Namespace(access_log=None, access_log_file="x.log"))
+    monkeypatch.setenv("loraplane_access_log_file", "x.log")  # read as pydantic reads it
+    assert chosen(bare)

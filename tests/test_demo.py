@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 @dataclass
 class Run:
     out: str
+    err: str
     seconds: float
 
 
@@ -45,7 +46,7 @@ def demo_once(workdir: Path) -> Run:
     )  # fmt: skip
     seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return Run(proc.stdout, seconds)
+    return Run(proc.stdout, proc.stderr, seconds)
 
 
 def serving_after(out: str) -> float:
@@ -153,6 +154,12 @@ def test_first_run_builds_then_tours_the_running_system(first: Run, workdir: Pat
     # the chat-format completion the serving examples show answers; the admin token's file
     assert re.search(r"'<\|user\|>.+</s><\|assistant\|>' -> [A-Z]", out)
     assert f"admin token: written to {workdir / 'state' / 'admin-token'} (mode 0600" in out
+    # the services' request logs in the run's file, not between the tour's lines
+    requests_log = workdir / "run" / "requests.log"
+    assert f"request logs: {requests_log} (" in out
+    services = {json.loads(line)["service"] for line in requests_log.read_text().splitlines()}
+    assert services == {"controlplane", "dataplane"}
+    assert '"service": ' not in first.out + first.err
 
 
 @pytest.mark.slow

@@ -26,7 +26,8 @@ The whole system on this machine, from nothing outside it (no downloads, CPU onl
 
 The admin token is in .loraplane/admin-token under the folder you run the demo from (mode
 0600; written unless one is there): the tenant CLI reads it there. Both services log one JSON
-line per request on stderr (--access-log off, or --access-log-file FILE); the model is
+line per request to WORKDIR/run/requests.log (printed; --access-log on: on stderr, beside the
+tour; --access-log off; or --access-log-file FILE); the model is
 chat-trained: use chat completions, or the chat format <|user|>...</s><|assistant|> as the
 prompt of a completion (a bare question gets an empty reply).
 
@@ -48,11 +49,11 @@ def _port(text: str) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import sys
 
-    from loraplane.accesslog import AccessLogError, settings_from
+    from loraplane.accesslog import AccessLogError, chosen, settings_from
     from loraplane.demo.run import run_demo
 
     try:
-        access_log = settings_from(args)
+        access_log = settings_from(args) if chosen(args) else None  # None: the run's file
     except AccessLogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -114,5 +115,5 @@ def add_commands(sub: Any) -> None:
     )
     from loraplane.accesslog import add_arguments as add_access_log
 
-    add_access_log(demo)
+    add_access_log(demo, default="to requests.log in WORKDIR/run")
     demo.set_defaults(func=_cmd_demo)

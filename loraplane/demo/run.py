@@ -32,6 +32,7 @@ from loraplane.demo.workspace import ADAPTERS, Workspace
 from loraplane.redact import CredentialError
 
 TOUR_STEPS = 5
+REQUEST_LOG = "requests.log"  # in the run folder: both services' request logs, by default
 
 
 def _where(service: Service, asked: int) -> str:
@@ -78,7 +79,8 @@ def run_demo(
     family_name: str = DEFAULT,
 ) -> int:
     """Run the demo (see the module doc); return the process exit code. `access_log`: the
-    services' request logs (default: from the environment, on, to stderr); `family_name`: the
+    services' request logs (default: to REQUEST_LOG in the run folder, so that they do not
+    interleave with the tour's lines); `family_name`: the
     base model's family (another than the default builds in a sub-folder named after it)."""
     start = time.perf_counter()
     total = 3 + (TOUR_STEPS if once else 1)
@@ -89,7 +91,12 @@ def run_demo(
         workspace.require("openai")  # the clients of the tour and the serving preview
         build_s = _build(ws, rebuild, 1, total)
         admin_token, token_file = _admin_token()
-        with running(ws.fresh_run_dir(), host, controlplane_port, port, access_log,
+        run_dir = ws.fresh_run_dir()
+        if access_log is None:
+            access_log = AccessLogSettings(access_log=True, access_log_file=run_dir / REQUEST_LOG)
+            say(f"request logs: {access_log.access_log_file} (one JSON line per request from "
+                "both services; --access-log on prints them here)")  # fmt: skip
+        with running(run_dir, host, controlplane_port, port, access_log,
                      admin_token) as stack:  # fmt: skip
             tenants = _set_up(stack, ws, controlplane_port, 2, total)
             stack.wait_ready()
