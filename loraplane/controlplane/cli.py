@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from loraplane.controlplane.main import create_app
     from loraplane.controlplane.settings import Settings, StartupError
+    from loraplane.graceful import GracefulServer
 
     if args.internal_port is None:
         try:
@@ -51,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         )  # fmt: skip
         install_log_redaction(_tokens(app))  # after Config: it sets the log handlers up
-        uvicorn.Server(config).run()
+        GracefulServer(config).run()  # SIGINT, SIGTERM: a graceful stop, exit 0
         return 0
     return _serve_two_ports(args)
 
@@ -64,6 +65,7 @@ def _serve_two_ports(args: argparse.Namespace) -> int:
 
     from loraplane.controlplane.main import create_app
     from loraplane.controlplane.settings import Settings, StartupError
+    from loraplane.graceful import GracefulServer
     from loraplane.sockets import listen, port_of
 
     if args.internal_port == args.port:
@@ -90,7 +92,7 @@ def _serve_two_ports(args: argparse.Namespace) -> int:
     logging.getLogger("uvicorn.error").info(
         "internal routes and /metrics on %s:%d only", args.host, port_of(sockets[1])
     )
-    uvicorn.Server(config).run(sockets=sockets)
+    GracefulServer(config).run(sockets=sockets)
     return 0
 
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable, Generator
 from types import FrameType
 
@@ -30,6 +28,7 @@ from loraplane.dataplane.server.metrics_port import (
 )
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.graceful import GracefulServer
 from loraplane.redact import env_secrets, install_log_redaction
 from loraplane.sockets import listen
 
@@ -64,10 +63,10 @@ class MetricsServer(uvicorn.Server):
         yield
 
 
-class DrainingServer(uvicorn.Server):
+class DrainingServer(GracefulServer):
     """uvicorn's server that marks the runtime draining on a signal, and does not re-raise the
-    signal after its graceful shutdown (uvicorn does, so the process would end by SIGTERM).
-    It runs the `sides` (metrics servers, each with its bound socket) beside itself."""
+    signal after its graceful shutdown (GracefulServer). It runs the `sides` (metrics servers,
+    each with its bound socket) beside itself."""
 
     def __init__(
         self,
@@ -98,25 +97,10 @@ class DrainingServer(uvicorn.Server):
                 await task
             uvicorn_log.removeFilter(quiet)
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        """Handle SIGINT and SIGTERM while serving (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        before = {sig: signal.signal(sig, self._drain) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in before.items():
-                signal.signal(sig, handler)
-
-    def _drain(self, sig: int, frame: FrameType | None) -> None:
+    def on_stop(self, sig: int, frame: FrameType | None) -> None:
+        """Mark the runtime draining (/ready 503), then shut down as GracefulServer does."""
         self.runtime.draining = True
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop now
-        else:
-            self.should_exit = True
+        super().on_stop(sig, frame)
 
 
 def serve(settings: ServerSettings, access_log: AccessLogSettings | None = None) -> int:
