@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loraplane.exit_codes import EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from loraplane.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 
 __all__ = ["EXIT_OK", "EXIT_REJECTED", "EXIT_USAGE", "build_parser", "main"]
 # `validate --base-model` was a folder, `push --base-model` a served name: one meaning per flag
@@ -184,5 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C where a command does not handle it: no traceback
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code

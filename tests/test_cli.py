@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 from tests.adapters.crafting import lora_config, lora_tensors, write_adapter
@@ -106,3 +109,31 @@ def test_controlplane_help_lists_every_setting_with_its_default() -> None:
     for name in Settings.model_fields:
         assert f"LORAPLANE_{name.upper()} (default: " in out.stdout, name
     assert "LORAPLANE_DB_POOL_SIZE (default: 10)" in out.stdout
+
+
+def test_ctrl_c_during_a_command_exits_130_saying_interrupted_without_a_traceback() -> None:
+    """A control plane that accepts the connection and never answers: the tenant CLI waits in
+    its request, and Ctrl-C (SIGINT) ends it."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(60)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loraplane", "adapters", "list", "--url", url,
+             "--api-key", "lp_" + "k" * 40],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            conn, _ = silent.accept()  # the request has been sent: the CLI waits for an answer
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+            conn.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().endswith("interrupted"), err
+    assert "Traceback" not in err, err
