@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -37,6 +40,7 @@ from tests.adapters.crafting import (
 )
 from tests.controlplane import pg
 
+REPO = Path(__file__).resolve().parents[2]
 ADMIN = "admin-" + "a1b2c3d4e5f6g7h8i9j0" * 2
 SERVICE = "service-" + "k1l2m3n4o5p6q7r8s9t0" * 2
 BASE_NAME, BASE_CONFIG, BASE = TINY_BASE_NAME, TINY_BASE_CONFIG, TINY_BASE
@@ -138,6 +142,30 @@ def client(app: FastAPI) -> Iterator[TestClient]:
 def bearer(token: str) -> dict[str, str]:
     """The Authorization header for a token."""
     return {"Authorization": f"Bearer {token}"}
+
+
+def start_command(tmp_path: Path, port: int, *args: str) -> subprocess.Popen[str]:
+    """`loraplane controlplane --port PORT ARGS` as a user runs it (embedded mode in
+    `tmp_path`, output and errors in one pipe), once its /healthz answers 200."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_DATA_DIR": str(tmp_path),
+           "LORAPLANE_ADMIN_TOKEN": ADMIN, "LORAPLANE_SERVICE_TOKEN": SERVICE}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplane", "controlplane", "--port", str(port), *args],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the control plane exited: {proc.communicate()[0]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the control plane did not start: {proc.communicate()[0]}")
+        time.sleep(0.1)
 
 
 ADMIN_H = bearer(ADMIN)

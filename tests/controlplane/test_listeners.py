@@ -4,10 +4,6 @@ exactly as an unknown path does; every other route answers on both."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,10 +12,9 @@ import pytest
 from loraplane.cli import build_parser
 from loraplane.controlplane.main import create_app
 from loraplane.sockets import listen, port_of
-from tests.controlplane.conftest import ADMIN, SERVICE, make_settings
+from tests.controlplane.conftest import ADMIN, SERVICE, make_settings, start_command
 from tests.servers import free_port, serve_sockets_in_thread
 
-REPO = Path(__file__).resolve().parents[2]
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
 SERVICE_H = {"Authorization": f"Bearer {SERVICE}"}
 
@@ -75,23 +70,8 @@ def test_the_command_serves_both_ports(tmp_path: Path) -> None:
     port, internal = free_port(), free_port()
     args = ["controlplane", "--port", str(port), "--internal-port", str(internal)]
     assert build_parser().parse_args(args).internal_port == internal
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LORAPLANE_DATA_DIR": str(tmp_path),
-           "LORAPLANE_ADMIN_TOKEN": ADMIN, "LORAPLANE_SERVICE_TOKEN": SERVICE}  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplane", *args], cwd=tmp_path, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_command(tmp_path, port, "--internal-port", str(internal))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the control plane did not start"
-            time.sleep(0.1)
         assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 404
         assert httpx.get(f"http://127.0.0.1:{internal}/metrics").status_code == 200
     finally:
