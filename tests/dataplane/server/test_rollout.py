@@ -254,7 +254,12 @@ def test_a_canary_set_by_patch_is_in_host_memory_before_its_first_request(
         split = {"rollout": {"1": 50, "2": 50}}
         assert httpx.patch(r.cp + "/v1/adapters/bot", json=split, headers=auth).status_code == 200
         time.sleep(0.3)  # past the replica's resolve TTL: the next request learns the split
-        ask(40)
+        ask(1)  # the split seen: the canary's load starts (until it ends, v1 takes its share)
+        deadline = time.monotonic() + 60  # the loader threads are niced: slow on a busy machine
+        while not any(ref.digest == digest["2"] for ref in loras.in_host):
+            assert time.monotonic() < deadline, "the canary never reached host memory"
+            time.sleep(0.05)
+        ask(39)
         canary = [warm for d, warm in held if d == digest["2"]]
         assert canary, "no request ran on the canary"
         assert all(canary), "the canary met a request before it was in host memory"
