@@ -204,8 +204,9 @@ def test_the_queue_place_is_given_back_on_every_failure_after_the_lease(
 def test_a_tenant_waiting_behind_another_tenants_slow_prompts_is_tokenized_next(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    """Tenant A's prompts each hold a tokenizer worker for 0.6 s; B's prompt, sent after A's
-    six, is tokenized as soon as one worker frees (third), not after A's backlog (seventh)."""
+    """Tenant A's prompts each hold a tokenizer worker until the test lets one go; B's prompt,
+    sent after A's six, is tokenized by the first worker that frees (third), and answered while
+    A's backlog still holds the other worker, not after it (seventh)."""
     with controlplane(tmp_path) as cp:
         admin = {"Authorization": f"Bearer {ADMIN}"}
         pool = {"name": "pool-a", "base_model": {"name": "tiny-base", "uri": str(tiny_llama_dir)}}
@@ -224,42 +225,53 @@ def test_a_tenant_waiting_behind_another_tenants_slow_prompts_is_tokenized_next(
         with start_server(settings) as (url, runtime):
             tokenizer = runtime.require_engine().tokenizer
             encode, starts, lock = tokenizer.encode, [], threading.Lock()
+            gate = threading.Semaphore(0)  # one release lets one of A's prompts finish
 
             def slow_encode(text: str, *args: Any, **kw: Any) -> list[int]:
                 with lock:
                     starts.append(text.split()[0])
                 if text.startswith("slow"):
-                    time.sleep(0.6)
+                    assert gate.acquire(timeout=120), "the test never let this prompt go"
                 return encode(text, *args, **kw)
 
             tokenizer.encode = slow_encode  # type: ignore[method-assign]
 
-            async def scenario() -> float:
+            async def until(what: str, done: Callable[[], bool]) -> None:
+                deadline = time.monotonic() + 60
+                while not done():
+                    assert time.monotonic() < deadline, f"gave up waiting for {what}"
+                    await asyncio.sleep(0.01)
+
+            async def scenario() -> None:
                 async with httpx.AsyncClient(base_url=url + "/v1", timeout=60) as client:
 
                     def send(tenant: str, prompt: str) -> Any:
                         body = {"model": "tiny-base", "prompt": prompt, "max_tokens": 1}
                         headers = {"Authorization": f"Bearer {keys[tenant]}"}
-                        return client.post("/completions", json=body, headers=headers)
+                        return asyncio.ensure_future(client.post("/completions", json=body,
+                                                                  headers=headers))  # fmt: skip
 
                     for tenant in keys:  # both keys resolved (and cached) before the race
                         assert (await send(tenant, "warm up")).status_code == 200
-                    a = [asyncio.ensure_future(send("acme", f"slow {i}")) for i in range(6)]
-                    while runtime.tokenizing.waiting("acme") < 4:
-                        await asyncio.sleep(0.01)
-                    start = time.perf_counter()
-                    assert (await send("globex", "quick")).status_code == 200
-                    waited = time.perf_counter() - start
+                    a = [send("acme", f"slow {i}") for i in range(6)]
+                    # both workers hold one of A's prompts, the other four wait
+                    await until("A's backlog", lambda: runtime.tokenizing.waiting("acme") == 4)
+                    b = send("globex", "quick")
+                    await until("B's prompt", lambda: runtime.tokenizing.waiting("globex") == 1)
+                    gate.release()  # one worker frees; the other still holds A's prompt
+                    assert (await asyncio.wait_for(b, 30)).status_code == 200
+                    for _ in range(5):
+                        gate.release()
                     assert all(r.status_code == 200 for r in await asyncio.gather(*a))
-                    return waited
 
             try:
-                waited = asyncio.run(scenario())
+                asyncio.run(scenario())
             finally:
+                for _ in range(6):
+                    gate.release()  # no worker stays blocked if the scenario failed
                 del tokenizer.encode
     order = [s for s in starts if s in ("slow", "quick")]
     assert order.index("quick") == 2, order
-    assert waited < 2.0  # one of A's jobs (0.6 s) and a step, not A's backlog (2.4 s)
 
 
 def test_cached_tokens_are_0_on_a_fresh_prompt_and_counted_on_its_repeat(server: Running) -> None:
