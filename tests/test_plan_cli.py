@@ -219,7 +219,7 @@ def test_with_a_rate_the_layouts_are_sized_by_the_fleet_in_gpus(
     out = json.loads(capsys.readouterr().out)
     layouts = {item["layout"]: item for item in out["layouts"]}
     assert layouts["fp8, 1 GPU"]["gpus"] is None or not layouts["fp8, 1 GPU"]["fits"]
-    assert out["recommended_layout"].startswith("bfloat16, TP=")
+    assert ", TP=" in out["recommended_layout"]  # fp8 over 2 GPUs, fewer than bfloat16's
 
 
 def test_tensor_parallel_size_2_prints_each_gpu_s_split(
@@ -234,6 +234,31 @@ def test_tensor_parallel_size_2_prints_each_gpu_s_split(
     assert "160 KiB per token on each GPU, 4 of 8 KV heads" in text
     assert "layouts on" not in text  # a layout was asked for: no comparison
     assert "2 all-reduces per layer" in text and "not measured on a GPU" in text
+
+
+def test_fp8_split_over_2_gpus_holds_half_of_fp8_s_weights_on_each_and_is_compared(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FP8 under tensor parallelism: each GPU holds its slice of the one-byte weights and the
+    scales of its rows (o and down keep every row's); on an H100, where 70B in bfloat16 over
+    two GPUs leaves 7 GB per GPU for the KV cache, FP8 over two holds 4x the tokens and runs
+    3x the rows."""
+    base = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h200", "--adapters", "2000",
+            "--quantization", "fp8", "--json"]  # fmt: skip
+    assert main(base) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*base, "--tensor-parallel-size", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert (two["quantization"], two["tensor_parallel_size"]) == ("fp8", 2)
+    assert 0.5 < two["memory"]["weights_bytes"] / one["memory"]["weights_bytes"] < 0.51
+    h100 = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h100", "--adapters", "2000",
+            "--recommend-layout", "--json"]  # fmt: skip
+    assert main(h100) == 0
+    layouts = {item["layout"]: item for item in json.loads(capsys.readouterr().out)["layouts"]}
+    fp8, bf16 = layouts["fp8, TP=2"], layouts["bfloat16, TP=2"]
+    assert fp8["fits"] and bf16["fits"]
+    assert fp8["weights_bytes_per_gpu"] < 0.52 * bf16["weights_bytes_per_gpu"]
+    assert fp8["kv_tokens"] > 4 * bf16["kv_tokens"] and fp8["rows"] > 3 * bf16["rows"]
 
 
 def test_a_model_that_fits_one_gpu_gets_no_layout_table_unless_asked(
@@ -254,8 +279,8 @@ def test_a_model_that_fits_one_gpu_gets_no_layout_table_unless_asked(
          "tensor parallel size 3 does not divide num_attention_heads (64)"),
         (["--model-shape", "qwen2-7b", "--tensor-parallel-size", "8"],
          "tensor parallel size 8 does not divide num_attention_heads (28)"),
-        (["--model-shape", "llama-3-70b", "--tensor-parallel-size", "2", "--quantization", "fp8"],
-         "fp8 weights with tensor parallelism are not served yet"),
+        (["--model-shape", "mixtral-8x7b", "--tensor-parallel-size", "2", "--quantization", "fp8"],
+         "FP8 weights of a mixture of experts are not supported yet"),
     ],
 )  # fmt: skip
 def test_splits_the_data_plane_cannot_serve_are_refused(

@@ -304,8 +304,6 @@ class PoolSpec:
                 f"spec.resources.limits {GPU_RESOURCE} is {gpus}, but spec.tensorParallelSize"
                 f" {tp} needs {tp} (leave it unset: the pod asks for {tp})"
             )
-        if tp > 1 and quantization is not None:
-            raise SpecError("spec.tensorParallelSize > 1 with spec.quantization is not served yet")
         if tp > 1 and cuda_graphs:
             raise SpecError("spec.cudaGraphs is not supported with spec.tensorParallelSize > 1 yet")
         kv_cache_dtype = spec.get("kvCacheDtype")

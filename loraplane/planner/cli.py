@@ -27,7 +27,7 @@ the GPU (--gpu, --device-bandwidth, --device-flops, --pcie) or from this engine 
 (--calibrate, saved and reused with --cost FILE). A base split over N GPUs
 (--tensor-parallel-size N) is sized per GPU, its steps paying their all-reduces over the
 GPUs' interconnect; a base that fits no single GPU gets its layouts compared (--dtype on 1, 2,
-4, 8 GPUs, fp8 on 1: --recommend-layout), the cheapest named and planned.
+4, 8 GPUs, and fp8 alike: --recommend-layout), the cheapest named and planned.
 
 examples:
   loraplane plan --model-shape llama-3-8b --device-memory 80GiB --device-bandwidth 3350
@@ -154,7 +154,7 @@ def add_commands(subparsers: Any) -> None:
     )  # fmt: skip
     model.add_argument(
         "--recommend-layout", action="store_true",
-        help="size every layout (--dtype on 1, 2, 4 and 8 GPUs; fp8 on 1), name the cheapest"
+        help="size every layout (--dtype and fp8, each on 1, 2, 4 and 8 GPUs), name the cheapest"
         " (fewest GPUs, then most tokens/s per GPU) and plan it (default: only when the"
         " model does not fit one GPU in --dtype and neither --tensor-parallel-size nor"
         " --quantization is given)",

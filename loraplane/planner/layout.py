@@ -1,8 +1,8 @@
 """Which layout of a base serves it cheapest on a GPU: `loraplane plan --recommend-layout`.
 
-The layouts tried: the model in `--dtype` on 1, 2, 4 or 8 GPUs (tensor parallelism within a
-node), and its projections in FP8 on one GPU (the data plane does not split quantized weights
-yet, so FP8 with tensor parallelism is not a layout it can serve). Each is sized by the
+The layouts tried: the model in `--dtype` and with its projections in FP8, each on 1, 2, 4 or
+8 GPUs (tensor parallelism within a node; the data plane splits FP8 weights as 16-bit ones,
+their per-channel scales with their rows). Each is sized by the
 engine's memory rule (`memory.plan_memory`, per rank), and fits when its weights leave room,
 its KV cache holds one sequence of the longest length, and one adapter fits in its adapter
 memory; otherwise the table says which of those failed.
@@ -32,7 +32,6 @@ from loraplane.planner.parallel import TP_SIZES, TensorParallelRefused, rank_sha
 from loraplane.planner.shapes import ModelShape
 
 FP8 = "fp8"
-NOT_SERVED_YET = "fp8 with TP > 1: not served yet (the data plane does not split quantized weights)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +48,7 @@ class Layout:
         return f"{form}, TP={n}" if n > 1 else f"{form}, 1 GPU"
 
 
-LAYOUTS = (*(Layout(n) for n in TP_SIZES), Layout(1, FP8))
+LAYOUTS = tuple(Layout(n, form) for form in (None, FP8) for n in TP_SIZES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +197,6 @@ def layout_table(fits: list[LayoutFit], dtype: str, rate: float | None) -> list[
     for f in fits:
         if not f.fits:
             lines.append(f"  {f.layout.label(dtype):<16} {'-':>13}  does not fit: {f.why_not}")
-    lines.append(f"  {NOT_SERVED_YET}")
     return lines
 
 

@@ -219,12 +219,6 @@ def plan_memory(
     if device_memory < 1:
         raise ValueError(f"device memory must be positive, got {device_memory}")
     dtype, size = config.dtype, config.tensor_parallel_size
-    if config.quantization is not None and size > 1:
-        raise ValueError(
-            f"{config.quantization} weights with tensor parallelism are not served yet (the"
-            " data plane does not split quantized weights): use --tensor-parallel-size 1 or"
-            " no --quantization"
-        )
     whole = shape
     shape = rank_shape(shape, size)  # TensorParallelRefused (a ValueError) names why not
     weights = weights_bytes(shape, dtype, config.quantization)

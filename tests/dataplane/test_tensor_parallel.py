@@ -596,10 +596,95 @@ def test_a_worker_failing_to_load_its_part_ends_the_engine_with_worker_lost_nami
         engine.close()
 
 
-def test_quantized_bases_are_refused_under_tensor_parallelism(families: dict[str, Family]) -> None:
-    llama = families["llama"].model_dir
-    with pytest.raises(UnsupportedModelError, match="over quantized weights is not supported"):
-        load_model(llama, torch.float32, "cpu", quantization="fp8", shard=TPShard(0, 2))
+def test_4_bit_bases_are_refused_under_tensor_parallelism(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    awq = tmp_path / "awq"
+    shutil.copytree(families["llama"].model_dir, awq)
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    (awq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="over 4-bit weights is not supported yet"):
+        load_model(awq, torch.float32, "cpu", shard=TPShard(0, 2))
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(
+    families: dict[str, Family], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """FP8 checkpoints (compressed-tensors) of llama per channel and of qwen2 (q/k/v biases,
+    one KV head) per tensor."""
+    from tests.dataplane.test_quant_fp8 import _write
+
+    out = tmp_path_factory.mktemp("fp8-tp")
+    return {
+        "llama": _write(families["llama"].model_dir, out / "llama", "channel")[0],
+        "qwen2": _write(families["qwen2"].model_dir, out / "qwen2", "tensor")[0],
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "quantization"), [("llama", None), ("qwen2", None), ("llama", "fp8")]
+)
+def test_each_ranks_fp8_projections_dequantize_to_its_slice_of_the_unsplit_ones(
+    families: dict[str, Family], fp8_checkpoints: dict[str, Path], kind: str,
+    quantization: str | None,
+) -> None:  # fmt: skip
+    """Per-channel scales split with their rows (kept whole in o_proj / down_proj), a
+    per-tensor scale kept by both ranks, a 16-bit checkpoint quantized whole before it is
+    split (fp8 at load): the two ranks' slices side by side are the unsplit model's weights,
+    bit for bit, and each rank holds half the projection bytes."""
+    from loraplane.dataplane.models.quant import FP8Linear
+
+    model = families[kind].model_dir if quantization else fp8_checkpoints[kind]
+    whole = load_model(model, torch.float32, "cpu", quantization=quantization)
+    ranks = [load_model(model, torch.float32, "cpu", quantization=quantization,
+                        shard=TPShard(r, 2)) for r in range(2)]  # fmt: skip
+    layers = [n for n, m in whole.named_modules() if isinstance(m, FP8Linear)]
+    assert any(n.endswith("o_proj") for n in layers) and any(n.endswith("q_proj") for n in layers)
+    for name in layers:
+        full = whole.get_submodule(name)
+        parts = [rank.get_submodule(name) for rank in ranks]
+        assert all(isinstance(p, FP8Linear) for p in [full, *parts]), name
+        weights = [p.dequantized() for p in parts]  # type: ignore[operator]
+        if name.endswith(("o_proj", "down_proj")):  # row-parallel: input columns
+            torch.testing.assert_close(torch.cat(weights, 1), full.dequantized(), rtol=0, atol=0)  # type: ignore[operator]
+        elif not name.endswith(("k_proj", "v_proj")) or kind == "llama":  # output rows
+            torch.testing.assert_close(torch.cat(weights, 0), full.dequantized(), rtol=0, atol=0)  # type: ignore[operator]
+        else:  # qwen2's one KV head: both ranks hold it whole
+            for w in weights:
+                torch.testing.assert_close(w, full.dequantized(), rtol=0, atol=0)  # type: ignore[operator]
+        if full.bias is not None and not name.endswith(("o_proj", "down_proj")):
+            assert all(p.bias is not None and p.bias.dtype == torch.float32 for p in parts)
+
+
+@pytest.mark.parametrize(
+    ("kind", "quantization"), [("llama", None), ("qwen2", None), ("llama", "fp8")]
+)
+def test_tp2_over_fp8_weights_gives_tp1s_tokens_in_mixed_adapter_batches(
+    families: dict[str, Family], fp8_checkpoints: dict[str, Path], kind: str,
+    quantization: str | None,
+) -> None:  # fmt: skip
+    """An FP8 checkpoint (llama per channel, qwen2 per tensor with biases) and a 16-bit one
+    quantized at load, split over two ranks: TP = 1's greedy tokens and log-probs, adapters
+    mixed with the base over three slots."""
+    base = families[kind]
+    model = base.model_dir if quantization else fp8_checkpoints[kind]
+    family = Family(kind, model, base.adapters)
+    names: list[str | None] = ["r4", "r16", None, "r32-mlp", "r8-patterns", "r4"]
+    one = _engine(family, 1, quantization=quantization)
+    expected = _run(one, family, names)
+    two = _engine(family, 2, quantization=quantization)
+    try:
+        got = _run(two, family, names)
+    finally:
+        two.close()
+    assert got["tokens"] == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "phi3"])

@@ -422,12 +422,15 @@ def test_pool_tensor_parallel_size_reaches_serve_with_its_gpus_and_bad_layouts_a
     assert manifests.resources(split)["limits"]["nvidia.com/gpu"] == "4"
     assert manifests.resources(split)["requests"]["nvidia.com/gpu"] == "4"
     assert "nvidia.com/gpu" not in manifests.resources(one).get("limits", {})
+    fp8 = PoolSpec.parse({**POOL, "device": "cuda", "tensorParallelSize": 2, "quantization": "fp8"})
+    args = manifests.serve_args(fp8, "http://cp:8080")  # FP8 splits as 16-bit weights do
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--quantization") + 1] == "fp8"
     crd_spec = crds.pool_schema()["properties"]["spec"]["properties"]
     tp = crd_spec["tensorParallelSize"]
     assert (tp["minimum"], tp["maximum"]) == (1, 8)
     for bad, reason in (
         ({"tensorParallelSize": 0}, r"tensorParallelSize must be an integer in \[1, 8\]"),
-        ({"tensorParallelSize": 2, "quantization": "fp8"}, "with spec.quantization is not"),
         ({"device": "cuda", "tensorParallelSize": 2,
           "resources": {"limits": {"nvidia.com/gpu": 1}}}, r"nvidia.com/gpu is 1, but"),
     ):  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,21 +117,24 @@ def _check_keys(model: LlamaForCausalLM, state: dict[str, torch.Tensor], where: 
 
 def _load_fp8(
     state: dict[str, torch.Tensor], target: str, tensor: torch.Tensor, scheme: quant.FP8Scheme,
-    device: torch.device, dtype: torch.dtype,
+    device: torch.device, dtype: torch.dtype, part_of: Callable[[str, torch.Tensor], torch.Tensor],
 ) -> None:  # fmt: skip
     """One tensor of an FP8 projection into `state`: its weight (quantized here when the
-    checkpoint is 16-bit), its scale (fp32, shaped as the layer's), its bias (as stored);
-    activation scales are read past (activations stay unquantized)."""
+    checkpoint is 16-bit), its scale (fp32, shaped as the layer's), its bias (as stored), each
+    as `part_of` slices it for this tensor-parallel rank; activation scales are read past
+    (activations stay unquantized)."""
     module, _, part = target.rpartition(".")
     if part == "weight":
         if scheme.at_load:
+            # the whole weight is quantized, then sliced: a row-parallel slice's rows keep the
+            # scales of their whole rows, so every rank's part is the unsplit model's
             weight, scale = quant.quantize(tensor.to(device), scheme.per_channel)
-            state[f"{module}.weight_scale"] = scale
-            state[target] = weight
+            state[f"{module}.weight_scale"] = part_of(f"{module}.weight_scale", scale)
+            state[target] = part_of(target, weight)
             return
         if tensor.dtype != quant.FP8:
             raise ValueError(f"{target} is {tensor.dtype}, its quantization_config says fp8 e4m3")
-        state[target] = tensor.to(device)
+        state[target] = part_of(target, tensor).to(device)
     elif part == "weight_scale":
         want = (-1, 1) if scheme.per_channel else ()
         if scheme.per_channel and (tensor.dim() > 2 or tensor.shape[-1:] != (1,)):
@@ -139,9 +143,10 @@ def _load_fp8(
             )
         if not scheme.per_channel and tensor.numel() != 1:
             raise ValueError(f"{target} has {tensor.numel()} values, per tensor needs one")
-        state[target] = tensor.to(device=device, dtype=torch.float32).reshape(want)
+        scale = tensor.to(device=device, dtype=torch.float32).reshape(want)
+        state[target] = part_of(target, scale)
     elif part not in ("input_scale", "weight_zero_point"):
-        state[target] = tensor.to(device=device, dtype=dtype)  # the bias
+        state[target] = part_of(target, tensor).to(device=device, dtype=dtype)  # the bias
 
 
 def _load_w4(
@@ -193,16 +198,24 @@ def load_model(
     # parallel.shard's names are read here, not imported: it imports models.config, whose
     # package imports this module
     tp = shard or parallel.TPShard(0, 1)
+    heads = parallel.Heads(config.num_heads, config.num_kv_heads)
     built = config
     if tp.size > 1:
         parallel.check_supported(config, tp.size)
-        if scheme is not None or w4 is not None:
+        if w4 is not None:
             raise UnsupportedModelError(
-                "tensor parallelism over quantized weights is not supported yet"
+                "tensor parallelism over 4-bit weights is not supported yet (FP8 is)"
             )
-        heads = parallel.Heads(config.num_heads, config.num_kv_heads)
         rows = tp.vocab_part(config.vocab_size)[2]
         built = dataclasses.replace(parallel.local_config(config, tp), vocab_size=rows)
+
+    def part_of(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name`: a copy of its slice, so the whole
+        tensor is not kept (the tensor itself without tensor parallelism)."""
+        if tp.size == 1:
+            return tensor
+        return parallel.checkpoint_slice(name, tensor, tp, heads).clone()
+
     with torch.device("meta"):
         model = causal_lm(built)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
@@ -231,12 +244,9 @@ def load_model(
                     _load_w4(state, target, f.get_tensor(name), layer, w4, device, dtype)
                     continue
                 if target.rpartition(".")[0] in fp8 and scheme is not None:
-                    _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype)
+                    _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype, part_of)
                     continue
-                tensor = f.get_tensor(name)
-                if tp.size > 1:  # a copy of the slice: the whole tensor is not kept
-                    tensor = parallel.checkpoint_slice(target, tensor, tp, heads)
-                    tensor = tensor.clone()
+                tensor = part_of(target, f.get_tensor(name))
                 state[target] = _owned(tensor, tensor.to(device=device, dtype=dtype))
     _check_keys(model, state, root)
     try:

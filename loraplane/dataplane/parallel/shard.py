@@ -15,6 +15,9 @@ every routed row through its slice of the expert and the all-reduce after the we
 of the experts adds the slices up; the router (`gate`) is replicated, so every rank routes
 every token alike. Everything else (norms, Qwen3's per-head q/k norms) is replicated. A
 module is split by its last name (`experts.3.w1` as `w1`), adapters' factors alike.
+An FP8 projection's weight splits as a 16-bit one, its per-channel scales ([out, 1]) with its
+output rows (whole in a row-parallel one) and a per-tensor scale is kept by every rank, so
+each rank's slice dequantizes to the slice of the dequantized weight.
 """
 
 from __future__ import annotations
@@ -177,10 +180,14 @@ def checkpoint_slice(name: str, tensor: torch.Tensor, shard: TPShard, heads: Hea
     if found is None:
         return tensor
     leaf, kind = found
-    if leaf in COLUMN_PARALLEL:  # output rows (a bias: its entries)
+    if kind == "weight_scale" and tensor.dim() == 0:
+        return tensor  # an FP8 weight's one scale: every rank's slice keeps it
+    if leaf in COLUMN_PARALLEL:  # output rows (a bias, an FP8 [out, 1] scale: its entries)
         return _take_rows(tensor, _rows(leaf, tensor.shape[0], shard, heads))
     if kind == "bias":  # row-parallel: added once, by rank 0, to the summed output
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+    if kind == "weight_scale":  # row-parallel, per output row: the rows are whole
+        return tensor
     return tensor[:, shard.part(tensor.shape[1])]
 
 

@@ -48,26 +48,36 @@ def _describe(pid: int) -> str:
     return "" if state == "Z" else f"{state} {cmdline[:120]}"
 
 
-def _reference(model: Path, adapter: Path) -> str:
+def _reference(
+    model: Path, adapter: Path, quantization: str | None = None
+) -> tuple[str, list[float]]:
+    """The unsplit engine's greedy text and its tokens' log-probabilities."""
     engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                 num_kv_blocks=64))  # fmt: skip
+                                 num_kv_blocks=64, quantization=quantization))  # fmt: skip
     ref = engine.register_lora("a", adapter, "default")
     engine.add_request("x", PROMPT, SamplingParams(temperature=0.0, max_tokens=8,
-                                                   ignore_eos=True), ref)  # fmt: skip
+                                                   ignore_eos=True, logprobs=1), ref)  # fmt: skip
     tokens: list[int] = []
+    logprobs: list[float] = []
     while engine.has_unfinished:
         for out in engine.step():
             tokens += out.token_ids
-    return engine.tokenizer.decode(tokens)
+            logprobs += out.logprobs or []
+    return engine.tokenizer.decode(tokens), logprobs
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_serve_split_over_two_processes_answers_as_one_and_exits_clean(
-    tiny_llama_dir: Path, peft_adapters: dict[str, Path]
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], quantization: str | None
 ) -> None:
+    """fp8: the base quantized at load, each rank its slice of the FP8 weights (its
+    log-probabilities differ from fp32's by ~1e-3, so within 1e-4 they are FP8's)."""
     port = free_port()
+    quantize = ["--quantization", quantization] if quantization else []
     proc = spawn(
         ["--model", str(tiny_llama_dir), "--port", str(port), "--dtype", "float32",
-         "--tensor-parallel-size", "2", "--lora-modules", f"a={peft_adapters['r16']}"],
+         "--tensor-parallel-size", "2", "--lora-modules", f"a={peft_adapters['r16']}",
+         *quantize],
         env={"LORAPLANE_NUM_KV_BLOCKS": "64", "LORAPLANE_SHUTDOWN_GRACE_S": "10"},
     )  # fmt: skip
     try:
@@ -77,10 +87,14 @@ def test_serve_split_over_two_processes_answers_as_one_and_exits_clean(
         assert len(_descendants(proc.pid)) >= 2
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         answer = client.completions.create(
-            model="a", prompt=PROMPT, max_tokens=8, temperature=0.0,
+            model="a", prompt=PROMPT, max_tokens=8, temperature=0.0, logprobs=1,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
-        assert answer.choices[0].text == _reference(tiny_llama_dir, peft_adapters["r16"])
+        text, logprobs = _reference(tiny_llama_dir, peft_adapters["r16"], quantization)
+        assert answer.choices[0].text == text
+        got = answer.choices[0].logprobs
+        assert got is not None and got.token_logprobs is not None
+        assert got.token_logprobs == pytest.approx(logprobs, abs=1e-4)
         children = _descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
