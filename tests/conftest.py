@@ -19,6 +19,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["LORAPLANE_CPU_THREADS"] = "1"
+    # adapter loads at the engine's priority: at the default nice 19 a loader thread gets ~1.5%
+    # of a core the other worker keeps busy, and a 50 ms load takes seconds; tests of the
+    # niceness itself set it
+    os.environ.setdefault("LORAPLANE_LOADER_NICE", "0")
 
 # Triton reads TRITON_INTERPRET once, when it is first imported, and PEFT and torch._dynamo import
 # it as a side effect: any test module collected before the kernel tests (one importing PEFT at

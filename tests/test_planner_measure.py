@@ -42,7 +42,7 @@ def test_load_adapters_times_each_load_through_the_engine_once(bench: Bench) -> 
     engine, refs = make_engine(bench)
     try:
         engine.loras.prefetch([refs[0]])  # a load before the measured ones is not theirs
-        engine.loras.wait_for([refs[0]], 30)
+        assert engine.loras.wait_for([refs[0]], 30)
         times = load_adapters(engine, refs[1:4])
         assert len(times) == 3 and all(t > 0 for t in times)
         assert load_adapters(engine, refs[1:4]) == []  # already in host memory: no load

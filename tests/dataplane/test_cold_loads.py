@@ -120,7 +120,7 @@ def test_a_silent_store_endpoint_fails_a_load_within_the_clients_bound(
     ref = m.register_stored(LoRARef("r4", "acme", version.digest), version.path)
     start = time.monotonic()
     m.prefetch([ref])
-    m.wait_for([ref], timeout=30)
+    assert m.wait_for([ref], timeout=30)
     elapsed = time.monotonic() - start
     message = m.failure(ref)
     m.close()
@@ -130,7 +130,7 @@ def test_a_silent_store_endpoint_fails_a_load_within_the_clients_bound(
     # every try of every attempt reached the endpoint once, and no more tries were made
     attempts = (disk.retries + 1) * s3read.MAX_ATTEMPTS
     assert len(silent.connections) == attempts == 4
-    assert elapsed < attempts * (0.5 + 1) + 1, elapsed  # not boto3's 60 s per read
+    assert elapsed < 30, elapsed  # not boto3's 60 s per read (each try ~1.5 s here)
 
 
 class HangingStore(S3Store):
@@ -178,16 +178,15 @@ def test_a_tenant_whose_objects_hang_does_not_hold_another_tenants_load(
     assert m.loads._tenant_loads["hung"] == 2
     start = time.monotonic()
     m.prefetch([*hung, fine])  # its requests are older, but the other tenant's load starts
-    m.wait_for([fine], timeout=10)
+    assert m.wait_for([fine], timeout=60)  # the hung loads never end until released below
     assert m.in_host_memory(fine), time.monotonic() - start
-    assert time.monotonic() - start < 5
     # and the hung tenant starts no third load while over its share
     assert [m.in_host_memory(r) for r in hung] == [False] * 3
     assert (
         m.loads._tenant_loads["hung"] == 2 and m.registry.entries[hung[2].key].state is State.COLD
     )
     store.release.set()
-    m.wait_for(hung, timeout=30)
+    assert m.wait_for(hung, timeout=30)
     assert all(m.in_host_memory(r) for r in hung)
     m.close()
 
@@ -213,7 +212,7 @@ def test_the_loader_takes_tenants_in_turn_and_the_depth_is_shared(
 
     m.registry.read = recording  # type: ignore[method-assign]
     m.prefetch(refs)  # a's four are older than b's one, and the depth is four
-    m.wait_for(refs, timeout=30)
+    assert m.wait_for(refs, timeout=30)
     # b's adapter second, not after a's (nor left out by the depth): a's fourth waits instead
     assert order == ["a/r4", "b/r8-layer1", "a/r16", "a/r8-qv"]
     m.close()
@@ -225,7 +224,7 @@ def test_a_request_whose_adapter_never_arrives_fails_alone_after_the_deadline(
 ) -> None:  # fmt: skip
     store, hung_versions, fine_versions = hanging
     engine = engine_for(tiny_llama_dir, DiskTier(store, tmp_path / "disk"),
-                        adapter_load_timeout_s=2)  # fmt: skip
+                        adapter_load_timeout_s=5)  # fmt: skip
     (hung, *_), (fine,) = refs_of(engine.loras, hung_versions), refs_of(engine.loras, fine_versions)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     start = time.monotonic()
@@ -234,15 +233,15 @@ def test_a_request_whose_adapter_never_arrives_fails_alone_after_the_deadline(
     engine.add_request("base", PROMPT, params)
     ended: dict[str, float] = {}
     outs: dict[str, list[RequestOutput]] = {}
-    while engine.has_unfinished and time.monotonic() - start < 20:
+    while engine.has_unfinished and time.monotonic() - start < 30:
         for out in engine.step():
             outs.setdefault(out.request_id, []).append(out)
             if out.finished:
                 ended[out.request_id] = time.monotonic() - start
     (late,) = outs["late"]
     assert late.finished and late.error_code == ADAPTER_LOAD_TIMEOUT
-    assert late.error == "adapter r4 was not loaded within 2 s"
-    assert 2 <= ended["late"] < 5, ended
+    assert late.error == "adapter r4 was not loaded within 5 s"
+    assert 5 <= ended["late"] < 15, ended
     # the others were served meanwhile, untouched by the deadline
     for rid in ("fine", "base"):
         assert [o.error for o in outs[rid]] == [None] * 4 and outs[rid][-1].finished, rid

@@ -162,7 +162,7 @@ def test_max_loras_defers_requests_and_every_step_holds_at_most_that_many_adapte
     # two adapters' requests run would defer none)
     wanted = [refs[n] for n in dict.fromkeys(names)]
     engine.loras.prefetch(wanted)
-    engine.loras.wait_for(wanted, 60)
+    assert engine.loras.wait_for(wanted, 60)
     assert set(wanted) <= set(engine.loras.in_host)
     outs = engine.generate(prompts(8, seed=3), GREEDY, [refs[n] for n in names])
     assert all(len(o.token_ids) == 32 for o in outs)

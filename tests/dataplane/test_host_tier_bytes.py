@@ -253,12 +253,12 @@ def test_the_adapter_a_tenants_next_request_needs_loads_the_ones_behind_it_wait_
     folders = reads(monkeypatch)
     acme = [refs["a1"], refs["a2"], refs["a3"]]
     m.prefetch(acme)
-    m.wait_for(acme, 30)
+    assert m.wait_for(acme, 30)
     assert in_host(m) == {"a1", "a2"} and m.host.bytes == 2 * copy  # a3: no room
     assert len(folders) == 2 and m.registry.entries[refs["a3"].key].state is State.COLD
     assert refs["a3"].key not in m.pending()  # skipped: the engine does not wait for it
     m.prefetch([*acme, refs["g1"]])  # globex's first request arrives
-    m.wait_for([refs["g1"]], 30)
+    assert m.wait_for([refs["g1"]], 30)
     assert in_host(m) == {"a1", "a2", "g1"} and len(folders) == 3  # a3 still not read
     m.close()
 
@@ -305,15 +305,15 @@ def test_a_copy_read_ahead_that_turns_out_too_big_for_the_room_is_dropped_and_no
     refs = [m.register_stored(LoRARef(n, v.tenant, v.digest), v.path) for n, v in versions.items()]
     folders = reads(monkeypatch)
     m.prefetch(refs)  # small first: its tenant's next; big behind it, expected at small's size
-    m.wait_for(refs, 30)
+    assert m.wait_for(refs, 30)
     entry = m.registry.entries[refs[1].key]
     assert in_host(m) == {"small"} and m.host.bytes == small <= limit
     assert entry.state is State.COLD and entry.last_host_bytes == big and len(folders) == 2
     m.prefetch(refs)
-    m.wait_for(refs, 30)
+    assert m.wait_for(refs, 30)
     assert len(folders) == 2 and refs[1].key not in m.pending()  # known too big for the room
     m.prefetch(refs[1:])  # small's request ran: its copy may go, so big is first and fits
-    m.wait_for(refs, 30)
+    assert m.wait_for(refs, 30)
     assert in_host(m) == {"big"} and m.host.bytes == big <= limit and len(folders) == 3
     m.close()
 
@@ -359,7 +359,7 @@ def test_a_copy_read_ahead_leaves_room_for_the_loads_before_it_that_end_later(
     assert m.registry.entries[refs[2].key].state is State.COLD  # read, not kept
     m.make_resident([refs[0].key], in_use=[refs[0].key])  # a1's request runs
     m.prefetch(refs[1:])  # a2 comes first now, held; a3 has no room beside a1 and a2
-    m.wait_for(refs, 30)
+    assert m.wait_for(refs, 30)
     assert in_host(m) == {"a1", "a2"} and m.host.bytes == 2 * copy <= 2 * copy
     assert refs[2].key not in m.pending() and len(folders) == 3
     m.close()

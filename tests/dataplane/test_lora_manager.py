@@ -151,7 +151,7 @@ def test_a_load_that_raises_anything_ends_failed_with_its_message_and_retries_la
     time.sleep(0.25)
     assert m.failure(ref) is None
     m.prefetch([ref])
-    m.wait_for([ref], timeout=5)
+    assert m.wait_for([ref], timeout=60)
     assert m.ready(ref)
     m.close()
 
@@ -164,7 +164,7 @@ def test_a_catalog_path_outside_the_store_fails_the_adapter_and_reads_nothing(
     m = manager(tiny_llama_dir, None, disk=DiskTier(LocalStore(tmp_path / "store")))
     ref = m.register_stored(LoRARef("evil", "acme", "d" * 64), path)
     m.prefetch([ref])
-    m.wait_for([ref], timeout=5)
+    assert m.wait_for([ref], timeout=60)
     message = m.failure(ref)
     assert message is not None and "unsafe object key" in message
     assert not m.ready(ref)
@@ -207,7 +207,7 @@ def test_a_prefetch_list_longer_than_the_depth_loads_only_its_head(
 ) -> None:
     m, refs = stored_manager(tiny_llama_dir, peft_adapters, tmp_path, prefetch_depth=2)
     m.prefetch(refs)
-    m.wait_for(refs, timeout=5)
+    assert m.wait_for(refs, timeout=60)
     states = [m.registry.entries[r.key].state for r in refs]  # the tier's own state
     assert states[:2] == [State.HOST, State.HOST] and states[2:] == [State.COLD, State.COLD]
     m.close()
@@ -262,7 +262,7 @@ def test_idle_stored_versions_are_forgotten_and_registered_again_on_use(
         refs[name] = m.register_stored(LoRARef(name, "acme", v.digest), v.path)
     static = m.register("static", peft_adapters["r4"], "acme")
     m.prefetch([refs["r4"]])
-    m.wait_for([refs["r4"]], timeout=5)  # r4 holds a host copy: it stays
+    assert m.wait_for([refs["r4"]], timeout=60)  # r4 holds a host copy: it stays
     time.sleep(0.05)
     forgotten = m.forget_idle(0.01, needed=[refs["r16"].key])  # r16 is wanted by a request
     assert [r.name for r in forgotten] == ["r8-qv"]
@@ -297,7 +297,7 @@ def test_loader_threads_run_at_the_configured_low_priority(
         m = manager(tiny_llama_dir, None, disk=DiskTier(store))
         ref = m.register_stored(LoRARef(f"r4-{nice}", "acme", v.digest), v.path)
         m.prefetch([ref])
-        m.wait_for([ref], timeout=5)
+        assert m.wait_for([ref], timeout=60)
         m.close()
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert seen == [max(base, 7), base]

@@ -20,7 +20,7 @@ def test_settings_set_on_the_manager_change_what_its_parts_do(
     m, refs = stored_manager(tiny_llama_dir, peft_adapters, tmp_path)
     m.prefetch_depth = 1  # the loads: one adapter of the list ahead
     m.prefetch(refs)
-    m.wait_for(refs, timeout=10)
+    assert m.wait_for(refs, timeout=60)
     assert [m.in_host_memory(r) for r in refs] == [True, False, False, False]
     m.prefetch_enabled = False  # the loads: none in the background, `ready` loads now
     assert m.prefetch(refs[1:]) == 0 and not m.in_host_memory(refs[1])
@@ -61,6 +61,6 @@ def test_a_loader_thread_keeps_its_copy_until_the_engine_thread_lets_go_of_the_l
         # the loader thread waits for the lock: the copy is not in the host tier yet
         assert m.registry.entries[refs[0].key].state is State.LOADING
         assert not m.in_host_memory(refs[0]) and m.pending() == {refs[0].key}
-    m.wait_for(refs[:1], timeout=10)
+    assert m.wait_for(refs[:1], timeout=60)
     assert m.in_host_memory(refs[0]) and m.pending() == set()
     m.close()

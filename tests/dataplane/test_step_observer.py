@@ -124,7 +124,7 @@ def test_preemptions_and_deferred_requests_are_in_the_records_as_the_engine_coun
     # both in host memory first: r16's requests are deferred only once it is ready (a load
     # still running when r4's requests finish, on a busy machine, would defer none)
     engine.loras.prefetch(refs)
-    engine.loras.wait_for(refs, 60)
+    assert engine.loras.wait_for(refs, 60)
     assert set(refs) <= set(engine.loras.in_host)
     records: list[StepRecord] = []
     engine.observers.append(records.append)

@@ -218,18 +218,18 @@ class Loads:
         queued = {e.ref.key for e in self._queue if e.state is State.COLD}
         return self._loading | (queued - self._skipped)  # skipped: none would start now
 
-    def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> None:
+    def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> bool:
         """Block until none of `refs` is loading or queued to load, for at most `timeout`
-        seconds."""
+        seconds; False if some still were when the time ran out."""
         keys = {r.key for r in refs}
         deadline = time.monotonic() + timeout
         with self._load_ended:
             while True:
                 if not keys & self._pending():
-                    return
+                    return True
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return
+                    return False
                 self._load_ended.wait(left)
 
     def wait_for_load(self, timeout: float) -> bool:

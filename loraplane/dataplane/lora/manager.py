@@ -258,9 +258,10 @@ class LoRAManager:
         """Keys of the adapters being loaded now or queued to load (the prefetch list)."""
         return self.loads.pending()
 
-    def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> None:
-        """Block until none of `refs` is loading or queued to load, at most `timeout` s."""
-        self.loads.wait_for(refs, timeout)
+    def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> bool:
+        """Block until none of `refs` is loading or queued to load, at most `timeout` s;
+        False if some still were when the time ran out."""
+        return self.loads.wait_for(refs, timeout)
 
     def wait_for_load(self, timeout: float) -> bool:
         """Block until a background load ends, at most `timeout` s; False when none runs."""

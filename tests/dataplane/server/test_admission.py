@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -74,7 +75,10 @@ def test_over_the_caps_the_server_answers_429_400_and_413_and_counts_them(
                         "ignore_eos": True}  # fmt: skip
                 holders = [asyncio.create_task(client.post("/v1/completions", json=long))
                            for _ in range(2)]  # fmt: skip
+                deadline = time.monotonic() + 60
                 while runtime.queue.in_flight() < 2:
+                    assert not any(h.done() for h in holders), "a holder ended before the test"
+                    assert time.monotonic() < deadline, "the two never were in flight at once"
                     await asyncio.sleep(0.01)
                 third = await client.post("/v1/completions", json={**long, "max_tokens": 2})
                 held = await asyncio.gather(*holders)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -237,9 +238,13 @@ def test_usage_counted_while_the_control_plane_is_down_reaches_the_spool_debounc
         for i in range(50):  # many requests finish within one debounce
             usage.add("acme", "bot", requests=1, prompt=i, completion=1)
         assert not reporter.spool.path.exists()  # not written per request
-        await asyncio.sleep(0.2)
-        assert reporter.spool.load().rows == {("acme", "bot"): [50, sum(range(50)), 50]}
+        want = {("acme", "bot"): [50, sum(range(50)), 50]}
+        deadline = time.monotonic() + 10
+        while reporter.spool.writes == 0 or reporter.spool.load().rows != want:
+            assert time.monotonic() < deadline, "the usage was never spooled"
+            await asyncio.sleep(0.02)  # written after the debounce, fsyncs included
         writes = reporter.spool.writes
+        assert writes <= 2  # debounced: not one write per request
         await asyncio.sleep(0.2)
         assert reporter.spool.writes == writes  # nothing changed: nothing written
         await reporter.stop()  # the last report fails: the usage stays spooled, in a batch
