@@ -113,6 +113,9 @@ class UploadJobs:
             return len(self._queued)
 
     def _run(self, work: JobWork) -> None:
+        with self._lock:
+            if self._closed:  # a worker freed while close() shuts the pool down: left queued,
+                return  # for close() to fail as Interrupted
         try:
             with session_scope(self.sessions) as session:
                 self._ingest(session, work)

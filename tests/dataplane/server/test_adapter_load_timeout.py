@@ -60,5 +60,5 @@ def test_an_adapter_that_does_not_load_in_time_answers_504_naming_it_and_no_path
     assert "slowbot" in error["message"] and "1 s" in error["message"]
     assert str(slow_dir) not in late.text and slow_dir.name not in late.text
     assert "/" not in error["message"]
-    assert 1.0 <= elapsed < 5, elapsed
+    assert 1.0 <= elapsed < 15, elapsed  # the deadline, not the held load's 30 s
     assert fast.status_code == 200, fast.text
