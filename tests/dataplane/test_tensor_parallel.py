@@ -596,19 +596,61 @@ def test_a_worker_failing_to_load_its_part_ends_the_engine_with_worker_lost_nami
         engine.close()
 
 
-def test_4_bit_bases_are_refused_under_tensor_parallelism(
-    families: dict[str, Family], tmp_path: Path
-) -> None:
-    import json
-    import shutil
+@pytest.fixture(scope="module")
+def w4_checkpoints(
+    families: dict[str, Family], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """4-bit checkpoints of the tiny llama in every format the loader reads."""
+    from tests.dataplane.w4_checkpoints import VARIANTS, write
 
-    awq = tmp_path / "awq"
-    shutil.copytree(families["llama"].model_dir, awq)
-    config = json.loads((awq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
-    (awq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="over 4-bit weights is not supported yet"):
-        load_model(awq, torch.float32, "cpu", shard=TPShard(0, 2))
+    out = tmp_path_factory.mktemp("w4-tp")
+    return {name: write(families["llama"].model_dir, out, name).w4 for name in VARIANTS}
+
+
+@pytest.mark.parametrize(
+    "variant", ["ct-asym", "ct-channel", "ct-act-order", "awq", "gptq", "gptq-act-order"]
+)
+def test_each_ranks_4_bit_projections_dequantize_to_its_slice_of_the_unsplit_ones(
+    w4_checkpoints: dict[str, Path], variant: str
+) -> None:
+    """Packed words, group scales and zero points split with their rows or input columns;
+    one group per row (ct-channel) and act-order maps (every group kept, each rank's columns'
+    entries of the map) on the row-parallel ones: the two ranks side by side are the unsplit
+    model's weights, bit for bit."""
+    from loraplane.dataplane.models.quant_w4 import W4Linear
+
+    model = w4_checkpoints[variant]
+    whole = load_model(model, torch.float32, "cpu")
+    ranks = [load_model(model, torch.float32, "cpu", shard=TPShard(r, 2)) for r in range(2)]
+    layers = [n for n, m in whole.named_modules() if isinstance(m, W4Linear)]
+    assert {n.rpartition(".")[2] for n in layers} >= {"q_proj", "o_proj", "down_proj"}
+    for name in layers:
+        full = whole.get_submodule(name)
+        parts = [rank.get_submodule(name) for rank in ranks]
+        assert all(isinstance(p, W4Linear) for p in [full, *parts]), name
+        dim = 1 if name.endswith(("o_proj", "down_proj")) else 0
+        weights = torch.cat([p.dequantized() for p in parts], dim)  # type: ignore[operator]
+        torch.testing.assert_close(weights, full.dequantized(), rtol=0, atol=0)  # type: ignore[operator]
+        held = sum(p.device_bytes() for p in parts)  # type: ignore[operator]
+        assert held < 1.3 * full.device_bytes()  # type: ignore[operator]  # not two copies
+
+
+@pytest.mark.parametrize("variant", ["awq", "gptq-act-order"])
+def test_tp2_over_4_bit_weights_gives_tp1s_tokens_in_mixed_adapter_batches(
+    families: dict[str, Family], w4_checkpoints: dict[str, Path], variant: str
+) -> None:
+    base = families["llama"]
+    family = Family("llama", w4_checkpoints[variant], base.adapters)
+    names: list[str | None] = ["r4", "r16", None, "r32-mlp", "r8-patterns", "r4"]
+    expected = _run(_engine(family, 1), family, names)
+    two = _engine(family, 2)
+    try:
+        got = _run(two, family, names)
+    finally:
+        two.close()
+    assert got["tokens"] == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,24 @@ def test_the_kernel_is_the_torch_dequantize_path(
     assert (y.float() - expected).abs().max() <= TOLERANCE[dtype] * scale
 
 
+def test_a_tensor_parallel_slice_of_an_act_order_layer_reads_the_whole_layer_s_groups() -> None:
+    """A row-parallel rank holds half of the input columns and, through the act-order map,
+    every group's scales and zeros (W4Linear.hold_groups): more groups than k / group_size."""
+    whole = _layer(24, 128, 16, True, True, False, seed=5)  # 8 groups over 128 columns
+    qweight, g_idx = whole["qweight"], whole["g_idx"]
+    assert qweight is not None and g_idx is not None
+    part = {**whole, "qweight": qweight[:, 8:].contiguous(), "g_idx": g_idx[64:].contiguous()}
+    on = {name: t.to(DEVICE) if t is not None else None for name, t in part.items()}
+    assert on["qweight"] is not None and on["scales"] is not None
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    y = wt.w4a16_linear(x, on["qweight"], on["scales"], on["qzeros"], on["g_idx"], 16, None)
+    w = dequantize(on["qweight"], on["scales"], on["qzeros"], on["g_idx"])
+    full = dequantize(*(whole[k] for k in ("qweight", "scales", "qzeros", "g_idx")))
+    torch.testing.assert_close(w.cpu(), full[:, 64:], rtol=0, atol=0)  # the slice's weights
+    expected = F.linear(x, w)
+    assert (y - expected).abs().max() <= TOLERANCE[torch.float32] * expected.abs().max()
+
+
 def test_a_w4_layer_on_the_triton_path_computes_as_on_the_torch_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -87,7 +87,9 @@ def w4a16_linear(
     if qweight.dtype != torch.int32:
         raise ValueError(f"qweight must be int32, got {qweight.dtype}")
     groups = scales.shape[1]
-    if scales.shape[0] != n or k != groups * group_size:
+    # with an act-order map, any count of groups (a tensor-parallel slice of the inputs
+    # keeps the whole layer's: models/quant_w4.W4Linear.hold_groups)
+    if scales.shape[0] != n or (g_idx is None and k != groups * group_size):
         raise ValueError(f"scales {tuple(scales.shape)} do not fit [{n}, {k} / {group_size}]")
     if qzeros is not None and (qzeros.shape != scales.shape or qzeros.dtype != torch.uint8):
         raise ValueError(f"qzeros must be uint8 {tuple(scales.shape)}, got {qzeros.dtype}"

@@ -152,12 +152,14 @@ def _load_fp8(
 def _load_w4(
     state: dict[str, torch.Tensor], target: str, tensor: torch.Tensor, layer: W4Linear,
     scheme: w4_formats.W4Scheme, device: torch.device, dtype: torch.dtype,
+    part_of: Callable[[str, torch.Tensor], torch.Tensor],
 ) -> None:  # fmt: skip
     """One tensor of a 4-bit projection into `state`, in models/quant_w4.py's packed layout
-    (converted on the target device: AWQ's and GPTQ's packings are transposed there)."""
+    (converted on the target device: AWQ's and GPTQ's packings are transposed there), as
+    `part_of` slices it there for this tensor-parallel rank (`layer`: the unsplit one)."""
     converted = w4_formats.convert(scheme, layer, target, tensor.to(device), dtype)
     if converted is not None:
-        state[converted[0]] = converted[1]
+        state[converted[0]] = part_of(*converted)
 
 
 def causal_lm(config: ModelConfig) -> LlamaForCausalLM:
@@ -202,10 +204,6 @@ def load_model(
     built = config
     if tp.size > 1:
         parallel.check_supported(config, tp.size)
-        if w4 is not None:
-            raise UnsupportedModelError(
-                "tensor parallelism over 4-bit weights is not supported yet (FP8 is)"
-            )
         rows = tp.vocab_part(config.vocab_size)[2]
         built = dataclasses.replace(parallel.local_config(config, tp), vocab_size=rows)
 
@@ -216,10 +214,27 @@ def load_model(
             return tensor
         return parallel.checkpoint_slice(name, tensor, tp, heads).clone()
 
+    def packed_part_of(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a 4-bit projection's tensor, in the packed layout (a copy)."""
+        if tp.size == 1 or w4 is None:
+            return tensor
+        module = name.rpartition(".")[0]
+        # the rank's layer holds every group: act-order, or one group per row
+        whole_groups = int4[module].scales.shape[1] == whole[module].scales.shape[1]
+        return parallel.packed_slice(name, tensor, tp, heads, whole_groups).clone()
+
     with torch.device("meta"):
         model = causal_lm(built)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
         int4 = {} if w4 is None else w4_formats.replace_projections(model, w4, dtype)
+        # the unsplit layers, for the checks of the conversion (the checkpoint's shapes)
+        whole = int4
+        if w4 is not None and tp.size > 1:
+            whole = w4_formats.replace_projections(causal_lm(config), w4, dtype)
+            for name, local in int4.items():
+                if w4.act_order and name.rpartition(".")[2] in parallel.ROW_PARALLEL:
+                    # a rank's input columns may be in any group of the map: all are kept
+                    local.hold_groups(whole[name].scales.shape[1])
     state: dict[str, torch.Tensor] = {}
     kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" | "v" | "kv") -> an FP8 KV scale
     # one tensor at a time, read onto the target device (CUDA: straight from the file) and
@@ -239,9 +254,10 @@ def load_model(
                 if (kv := kv_quant.scale_target(target)) is not None:
                     kv_scales[kv] = kv_quant.scale_value(name, f.get_tensor(name))
                     continue  # per tensor: the same on every tensor-parallel rank
-                layer = int4.get(target.rpartition(".")[0])
+                layer = whole.get(target.rpartition(".")[0])
                 if layer is not None and w4 is not None:
-                    _load_w4(state, target, f.get_tensor(name), layer, w4, device, dtype)
+                    _load_w4(state, target, f.get_tensor(name), layer, w4, device, dtype,
+                             packed_part_of)  # fmt: skip
                     continue
                 if target.rpartition(".")[0] in fp8 and scheme is not None:
                     _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype, part_of)

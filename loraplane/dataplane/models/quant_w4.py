@@ -151,6 +151,15 @@ class W4Linear(nn.Linear):
         """The weight as the model computes with it, dequantized (a full-size copy)."""
         return self.dequantized()
 
+    def hold_groups(self, groups: int) -> None:
+        """Scales (and zero points) for `groups` groups, not `in_features / group_size`: a
+        tensor-parallel slice of an act-order layer's input columns, whose map (g_idx) sends
+        them to any of the whole layer's groups. Called on the meta device, before loading."""
+        self.scales = torch.ones(self.out_features, groups, device=self.scales.device)
+        if self.qzeros is not None:
+            self.qzeros = torch.zeros(self.out_features, groups, dtype=torch.uint8,
+                                      device=self.qzeros.device)  # fmt: skip
+
     def dequantized(self) -> torch.Tensor:
         """The weight as the model computes with it: (u - z) * s in compute_dtype."""
         return dequantize(self.qweight, self.scales, self.qzeros, self.g_idx).to(self.compute_dtype)

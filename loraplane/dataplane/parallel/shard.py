@@ -17,7 +17,9 @@ every token alike. Everything else (norms, Qwen3's per-head q/k norms) is replic
 module is split by its last name (`experts.3.w1` as `w1`), adapters' factors alike.
 An FP8 projection's weight splits as a 16-bit one, its per-channel scales ([out, 1]) with its
 output rows (whole in a row-parallel one) and a per-tensor scale is kept by every rank, so
-each rank's slice dequantizes to the slice of the dequantized weight.
+each rank's slice dequantizes to the slice of the dequantized weight. A 4-bit projection
+(`packed_slice`) splits in its packed layout: the packed words and group scales with their
+rows or input columns.
 """
 
 from __future__ import annotations
@@ -187,6 +189,31 @@ def checkpoint_slice(name: str, tensor: torch.Tensor, shard: TPShard, heads: Hea
     if kind == "bias":  # row-parallel: added once, by rank 0, to the summed output
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)
     if kind == "weight_scale":  # row-parallel, per output row: the rows are whole
+        return tensor
+    return tensor[:, shard.part(tensor.shape[1])]
+
+
+def packed_slice(
+    name: str, tensor: torch.Tensor, shard: TPShard, heads: Heads, whole_groups: bool
+) -> torch.Tensor:
+    """Rank `shard.rank`'s part of a 4-bit projection's tensor `name` in models/quant_w4.py's
+    packed layout (qweight [out, in/8], scales and qzeros [out, groups], g_idx [in], bias).
+    Column-parallel: the rows of each, g_idx whole. Row-parallel: qweight's words and g_idx's
+    entries of this rank's input columns, the groups of its columns (`whole_groups`: every
+    group, kept whole: an act-order map sends a rank's columns to any group, and one group per
+    row spans every rank's columns)."""
+    found = _projection(name)
+    if shard.size == 1 or found is None:
+        return tensor
+    leaf, kind = found
+    if kind == "bias":
+        return checkpoint_slice(name, tensor, shard, heads)
+    if leaf in COLUMN_PARALLEL:
+        return tensor if kind == "g_idx" else _take_rows(tensor, _rows(leaf, tensor.shape[0],
+                                                                      shard, heads))  # fmt: skip
+    if kind == "g_idx":
+        return tensor[shard.part(tensor.shape[0])]
+    if kind in ("scales", "qzeros") and whole_groups:
         return tensor
     return tensor[:, shard.part(tensor.shape[1])]
 
