@@ -349,3 +349,78 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_and_its_steps_read_half_the_kv_b
     auto = Roofline(GPUS["h200"], shape, "bfloat16", profile).step_seconds(step)
     fp8 = Roofline(GPUS["h200"], shape, "bfloat16", profile, kv_cache_dtype="fp8")
     assert fp8.step_seconds(step) < 0.75 * auto  # long contexts: the KV bytes dominate
+
+
+def test_int4_plans_half_a_byte_a_weight_and_its_groups_and_the_roofline_reads_that(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--quantization int4 (a 4-bit checkpoint): the projections at half a byte per weight
+    plus a 16-bit scale and a zero byte per group of 128, the rest in --dtype; the step
+    reads fewer bytes than FP8's, and it splits over GPUs as the data plane splits it."""
+    from loraplane.planner.cost import GPUS, Roofline, StepShape
+    from loraplane.planner.memory import AdapterProfile, weights_bytes
+    from loraplane.planner.shapes import named_shape
+
+    shape = named_shape("llama-3-70b")
+    linear, others = shape.linear_params(), shape.num_params() - shape.linear_params()
+    int4 = weights_bytes(shape, "bfloat16", "int4")
+    assert int4 == 2 * others + linear // 2 + -(-linear // 128) * 3
+    assert 39e9 < int4 < 41e9 < weights_bytes(shape, "bfloat16", "fp8")
+    step = StepShape(tokens=1, seqs=1, context=1000, attention=1000, adapters=1, adapter_bytes=0)
+    seconds = {
+        form: Roofline(GPUS["h200"], shape, "bfloat16", AdapterProfile(1), form).step_seconds(step)
+        for form in (None, "fp8", "int4")
+    }
+    assert seconds["int4"] < 0.6 * seconds["fp8"] < 0.6 * seconds[None]
+    args = ["plan", "--model-shape", "llama-3-70b", "--gpu", "h100", "--adapters", "2000",
+            "--quantization", "int4", "--json"]  # fmt: skip
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["quantization"] == "int4" and one["memory"]["weights_bytes"] == int4
+    assert main([*args, "--tensor-parallel-size", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert 0.5 < two["memory"]["weights_bytes"] / int4 < 0.51
+    assert main(["plan", "--model-shape", "mixtral-8x7b", "--gpu", "h200", "--adapters", "10",
+                 "--quantization", "int4"]) == 2  # fmt: skip
+    assert "4-bit weights of a mixture of experts are not supported yet" in capsys.readouterr().err
+
+
+def _checkpoint(tmp_path: Path, name: str, quantization_config: dict[str, object] | None) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    config = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+              "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "vocab_size": 128256, "max_position_embeddings": 8192,
+              "torch_dtype": "bfloat16"}  # fmt: skip
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_quantized_checkpoint_is_planned_as_it_is_stored_and_contrary_flags_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    awq = _checkpoint(tmp_path, "awq", {"quant_method": "awq", "bits": 4, "group_size": 128})
+    fp8 = _checkpoint(tmp_path, "fp8", {"quant_method": "compressed-tensors",
+                                        "format": "float-quantized"})  # fmt: skip
+    plain = _checkpoint(tmp_path, "plain", None)
+    base = ["plan", "--gpu", "h100", "--adapters", "100", "--json"]
+    forms = {}
+    for folder in (awq, fp8, plain):
+        assert main([*base, "--model", str(folder)]) == 0, capsys.readouterr().err
+        out = json.loads(capsys.readouterr().out)
+        forms[folder.name] = (out["quantization"], out["memory"]["weights_bytes"])
+    assert forms["awq"][0] == "int4" and forms["fp8"][0] == "fp8" and forms["plain"][0] is None
+    assert forms["awq"][1] < forms["fp8"][1] < forms["plain"][1]
+    # compared in its own form only, on 1 to 8 GPUs
+    assert main([*base, "--model", str(awq), "--recommend-layout"]) == 0
+    layouts = [item["layout"] for item in json.loads(capsys.readouterr().out)["layouts"]]
+    assert layouts == ["int4, 1 GPU", "int4, TP=2", "int4, TP=4", "int4, TP=8"]
+    for folder, flag, message in (
+        (awq, "fp8", "is a 4-bit checkpoint, served as it is stored: give --quantization int4"),
+        (fp8, "int4", "is an FP8 checkpoint, served as it is stored: give --quantization fp8"),
+        (plain, "int4", "holds 16-bit weights: the data plane reads 4-bit weights from"),
+    ):
+        assert main([*base, "--model", str(folder), "--quantization", flag]) == 2
+        assert message in capsys.readouterr().err

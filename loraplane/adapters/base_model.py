@@ -79,6 +79,21 @@ MAX_CONFIG_BYTES = 1 << 20
 CONFIG_NAME = "config.json"
 
 
+def checkpoint_quantization(config: dict[str, Any]) -> str | None:
+    """The form of a checkpoint's projections by its config.json's `quantization_config`:
+    "int4" (compressed-tensors pack-quantized, AWQ, GPTQ), "fp8" (compressed-tensors float
+    or naive), None (16-bit, or a method the data plane refuses at load, naming it)."""
+    stored = config.get("quantization_config")
+    if not isinstance(stored, dict):
+        return None
+    method = stored.get("quant_method")
+    if method in ("awq", "gptq"):
+        return "int4"
+    if method == "compressed-tensors":
+        return "int4" if stored.get("format") == "pack-quantized" else "fp8"
+    return None
+
+
 def read_config(
     uri: str, *, s3_endpoint_url: str | None = None, max_bytes: int = MAX_CONFIG_BYTES
 ) -> dict[str, Any]:

@@ -134,10 +134,12 @@ def add_commands(subparsers: Any) -> None:
         help="weights' and KV cache's dtype",
     )  # fmt: skip
     model.add_argument(
-        "--quantization", choices=["fp8"], default=None,
+        "--quantization", choices=["fp8", "int4"], default=None,
         help="fp8: the base's projections in float8 e4m3, as serve --quantization fp8 (half"
         " the weights' memory; the roofline reads a byte per weight where the GPU has FP8,"
-        " the torch path's dequantization traffic where not) (default: none, --dtype)",
+        " the torch path's dequantization traffic where not); int4: a 4-bit checkpoint (AWQ,"
+        " GPTQ, compressed-tensors pack-quantized: serve reads it with no flag), half a byte"
+        " per weight and a scale and zero per group of 128 (default: none, --dtype)",
     )  # fmt: skip
     model.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], default="auto",

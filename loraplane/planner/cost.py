@@ -31,6 +31,8 @@ from typing import Any, Protocol
 from loraplane.planner.memory import (
     DTYPE_BYTES,
     FP8_TORCH_PATH_BYTES,
+    W4_GROUP,
+    W4_GROUP_BYTES,
     AdapterProfile,
     adapter_elements,
     kv_bytes_per_token,
@@ -149,7 +151,8 @@ class Roofline:
     shape: ModelShape
     dtype: str
     profile: AdapterProfile
-    # "fp8": the linear weights as the data plane's FP8 path on this GPU moves them
+    # "fp8": the linear weights as the data plane's FP8 path on this GPU moves them; "int4":
+    # as its Triton W4A16 kernel reads them (half a byte, and the groups' scales and zeros)
     quantization: str | None = None
     bandwidth_efficiency: float = 0.8
     flops_efficiency: float = 0.5
@@ -184,7 +187,10 @@ class Roofline:
         others = shape.num_params() - shape.linear_params()  # embedding, norms, LM head
         streamed_params = others + streamed_linear_params(shape, step.tokens)
         streamed = (streamed_params - (0 if shape.tie_word_embeddings else embed)) * elt
-        if self.quantization is not None and self.gpu.fp8:  # the W8A16 kernel: a byte a weight
+        if self.quantization == "int4":  # the W4A16 kernel, on every CUDA GPU
+            per_weight = 0.5 + W4_GROUP_BYTES / W4_GROUP
+            streamed -= streamed_linear_params(shape, step.tokens) * (elt - per_weight)
+        elif self.quantization is not None and self.gpu.fp8:  # the W8A16 kernel: a byte a weight
             streamed -= streamed_linear_params(shape, step.tokens) * (elt - 1)
         elif self.quantization is not None:  # the torch path: dequantization, then the matmul
             streamed += streamed_linear_params(shape, step.tokens) * FP8_TORCH_PATH_BYTES

@@ -152,7 +152,7 @@ def fit_layout(
         per = " per GPU" if n > 1 else ""
         return LayoutFit(layout, why_not=f"weights {weights / 1e9:.1f} GB{per} >"
                                          f" {usable / 1e9:.1f} GB of device memory")  # fmt: skip
-    plan = plan_memory(shape, config, gpu.memory, profile, reserved)
+    plan = plan_memory(shape, config, gpu.memory, profile, reserved, layout.quantization)
     max_len = config.max_model_len or shape.max_position_embeddings
     if plan.kv_tokens < max_len:
         why = f"KV cache {plan.kv_tokens:,} tokens < one sequence of {max_len:,}"

@@ -138,19 +138,34 @@ class MemoryPlan:
         return self.kv_cache_bytes // self.kv_bytes_per_token
 
 
+# "int4": a 4-bit checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized), read as such by
+# the data plane with no flag (models/w4_formats.py), in its most common form: groups of 128
+# input columns, each with a 16-bit scale and a zero point (a byte in the data plane's layout)
+W4_GROUP = 128
+W4_GROUP_BYTES = 2 + 1
+QUANTIZED = {"fp8": "FP8", "int4": "4-bit"}
+
+
 def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None) -> int:
     """Bytes of the model's parameters in `dtype`. With `quantization` "fp8" (models/quant.py,
     per channel) the decoder's linear weights take a byte each and an fp32 scale per output
-    row; embeddings, norms and the LM head stay in `dtype` (biases, a few per layer, are
-    counted at a byte too). ValueError for a mixture of experts, which the engine refuses."""
+    row; with "int4" (models/quant_w4.py) half a byte each and a scale and zero point per
+    group of W4_GROUP inputs of a row. Embeddings, norms and the LM head stay in `dtype`
+    (biases, a few per layer, are counted as weights). ValueError for a mixture of experts,
+    which the engine refuses quantized."""
     if quantization is None:
         return shape.num_params() * DTYPE_BYTES[dtype]
     if shape.num_experts:
-        raise ValueError("FP8 weights of a mixture of experts are not supported yet")
+        raise ValueError(
+            f"{QUANTIZED[quantization]} weights of a mixture of experts are not supported yet"
+        )
     linear = shape.linear_params()
+    others = (shape.num_params() - linear) * DTYPE_BYTES[dtype]
+    if quantization == "int4":
+        return others + linear // 2 + -(-linear // W4_GROUP) * W4_GROUP_BYTES
     rows = sum(out for layer in range(shape.num_layers)
                for _, out in shape.adapted_shapes(SUPPORTED_MODULES, layer))  # fmt: skip
-    return (shape.num_params() - linear) * DTYPE_BYTES[dtype] + linear + 4 * rows
+    return others + linear + 4 * rows
 
 
 # What the FP8 torch path moves per linear weight in a step, before the matmul reads the
@@ -213,19 +228,23 @@ def plan_memory(
     device_memory: int,
     profile: AdapterProfile,
     reserved: int = 0,
+    quantization: str | None = None,
 ) -> MemoryPlan:
     """The memory split of one replica of `config` on a device of `device_memory` bytes;
-    `reserved`: memory the weights do not explain (CUDA context, activations) taken off first."""
+    `reserved`: memory the weights do not explain (CUDA context, activations) taken off first;
+    `quantization`: the weights' form where it is not `config.quantization`'s ("int4": a 4-bit
+    checkpoint, which the engine reads as such with no setting)."""
     if device_memory < 1:
         raise ValueError(f"device memory must be positive, got {device_memory}")
     dtype, size = config.dtype, config.tensor_parallel_size
+    quantization = quantization or config.quantization
     whole = shape
     shape = rank_shape(shape, size)  # TensorParallelRefused (a ValueError) names why not
-    weights = weights_bytes(shape, dtype, config.quantization)
-    total = weights_bytes(whole, dtype, config.quantization) if size > 1 else weights
+    weights = weights_bytes(shape, dtype, quantization)
+    total = weights_bytes(whole, dtype, quantization) if size > 1 else weights
     free = device_memory - weights - reserved
     if free <= 0:
-        form = f"{dtype}, {config.quantization}" if config.quantization else dtype
+        form = f"{dtype}, {quantization}" if quantization else dtype
         split = f", {weights / 1e9:.1f} GB on each of {size} devices" if size > 1 else ""
         raise ValueError(
             f"the weights of {whole.name} ({total / 1e9:.1f} GB in {form}{split}) do not fit"

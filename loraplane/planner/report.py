@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplane.adapters import base_model
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import (
     GPUS,
@@ -29,6 +30,7 @@ from loraplane.planner.layout import (
     layout_table,
 )
 from loraplane.planner.memory import AdapterProfile, MemoryPlan, plan_memory, weights_bytes
+from loraplane.planner.parallel import TP_SIZES
 from loraplane.planner.replica import ReplicaSettings
 from loraplane.planner.routing import POLICIES, make_policy
 from loraplane.planner.search import replicas_needed
@@ -55,6 +57,7 @@ class PlanReport:
     plot: str | None = None
     layouts: list[LayoutFit] = field(default_factory=list)  # --recommend-layout's table
     layout_note: str = ""  # why the layouts were compared unasked
+    quantization: str | None = None  # the weights' form: config's, or "int4" (a checkpoint's)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object `--json` prints."""
@@ -62,7 +65,7 @@ class PlanReport:
         out: dict[str, Any] = {
             "model": self.shape.as_dict() | {"params": self.shape.num_params()},
             "dtype": self.config.dtype,
-            "quantization": self.config.quantization,
+            "quantization": self.quantization,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "device": self.config.device,
             "memory": dataclasses.asdict(plan)
@@ -80,7 +83,7 @@ class PlanReport:
         if self.layouts:
             out["layouts"] = [fit_json(f, self.config.dtype) for f in self.layouts]
             out["recommended_layout"] = Layout(
-                self.config.tensor_parallel_size, self.config.quantization
+                self.config.tensor_parallel_size, self.quantization
             ).label(self.config.dtype)
         if self.load is not None:
             load = dataclasses.asdict(self.load)
@@ -112,12 +115,12 @@ class PlanReport:
             )
             rate = self.load.rate if self.load is not None else None
             lines += layout_table(self.layouts, cfg.dtype, rate)
-            label = Layout(cfg.tensor_parallel_size, cfg.quantization).label(cfg.dtype)
+            label = Layout(cfg.tensor_parallel_size, self.quantization).label(cfg.dtype)
             lines.append(f"recommended: {label}; its plan follows")
         lines += [
             f"model {s.name} ({s.model_type}, {s.num_layers} layers, hidden {s.hidden_size},"
             f" {s.num_params() / 1e9:.2f} B parameters) in {cfg.dtype}"
-            f"{', fp8 weights' if cfg.quantization else ''} on {cfg.device},"
+            f"{f', {self.quantization} weights' if self.quantization else ''} on {cfg.device},"
             f" {plan.device_memory / gb:.1f} GB of device memory"
             f"{f'; tensor-parallel over {plan.devices} GPUs' if plan.devices > 1 else ''}",
             *_memory_lines(plan, cfg, s),
@@ -257,7 +260,7 @@ def _gpu(args: argparse.Namespace) -> GPUSpec:
 
 
 def _cost(args: argparse.Namespace, shape: ModelShape, profile: AdapterProfile,
-          gpu: GPUSpec, config: EngineConfig) -> CostModel:  # fmt: skip
+          gpu: GPUSpec, config: EngineConfig, quantization: str | None) -> CostModel:  # fmt: skip
     if args.calibrate:
         return _calibrate(args, profile, config)
     if args.cost:
@@ -265,7 +268,7 @@ def _cost(args: argparse.Namespace, shape: ModelShape, profile: AdapterProfile,
             return LinearCost.load(args.cost)
         except ValueError as e:
             raise PlanError(str(e)) from e
-    return Roofline(gpu, shape, args.dtype, profile, config.quantization,
+    return Roofline(gpu, shape, args.dtype, profile, quantization,
                     tensor_parallel_size=config.tensor_parallel_size,
                     kv_cache_dtype=config.kv_cache_dtype)  # fmt: skip
 
@@ -322,9 +325,36 @@ def _host_limit(plan: MemoryPlan) -> str:
     )
 
 
+def _weights_form(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(the form the plan holds the projections in, the form --model's checkpoint stores them
+    in): a quantized checkpoint is planned as it is stored, --quantization must agree with it,
+    and int4 names a 4-bit checkpoint (the data plane cannot quantize to 4 bits at load)."""
+    stored = None
+    if args.model:
+        try:
+            stored = base_model.checkpoint_quantization(base_model.read_config(args.model))
+        except ValueError as e:  # BaseModelError, BaseModelUnavailable
+            raise PlanError(str(e)) from e
+    asked = args.quantization
+    if stored is not None and asked not in (None, stored):
+        word = {"int4": "a 4-bit", "fp8": "an FP8"}[stored]
+        raise PlanError(
+            f"--model {args.model} is {word} checkpoint, served as it is stored: give"
+            f" --quantization {stored} or leave it out"
+        )
+    if asked == "int4" and args.model and stored is None:
+        raise PlanError(
+            f"--quantization int4 plans a 4-bit checkpoint (AWQ, GPTQ, pack-quantized), and"
+            f" --model {args.model} holds 16-bit weights: the data plane reads 4-bit weights"
+            " from checkpoints only (it quantizes to fp8 at load, not to 4 bits)"
+        )
+    return asked or stored, stored
+
+
 def run_plan(args: argparse.Namespace) -> PlanReport:
     """Work out the plan `args` (the `plan` command's flags) ask for."""
     shape = _shape(args)
+    form, stored = _weights_form(args)
     if args.device == "cpu" and args.device_memory is None:
         raise PlanError("--device cpu: give --device-memory (the host memory to plan for)")
     gpu = _gpu(args)
@@ -336,7 +366,8 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
             return EngineConfig(
                 model=shape.name,
                 dtype=args.dtype,
-                quantization=layout.quantization,
+                # "int4" is a checkpoint's form, not a setting: the engine reads it as such
+                quantization=layout.quantization if layout.quantization == "fp8" else None,
                 tensor_parallel_size=layout.tensor_parallel_size,
                 kv_cache_dtype=args.kv_cache_dtype,
                 device=args.device,
@@ -350,8 +381,8 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
                 lora_memory=args.lora_memory,
             )
 
-        layouts, note = _layouts(args, shape, gpu, profile, make_config)
-        layout = Layout(args.tensor_parallel_size or 1, args.quantization)
+        layouts, note = _layouts(args, shape, gpu, profile, make_config, stored)
+        layout = Layout(args.tensor_parallel_size or 1, form)
         if layouts:
             best = cheapest(layouts)
             if best is None:
@@ -361,7 +392,7 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
                 )
             layout = best.layout
         config = make_config(layout)
-        plan = plan_memory(shape, config, gpu.memory, profile, args.reserved)
+        plan = plan_memory(shape, config, gpu.memory, profile, args.reserved, layout.quantization)
         load = None
         if args.rate is not None:
             load = Workload(profile.count, profile.popularity, args.prompt_tokens,
@@ -379,9 +410,10 @@ def run_plan(args: argparse.Namespace) -> PlanReport:
             raise PlanError(f"--policies: {e}") from e
     if not policies:
         raise PlanError(f"--policies: give some of {', '.join(POLICIES)}")
-    cost = _cost(args, shape, profile, gpu, config)
+    cost = _cost(args, shape, profile, gpu, config, layout.quantization)
     report = PlanReport(shape, config, profile, plan, cost, load, args.ttft_p99,
-                        layouts=layouts, layout_note=note)  # fmt: skip
+                        layouts=layouts, layout_note=note,
+                        quantization=layout.quantization)  # fmt: skip
     if load is None:
         return report
     if plan.adapters_resident < 1:
@@ -405,12 +437,15 @@ def _layouts(
     gpu: GPUSpec,
     profile: AdapterProfile,
     make_config: Callable[[Layout], EngineConfig],
+    stored: str | None = None,
 ) -> tuple[list[LayoutFit], str]:
     """Every layout sized, when `--recommend-layout` asks, or unasked when the model does not
-    fit one GPU in --dtype and no layout flag was given (with a line saying so); else none."""
+    fit one GPU in --dtype and no layout flag was given (with a line saying so); else none.
+    A quantized checkpoint (`stored`) is compared in its own form only, on 1 to 8 GPUs."""
     note = ""
     if not args.recommend_layout:
         chosen = args.tensor_parallel_size is not None or args.quantization is not None
+        chosen = chosen or stored is not None
         measured = args.device == "cpu" or args.calibrate or args.cost
         weights = weights_bytes(shape, args.dtype)
         if chosen or measured or weights < gpu.memory - args.reserved:
@@ -435,7 +470,7 @@ def _layouts(
     fits = [
         fit_layout(layout, shape, make_config, gpu, profile, args.reserved,
                    args.prompt_tokens, args.output_tokens, replicas_for)
-        for layout in LAYOUTS
+        for layout in (LAYOUTS if stored is None else [Layout(n, stored) for n in TP_SIZES])
     ]  # fmt: skip
     return fits, note
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from loraplane.adapters import base_model
 from loraplane.dataplane.kernels import backends
 from loraplane.dataplane.models.config import UnsupportedModelError
 
@@ -113,13 +114,7 @@ def scheme_for(config: dict[str, Any], quantization: str | None) -> FP8Scheme | 
 def is_4_bit(config: dict[str, Any]) -> bool:
     """Whether config.json describes a 4-bit checkpoint (compressed-tensors pack-quantized,
     AWQ, GPTQ): one models/w4_formats.py reads."""
-    stored = config.get("quantization_config")
-    if not isinstance(stored, dict):
-        return False
-    method = stored.get("quant_method")
-    return method in ("awq", "gptq") or (
-        method == "compressed-tensors" and stored.get("format") == "pack-quantized"
-    )
+    return base_model.checkpoint_quantization(config) == "int4"
 
 
 def _from_checkpoint(stored: Any) -> FP8Scheme:
