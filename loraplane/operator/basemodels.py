@@ -11,7 +11,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from loraplane.adapters.base_model import BaseModelError, BaseModelSpec, read_config
+from loraplane.adapters.base_model import (
+    BaseModelError,
+    BaseModelSpec,
+    checkpoint_quantization,
+    read_config,
+)
 
 
 class BaseModelUnavailable(Exception):
@@ -29,6 +34,7 @@ class BaseModelCache:
     def __init__(self, s3_endpoint_url: str | None = None) -> None:
         self._s3_endpoint_url = s3_endpoint_url
         self._specs: dict[tuple[str, str], BaseModelSpec] = {}
+        self._forms: dict[str, str | None] = {}  # uri -> checkpoint_quantization
         self._lock = threading.Lock()
 
     def get(self, uri: str, name: str) -> BaseModelSpec:
@@ -44,7 +50,15 @@ class BaseModelCache:
         spec = spec_of(config, name, uri)
         with self._lock:
             self._specs[(uri, name)] = spec
+            self._forms[uri] = checkpoint_quantization(config)
         return spec
+
+    def stored_quantization(self, uri: str, name: str) -> str | None:
+        """The form the checkpoint at `uri` stores its projections in ("int4", "fp8", None:
+        16-bit); BaseModelUnavailable as `get`."""
+        self.get(uri, name)
+        with self._lock:
+            return self._forms.get(uri)
 
 
 def spec_of(config: dict[str, Any], name: str, source: str) -> BaseModelSpec:

@@ -33,11 +33,14 @@ from loraplane.operator.specs import (
     VERSION,
     PoolSpec,
     SpecError,
+    check_quantization,
     check_tensor_parallel,
 )
 
 REGISTERED = "Registered"
-LAYOUT = "LayoutValid"  # the base model splits as spec.tensorParallelSize asks
+LAYOUT = "LayoutValid"  # the base model splits as spec.tensorParallelSize asks, in its form
+INVALID_SPLIT = "InvalidTensorParallelSize"
+UNSUPPORTED_QUANTIZATION = "UnsupportedQuantization"
 DEPRECATED_AFFINITY = (
     "spec.routing.endpointPicker.adapterAffinity is deprecated and has no effect: the endpoint"
     " picker reads adapter names on the pods' gateway-metrics port, always on; remove it"
@@ -51,19 +54,26 @@ def _parse(spec: kopf.Spec) -> PoolSpec:
         raise kopf.PermanentError(f"InvalidSpec: {exc}") from None
 
 
-def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> str | None:
-    """Why the base model cannot be split as the spec asks, or None (also when its
-    config.json cannot be read here: a model on the pods' volume is checked by the pods)."""
-    if pool.tensor_parallel_size == 1 or pool.model_on_volume:
+def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> tuple[str, str] | None:
+    """(reason, message) when the base model cannot be served as the spec asks: split over
+    spec.tensorParallelSize, or in the form spec.quantization and its checkpoint give; None
+    otherwise (also when its config.json cannot be read here: a model on the pods' volume is
+    checked by the pods)."""
+    if (pool.tensor_parallel_size == 1 and pool.quantization is None) or pool.model_on_volume:
         return None
     try:
         base = ctx.base_models.get(pool.base_model_uri, pool.base_model_name)
+        stored = ctx.base_models.stored_quantization(pool.base_model_uri, pool.base_model_name)
     except BaseModelUnavailable:
         return None  # the pods say why they cannot load it
     try:
+        check_quantization(pool.quantization, stored, base)
+    except SpecError as exc:
+        return UNSUPPORTED_QUANTIZATION, str(exc)
+    try:
         check_tensor_parallel(pool.tensor_parallel_size, base)
     except SpecError as exc:
-        return str(exc)
+        return INVALID_SPLIT, str(exc)
     return None
 
 
@@ -144,12 +154,13 @@ async def reconcile_pool(
     generation = meta.get("generation")
     layout = await asyncio.to_thread(_layout_error, ctx, pool)
     if layout is not None:  # no pods that could only fail: the spec must change
+        reason, message = layout
         patch.status["observedGeneration"] = generation
         patch.status["conditions"] = set_condition(
-            status.get("conditions") or [], LAYOUT, False, "InvalidTensorParallelSize", layout,
+            status.get("conditions") or [], LAYOUT, False, reason, message,
             generation=generation, now=now_iso(),
         )  # fmt: skip
-        kopf.warn(body, reason="InvalidTensorParallelSize", message=layout)
+        kopf.warn(body, reason=reason, message=message)
         return
     if "adapterAffinity" in (spec.get("routing") or {}).get("endpointPicker", {}):
         kopf.warn(body, reason="Deprecated", message=DEPRECATED_AFFINITY)

@@ -397,6 +397,23 @@ def _routing(routing: Mapping[str, Any]) -> Routing:
     )
 
 
+def check_quantization(asked: str | None, stored: str | None, base: BaseModelSpec) -> None:
+    """SpecError when the data plane would refuse the base's weights in the form
+    spec.quantization (`asked`) and its checkpoint (`stored`: "int4", "fp8", None) give."""
+    if stored == "int4" and asked is not None:
+        raise SpecError(
+            f"spec.quantization {asked}: the base model is a 4-bit checkpoint (AWQ, GPTQ or"
+            " pack-quantized), served as it is stored: leave spec.quantization out"
+        )
+    form = asked or stored
+    if form is not None and base.num_experts:
+        word = "4-bit" if form == "int4" else "FP8"
+        raise SpecError(
+            f"{word} weights of a mixture of experts ({base.model_type}) are not served yet"
+            + (": leave spec.quantization out" if asked else "")
+        )
+
+
 def check_tensor_parallel(size: int, base: BaseModelSpec) -> None:
     """SpecError when `base` cannot be split over `size` processes (the data plane's rule,
     `base_model.tensor_parallel_problem`)."""

@@ -3,6 +3,8 @@ and autoscaling from the pressure reported to the control plane."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +354,21 @@ def test_a_split_pool_asks_for_a_gpu_per_rank_and_an_unsplittable_base_is_refuse
         in (message)
     )
     assert _deployment(cluster, "odd") is None
+    # fp8 asked of a 4-bit checkpoint (the data plane would refuse it): no pods either
+    awq = base_model_dir.parent / "awq-base"
+    shutil.copytree(base_model_dir, awq)
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    (awq / "config.json").write_text(json.dumps(config))
+    cluster.create("servingpools", PLATFORM, pool_body("awq", awq, quantization="fp8"))
+
+    def unsupported() -> dict[str, Any] | None:
+        pool = cluster.get("servingpools", PLATFORM, "awq")
+        found = [c for c in pool.get("status", {}).get("conditions", [])
+                 if c["type"] == "LayoutValid"]  # fmt: skip
+        return found[0] if found else None
+
+    cond = wait_for(unsupported, what="the awq pool's LayoutValid condition")
+    assert (cond["status"], cond["reason"]) == ("False", "UnsupportedQuantization")
+    assert "the base model is a 4-bit checkpoint" in cond["message"]
+    assert _deployment(cluster, "awq") is None

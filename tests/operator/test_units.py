@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import tarfile
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -448,6 +449,24 @@ def test_pool_tensor_parallel_size_reaches_serve_with_its_gpus_and_bad_layouts_a
     odd = BaseModelSpec("m", "qwen3_moe", 2, 64, 96, 8, 2, 8, 4, 45, (0, 1))
     with pytest.raises(SpecError, match=r"does not divide moe_intermediate_size \(45\)"):
         specs.check_tensor_parallel(2, odd)
+
+
+def test_a_quantization_the_data_plane_would_refuse_for_its_checkpoint_is_a_spec_error() -> None:
+    from loraplane.adapters.base_model import BaseModelSpec
+
+    llama = BaseModelSpec("m", "llama", 2, 64, 128, 8, 2, 8)
+    mixtral = BaseModelSpec("m", "mixtral", 2, 64, 96, 8, 2, 8, 4, 96, (0, 1))
+    for asked, stored in ((None, None), ("fp8", None), ("fp8", "fp8"), (None, "int4")):
+        specs.check_quantization(asked, stored, llama)  # served
+    specs.check_quantization(None, None, mixtral)
+    for asked, stored, base, reason in (
+        ("fp8", "int4", llama, "spec.quantization fp8: the base model is a 4-bit checkpoint"),
+        ("fp8", None, mixtral, "FP8 weights of a mixture of experts (mixtral) are not served"
+                               " yet: leave spec.quantization out"),
+        (None, "int4", mixtral, "4-bit weights of a mixture of experts (mixtral) are not"),
+    ):  # fmt: skip
+        with pytest.raises(SpecError, match=re.escape(reason)):
+            specs.check_quantization(asked, stored, base)
 
 
 def test_pool_kv_cache_dtype_reaches_serve_and_an_unknown_one_is_refused() -> None:
