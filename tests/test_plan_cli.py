@@ -424,3 +424,30 @@ def test_a_quantized_checkpoint_is_planned_as_it_is_stored_and_contrary_flags_ar
     ):
         assert main([*base, "--model", str(folder), "--quantization", flag]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_4_bit_groups_that_a_split_would_cut_are_refused_as_the_data_plane_refuses_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen2-72B's MLP (29,568 columns) leaves 14,784, 7,392 and 3,696 inputs of down_proj per
+    GPU over 2, 4 and 8, none of them whole groups of 128: a 4-bit Qwen2-72B is served whole."""
+    config: dict[str, object] = {
+        "model_type": "qwen2", "num_hidden_layers": 80, "hidden_size": 8192,
+        "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 152064, "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    folder = tmp_path / "qwen2-72b-awq"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    base = ["plan", "--model", str(folder), "--gpu", "h200", "--adapters", "100"]
+    assert main([*base, "--tensor-parallel-size", "8"]) == 2
+    assert (
+        "4-bit weights in groups of 128 do not split over 8 GPUs: down_proj's 29,568 inputs"
+        " leave 3,696 per GPU, not whole groups" in capsys.readouterr().err
+    )
+    assert main([*base, "--recommend-layout", "--json"]) == 0
+    layouts = {item["layout"]: item for item in json.loads(capsys.readouterr().out)["layouts"]}
+    assert layouts["int4, 1 GPU"]["fits"]
+    for n in (2, 4, 8):
+        assert "do not split over" in layouts[f"int4, TP={n}"]["why_not"]

@@ -27,7 +27,13 @@ from dataclasses import dataclass
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.planner.cost import GPUSpec, Roofline, StepShape
-from loraplane.planner.memory import AdapterProfile, MemoryPlan, plan_memory, weights_bytes
+from loraplane.planner.memory import (
+    AdapterProfile,
+    MemoryPlan,
+    check_w4_split,
+    plan_memory,
+    weights_bytes,
+)
 from loraplane.planner.parallel import TP_SIZES, TensorParallelRefused, rank_shape
 from loraplane.planner.shapes import ModelShape
 
@@ -144,6 +150,8 @@ def fit_layout(
     n, dtype = layout.tensor_parallel_size, config.dtype
     try:
         local = rank_shape(shape, n)
+        if layout.quantization == "int4":
+            check_w4_split(shape, n)
         weights = weights_bytes(local, dtype, layout.quantization)
     except (TensorParallelRefused, ValueError) as e:  # refused split, FP8 of an MoE
         return LayoutFit(layout, why_not=str(e))

@@ -146,6 +146,22 @@ W4_GROUP_BYTES = 2 + 1
 QUANTIZED = {"fp8": "FP8", "int4": "4-bit"}
 
 
+def check_w4_split(shape: ModelShape, size: int) -> None:
+    """ValueError when 4-bit weights of `shape` cannot be split over `size` ranks: a
+    row-parallel projection's inputs on a rank (o_proj's heads, down_proj's MLP columns) must
+    be whole groups of W4_GROUP (the data plane's rule, models/quant_w4.W4Linear)."""
+    if size == 1:
+        return
+    inputs = {"o_proj": shape.num_heads * shape.head_dim, "down_proj": shape.intermediate_size}
+    for module, whole in inputs.items():
+        if whole % (size * W4_GROUP):
+            raise ValueError(
+                f"4-bit weights in groups of {W4_GROUP} do not split over {size} GPUs:"
+                f" {module}'s {whole:,} inputs leave {whole / size:,.0f} per GPU, not whole"
+                " groups"
+            )
+
+
 def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None) -> int:
     """Bytes of the model's parameters in `dtype`. With `quantization` "fp8" (models/quant.py,
     per channel) the decoder's linear weights take a byte each and an fp32 scale per output
@@ -240,6 +256,8 @@ def plan_memory(
     quantization = quantization or config.quantization
     whole = shape
     shape = rank_shape(shape, size)  # TensorParallelRefused (a ValueError) names why not
+    if quantization == "int4":
+        check_w4_split(whole, size)
     weights = weights_bytes(shape, dtype, quantization)
     total = weights_bytes(whole, dtype, quantization) if size > 1 else weights
     free = device_memory - weights - reserved

@@ -635,6 +635,24 @@ def test_each_ranks_4_bit_projections_dequantize_to_its_slice_of_the_unsplit_one
         assert held < 1.3 * full.device_bytes()  # type: ignore[operator]  # not two copies
 
 
+def test_4_bit_groups_a_split_would_cut_are_refused_naming_the_split(
+    families: dict[str, Family], tmp_path: Path
+) -> None:
+    """Groups of 64 inputs over 2 ranks: o_proj's 64 inputs (4 heads of 16) leave 32 per rank."""
+    import json
+    import shutil
+
+    awq = tmp_path / "awq-64"
+    shutil.copytree(families["llama"].model_dir, awq)
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 64}
+    (awq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="tensor parallel size 2: a 4-bit projection"
+                                                    " of 32 inputs does not split into groups"
+                                                    " of 64"):  # fmt: skip
+        load_model(awq, torch.float32, "cpu", shard=TPShard(0, 2))
+
+
 @pytest.mark.parametrize("variant", ["awq", "gptq-act-order"])
 def test_tp2_over_4_bit_weights_gives_tp1s_tokens_in_mixed_adapter_batches(
     families: dict[str, Family], w4_checkpoints: dict[str, Path], variant: str

@@ -226,7 +226,15 @@ def load_model(
     with torch.device("meta"):
         model = causal_lm(built)
         fp8 = set() if scheme is None else set(quant.quantize_projections(model, scheme, dtype))
-        int4 = {} if w4 is None else w4_formats.replace_projections(model, w4, dtype)
+        try:
+            int4 = {} if w4 is None else w4_formats.replace_projections(model, w4, dtype)
+        except UnsupportedModelError as e:
+            if tp.size == 1:
+                raise
+            raise UnsupportedModelError(
+                f"tensor parallel size {tp.size}: {e} (each rank holds 1/{tp.size} of o_proj's"
+                " and down_proj's inputs)"
+            ) from e
         # the unsplit layers, for the checks of the conversion (the checkpoint's shapes)
         whole = int4
         if w4 is not None and tp.size > 1:
