@@ -223,7 +223,9 @@ class ModelRunner:
         if self.workers is None:
             return run_plan(self.model, plan, self.config.block_size, self.host_copy,
                             self.cuda_graphs)  # fmt: skip
-        self.workers.send(*self._message(plan))
+        message, buffers = self._message(plan)
+        self.workers.send(message, buffers)
+        self.pool.sync_norms(message.norms, self.workers.comm.all_reduce)
         return run_plan(self.model, plan, self.config.block_size, self.host_copy)
 
     def _message(self, plan: StepPlan) -> tuple[StepMessage, list[list[np.ndarray]]]:
@@ -245,4 +247,5 @@ class ModelRunner:
                 for mine, buffer in zip(buffers, theirs, strict=True):
                     mine.append(buffer)
         self._mirrored = slots
-        return StepMessage(plan, frees, loads), buffers
+        norms = sorted(self.pool.pending_norms & slots.keys())
+        return StepMessage(plan, frees, loads, norms), buffers

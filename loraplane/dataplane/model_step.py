@@ -25,7 +25,7 @@ from loraplane.dataplane.models.llama import LlamaForCausalLM
 from loraplane.dataplane.models.loader import load_model
 from loraplane.dataplane.parallel.comm import Collectives
 from loraplane.dataplane.parallel.layers import parallelize
-from loraplane.dataplane.parallel.shard import TPShard, local_spec
+from loraplane.dataplane.parallel.shard import ROW_PARALLEL, TPShard, local_spec
 from loraplane.dataplane.prompt_logprobs import PromptScores, PromptSpan, score_prompts
 from loraplane.dataplane.step_metadata import StepRow, build_step
 
@@ -88,7 +88,9 @@ def build_model(
     spec = BaseModelSpec.from_dir(config.model, name=config.served_model_name)
     part = spec if shard is None else local_spec(spec, shard)
     layout = dispatch.b_transposed(dtype, device)  # B as the kernels picked for it read it
-    pool = LoRAPool(config.lora_slots, part, dtype, device, b_transposed=layout)
+    # split rows: a DoRA g there is summed over the ranks when it takes a slot (sync_norms)
+    summed = frozenset() if shard is None or shard.size == 1 else frozenset(ROW_PARALLEL)
+    pool = LoRAPool(config.lora_slots, part, dtype, device, b_transposed=layout, summed=summed)
     install_lora(model, pool)
     vocab = int(model.config.vocab_size)
     if comm is not None:

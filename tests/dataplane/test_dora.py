@@ -32,7 +32,6 @@ from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
 from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
 from loraplane.dataplane.lora.dora import refusal
-from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.models import load_model
 from loraplane.dataplane.models.quant_w4 import W4Linear
 from loraplane.dataplane.sampling import SamplingParams
@@ -298,23 +297,24 @@ def test_a_dora_adapter_on_an_fp8_base_is_refused_naming_the_quantization(
     assert "needs the base weight W in full precision" in info.value.message
 
 
-def test_a_dora_adapter_under_tensor_parallelism_is_refused(bases: Any) -> None:
-    """A rank's manager has a shard function (tensor_parallel_size > 1): DoRA's row norm
-    would need the whole row of W, which no rank holds."""
-    model_dir, adapters, _ = bases("llama")
-    spec = BaseModelSpec.from_dir(model_dir)
-    model = load_model(model_dir, torch.float32, torch.device("cpu"))
-    pool = LoRAPool(1, spec, torch.float32, "cpu")
-    install_lora(model, pool)
-    manager = LoRAManager(pool, spec, max_lora_rank=64, shard=lambda adapter: adapter)
+@pytest.mark.parametrize(("kind", "max_loras"), [("llama", 2), ("llama", 1), ("qwen2", 2),
+                                                ("phi3", 2)])  # fmt: skip
+def test_a_dora_adapter_split_over_two_ranks_gives_pefts_tokens_and_logprobs(
+    bases: Any, kind: str, max_loras: int
+) -> None:
+    """Tensor parallelism: a column-parallel rank computes its rows' g alone (its rows of W
+    whole), the row-parallel ones (o_proj, down_proj) add up their column slices' squares of
+    each row's norm in one all-reduce when the adapter takes a slot (LoRAPool.sync_norms).
+    The mixed batch over two ranks equals HF + PEFT; with one slot (llama, max_loras 1) the
+    DoRA and plain adapters take turns in it, so DoRA's g is summed again at each placement;
+    qwen2 (q/k/v biases, one KV head held by both ranks) and phi3 (fused qkv and gate_up)."""
+    model_dir, _, _ = bases(kind)
+    engine = engine_for(model_dir, tensor_parallel_size=2, max_loras=max_loras)
     try:
-        manager.register("plain", adapters["plain"])
-        with pytest.raises(AdapterRejected) as info:
-            manager.register("dora", adapters["dora"])
+        check_mixed_batch(bases, kind, f"tp2, {max_loras} slots", n=10, engine=engine)
+        assert engine.runner.pool.pending_norms == set()
     finally:
-        manager.close()
-    assert info.value.code is ReasonCode.DORA_NOT_SUPPORTED
-    assert "not served with tensor parallelism (tensor_parallel_size > 1)" in info.value.message
+        engine.close()
 
 
 def test_a_4_bit_projection_refuses_dora_naming_its_class() -> None:

@@ -22,8 +22,11 @@ first-ever cold load 6.1-6.4x (14.5-15.3 against 2.4-2.5 ms: the norm, one [out,
 product per module, is most of it, on a loader thread); with g in the norm cache's folder
 (a restart) 1.4-1.5x (3.5-3.6 ms).
 
-What needs the base weight W in full and on one device is refused (`refusal`): a quantized
-projection (FP8, 4-bit), and tensor parallelism (lora/host_tier.py), where W is split.
+What needs the base weight W in full precision is refused (`refusal`): a quantized projection
+(FP8, 4-bit). Under tensor parallelism a column-parallel rank holds whole rows of W and
+computes its rows' g alone; a row-parallel one (o_proj, down_proj) holds a slice of every
+row's columns, so the ranks add up their slices' squares (`norm_sq`) in one all-reduce when
+the adapter takes a slot (`LoRAPool.sync_norms`), before any step reads g.
 """
 
 from __future__ import annotations
@@ -101,6 +104,38 @@ def base_print(weight: torch.Tensor, base_sq: torch.Tensor) -> bytes:
 
 
 @torch.no_grad()
+def norm_sq(
+    weight: torch.Tensor,  # [out, in]: the base layer's weight W (or a slice of its columns)
+    a: torch.Tensor,  # [r, in]: A (its same columns)
+    b: torch.Tensor,  # [out, r]
+    scale: float,  # s: alpha / r (or alpha / sqrt(r))
+    base_sq: torch.Tensor | None = None,  # [out] fp64: row_norms_sq(weight), if known
+) -> torch.Tensor:  # [out] fp64: ||W_i + s B_i A||^2
+    """The square of each row's norm, expanded, never forming the [out, in] matrix W + s B A:
+
+        ||W_i + s B_i A||^2 = ||W_i||^2 + 2 s B_i . (W A^T)_i + s^2 B_i (A A^T) B_i^T
+
+    so it reads W once, in one [out, in] x [in, r] product, and the rest is [out, r] work; the
+    rows' ||W_i||^2 come from `base_sq` and the sums run in fp64. Every term sums over the
+    input columns, so the squares of column slices (a row-parallel rank's W and A) add up to
+    the whole row's (`LoRAPool.sync_norms`)."""
+    a32, b32 = a.float(), b.float()
+    if base_sq is None:
+        base_sq = row_norms_sq(weight)
+    cross = (weight.float() @ a32.t()).double().mul_(b32).sum(1)  # [out]: B_i . (W A^T)_i
+    gram = (a32 @ a32.t()).double()  # [r, r]
+    update_sq = (b32.double() @ gram).mul_(b32).sum(1)  # [out]: ||B_i A||^2
+    return base_sq + (2 * scale) * cross + (scale * scale) * update_sq
+
+
+def scale_of(norm_sq: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """g = m / sqrt(norm_sq), fp32 on norm_sq's device (an all-zero updated row gives inf, as
+    in PEFT; rounding never makes a true 0 negative by much)."""
+    norm = norm_sq.clamp_min(0).sqrt_()
+    return (magnitude.to(device=norm.device, dtype=torch.float64) / norm).float()
+
+
+@torch.no_grad()
 def dora_scale(
     weight: torch.Tensor,  # [out, in]: the base layer's weight W
     a: torch.Tensor,  # [r, in]
@@ -110,22 +145,8 @@ def dora_scale(
     base_sq: torch.Tensor | None = None,  # [out] fp64: row_norms_sq(weight), if known
 ) -> torch.Tensor:  # [out] fp32 on weight's device: g = m / ||W + s B A||_row
     """The per-row scale g of a DoRA module, in fp32 (PEFT's norm is detached: it depends on
-    the weights alone). The norm is expanded, never forming the [out, in] matrix W + s B A:
-
-        ||W_i + s B_i A||^2 = ||W_i||^2 + 2 s B_i . (W A^T)_i + s^2 B_i (A A^T) B_i^T
-
-    so a load reads W once, in one [out, in] x [in, r] product, and the rest is [out, r]
-    work; the rows' ||W_i||^2 come from `base_sq` and the sums run in fp64. Rows whose
-    updated weight is all zero give inf, as in PEFT."""
-    a32, b32 = a.float(), b.float()
-    if base_sq is None:
-        base_sq = row_norms_sq(weight)
-    cross = (weight.float() @ a32.t()).double().mul_(b32).sum(1)  # [out]: B_i . (W A^T)_i
-    gram = (a32 @ a32.t()).double()  # [r, r]
-    update_sq = (b32.double() @ gram).mul_(b32).sum(1)  # [out]: ||B_i A||^2
-    norm_sq = base_sq + (2 * scale) * cross + (scale * scale) * update_sq
-    norm = norm_sq.clamp_min_(0).sqrt_()  # (rounding never makes a true 0 negative by much)
-    return (magnitude.to(device=weight.device, dtype=torch.float64) / norm).float()
+    the weights alone), from `norm_sq`."""
+    return scale_of(norm_sq(weight, a, b, scale, base_sq), magnitude)
 
 
 def dora_rows(

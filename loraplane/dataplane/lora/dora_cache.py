@@ -27,6 +27,7 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -212,12 +213,16 @@ def with_norms(
     dtype: torch.dtype,
     cache: NormCache | None,
     pin: bool,
+    skip: Callable[[tuple[int, str]], bool] | None = None,
 ) -> LoadedAdapter:
     """`adapter` (a host copy in the pool's `dtype`) with each DoRA module a
     `dora.DoRAWeights` carrying its g, read from `cache` or computed from the base weights
     `tables` registered (on their device) and then kept there; as is without DoRA modules
-    or when each already carries its g."""
+    or when each already carries its g. Modules `skip` names are left as they are (a
+    row-parallel rank's: their g is summed over the ranks at placement, pool.sync_norms)."""
     keys = [k for k, w in adapter.modules.items() if w.magnitude is not None]
+    if skip is not None:
+        keys = [k for k in keys if not skip(k)]
     if all(isinstance(adapter.modules[k], dora.DoRAWeights) for k in keys):
         return adapter
     if any(k not in tables for k in keys):  # not this model's: the pool's load says so

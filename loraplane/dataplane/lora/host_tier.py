@@ -87,15 +87,7 @@ class HostTier:
         self.stats = TierStats("cpu")
 
     def host_form(self, adapter: LoadedAdapter) -> LoadedAdapter:
-        """`adapter` as the pool holds it (this rank's part of it, with tensor parallelism);
-        AdapterRejected for a DoRA adapter under tensor parallelism."""
-        if self._shard is not None and adapter.is_dora:
-            raise AdapterRejected(
-                ReasonCode.DORA_NOT_SUPPORTED,
-                "DoRA adapters are not served with tensor parallelism (tensor_parallel_size > "
-                "1): DoRA's norm ||W + s B A|| runs over a whole row of the base weight, which "
-                "is split over the ranks; serve it on a replica without tensor parallelism",
-            )
+        """`adapter` as the pool holds it (this rank's part of it, with tensor parallelism)."""
         return self._pool.host_form(adapter if self._shard is None else self._shard(adapter))
 
     def peer_forms(self, adapter: LoadedAdapter) -> tuple[HostPart, ...]:

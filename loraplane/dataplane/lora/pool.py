@@ -22,6 +22,7 @@ g, or on CPU reads it in place. Its bytes count with the slot's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +72,7 @@ class LoRAPool:
         device: torch.device | str,
         b_transposed: bool = False,
         norm_cache: dora_cache.NormCache | None = None,
+        summed: frozenset[str] = frozenset(),
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -96,6 +98,13 @@ class LoRAPool:
         # slot -> how many times it was filled or emptied: its tensors change with this
         # number, so a copy of its pointers (a CUDA graph's slot table) knows when to refresh
         self.slot_generation = [0] * num_slots
+        # tensor parallelism: the modules (by last name: o_proj, down_proj) whose rows this
+        # rank holds a slice of the columns of, so that a DoRA adapter's g there is summed
+        # over the ranks when it takes a slot (`sync_norms`), not computed from this slice
+        self.summed = summed
+        # (slot, key) -> (m, s) of a DoRA module whose g waits for `sync_norms`
+        self._late: dict[tuple[int, tuple[int, str]], tuple[torch.Tensor, float]] = {}
+        self.pending_norms: set[int] = set()  # slots whose summed g is not computed yet
 
     @property
     def modules(self) -> dict[tuple[int, str], ModuleSlots]:
@@ -160,7 +169,12 @@ class LoRAPool:
         self.check_dora(adapter)
         cuda = self.device.type == "cuda"
         host = host_form.convert(adapter, self.dtype, transposed=self.transposes_b, cuda=cuda)
-        return dora_cache.with_norms(host, self._modules, self.dtype, self.norm_cache, pin=cuda)
+        return dora_cache.with_norms(host, self._modules, self.dtype, self.norm_cache, pin=cuda,
+                                     skip=self._is_summed)  # fmt: skip
+
+    def _is_summed(self, key: tuple[int, str]) -> bool:
+        """Whether module `key`'s DoRA g needs every rank's slice (`summed`)."""
+        return key[1].rpartition(".")[2] in self.summed
 
     def load(self, slot: int, adapter: LoadedAdapter) -> bool:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a
@@ -227,6 +241,54 @@ class LoRAPool:
         they lie back to back; computed here from the slot's A and B and the base weight
         only for an adapter `host_form` did not make. The list of them."""
         items = [(key, w) for key, w in adapter.modules.items() if w.magnitude is not None]
+        late = [(key, w) for key, w in items if self._is_summed(key)]
+        items = [(key, w) for key, w in items if not self._is_summed(key)]
+        return self._place_local(slot, items) + self._place_late(slot, late)
+
+    def _place_late(
+        self, slot: int, items: list[tuple[tuple[int, str], LoRAWeights]]
+    ) -> list[torch.Tensor]:
+        """A g to be summed over the ranks per module (`sync_norms` fills it in place)."""
+        scales = []
+        for key, w in items:
+            assert w.magnitude is not None
+            g = torch.ones(int(w.b.shape[0]), dtype=torch.float32, device=self.device)
+            table = self._modules[key]
+            table.dora[slot] = g
+            table.dora_mask |= 1 << slot
+            self._late[(slot, key)] = (w.magnitude, w.scale)
+            scales.append(g)
+        if items:
+            self.pending_norms.add(slot)
+        return scales
+
+    def sync_norms(
+        self, slots: list[int], all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Compute the summed g of `slots` (every rank calls it with the same slots, in the
+        same order, rank 0 naming them: `pending_norms`): this rank's square of each row's
+        norm over its columns (`dora.norm_sq`), one all-reduce of them all, then g from the
+        sums, written into the slot's g in place."""
+        work = [(slot, key) for slot in slots for s, key in sorted(self._late) if s == slot]
+        self.pending_norms.difference_update(slots)
+        if not work:
+            return
+        squares = []
+        for slot, key in work:
+            weight, a, b, base_sq = self._dora_inputs(slot, key)
+            squares.append(dora.norm_sq(weight, a, b, self._late[(slot, key)][1], base_sq))
+        summed = all_reduce(torch.cat(squares))
+        at = 0
+        for (slot, key), part in zip(work, squares, strict=True):
+            g = self._modules[key].dora[slot]
+            assert g is not None
+            g.copy_(dora.scale_of(summed[at : at + part.numel()], self._late[(slot, key)][0]))
+            at += part.numel()
+
+    def _place_local(
+        self, slot: int, items: list[tuple[tuple[int, str], LoRAWeights]]
+    ) -> list[torch.Tensor]:
+        """The g of DoRA modules this rank computes alone (see `_place_dora`)."""
         if not items:
             return []
         hosted = [w.g for _, w in items if isinstance(w, dora.DoRAWeights)]
@@ -249,14 +311,24 @@ class LoRAPool:
 
     def _compute_dora(self, slot: int, key: tuple[int, str], w: LoRAWeights) -> torch.Tensor:
         """g [out] fp32 of one module, from the slot's A and B as placed (engine thread)."""
+        if w.magnitude is None:
+            raise ValueError(f"layer {key[0]} {key[1]}: no DoRA magnitude")
+        weight, a, b, base_sq = self._dora_inputs(slot, key)
+        return dora.dora_scale(weight, a, b, w.scale, w.magnitude, base_sq)
+
+    def _dora_inputs(
+        self, slot: int, key: tuple[int, str]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W, the slot's A and B, ||W_i||^2) of one module: this rank's, with tensor
+        parallelism. The rows' norms are computed once per module, by its first DoRA slot."""
         table = self._modules[key]
-        a, b, base = table.lora_a[slot], table.lora_b[slot], table.base
-        weight = getattr(base, "weight", None)
-        if a is None or b is None or not isinstance(weight, torch.Tensor) or w.magnitude is None:
+        a, b = table.lora_a[slot], table.lora_b[slot]
+        weight = getattr(table.base, "weight", None)
+        if a is None or b is None or not isinstance(weight, torch.Tensor):
             raise ValueError(f"layer {key[0]} {key[1]}: no base weight for DoRA")
-        if table.base_sq is None:  # the first DoRA adapter here: ||W_i||^2, kept
+        if table.base_sq is None:
             table.base_sq = dora.row_norms_sq(weight)
-        return dora.dora_scale(weight, a, b, w.scale, w.magnitude, table.base_sq)
+        return weight, a, b, table.base_sq
 
     def _take(self, slot: int, storage: list[torch.Tensor], nbytes: int | None = None) -> None:
         self.slot_generation[slot] += 1
@@ -279,6 +351,9 @@ class LoRAPool:
         self.slot_generation[slot] += 1
         for table in self._modules.values():
             table.clear(slot)
+        for late in [k for k in self._late if k[0] == slot]:
+            del self._late[late]
+        self.pending_norms.discard(slot)
         placement, self._placements[slot] = self._placements[slot], None
         if placement is not None and self.arena is not None:
             self.arena.free(placement)

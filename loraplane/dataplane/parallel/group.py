@@ -19,7 +19,7 @@ import queue
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,11 +63,14 @@ class Allocate:
 @dataclass(frozen=True, slots=True)
 class StepMessage:
     """One step for the workers: free `frees`, fill `loads` (with the bytes rank 0 sends each
-    worker after this message, in `loads` order), then run `plan`."""
+    worker after this message, in `loads` order), sum the DoRA norms of `norms`, then run
+    `plan`."""
 
     plan: StepPlan
     frees: list[int]
     loads: list[SlotLoad]
+    # slots whose DoRA g of split rows every rank sums now (LoRAPool.sync_norms)
+    norms: list[int] = field(default_factory=list)
 
 
 def _free_port() -> int:

@@ -220,18 +220,22 @@ def packed_slice(
 
 def shard_adapter(adapter: LoadedAdapter, shard: TPShard, heads: Heads) -> LoadedAdapter:
     """`adapter`'s part on this rank (vLLM's default layout): a column-parallel module keeps A
-    whole and its slice of B's rows, a row-parallel one its slice of A's columns and B whole.
+    whole and its slice of B's rows, a row-parallel one its slice of A's columns and B whole;
+    a DoRA magnitude goes with B's rows.
     Slices are copied (contiguous), so the pool's host form reads them as one run each."""
     if shard.size == 1:
         return adapter
     modules = {}
     for (layer, module), w in adapter.modules.items():
         leaf = module.rpartition(".")[2]  # an expert's linear (`experts.N.w1`) by its name
+        m = w.magnitude  # DoRA's [out]: with B's rows
         if leaf in COLUMN_PARALLEL:
-            a, b = w.a, _take_rows(w.b, _rows(leaf, w.b.shape[0], shard, heads)).contiguous()
+            runs = _rows(leaf, w.b.shape[0], shard, heads)
+            a, b = w.a, _take_rows(w.b, runs).contiguous()
+            m = None if m is None else _take_rows(m, runs).contiguous()
         elif leaf in ROW_PARALLEL:
             a, b = w.a[:, shard.part(w.a.shape[1])].contiguous(), w.b
         else:  # pragma: no cover - check_supported refused such models
             raise UnsupportedModelError(f"module {module!r} cannot be split for tensor parallelism")
-        modules[(layer, module)] = LoRAWeights(a=a, b=b, scale=w.scale)
+        modules[(layer, module)] = LoRAWeights(a=a, b=b, scale=w.scale, magnitude=m)
     return LoadedAdapter(adapter.source, modules, adapter.digest)

@@ -39,18 +39,20 @@ class PackedModule:
     a_at: int  # A: [rank, fan_in] from here
     b_at: int  # B: [fan_out, rank], or its transpose [rank, fan_out] stored dense (transposed)
     scale: float
+    m_at: int = -1  # DoRA's magnitude: fan_out fp32 values from here in the fp32 tail; -1: none
 
 
 @dataclass(frozen=True, slots=True)
 class PackedPart:
-    """One rank's part of a validated adapter (no DoRA: refused under tensor parallelism)."""
+    """One rank's part of a validated adapter."""
 
     source: str
     digest: str
     dtype: torch.dtype
     transposed: bool  # B stored as a dense [rank, fan_out] (a CPU pool's layout)
-    buffer: np.ndarray  # uint8, every A and B back to back
+    buffer: np.ndarray  # uint8, every A and B back to back, then the fp32 tail
     modules: tuple[PackedModule, ...]
+    tail: int = 0  # byte offset of the fp32 tail: DoRA's magnitudes (fp32 in host copies)
 
     @property
     def nbytes(self) -> int:
@@ -59,15 +61,17 @@ class PackedPart:
 
 
 def pack(part: LoadedAdapter, dtype: torch.dtype, transposed: bool) -> PackedPart:
-    """`part`'s A and B in `dtype` (B transposed where `transposed`), in one buffer. Copies run
-    on the calling thread alone (`copy_serial`: a loader thread takes no OpenMP team)."""
-    if part.is_dora:  # pragma: no cover - HostTier.host_form refused it first
-        raise ValueError("a DoRA adapter cannot be split for tensor parallelism")
+    """`part`'s A and B in `dtype` (B transposed where `transposed`), and a DoRA module's
+    magnitude in fp32 after them, in one buffer. Copies run on the calling thread alone
+    (`copy_serial`: a loader thread takes no OpenMP team)."""
     size = torch.empty(0, dtype=dtype).element_size()
     numel = sum(w.a.numel() + w.b.numel() for w in part.modules.values())
-    buffer = np.empty(numel * size, dtype=np.uint8)
-    flat = torch.from_numpy(buffer).view(dtype)
-    modules, at = [], 0
+    tail = -(-numel * size // 4) * 4  # the fp32 tail starts 4-byte aligned
+    floats = sum(int(w.b.shape[0]) for w in part.modules.values() if w.magnitude is not None)
+    buffer = np.empty(tail + 4 * floats, dtype=np.uint8)
+    flat = torch.from_numpy(buffer[: numel * size]).view(dtype)
+    magnitudes = torch.from_numpy(buffer[tail:]).view(torch.float32)
+    modules, at, m_at = [], 0, 0
     for (layer, module), w in part.modules.items():
         rank, fan_in, fan_out = w.rank, int(w.a.shape[1]), int(w.b.shape[0])
         a_at, b_at = at, at + w.a.numel()
@@ -75,19 +79,27 @@ def pack(part: LoadedAdapter, dtype: torch.dtype, transposed: bool) -> PackedPar
         b = flat[b_at : b_at + w.b.numel()]
         copy_serial(b.view(rank, fan_out).t() if transposed else b.view(fan_out, rank), w.b)
         at = b_at + w.b.numel()
-        modules.append(PackedModule(layer, module, rank, fan_in, fan_out, a_at, b_at, w.scale))
-    return PackedPart(part.source, part.digest, dtype, transposed, buffer, tuple(modules))
+        m = -1
+        if w.magnitude is not None:
+            m, m_at = m_at, m_at + fan_out
+            copy_serial(magnitudes[m:m_at], w.magnitude)
+        modules.append(PackedModule(layer, module, rank, fan_in, fan_out, a_at, b_at, w.scale, m))
+    return PackedPart(part.source, part.digest, dtype, transposed, buffer, tuple(modules), tail)
 
 
 def unpack(packed: PackedPart) -> LoadedAdapter:
     """The adapter `packed` holds, its tensors views of the buffer (no copy)."""
-    flat = torch.from_numpy(packed.buffer).view(packed.dtype)
+    size = torch.empty(0, dtype=packed.dtype).element_size()
+    numel = sum(m.rank * (m.fan_in + m.fan_out) for m in packed.modules)
+    flat = torch.from_numpy(packed.buffer[: numel * size]).view(packed.dtype)
+    magnitudes = torch.from_numpy(packed.buffer[packed.tail :]).view(torch.float32)
     modules = {}
     for m in packed.modules:
         a = flat[m.a_at : m.a_at + m.rank * m.fan_in].view(m.rank, m.fan_in)
         b = flat[m.b_at : m.b_at + m.rank * m.fan_out]
         b = b.view(m.rank, m.fan_out).t() if packed.transposed else b.view(m.fan_out, m.rank)
-        modules[(m.layer, m.module)] = LoRAWeights(a=a, b=b, scale=m.scale)
+        magnitude = None if m.m_at < 0 else magnitudes[m.m_at : m.m_at + m.fan_out]
+        modules[(m.layer, m.module)] = LoRAWeights(a=a, b=b, scale=m.scale, magnitude=magnitude)
     return LoadedAdapter(packed.source, modules, packed.digest)
 
 

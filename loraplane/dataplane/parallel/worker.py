@@ -82,4 +82,5 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
                     pool.free(load.slot)
                     part = unpack(with_buffer(load.layout, buffer))
                     pool.load(load.slot, pool.host_form(part))
+            pool.sync_norms(message.norms, comm.all_reduce)
             run_plan(model, message.plan, setup.block_size, host_copy)
