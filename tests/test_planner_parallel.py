@@ -47,7 +47,7 @@ def test_a_rank_holds_about_1_over_n_of_the_weights_and_of_the_kv_per_token(n: i
     assert plan.kv_bytes_per_token == kv_bytes_per_token(shape, "bfloat16") // n
     free = 141 * 10**9 - plan.weights_bytes
     budget = int(free * 0.1)
-    assert plan.lora_budget_bytes == budget and not plan.kv_lora_shared  # beside the KV cache
+    assert plan.lora_budget_bytes == budget and plan.kv_lora_shared  # inside the KV cache
     wanted = 256 * 8192 // 16  # max_num_seqs sequences of the longest length
     blocks = (int(free * 0.85) - budget) // (plan.kv_bytes_per_token * 16)
     assert plan.kv_blocks == min(wanted, blocks)
@@ -73,7 +73,13 @@ def test_an_adapter_on_each_rank_is_a_bit_more_than_1_over_n() -> None:
     whole = adapter_elements(shape, profile)
     assert whole / n < local < whole
     plan = plan_memory(shape, config(n), 141 * 10**9, AdapterProfile(2000))
-    assert plan.adapter_device_bytes == plan.adapter_bytes == 2 * local  # no arena under TP
+    assert plan.adapter_bytes == 2 * local
+    # inside each rank's KV cache: its part in whole blocks of every layer
+    assert plan.kv_lora_shared and 2 * local <= plan.adapter_device_bytes < 2 * local * 1.1
+    beside = plan_memory(shape, EngineConfig(model="m", tensor_parallel_size=n,
+                                             kv_lora_shared=False), 141 * 10**9,
+                         AdapterProfile(2000))  # fmt: skip
+    assert beside.adapter_device_bytes == 2 * local
     assert plan.adapter_full_bytes == 2 * whole
     # rank 0 keeps every rank's part of each copy (its own and the workers', lora/host_tier.py)
     assert plan.host_tier_bytes == 512 * 2 * local * n

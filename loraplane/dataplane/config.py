@@ -147,11 +147,10 @@ class EngineConfig:
         self.lora_memory = parse_memory(self.lora_memory)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         split = self.tensor_parallel_size > 1
-        for name in ("kv_lora_shared", "cuda_graphs"):  # not written for split models yet
-            if split and getattr(self, name):
-                raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet")
+        if split and self.cuda_graphs:  # not written for split models yet
+            raise ValueError("cuda_graphs is not supported with tensor_parallel_size > 1 yet")
         if self.kv_lora_shared is None:
-            self.kv_lora_shared = self.device == "cuda" and not split
+            self.kv_lora_shared = self.device == "cuda"
         if self.cuda_graphs is None:
             self.cuda_graphs = self.device == "cuda" and not split
         if self.quantization not in (None, *QUANTIZATIONS):

@@ -33,6 +33,7 @@ from loraplane.dataplane.host_copy import HostCopy
 from loraplane.dataplane.lora.dora_cache import NORM_FOLDER, NormCache
 from loraplane.dataplane.lora.manager import LoRAManager
 from loraplane.dataplane.lora.metadata import BASE_SLOT
+from loraplane.dataplane.lora.weights import LoadedAdapter
 from loraplane.dataplane.model_step import (
     TORCH_DTYPES,
     PromptRow,
@@ -43,7 +44,7 @@ from loraplane.dataplane.model_step import (
 )
 from loraplane.dataplane.models import gemma
 from loraplane.dataplane.parallel.group import SlotLoad, StepMessage, WorkerGroup
-from loraplane.dataplane.parallel.shard import heads_of, shard_adapter
+from loraplane.dataplane.parallel.shard import TPShard, heads_of, shard_adapter
 from loraplane.dataplane.parallel.ship import PackedPart, peer_parts, wire
 from loraplane.dataplane.scheduler import SchedulerOutput
 from loraplane.dataplane.step_metadata import StepRow
@@ -97,6 +98,7 @@ class ModelRunner:
             self.close()
             raise
         self.model, self.pool, self._vocab_size = built.model, built.pool, built.vocab_size
+        self._heads = heads_of(built.spec)  # the whole model's: how its q/k/v rows split
         if disk is not None and not disk.local:  # DoRA's g kept beside the downloaded copies
             self.pool.norm_cache = NormCache(disk.root / NORM_FOLDER)
         self.lora_budget_bytes = lora_budget_bytes(config.lora_memory, self.device)
@@ -112,15 +114,7 @@ class ModelRunner:
             shard=None
             if shard is None
             else functools.partial(shard_adapter, shard=shard, heads=heads_of(built.spec)),
-            peers=None
-            if shard is None
-            else functools.partial(  # every rank's pool has rank 0's dtype and B layout
-                peer_parts,
-                shard=shard,
-                heads=heads_of(built.spec),
-                dtype=self.pool.dtype,
-                transposed=self.pool.transposes_b,
-            ),
+            peers=None if shard is None else functools.partial(self._peer_parts, shard),
         )
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=_model_max_len(config.model))
@@ -135,7 +129,8 @@ class ModelRunner:
         self.model.allocate_kv_cache(self.num_blocks, config.block_size)
         if self.workers is not None:
             self.workers.allocate(self.num_blocks, config.block_size)
-        self._mirrored: dict[int, str] = {}  # slot -> adapter key, as the workers hold them
+        # slot -> (adapter key, slot generation), as the workers hold them
+        self._mirrored: dict[int, tuple[str, int]] = {}
         if self.model.kv_cache is None:  # pragma: no cover - allocate_kv_cache sets it
             raise RuntimeError("the KV cache was not allocated")
         self.kv_cache: torch.Tensor = self.model.kv_cache  # [2, layers, blocks, bs, kv, dim]
@@ -163,6 +158,12 @@ class ModelRunner:
     def vocab_size(self) -> int:
         """Columns of the logits (the model's vocabulary, padding included)."""
         return self._vocab_size
+
+    def _peer_parts(self, shard: TPShard, adapter: LoadedAdapter) -> tuple[PackedPart, ...]:
+        """The workers' parts of `adapter` (rank 0's loader threads), in the pool's dtype and
+        B layout as they are when it loads (an arena, attached after this runner is built,
+        lays B out untransposed): every rank's pool has rank 0's."""
+        return peer_parts(adapter, shard, self._heads, self.pool.dtype, self.pool.transposes_b)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
@@ -233,17 +234,22 @@ class ModelRunner:
         this rank's do, and the bytes of each worker's parts of the adapters put in slots
         (`[r - 1]` for rank r, in the loads' order), kept by rank 0's host tier since it read
         them (parallel/ship.py)."""
-        slots = self.loras.slot_keys()
-        frees = [s for s, key in self._mirrored.items() if slots.get(s) != key]
+        # a slot refilled since (its generation moved) is shipped again, even with the same
+        # adapter: in the KV cache it may lie in another run of blocks now
+        generation = self.pool.slot_generation
+        slots = {s: (key, generation[s]) for s, key in self.loras.slot_keys().items()}
+        frees = [s for s, held in self._mirrored.items() if slots.get(s) != held]
         loads = []
         buffers: list[list[np.ndarray]] = [[] for _ in range(self.config.tensor_parallel_size - 1)]
-        for slot, key in slots.items():
-            if self._mirrored.get(slot) != key:
+        for slot, (key, _) in slots.items():
+            if self._mirrored.get(slot) != slots[slot]:
                 parts = self.loras.peer_parts(key)
                 if not all(isinstance(p, PackedPart) for p in parts):  # pragma: no cover
                     raise TypeError(f"adapter {key}: its workers' parts are not packed")
                 layout, theirs = wire(cast("list[PackedPart]", parts))
-                loads.append(SlotLoad(slot, key, layout, theirs[0].nbytes))
+                placement = self.pool.placement(slot)
+                first = None if placement is None else placement.first
+                loads.append(SlotLoad(slot, key, layout, theirs[0].nbytes, first))
                 for mine, buffer in zip(buffers, theirs, strict=True):
                     mine.append(buffer)
         self._mirrored = slots

@@ -24,9 +24,9 @@
 
 Split over N ranks (`EngineConfig.tensor_parallel_size`, `planner/parallel.py`) every figure
 above but the host tier's is one rank's, each rank the same: its shard of the weights, its KV
-heads, its slice of each adapter; the KV blocks are rank 0's count, which every rank
-allocates, and adapters are not inside the KV cache (the engine does not share them under
-tensor parallelism yet).
+heads, its slice of each adapter (inside its KV cache as on one device, each rank's part in
+the run of blocks rank 0 reserves); the KV blocks are rank 0's count, which every rank
+allocates.
 
 `EngineConfig` itself checks the settings and derives the slots and `max_cpu_loras`, so the
 planner cannot drift from the engine; it is torch-free.

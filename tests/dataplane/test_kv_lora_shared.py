@@ -69,6 +69,34 @@ def test_adapters_in_kv_blocks_give_peft_tokens_while_churning_through_a_small_b
     assert bm.num_free_blocks + bm.num_reserved == bm.num_blocks  # no sequence holds a block
 
 
+def test_split_over_two_ranks_each_rank_places_its_part_in_the_run_rank_0_reserved(
+    families: dict[str, Family], hf_reference: Callable[[str], torch.nn.Module]
+) -> None:
+    """Tensor parallelism: rank 0's block manager reserves each adapter's run, the worker puts
+    its part in the same blocks of its own KV cache (the parts and blocks have the same shapes
+    on every rank), frees it when rank 0 does, and gets it again when rank 0 places it again
+    (in another run, even in the same slot): PEFT's tokens while churning through a budget
+    of about one adapter per rank."""
+    family = families["llama"]
+    engine, refs = shared_engine(family, adapters=1, max_num_batched_tokens=48,
+                                 num_kv_blocks=64, tensor_parallel_size=2)  # fmt: skip
+    try:
+        assert engine.runner.pool.arena is not None
+        names: list[str | None] = [*family.adapters, None, "r64", None, "r4"]
+        batch = prompts(len(names), seed=31)
+        outs = engine.generate(batch, GREEDY, [refs[n] if n else None for n in names])
+        reference = hf_reference("llama")
+        for prompt, name, out in zip(batch, names, outs, strict=True):
+            assert out.error is None, out.error
+            assert out.token_ids == hf_greedy(reference, prompt, name, 16), name
+        assert engine.loras.device_stats.evictions > 0  # adapters out of the arena and back
+        for name in ("r4", "r64", "r4"):  # again, each after the other took the blocks
+            (out,) = engine.generate([batch[0]], GREEDY, [refs[name]])
+            assert out.token_ids == hf_greedy(reference, batch[0], name, 16), name
+    finally:
+        engine.close()
+
+
 def test_idle_adapters_give_their_blocks_to_sequences_before_anyone_is_preempted(
     families: dict[str, Family],
 ) -> None:
@@ -171,6 +199,23 @@ def test_the_arena_packs_each_layer_into_its_run_and_the_views_hold_the_weights(
         spans = sorted((p, p + k * 4) for p, k in storage)
         assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans))  # no overlap
         arena.free(placement)
+    # a tensor-parallel worker's arena (no block manager) lays an adapter out in the run rank
+    # 0 reserved, as rank 0 does: the same offsets from the same first block
+    adapter = engine.loras.host_copy(refs["r16"])
+    placement = arena.place(adapter)
+    assert placement is not None
+    twin = torch.zeros_like(arena.cache)
+    worker = KVArena(twin, None)
+    copy = worker.place(adapter, at=placement.first)
+    assert copy is not None and copy.first == placement.first
+    for key, (a, b) in placement.views.items():
+        for mine, theirs in zip((a, b), copy.views[key], strict=True):
+            assert theirs.data_ptr() - twin.data_ptr() == mine.data_ptr() - arena.cache.data_ptr()
+            assert torch.equal(mine, theirs)
+    worker.free(copy)  # rank 0 gives the run back; the worker has nothing to release
+    arena.free(placement)
+    with pytest.raises(ValueError, match="a worker's arena places at rank 0's run, not at None"):
+        worker.place(adapter)
     # fewer blocks would not do: the packing is tight to a block
     adapter = engine.loras.host_copy(refs["r64"])
     n = arena.blocks_for(adapter)

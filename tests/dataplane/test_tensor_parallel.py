@@ -201,10 +201,10 @@ def test_models_that_cannot_be_split_are_refused_by_name(
         load_model(llama, torch.float32, "cpu", shard=TPShard(0, 3))
     with pytest.raises(UnsupportedModelError, match=r"does not divide moe_intermediate_size \(45"):
         load_model(odd, torch.float32, "cpu", shard=TPShard(0, 2))
-    with pytest.raises(ValueError, match="kv_lora_shared is not supported with tensor_para"):
-        EngineConfig(model=str(llama), device="cpu", tensor_parallel_size=2, kv_lora_shared=True)
+    with pytest.raises(ValueError, match="cuda_graphs is not supported with tensor_parallel"):
+        EngineConfig(model=str(llama), device="cpu", tensor_parallel_size=2, cuda_graphs=True)
     config = EngineConfig(model=str(llama), device="cuda", tensor_parallel_size=2)
-    assert config.kv_lora_shared is False and config.cuda_graphs is False
+    assert config.kv_lora_shared is True and config.cuda_graphs is False
 
 
 @pytest.mark.parametrize("transposed", [False, True])

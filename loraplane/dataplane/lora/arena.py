@@ -51,12 +51,15 @@ class Placement:
 
 
 class KVArena:
-    """Runs of KV blocks lent to adapters."""
+    """Runs of KV blocks lent to adapters. A tensor-parallel worker's arena has no block
+    manager (`blocks` None): rank 0's reserves each run, and the worker places its part of the
+    adapter at the same first block (`place(adapter, at=first)`), its layout the same (every
+    rank's part and KV block have the same shapes)."""
 
-    def __init__(self, kv_cache: torch.Tensor, blocks: BlockManager) -> None:
+    def __init__(self, kv_cache: torch.Tensor, blocks: BlockManager | None) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[0] != 2:
             raise ValueError(f"expected a [2, L, N, bs, kv, d] cache, got {tuple(kv_cache.shape)}")
-        if kv_cache.shape[2] != blocks.num_blocks:
+        if blocks is not None and kv_cache.shape[2] != blocks.num_blocks:
             raise ValueError(
                 f"the cache has {kv_cache.shape[2]} blocks, the block manager {blocks.num_blocks}"
             )
@@ -73,10 +76,16 @@ class KVArena:
         regions of n blocks each."""
         return blocks_needed(self._by_layer(adapter).values(), self.chunk, self.align)
 
-    def place(self, adapter: LoadedAdapter) -> Placement | None:
-        """Reserve a run and copy the adapter into it; None when no run is free now."""
+    def place(self, adapter: LoadedAdapter, at: int | None = None) -> Placement | None:
+        """Reserve a run and copy the adapter into it; None when no run is free now. A worker's
+        arena copies it into the run rank 0 reserved from block `at`."""
         n = self.blocks_for(adapter)
-        first = self.blocks.reserve(n)
+        if self.blocks is None:
+            if at is None or not 0 <= at <= self.cache.shape[2] - n:
+                raise ValueError(f"a worker's arena places at rank 0's run, not at {at}")
+            first: int | None = at
+        else:
+            first = self.blocks.reserve(n)
         if first is None:
             return None
         regions = {
@@ -91,12 +100,12 @@ class KVArena:
         for layer, items in self._items_by_layer(adapter).items():
             offsets = self._pack([t.numel() for _, _, t in items], n)
             if offsets is None:  # pragma: no cover - blocks_for guarantees a packing
-                self.blocks.release(first, n)
+                self.free(Placement(first, n, {}))
                 raise RuntimeError(f"layer {layer} does not pack into {n} blocks")
             for (key, role, tensor), (region, offset) in zip(items, offsets, strict=True):
                 view = regions[layer][region][offset : offset + tensor.numel()].view(tensor.shape)
                 if view.data_ptr() % ALIGN_BYTES:  # offsets are aligned: the region is not
-                    self.blocks.release(first, n)
+                    self.free(Placement(first, n, {}))
                     why = self._misaligned(adapter, key, role, region, offset, first, n, view)
                     raise ArenaAlignmentError(why)
                 plan.append((key, role, tensor, view))
@@ -120,8 +129,9 @@ class KVArena:
         )
 
     def free(self, placement: Placement) -> None:
-        """Give the run back to the KV cache."""
-        self.blocks.release(placement.first, placement.num_blocks)
+        """Give the run back to the KV cache (rank 0's, which reserved it)."""
+        if self.blocks is not None:
+            self.blocks.release(placement.first, placement.num_blocks)
 
     def runs_to_free(self, n: int, runs: list[tuple[int, int]]) -> list[int] | None:
         """Which of `runs` (idle adapters' runs as (first block, blocks), in the order they
@@ -132,6 +142,8 @@ class KVArena:
         blocks split the cache): then freeing any of them would be for nothing."""
         # the block manager's map (1: reserved or used by a sequence), a copy to plan on;
         # `reserve` looks for the same thing in it (the highest run of n zeros)
+        if self.blocks is None:  # pragma: no cover - rank 0 plans the reclaims
+            raise RuntimeError("a worker's arena plans no reclaims")
         held = self.blocks.held_map()
         if n < 1 or n > len(held):
             return None

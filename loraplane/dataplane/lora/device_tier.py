@@ -160,12 +160,13 @@ class DeviceTier:
         """Sequences need `short` more KV blocks than are free: evict idle adapters from the
         arena (those no waiting request needs, least recently used, first) until enough are."""
         arena = self.pool.arena
-        if arena is None:
+        blocks = None if arena is None else arena.blocks
+        if blocks is None:  # no arena, or a worker's (rank 0 reclaims)
             return
         with self._registry.lock:
-            target = arena.blocks.num_free_blocks + short
+            target = blocks.num_free_blocks + short
             victims = self._victims(set(in_use), set(wanted))
-            while victims and arena.blocks.num_free_blocks < target:
+            while victims and blocks.num_free_blocks < target:
                 self.free(victims.pop())
                 self.stats.evictions += 1
 

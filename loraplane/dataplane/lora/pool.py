@@ -176,12 +176,13 @@ class LoRAPool:
         """Whether module `key`'s DoRA g needs every rank's slice (`summed`)."""
         return key[1].rpartition(".")[2] in self.summed
 
-    def load(self, slot: int, adapter: LoadedAdapter) -> bool:
+    def load(self, slot: int, adapter: LoadedAdapter, at: int | None = None) -> bool:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a
         copy, unless the host copy already is that: then it is read in place). With an arena,
         a copy into KV blocks; False when no run of blocks is free now. A DoRA adapter's
         per-row scales come with its host copy (`host_form`) and are copied (`_place_dora`);
-        only an adapter not made by `host_form` has them computed here."""
+        only an adapter not made by `host_form` has them computed here. `at`: the first block
+        of the run rank 0 placed the adapter in (a tensor-parallel worker's arena)."""
         self._check_slot(slot)
         self.check_dora(adapter)
         if self._buffers[slot] is not None:
@@ -196,7 +197,7 @@ class LoRAPool:
                     f"fit in_features {fan_in}, out_features {fan_out}"
                 )
         if self.arena is not None:
-            placement = self.arena.place(adapter)
+            placement = self.arena.place(adapter, at)
             if placement is None:
                 return False
             for (layer, module), w in adapter.modules.items():

@@ -50,6 +50,7 @@ class SlotLoad:
     key: str
     layout: PackedPart
     nbytes: int
+    first: int | None = None  # adapters inside the KV cache: the run's first block (rank 0's)
 
 
 @dataclass(frozen=True, slots=True)

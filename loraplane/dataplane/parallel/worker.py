@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from loraplane.dataplane import kv_quant
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cpus import size_torch_threads
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.host_copy import HostCopy
+from loraplane.dataplane.lora.arena import KVArena
 from loraplane.dataplane.model_step import build_model, run_plan
 from loraplane.dataplane.parallel.comm import Collectives, join, leave
 from loraplane.dataplane.parallel.errors import WorkerLost
@@ -70,6 +72,9 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
         host_copy = HostCopy()
         setup = comm.broadcast(None)
         model.allocate_kv_cache(setup.num_blocks, setup.block_size)
+        if config.kv_lora_shared:  # adapters in the runs of KV blocks rank 0 reserves
+            assert model.kv_cache is not None
+            pool.attach_arena(KVArena(kv_quant.storage_view(model.kv_cache, pool.dtype), None))
         while True:
             message = comm.broadcast(None)
             if message is None:
@@ -81,6 +86,6 @@ def _serve(config: EngineConfig, comm: Collectives, device: torch.device) -> Non
                 for load, buffer in zip(message.loads, buffers, strict=True):
                     pool.free(load.slot)
                     part = unpack(with_buffer(load.layout, buffer))
-                    pool.load(load.slot, pool.host_form(part))
+                    pool.load(load.slot, pool.host_form(part), at=load.first)
             pool.sync_norms(message.norms, comm.all_reduce)
             run_plan(model, message.plan, setup.block_size, host_copy)
