@@ -143,7 +143,7 @@ def install_lora(model: LoRAHost, pool: LoRAPool) -> LoRAContext:
     for name, layer_idx, module_name, linear in targets:
         wrapper = LinearWithLoRA(linear, layer_idx, module_name)
         slots = pool.module_slots(layer_idx, module_name)
-        slots.base = linear  # DoRA's norm reads its weight (pool._place_dora)
+        slots.base = linear  # DoRA's norm reads its weight (lora/dora_slots.py)
         wrapper.bind(slots, context)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, wrapper)

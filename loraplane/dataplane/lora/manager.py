@@ -259,8 +259,7 @@ class LoRAManager:
         return self.loads.pending()
 
     def wait_for(self, refs: Iterable[LoRARef], timeout: float) -> bool:
-        """Block until none of `refs` is loading or queued to load, at most `timeout` s;
-        False if some still were when the time ran out."""
+        """Block until none of `refs` is loading or queued, at most `timeout` s (False then)."""
         return self.loads.wait_for(refs, timeout)
 
     def wait_for_load(self, timeout: float) -> bool:

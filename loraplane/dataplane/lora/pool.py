@@ -31,8 +31,9 @@ from loraplane.adapters.base_model import SUPPORTED_MODULES, BaseModelSpec
 from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane.devices import torch_device
 from loraplane.dataplane.lora import dora, dora_cache, host_form
+from loraplane.dataplane.lora.dora_slots import DoRASlots
 from loraplane.dataplane.lora.module_slots import ModuleSlots
-from loraplane.dataplane.lora.weights import LoadedAdapter, LoRAWeights
+from loraplane.dataplane.lora.weights import LoadedAdapter
 
 if TYPE_CHECKING:
     from loraplane.dataplane.lora.arena import KVArena, Placement
@@ -98,13 +99,9 @@ class LoRAPool:
         # slot -> how many times it was filled or emptied: its tensors change with this
         # number, so a copy of its pointers (a CUDA graph's slot table) knows when to refresh
         self.slot_generation = [0] * num_slots
-        # tensor parallelism: the modules (by last name: o_proj, down_proj) whose rows this
-        # rank holds a slice of the columns of, so that a DoRA adapter's g there is summed
-        # over the ranks when it takes a slot (`sync_norms`), not computed from this slice
-        self.summed = summed
-        # (slot, key) -> (m, s) of a DoRA module whose g waits for `sync_norms`
-        self._late: dict[tuple[int, tuple[int, str]], tuple[torch.Tensor, float]] = {}
-        self.pending_norms: set[int] = set()  # slots whose summed g is not computed yet
+        # DoRA's g per slot; under tensor parallelism `summed` names the modules (o_proj,
+        # down_proj) whose g is summed over the ranks when an adapter takes a slot
+        self.dora_slots = DoRASlots(self._modules, self.device, summed)
 
     @property
     def modules(self) -> dict[tuple[int, str], ModuleSlots]:
@@ -170,11 +167,7 @@ class LoRAPool:
         cuda = self.device.type == "cuda"
         host = host_form.convert(adapter, self.dtype, transposed=self.transposes_b, cuda=cuda)
         return dora_cache.with_norms(host, self._modules, self.dtype, self.norm_cache, pin=cuda,
-                                     skip=self._is_summed)  # fmt: skip
-
-    def _is_summed(self, key: tuple[int, str]) -> bool:
-        """Whether module `key`'s DoRA g needs every rank's slice (`summed`)."""
-        return key[1].rpartition(".")[2] in self.summed
+                                     skip=self.dora_slots.is_summed)  # fmt: skip
 
     def load(self, slot: int, adapter: LoadedAdapter, at: int | None = None) -> bool:
         """Put `adapter` in a free slot, at its own ranks, in the pool's dtype and device (a
@@ -237,99 +230,19 @@ class LoRAPool:
         return True
 
     def _place_dora(self, slot: int, adapter: LoadedAdapter) -> list[torch.Tensor]:
-        """Each DoRA module's per-row scale g [out] (fp32, on the device), set in the tables:
-        the host copy's (`host_form`), read in place on CPU, else copied in one piece where
-        they lie back to back; computed here from the slot's A and B and the base weight
-        only for an adapter `host_form` did not make. The list of them."""
-        items = [(key, w) for key, w in adapter.modules.items() if w.magnitude is not None]
-        late = [(key, w) for key, w in items if self._is_summed(key)]
-        items = [(key, w) for key, w in items if not self._is_summed(key)]
-        return self._place_local(slot, items) + self._place_late(slot, late)
-
-    def _place_late(
-        self, slot: int, items: list[tuple[tuple[int, str], LoRAWeights]]
-    ) -> list[torch.Tensor]:
-        """A g to be summed over the ranks per module (`sync_norms` fills it in place)."""
-        scales = []
-        for key, w in items:
-            assert w.magnitude is not None
-            g = torch.ones(int(w.b.shape[0]), dtype=torch.float32, device=self.device)
-            table = self._modules[key]
-            table.dora[slot] = g
-            table.dora_mask |= 1 << slot
-            self._late[(slot, key)] = (w.magnitude, w.scale)
-            scales.append(g)
-        if items:
-            self.pending_norms.add(slot)
-        return scales
+        """The slot's DoRA scales set in the tables (lora/dora_slots.py)."""
+        return self.dora_slots.place(slot, adapter)
 
     def sync_norms(
         self, slots: list[int], all_reduce: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
-        """Compute the summed g of `slots` (every rank calls it with the same slots, in the
-        same order, rank 0 naming them: `pending_norms`): this rank's square of each row's
-        norm over its columns (`dora.norm_sq`), one all-reduce of them all, then g from the
-        sums, written into the slot's g in place."""
-        work = [(slot, key) for slot in slots for s, key in sorted(self._late) if s == slot]
-        self.pending_norms.difference_update(slots)
-        if not work:
-            return
-        squares = []
-        for slot, key in work:
-            weight, a, b, base_sq = self._dora_inputs(slot, key)
-            squares.append(dora.norm_sq(weight, a, b, self._late[(slot, key)][1], base_sq))
-        summed = all_reduce(torch.cat(squares))
-        at = 0
-        for (slot, key), part in zip(work, squares, strict=True):
-            g = self._modules[key].dora[slot]
-            assert g is not None
-            g.copy_(dora.scale_of(summed[at : at + part.numel()], self._late[(slot, key)][0]))
-            at += part.numel()
+        """Sum the DoRA g of split rows of `slots` over the ranks (lora/dora_slots.py)."""
+        self.dora_slots.sync_norms(slots, all_reduce)
 
-    def _place_local(
-        self, slot: int, items: list[tuple[tuple[int, str], LoRAWeights]]
-    ) -> list[torch.Tensor]:
-        """The g of DoRA modules this rank computes alone (see `_place_dora`)."""
-        if not items:
-            return []
-        hosted = [w.g for _, w in items if isinstance(w, dora.DoRAWeights)]
-        if len(hosted) < len(items):
-            scales = [self._compute_dora(slot, key, w) for key, w in items]
-        elif all(g.device == self.device for g in hosted):
-            scales = hosted  # host copies are never written: the slot reads them in place
-        elif (run := host_form._one_run(hosted)) is not None:
-            whole, start = run
-            flat = whole.to(self.device, non_blocking=True)  # pinned host -> device
-            at = [int(g.storage_offset()) - start for g in hosted]
-            scales = [flat[o : o + g.numel()] for g, o in zip(hosted, at, strict=True)]
-        else:
-            scales = [g.to(self.device, non_blocking=True) for g in hosted]
-        for ((layer, module), _), g in zip(items, scales, strict=True):
-            table = self._modules[(layer, module)]
-            table.dora[slot] = g
-            table.dora_mask |= 1 << slot
-        return scales
-
-    def _compute_dora(self, slot: int, key: tuple[int, str], w: LoRAWeights) -> torch.Tensor:
-        """g [out] fp32 of one module, from the slot's A and B as placed (engine thread)."""
-        if w.magnitude is None:
-            raise ValueError(f"layer {key[0]} {key[1]}: no DoRA magnitude")
-        weight, a, b, base_sq = self._dora_inputs(slot, key)
-        return dora.dora_scale(weight, a, b, w.scale, w.magnitude, base_sq)
-
-    def _dora_inputs(
-        self, slot: int, key: tuple[int, str]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(W, the slot's A and B, ||W_i||^2) of one module: this rank's, with tensor
-        parallelism. The rows' norms are computed once per module, by its first DoRA slot."""
-        table = self._modules[key]
-        a, b = table.lora_a[slot], table.lora_b[slot]
-        weight = getattr(table.base, "weight", None)
-        if a is None or b is None or not isinstance(weight, torch.Tensor):
-            raise ValueError(f"layer {key[0]} {key[1]}: no base weight for DoRA")
-        if table.base_sq is None:
-            table.base_sq = dora.row_norms_sq(weight)
-        return weight, a, b, table.base_sq
+    @property
+    def pending_norms(self) -> set[int]:
+        """Slots whose g of split rows waits for `sync_norms`."""
+        return self.dora_slots.pending
 
     def _take(self, slot: int, storage: list[torch.Tensor], nbytes: int | None = None) -> None:
         self.slot_generation[slot] += 1
@@ -352,9 +265,7 @@ class LoRAPool:
         self.slot_generation[slot] += 1
         for table in self._modules.values():
             table.clear(slot)
-        for late in [k for k in self._late if k[0] == slot]:
-            del self._late[late]
-        self.pending_norms.discard(slot)
+        self.dora_slots.free(slot)
         placement, self._placements[slot] = self._placements[slot], None
         if placement is not None and self.arena is not None:
             self.arena.free(placement)
