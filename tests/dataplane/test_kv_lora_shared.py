@@ -50,36 +50,17 @@ def shared_engine(
     return engine, {n: engine.register_lora(n, p, "t") for n, p in family.adapters.items()}
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_adapters_in_kv_blocks_give_peft_tokens_while_churning_through_a_small_budget(
-    families: dict[str, Family], hf_reference: Callable[[str], torch.nn.Module]
+    families: dict[str, Family], hf_reference: Callable[[str], torch.nn.Module], tp: int
 ) -> None:
+    """tp 2 (tensor parallelism): rank 0's block manager reserves each adapter's run, the
+    worker puts its part in the same blocks of its own KV cache (the parts and blocks have the
+    same shapes on every rank), frees it when rank 0 does, and gets it again when rank 0
+    places it again; the budget holds about one adapter's part per rank."""
     family = families["llama"]
-    engine, refs = shared_engine(family, adapters=2, max_num_batched_tokens=48, num_kv_blocks=64)
-    assert engine.runner.pool.arena is not None
-    names: list[str | None] = [*family.adapters, None, "r64", None, "r4"]
-    batch = prompts(len(names), seed=31)
-    outs = engine.generate(batch, GREEDY, [refs[n] if n else None for n in names])
-    reference = hf_reference("llama")
-    for prompt, name, out in zip(batch, names, outs, strict=True):
-        assert out.error is None, out.error
-        assert out.token_ids == hf_greedy(reference, prompt, name, 16), name
-    assert engine.loras.device_stats.evictions > 0  # the budget forced adapters out and back
-    assert engine.scheduler.deferred_total > 0
-    bm = engine.block_manager
-    assert bm.num_free_blocks + bm.num_reserved == bm.num_blocks  # no sequence holds a block
-
-
-def test_split_over_two_ranks_each_rank_places_its_part_in_the_run_rank_0_reserved(
-    families: dict[str, Family], hf_reference: Callable[[str], torch.nn.Module]
-) -> None:
-    """Tensor parallelism: rank 0's block manager reserves each adapter's run, the worker puts
-    its part in the same blocks of its own KV cache (the parts and blocks have the same shapes
-    on every rank), frees it when rank 0 does, and gets it again when rank 0 places it again
-    (in another run, even in the same slot): PEFT's tokens while churning through a budget
-    of about one adapter per rank."""
-    family = families["llama"]
-    engine, refs = shared_engine(family, adapters=1, max_num_batched_tokens=48,
-                                 num_kv_blocks=64, tensor_parallel_size=2)  # fmt: skip
+    engine, refs = shared_engine(family, adapters=2 // tp, max_num_batched_tokens=48,
+                                 num_kv_blocks=64, tensor_parallel_size=tp)  # fmt: skip
     try:
         assert engine.runner.pool.arena is not None
         names: list[str | None] = [*family.adapters, None, "r64", None, "r4"]
@@ -89,7 +70,10 @@ def test_split_over_two_ranks_each_rank_places_its_part_in_the_run_rank_0_reserv
         for prompt, name, out in zip(batch, names, outs, strict=True):
             assert out.error is None, out.error
             assert out.token_ids == hf_greedy(reference, prompt, name, 16), name
-        assert engine.loras.device_stats.evictions > 0  # adapters out of the arena and back
+        assert engine.loras.device_stats.evictions > 0  # the budget forced adapters out and back
+        assert engine.scheduler.deferred_total > 0
+        bm = engine.block_manager
+        assert bm.num_free_blocks + bm.num_reserved == bm.num_blocks  # no sequence holds a block
         for name in ("r4", "r64", "r4"):  # again, each after the other took the blocks
             (out,) = engine.generate([batch[0]], GREEDY, [refs[name]])
             assert out.token_ids == hf_greedy(reference, batch[0], name, 16), name

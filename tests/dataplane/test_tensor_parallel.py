@@ -421,6 +421,19 @@ def _run(engine: Engine, family: Family, names: list[str | None]) -> dict[str, A
     return {"tokens": tokens, "logprobs": logprobs, "prompt": prompt_lp}
 
 
+def _split_equals_whole(family: Family, names: list[str | None], **overrides: Any) -> None:
+    """TP = 2 gives TP = 1's greedy tokens, and log-probs within 1e-4, on `names`."""
+    expected = _run(_engine(family, 1, **overrides), family, names)
+    split = _engine(family, 2, **overrides)
+    try:
+        got = _run(split, family, names)
+    finally:
+        split.close()
+    assert got["tokens"] == expected["tokens"]
+    for rid, values in expected["logprobs"].items():
+        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+
+
 def _check_host_bytes(engine: Engine) -> None:
     """Rank 0's host tier weighs its copies and the workers' parts beside them, and reports
     that (the snapshot, hence `loraplane_cpu_adapter_bytes_used`)."""
@@ -660,15 +673,7 @@ def test_tp2_over_4_bit_weights_gives_tp1s_tokens_in_mixed_adapter_batches(
     base = families["llama"]
     family = Family("llama", w4_checkpoints[variant], base.adapters)
     names: list[str | None] = ["r4", "r16", None, "r32-mlp", "r8-patterns", "r4"]
-    expected = _run(_engine(family, 1), family, names)
-    two = _engine(family, 2)
-    try:
-        got = _run(two, family, names)
-    finally:
-        two.close()
-    assert got["tokens"] == expected["tokens"]
-    for rid, values in expected["logprobs"].items():
-        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+    _split_equals_whole(family, names)
 
 
 @pytest.fixture(scope="module")
@@ -735,16 +740,7 @@ def test_tp2_over_fp8_weights_gives_tp1s_tokens_in_mixed_adapter_batches(
     model = base.model_dir if quantization else fp8_checkpoints[kind]
     family = Family(kind, model, base.adapters)
     names: list[str | None] = ["r4", "r16", None, "r32-mlp", "r8-patterns", "r4"]
-    one = _engine(family, 1, quantization=quantization)
-    expected = _run(one, family, names)
-    two = _engine(family, 2, quantization=quantization)
-    try:
-        got = _run(two, family, names)
-    finally:
-        two.close()
-    assert got["tokens"] == expected["tokens"]
-    for rid, values in expected["logprobs"].items():
-        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+    _split_equals_whole(family, names, quantization=quantization)
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "phi3"])
@@ -771,15 +767,7 @@ def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> N
     }  # fmt: skip
     family = Family(kind, model, adapters)
     names: list[str | None] = ["a", None, "b", "a"]
-    expected = _run(_engine(family, 1), family, names)
-    split = _engine(family, 2)
-    try:
-        got = _run(split, family, names)
-    finally:
-        split.close()
-    assert got["tokens"] == expected["tokens"]
-    for rid, values in expected["logprobs"].items():
-        torch.testing.assert_close(got["logprobs"][rid], values, atol=1e-4, rtol=1e-4)
+    _split_equals_whole(family, names)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
