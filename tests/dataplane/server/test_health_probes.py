@@ -160,7 +160,7 @@ def test_a_forward_that_fails_for_the_base_model_takes_the_replica_out_of_rotati
 def test_a_stuck_step_with_work_queued_fails_ready_until_it_ends(
     serve: Callable[..., tuple[str, Runtime]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url, runtime = serve(ready_stall_s=2.0)
+    url, runtime = serve(ready_stall_s=4.0)  # room for a busy machine's HTTP round trip
     assert complete(url).status_code == 200
     engine = engine_of(runtime)
     step, release, entered = engine.step, threading.Event(), threading.Event()
@@ -177,17 +177,17 @@ def test_a_stuck_step_with_work_queued_fails_ready_until_it_ends(
     try:
         assert entered.wait(10)
         assert status(url, "/ready") == 200  # a step under the limit is no stall
-        wait_until(lambda: status(url, "/ready") == 503, timeout=10)
+        wait_until(lambda: status(url, "/ready") == 503, timeout=20)
         reason = httpx.get(url + "/ready").json()["reason"]
         assert reason.startswith("the engine has work but no step has ended for"), reason
         assert status(url, "/health") == 200  # slow is not dead: never killed for it
-        assert gauge(runtime, "loraplane_engine_seconds_since_last_step") >= 2.0
+        assert gauge(runtime, "loraplane_engine_seconds_since_last_step") >= 4.0
     finally:
         release.set()
         client.join(30)
     assert answers and answers[0].status_code == 200
     wait_until(lambda: status(url, "/ready") == 200)
-    assert gauge(runtime, "loraplane_engine_seconds_since_last_step") < 2.0
+    assert gauge(runtime, "loraplane_engine_seconds_since_last_step") < 4.0
 
 
 def test_an_idle_engine_is_ready_however_long_ago_its_last_step_and_a_failed_streak_expires(
