@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -364,7 +365,7 @@ def test_int4_plans_half_a_byte_a_weight_and_its_groups_and_the_roofline_reads_t
     shape = named_shape("llama-3-70b")
     linear, others = shape.linear_params(), shape.num_params() - shape.linear_params()
     int4 = weights_bytes(shape, "bfloat16", "int4")
-    assert int4 == 2 * others + linear // 2 + -(-linear // 128) * 3
+    assert int4 == 2 * others + math.ceil(linear * (0.5 + 3 / 128))
     assert 39e9 < int4 < 41e9 < weights_bytes(shape, "bfloat16", "fp8")
     step = StepShape(tokens=1, seqs=1, context=1000, attention=1000, adapters=1, adapter_bytes=0)
     seconds = {
@@ -443,7 +444,7 @@ def test_4_bit_groups_that_a_split_would_cut_are_refused_as_the_data_plane_refus
     base = ["plan", "--model", str(folder), "--gpu", "h200", "--adapters", "100"]
     assert main([*base, "--tensor-parallel-size", "8"]) == 2
     assert (
-        "4-bit weights in groups of 128 do not split over 8 GPUs: down_proj's 29,568 inputs"
+        "4-bit weights in groups of 128 inputs do not split over 8 GPUs: down_proj's 29,568 inputs"
         " leave 3,696 per GPU, not whole groups" in capsys.readouterr().err
     )
     assert main([*base, "--recommend-layout", "--json"]) == 0
@@ -451,3 +452,31 @@ def test_4_bit_groups_that_a_split_would_cut_are_refused_as_the_data_plane_refus
     assert layouts["int4, 1 GPU"]["fits"]
     for n in (2, 4, 8):
         assert "do not split over" in layouts[f"int4, TP={n}"]["why_not"]
+
+
+def test_a_4_bit_checkpoint_s_own_group_size_decides_its_splits_and_unserved_forms_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The checkpoint's group size, not 128: a GPTQ Qwen2-72B in groups of 64 leaves 14,784
+    down_proj inputs per GPU over 2 (231 groups), 7,392 over 4 (115.5: refused). A
+    quantization_config the data plane does not serve (bitsandbytes) is refused by name."""
+    config: dict[str, object] = {
+        "model_type": "qwen2", "num_hidden_layers": 80, "hidden_size": 8192,
+        "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 152064, "max_position_embeddings": 32768,
+        "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 64},
+    }  # fmt: skip
+    gptq = tmp_path / "gptq-64"
+    gptq.mkdir()
+    (gptq / "config.json").write_text(json.dumps(config))
+    base = ["plan", "--model", str(gptq), "--gpu", "h200", "--adapters", "100", "--json"]
+    assert main([*base, "--recommend-layout"]) == 0
+    layouts = {item["layout"]: item for item in json.loads(capsys.readouterr().out)["layouts"]}
+    assert layouts["int4, TP=2"]["fits"]
+    assert "groups of 64 inputs do not split over 4 GPUs" in layouts["int4, TP=4"]["why_not"]
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (gptq / "config.json").write_text(json.dumps(config))
+    assert main(base) == 2
+    assert "its quantization_config is a form the data plane does not serve" in (
+        capsys.readouterr().err
+    )

@@ -7,6 +7,7 @@ the operator can validate adapters against a base model they never load.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,18 +80,60 @@ MAX_CONFIG_BYTES = 1 << 20
 CONFIG_NAME = "config.json"
 
 
+W4_GROUP = 128  # the group size 4-bit checkpoints most often have (inputs per scale)
+
+
 def checkpoint_quantization(config: dict[str, Any]) -> str | None:
     """The form of a checkpoint's projections by its config.json's `quantization_config`:
     "int4" (compressed-tensors pack-quantized, AWQ, GPTQ), "fp8" (compressed-tensors float
-    or naive), None (16-bit, or a method the data plane refuses at load, naming it)."""
+    or naive), "unsupported" (any other method or format: the data plane refuses it at load,
+    naming it), None (16-bit)."""
     stored = config.get("quantization_config")
     if not isinstance(stored, dict):
         return None
-    method = stored.get("quant_method")
-    if method in ("awq", "gptq"):
+    method, fmt = stored.get("quant_method"), stored.get("format")
+    if method in ("awq", "gptq") or (method == "compressed-tensors" and fmt == "pack-quantized"):
         return "int4"
-    if method == "compressed-tensors":
-        return "int4" if stored.get("format") == "pack-quantized" else "fp8"
+    if method == "compressed-tensors" and fmt in ("float-quantized", "naive-quantized"):
+        return "fp8"
+    return "unsupported"
+
+
+def checkpoint_w4_group(config: dict[str, Any]) -> int:
+    """The inputs per scale of a 4-bit checkpoint's projections as its config.json says them
+    (-1: one group per row), W4_GROUP where it says nothing readable (models/w4_formats.py
+    reads them strictly, for the load)."""
+    stored = config.get("quantization_config")
+    value: Any = None
+    if isinstance(stored, dict):
+        value = stored.get("group_size", stored.get("q_group_size"))
+        groups = stored.get("config_groups")
+        if isinstance(groups, dict) and len(groups) == 1:  # compressed-tensors
+            (group,) = groups.values()
+            weights = group.get("weights") if isinstance(group, dict) else None
+            if isinstance(weights, dict):
+                channel = weights.get("strategy") == "channel"
+                value = -1 if channel else weights.get("group_size")
+    ok = isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value > 0)
+    return int(value) if ok else W4_GROUP
+
+
+def w4_split_problem(shape: BaseModelSpec, size: int, group: int) -> str | None:
+    """Why 4-bit weights in groups of `group` inputs (-1: one per row) cannot be split over
+    `size` ranks, or None: a row-parallel projection's inputs on a rank (o_proj's heads,
+    down_proj's MLP columns) must be whole groups, packed eight to an int32 (the data
+    plane's rule, models/quant_w4.W4Linear)."""
+    if size == 1:
+        return None
+    inputs = {"o_proj": shape.num_heads * shape.head_dim, "down_proj": shape.intermediate_size}
+    for module, whole in inputs.items():
+        per = whole / size
+        if whole % size or whole // size % (8 if group == -1 else math.lcm(8, group)):
+            groups = "one group per row" if group == -1 else f"groups of {group} inputs"
+            return (
+                f"4-bit weights in {groups} do not split over {size} GPUs: {module}'s"
+                f" {whole:,} inputs leave {per:,.0f} per GPU, not whole groups"
+            )
     return None
 
 

@@ -15,6 +15,7 @@ from loraplane.adapters.base_model import (
     BaseModelError,
     BaseModelSpec,
     checkpoint_quantization,
+    checkpoint_w4_group,
     read_config,
 )
 
@@ -34,7 +35,7 @@ class BaseModelCache:
     def __init__(self, s3_endpoint_url: str | None = None) -> None:
         self._s3_endpoint_url = s3_endpoint_url
         self._specs: dict[tuple[str, str], BaseModelSpec] = {}
-        self._forms: dict[str, str | None] = {}  # uri -> checkpoint_quantization
+        self._forms: dict[str, tuple[str | None, int]] = {}  # uri -> form, 4-bit group
         self._lock = threading.Lock()
 
     def get(self, uri: str, name: str) -> BaseModelSpec:
@@ -50,15 +51,16 @@ class BaseModelCache:
         spec = spec_of(config, name, uri)
         with self._lock:
             self._specs[(uri, name)] = spec
-            self._forms[uri] = checkpoint_quantization(config)
+            self._forms[uri] = (checkpoint_quantization(config), checkpoint_w4_group(config))
         return spec
 
-    def stored_quantization(self, uri: str, name: str) -> str | None:
-        """The form the checkpoint at `uri` stores its projections in ("int4", "fp8", None:
-        16-bit); BaseModelUnavailable as `get`."""
+    def stored_form(self, uri: str, name: str) -> tuple[str | None, int]:
+        """The form the checkpoint at `uri` stores its projections in ("int4", "fp8",
+        "unsupported", None: 16-bit) and a 4-bit one's group size; BaseModelUnavailable as
+        `get`."""
         self.get(uri, name)
         with self._lock:
-            return self._forms.get(uri)
+            return self._forms.get(uri, (None, 0))
 
 
 def spec_of(config: dict[str, Any], name: str, source: str) -> BaseModelSpec:

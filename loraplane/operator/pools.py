@@ -63,17 +63,17 @@ def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> tuple[str, str] | Non
         return None
     try:
         base = ctx.base_models.get(pool.base_model_uri, pool.base_model_name)
-        stored = ctx.base_models.stored_quantization(pool.base_model_uri, pool.base_model_name)
+        stored, group = ctx.base_models.stored_form(pool.base_model_uri, pool.base_model_name)
     except BaseModelUnavailable:
         return None  # the pods say why they cannot load it
-    try:
-        check_quantization(pool.quantization, stored, base)
-    except SpecError as exc:
-        return UNSUPPORTED_QUANTIZATION, str(exc)
     try:
         check_tensor_parallel(pool.tensor_parallel_size, base)
     except SpecError as exc:
         return INVALID_SPLIT, str(exc)
+    try:
+        check_quantization(pool.quantization, stored, base, pool.tensor_parallel_size, group)
+    except SpecError as exc:
+        return UNSUPPORTED_QUANTIZATION, str(exc)
     return None
 
 

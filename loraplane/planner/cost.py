@@ -31,11 +31,10 @@ from typing import Any, Protocol
 from loraplane.planner.memory import (
     DTYPE_BYTES,
     FP8_TORCH_PATH_BYTES,
-    W4_GROUP,
-    W4_GROUP_BYTES,
     AdapterProfile,
     adapter_elements,
     kv_bytes_per_token,
+    w4_bytes_per_weight,
 )
 from loraplane.planner.parallel import Collectives, rank_shape
 from loraplane.planner.shapes import ModelShape
@@ -188,7 +187,7 @@ class Roofline:
         streamed_params = others + streamed_linear_params(shape, step.tokens)
         streamed = (streamed_params - (0 if shape.tie_word_embeddings else embed)) * elt
         if self.quantization == "int4":  # the W4A16 kernel, on every CUDA GPU
-            per_weight = 0.5 + W4_GROUP_BYTES / W4_GROUP
+            per_weight = w4_bytes_per_weight(shape)
             streamed -= streamed_linear_params(shape, step.tokens) * (elt - per_weight)
         elif self.quantization is not None and self.gpu.fp8:  # the W8A16 kernel: a byte a weight
             streamed -= streamed_linear_params(shape, step.tokens) * (elt - 1)

@@ -38,7 +38,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from loraplane.adapters.base_model import SUPPORTED_MODULES
+from loraplane.adapters.base_model import SUPPORTED_MODULES, w4_split_problem
 from loraplane.dataplane.arena_layout import ALIGN_BYTES, blocks_needed
 from loraplane.dataplane.config import GPU_MEMORY_FRACTION, EngineConfig
 from loraplane.planner.parallel import rank_shape
@@ -139,34 +139,32 @@ class MemoryPlan:
 
 
 # "int4": a 4-bit checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized), read as such by
-# the data plane with no flag (models/w4_formats.py), in its most common form: groups of 128
-# input columns, each with a 16-bit scale and a zero point (a byte in the data plane's layout)
-W4_GROUP = 128
+# the data plane with no flag (models/w4_formats.py): groups of `ModelShape.w4_group` input
+# columns (the checkpoint's, else 128), each with a 16-bit scale and a zero point (a byte in
+# the data plane's layout)
 W4_GROUP_BYTES = 2 + 1
 QUANTIZED = {"fp8": "FP8", "int4": "4-bit"}
 
 
+def w4_bytes_per_weight(shape: ModelShape) -> float:
+    """A 4-bit linear weight's bytes with its share of its group's scale and zero point."""
+    group = shape.w4_group if shape.w4_group > 0 else shape.hidden_size  # -1: one per row
+    return 0.5 + W4_GROUP_BYTES / group
+
+
 def check_w4_split(shape: ModelShape, size: int) -> None:
-    """ValueError when 4-bit weights of `shape` cannot be split over `size` ranks: a
-    row-parallel projection's inputs on a rank (o_proj's heads, down_proj's MLP columns) must
-    be whole groups of W4_GROUP (the data plane's rule, models/quant_w4.W4Linear)."""
-    if size == 1:
-        return
-    inputs = {"o_proj": shape.num_heads * shape.head_dim, "down_proj": shape.intermediate_size}
-    for module, whole in inputs.items():
-        if whole % (size * W4_GROUP):
-            raise ValueError(
-                f"4-bit weights in groups of {W4_GROUP} do not split over {size} GPUs:"
-                f" {module}'s {whole:,} inputs leave {whole / size:,.0f} per GPU, not whole"
-                " groups"
-            )
+    """ValueError when 4-bit weights of `shape` cannot be split over `size` ranks (its
+    groups would be cut: `base_model.w4_split_problem`, the data plane's rule)."""
+    problem = w4_split_problem(shape.spec, size, shape.w4_group)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None) -> int:
     """Bytes of the model's parameters in `dtype`. With `quantization` "fp8" (models/quant.py,
     per channel) the decoder's linear weights take a byte each and an fp32 scale per output
     row; with "int4" (models/quant_w4.py) half a byte each and a scale and zero point per
-    group of W4_GROUP inputs of a row. Embeddings, norms and the LM head stay in `dtype`
+    group of `shape.w4_group` inputs of a row. Embeddings, norms and the LM head stay in `dtype`
     (biases, a few per layer, are counted as weights). ValueError for a mixture of experts,
     which the engine refuses quantized."""
     if quantization is None:
@@ -178,7 +176,7 @@ def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None
     linear = shape.linear_params()
     others = (shape.num_params() - linear) * DTYPE_BYTES[dtype]
     if quantization == "int4":
-        return others + linear // 2 + -(-linear // W4_GROUP) * W4_GROUP_BYTES
+        return others + math.ceil(linear * w4_bytes_per_weight(shape))
     rows = sum(out for layer in range(shape.num_layers)
                for _, out in shape.adapted_shapes(SUPPORTED_MODULES, layer))  # fmt: skip
     return others + linear + 4 * rows

@@ -336,6 +336,11 @@ def _weights_form(args: argparse.Namespace) -> tuple[str | None, str | None]:
         except ValueError as e:  # BaseModelError, BaseModelUnavailable
             raise PlanError(str(e)) from e
     asked = args.quantization
+    if stored == "unsupported":
+        raise PlanError(
+            f"--model {args.model}: its quantization_config is a form the data plane does not"
+            " serve (FP8 float-quantized, 4-bit AWQ, GPTQ or pack-quantized, or 16 bits)"
+        )
     if stored is not None and asked not in (None, stored):
         word = {"int4": "a 4-bit", "fp8": "an FP8"}[stored]
         raise PlanError(
@@ -445,13 +450,12 @@ def _layouts(
     note = ""
     if not args.recommend_layout:
         chosen = args.tensor_parallel_size is not None or args.quantization is not None
-        chosen = chosen or stored is not None
         measured = args.device == "cpu" or args.calibrate or args.cost
-        weights = weights_bytes(shape, args.dtype)
+        weights = weights_bytes(shape, args.dtype, stored)  # a quantized checkpoint's form
         if chosen or measured or weights < gpu.memory - args.reserved:
             return [], ""
         note = (
-            f"{shape.name} in {args.dtype} does not fit one {gpu.name}: weights"
+            f"{shape.name} in {stored or args.dtype} does not fit one {gpu.name}: weights"
             f" {weights / 1e9:.1f} GB > {(gpu.memory - args.reserved) / 1e9:.1f} GB of device"
             " memory; comparing the layouts that could serve it"
         )

@@ -14,7 +14,12 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from loraplane.adapters.base_model import BaseModelSpec, read_config
+from loraplane.adapters.base_model import (
+    W4_GROUP,
+    BaseModelSpec,
+    checkpoint_w4_group,
+    read_config,
+)
 from loraplane.adapters.families import FAMILIES
 
 ATTENTION_BIAS_TYPES = ("qwen2",)  # q/k/v projections with a bias
@@ -47,6 +52,8 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     experts_per_tok: int = 0  # num_experts_per_tok, top-k: the experts each token runs through
+    # a 4-bit checkpoint's inputs per scale (quantization_config; -1: one group per row)
+    w4_group: int = W4_GROUP
 
     def __post_init__(self) -> None:
         for field in (
@@ -201,6 +208,7 @@ class ModelShape:
             max_position_embeddings=int(max_len),
             tie_word_embeddings=bool(tied),
             experts_per_tok=int(top_k) if spec.num_experts else 0,
+            w4_group=checkpoint_w4_group(config),
         )
 
     @classmethod

@@ -464,9 +464,16 @@ def test_a_quantization_the_data_plane_would_refuse_for_its_checkpoint_is_a_spec
         ("fp8", None, mixtral, "FP8 weights of a mixture of experts (mixtral) are not served"
                                " yet: leave spec.quantization out"),
         (None, "int4", mixtral, "4-bit weights of a mixture of experts (mixtral) are not"),
+        (None, "unsupported", llama, "quantization_config is a form the data plane does not"),
     ):  # fmt: skip
         with pytest.raises(SpecError, match=re.escape(reason)):
             specs.check_quantization(asked, stored, base)
+    # split: o_proj's 64 inputs (8 heads of 8) leave 32 per rank, whole groups of 32, not of 64
+    specs.check_quantization(None, "int4", llama, 2, 32)
+    specs.check_quantization(None, "int4", llama, 2, -1)  # one group per row
+    cut = "spec.tensorParallelSize 2: 4-bit weights in groups of 64 inputs do not split over 2"
+    with pytest.raises(SpecError, match=re.escape(cut)):
+        specs.check_quantization(None, "int4", llama, 2, 64)
 
 
 def test_pool_kv_cache_dtype_reaches_serve_and_an_unknown_one_is_refused() -> None:

@@ -229,8 +229,8 @@ def load_model(
         try:
             int4 = {} if w4 is None else w4_formats.replace_projections(model, w4, dtype)
         except UnsupportedModelError as e:
-            if tp.size == 1:
-                raise
+            if tp.size == 1 or "does not split into groups" not in str(e):
+                raise  # not the split's doing
             raise UnsupportedModelError(
                 f"tensor parallel size {tp.size}: {e} (each rank holds 1/{tp.size} of o_proj's"
                 " and down_proj's inputs)"
