@@ -66,19 +66,30 @@ def _reference(
     return engine.tokenizer.decode(tokens), logprobs
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("form", ["plain", "fp8", "dora-in-kv"])
 def test_serve_split_over_two_processes_answers_as_one_and_exits_clean(
-    tiny_llama_dir: Path, peft_adapters: dict[str, Path], quantization: str | None
+    tiny_llama_dir: Path, peft_adapters: dict[str, Path], form: str, tmp_path: Path
 ) -> None:
     """fp8: the base quantized at load, each rank its slice of the FP8 weights (its
-    log-probabilities differ from fp32's by ~1e-3, so within 1e-4 they are FP8's)."""
+    log-probabilities differ from fp32's by ~1e-3, so within 1e-4 they are FP8's).
+    dora-in-kv: a DoRA adapter (its split rows' norms summed over the ranks) in each rank's
+    KV cache (LORAPLANE_KV_LORA_SHARED, the CUDA default)."""
+    from tests.factories import build_peft_adapter
+
+    quantization = "fp8" if form == "fp8" else None
+    adapter = peft_adapters["r16"]
+    env = {"LORAPLANE_NUM_KV_BLOCKS": "64", "LORAPLANE_SHUTDOWN_GRACE_S": "10"}
+    if form == "dora-in-kv":
+        adapter = build_peft_adapter(tiny_llama_dir, tmp_path / "dora", seed=3, r=8,
+                                     lora_alpha=16, use_dora=True)  # fmt: skip
+        env["LORAPLANE_KV_LORA_SHARED"] = "1"
+        env["LORAPLANE_METRICS_PORT"] = str(metrics_port := free_port())
     port = free_port()
     quantize = ["--quantization", quantization] if quantization else []
     proc = spawn(
         ["--model", str(tiny_llama_dir), "--port", str(port), "--dtype", "float32",
-         "--tensor-parallel-size", "2", "--lora-modules", f"a={peft_adapters['r16']}",
-         *quantize],
-        env={"LORAPLANE_NUM_KV_BLOCKS": "64", "LORAPLANE_SHUTDOWN_GRACE_S": "10"},
+         "--tensor-parallel-size", "2", "--lora-modules", f"a={adapter}", *quantize],
+        env=env,
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
@@ -90,11 +101,16 @@ def test_serve_split_over_two_processes_answers_as_one_and_exits_clean(
             model="a", prompt=PROMPT, max_tokens=8, temperature=0.0, logprobs=1,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
-        text, logprobs = _reference(tiny_llama_dir, peft_adapters["r16"], quantization)
+        text, logprobs = _reference(tiny_llama_dir, adapter, quantization)
         assert answer.choices[0].text == text
         got = answer.choices[0].logprobs
         assert got is not None and got.token_logprobs is not None
         assert got.token_logprobs == pytest.approx(logprobs, abs=1e-4)
+        if form == "dora-in-kv":  # rank 0's run of blocks holds the adapter (the workers' too)
+            metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+            held = [line for line in metrics.splitlines()
+                    if line.startswith('loraplane_kv_blocks{holder="adapters"}')]  # fmt: skip
+            assert held and float(held[0].split()[-1]) > 0, held
         children = _descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
