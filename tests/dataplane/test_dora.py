@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from loraplane.adapters.base_model import BaseModelSpec
-from loraplane.adapters.errors import AdapterRejected, ReasonCode
 from loraplane.dataplane import attention
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import replay_eagerly
@@ -284,17 +283,45 @@ def test_the_per_row_scale_is_the_magnitude_over_the_updated_weights_row_norm(
     torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-6)
 
 
-def test_a_dora_adapter_on_an_fp8_base_is_refused_naming_the_quantization(
-    bases: Any,
+@pytest.mark.parametrize(("form", "tp"), [("fp8", 1), ("awq", 1), ("gptq-act-order", 1),
+                                          ("fp8", 2), ("awq", 2)])  # fmt: skip
+def test_a_dora_adapter_on_a_quantized_base_gives_pefts_tokens_on_the_dequantized_weights(
+    bases: Any, tmp_path: Path, form: str, tp: int
 ) -> None:
+    """FP8 (compressed-tensors, per channel) and 4-bit (AWQ, GPTQ act-order) checkpoints of
+    the perturbed Llama: DoRA's norm reads each projection's weight as the model computes
+    with it, dequantized, so the mixed batch equals HF + PEFT on the dequantized checkpoint,
+    on one rank and split over two (the row-parallel norms summed over the ranks)."""
+    import peft
+    import transformers
+
+    from tests.dataplane.test_quant_fp8 import _write
+    from tests.dataplane.w4_checkpoints import write
+
     model_dir, adapters, _ = bases("llama")
-    engine = engine_for(model_dir, quantization="fp8")
-    engine.register_lora("plain", adapters["plain"], "t")  # plain LoRA: served
-    with pytest.raises(AdapterRejected) as info:
-        engine.register_lora("dora", adapters["dora"], "t")
-    assert info.value.code is ReasonCode.DORA_NOT_SUPPORTED
-    assert "quantized (FP8Linear)" in info.value.message
-    assert "needs the base weight W in full precision" in info.value.message
+    if form == "fp8":
+        quantized, plain = _write(model_dir, tmp_path, "channel")
+    else:
+        checkpoint = write(model_dir, tmp_path, form)
+        quantized, plain = checkpoint.w4, checkpoint.plain
+    base = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
+    reference = peft.PeftModel.from_pretrained(base, adapters["dora"], adapter_name="dora")
+    reference.load_adapter(adapters["plain"], adapter_name="plain")
+    reference.eval()
+    engine = engine_for(quantized, tensor_parallel_size=tp)
+    try:
+        refs = {name: engine.register_lora(name, path, "t") for name, path in adapters.items()}
+        batch = prompts(len(NAMES), seed=23)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True)
+        outs = engine.generate(batch, params, [refs[x] if x else None for x in NAMES])
+    finally:
+        engine.close()
+    for name, prompt, out in zip(NAMES, batch, outs, strict=True):
+        tokens, logprobs = hf_greedy_logprobs(reference, prompt, name, 8)
+        assert out.token_ids == tokens, (form, tp, name)
+        got = torch.tensor(out.logprobs, dtype=torch.float64)
+        torch.testing.assert_close(got, torch.tensor(logprobs, dtype=torch.float64),
+                                   atol=ATOL, rtol=0, msg=f"{form} tp{tp} {name}")  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "max_loras"), [("llama", 2), ("llama", 1), ("qwen2", 2),
@@ -317,11 +344,13 @@ def test_a_dora_adapter_split_over_two_ranks_gives_pefts_tokens_and_logprobs(
         engine.close()
 
 
-def test_a_4_bit_projection_refuses_dora_naming_its_class() -> None:
-    """A 4-bit checkpoint's projections (W4Linear) cannot give DoRA its W; a plain fp32
-    linear can."""
+def test_a_projection_without_a_floating_point_weight_refuses_dora_naming_its_class() -> None:
+    """A quantized projection gives DoRA its dequantized weight (W4Linear, FP8Linear); a
+    module with an integer weight and no dequantization cannot."""
     w4 = W4Linear(64, 32, bias=False, group_size=32, zeros=False, act_order=False,
                   compute_dtype=torch.float32)  # fmt: skip
-    why = refusal(w4)
-    assert why is not None and "quantized (W4Linear)" in why
-    assert refusal(nn.Linear(64, 32)) is None
+    assert refusal(w4) is None and refusal(nn.Linear(64, 32)) is None
+    odd = nn.Linear(64, 32)
+    odd.weight = nn.Parameter(torch.zeros(32, 64, dtype=torch.int8), requires_grad=False)
+    why = refusal(odd)
+    assert why is not None and "(Linear) has no floating-point weight" in why

@@ -22,11 +22,12 @@ first-ever cold load 6.1-6.4x (14.5-15.3 against 2.4-2.5 ms: the norm, one [out,
 product per module, is most of it, on a loader thread); with g in the norm cache's folder
 (a restart) 1.4-1.5x (3.5-3.6 ms).
 
-What needs the base weight W in full precision is refused (`refusal`): a quantized projection
-(FP8, 4-bit). Under tensor parallelism a column-parallel rank holds whole rows of W and
-computes its rows' g alone; a row-parallel one (o_proj, down_proj) holds a slice of every
-row's columns, so the ranks add up their slices' squares (`norm_sq`) in one all-reduce when
-the adapter takes a slot (`LoRAPool.sync_norms`), before any step reads g.
+A quantized projection (FP8, 4-bit) gives its weight dequantized, as the model computes with it
+(`base_weight`), so g is PEFT's on the dequantized checkpoint. Under tensor parallelism a
+column-parallel rank holds whole rows of W and computes its rows' g alone; a row-parallel one
+(o_proj, down_proj) holds a slice of every row's columns, so the ranks add up their slices'
+squares (`norm_sq`) in one all-reduce when the adapter takes a slot (`LoRAPool.sync_norms`),
+before any step reads g.
 """
 
 from __future__ import annotations
@@ -68,15 +69,30 @@ def refusal(base: nn.Module | None) -> str | None:
     """Why DoRA cannot be served on the projection `base` (None: it can)."""
     if base is None:
         return "no base weight is registered for it (the model's LoRA layers are not installed)"
+    if callable(getattr(base, "dequantized", None)):
+        return None  # FP8, 4-bit: the norm reads the weight the model computes with
     weight = getattr(base, "weight", None)
-    quantized = getattr(base, "compute_dtype", None) is not None  # models/quant*.py
-    if quantized or not isinstance(weight, torch.Tensor) or weight.dtype not in _FLOATS:
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in _FLOATS:
         return (
-            f"the base's projections are quantized ({type(base).__name__}): DoRA's norm "
-            "||W + s B A|| needs the base weight W in full precision (serve this base without "
-            "--quantization, or train the adapter without use_dora)"
+            f"the base projection ({type(base).__name__}) has no floating-point weight for "
+            "DoRA's norm ||W + s B A|| to read (train the adapter without use_dora)"
         )
     return None
+
+
+def base_weight(base: nn.Module | None) -> torch.Tensor | None:
+    """The W a DoRA norm reads: the projection's weight, or a quantized projection's weight
+    dequantized as the model computes with it (models/quant.py FP8Linear, models/quant_w4.py
+    W4Linear: a full-size copy each call), so that g is PEFT's on the dequantized checkpoint;
+    None without one."""
+    if base is None:
+        return None
+    dequantized = getattr(base, "dequantized", None)
+    if callable(dequantized):
+        weight = dequantized()
+        return weight if isinstance(weight, torch.Tensor) else None
+    weight = getattr(base, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) and weight.dtype in _FLOATS else None
 
 
 @torch.no_grad()

@@ -57,8 +57,8 @@ def module_print(table: ModuleSlots) -> bytes:
     """The fingerprint of `table`'s base weight (`dora.base_print`), computed once and kept
     with its row norms (two loader threads may both compute it: the same bytes)."""
     if table.base_print is None:
-        weight = getattr(table.base, "weight", None)
-        if not isinstance(weight, torch.Tensor):
+        weight = dora.base_weight(table.base)
+        if weight is None:
             raise ValueError("no base weight for DoRA")
         if table.base_sq is None:
             table.base_sq = dora.row_norms_sq(weight)
@@ -252,8 +252,8 @@ def _compute(
     adapter: LoadedAdapter, tables: dict[tuple[int, str], ModuleSlots], key: tuple[int, str]
 ) -> torch.Tensor:  # [out] fp32 on the host
     w, table = adapter.modules[key], tables[key]
-    weight = getattr(table.base, "weight", None)
-    if w.magnitude is None or not isinstance(weight, torch.Tensor):
+    weight = dora.base_weight(table.base)
+    if w.magnitude is None or weight is None:
         raise ValueError(f"layer {key[0]} {key[1]}: no base weight for DoRA")
     if table.base_sq is None:  # the first DoRA adapter here: ||W_i||^2, kept
         table.base_sq = dora.row_norms_sq(weight)

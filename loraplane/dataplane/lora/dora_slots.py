@@ -137,8 +137,8 @@ class DoRASlots:
         parallelism. The rows' norms are computed once per module, by its first DoRA slot."""
         table = self._modules[key]
         a, b = table.lora_a[slot], table.lora_b[slot]
-        weight = getattr(table.base, "weight", None)
-        if a is None or b is None or not isinstance(weight, torch.Tensor):
+        weight = dora.base_weight(table.base)
+        if a is None or b is None or weight is None:
             raise ValueError(f"layer {key[0]} {key[1]}: no base weight for DoRA")
         if table.base_sq is None:
             table.base_sq = dora.row_norms_sq(weight)
