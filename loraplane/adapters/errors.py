@@ -49,10 +49,10 @@ EXPLANATIONS: dict[ReasonCode, str] = {
     ReasonCode.BIAS_NOT_SUPPORTED: 'The adapter trains bias terms (bias other than "none", '
     "lora_bias, or bias tensors); only bias-free LoRA adapters are served.",
     ReasonCode.DORA_NOT_SUPPORTED: "This DoRA adapter cannot be served here: DoRA is served on "
-    "the attention and MLP projections of a full-precision base without tensor parallelism, "
-    "not on mixture-of-experts experts, a quantized (FP8 or 4-bit) base, a split base, or "
-    "modules of the other layout (Phi-3's fused ones); magnitude vectors need use_dora: "
-    "true. Train it again without use_dora to serve it as plain LoRA.",
+    "the attention and MLP projections (of full-precision, FP8 or 4-bit bases, split or not), "
+    "not on mixture-of-experts experts or modules of the other layout (Phi-3's fused ones); "
+    "magnitude vectors need use_dora: true. Train it again without use_dora to serve it as "
+    "plain LoRA.",
     ReasonCode.UNSUPPORTED_TARGET_MODULE: "The adapter targets a module that the base model "
     "lacks or that cannot be adapted; only the q, k, v, o, gate, up and down projections of "
     "the decoder layers can be.",
