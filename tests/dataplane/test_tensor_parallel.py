@@ -676,6 +676,10 @@ def test_tp2_over_4_bit_weights_gives_tp1s_tokens_in_mixed_adapter_batches(
     _split_equals_whole(family, names)
 
 
+# llama's FP8 checkpoint per channel, qwen2's per tensor, llama's 16-bit one quantized at load
+FP8_FORMS = [("llama", None), ("qwen2", None), ("llama", "fp8")]
+
+
 @pytest.fixture(scope="module")
 def fp8_checkpoints(
     families: dict[str, Family], tmp_path_factory: pytest.TempPathFactory
@@ -691,9 +695,7 @@ def fp8_checkpoints(
     }
 
 
-@pytest.mark.parametrize(
-    ("kind", "quantization"), [("llama", None), ("qwen2", None), ("llama", "fp8")]
-)
+@pytest.mark.parametrize(("kind", "quantization"), FP8_FORMS)
 def test_each_ranks_fp8_projections_dequantize_to_its_slice_of_the_unsplit_ones(
     families: dict[str, Family], fp8_checkpoints: dict[str, Path], kind: str,
     quantization: str | None,
@@ -726,9 +728,7 @@ def test_each_ranks_fp8_projections_dequantize_to_its_slice_of_the_unsplit_ones(
             assert all(p.bias is not None and p.bias.dtype == torch.float32 for p in parts)
 
 
-@pytest.mark.parametrize(
-    ("kind", "quantization"), [("llama", None), ("qwen2", None), ("llama", "fp8")]
-)
+@pytest.mark.parametrize(("kind", "quantization"), FP8_FORMS)
 def test_tp2_over_fp8_weights_gives_tp1s_tokens_in_mixed_adapter_batches(
     families: dict[str, Family], fp8_checkpoints: dict[str, Path], kind: str,
     quantization: str | None,
