@@ -58,8 +58,9 @@ def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> tuple[str, str] | Non
     """(reason, message) when the base model cannot be served as the spec asks: split over
     spec.tensorParallelSize, or in the form spec.quantization and its checkpoint give; None
     otherwise (also when its config.json cannot be read here: a model on the pods' volume is
-    checked by the pods)."""
-    if (pool.tensor_parallel_size == 1 and pool.quantization is None) or pool.model_on_volume:
+    checked by the pods). Every pool's config.json is read, an unsplit 16-bit one's too: its
+    checkpoint may hold weights the data plane does not serve (a 4-bit mixture of experts)."""
+    if pool.model_on_volume:
         return None
     try:
         base = ctx.base_models.get(pool.base_model_uri, pool.base_model_name)

@@ -319,6 +319,12 @@ def test_pools_named_alike_in_two_namespaces_have_their_own_catalog_entry_and_sc
     assert mirrored["pressure"] is None
 
 
+def _layout_condition(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    pool = cluster.get("servingpools", PLATFORM, name)
+    found = [c for c in pool.get("status", {}).get("conditions", []) if c["type"] == "LayoutValid"]
+    return found[0] if found else None
+
+
 def test_a_split_pool_asks_for_a_gpu_per_rank_and_an_unsplittable_base_is_refused(
     cluster: Cluster, controlplane: ControlPlane, start_operator: StartOperator,
     base_model_dir: Path,
@@ -362,13 +368,21 @@ def test_a_split_pool_asks_for_a_gpu_per_rank_and_an_unsplittable_base_is_refuse
     (awq / "config.json").write_text(json.dumps(config))
     cluster.create("servingpools", PLATFORM, pool_body("awq", awq, quantization="fp8"))
 
-    def unsupported() -> dict[str, Any] | None:
-        pool = cluster.get("servingpools", PLATFORM, "awq")
-        found = [c for c in pool.get("status", {}).get("conditions", [])
-                 if c["type"] == "LayoutValid"]  # fmt: skip
-        return found[0] if found else None
-
-    cond = wait_for(unsupported, what="the awq pool's LayoutValid condition")
+    cond = wait_for(lambda: _layout_condition(cluster, "awq"),
+                    what="the awq pool's LayoutValid condition")  # fmt: skip
     assert (cond["status"], cond["reason"]) == ("False", "UnsupportedQuantization")
     assert "the base model is a 4-bit checkpoint" in cond["message"]
     assert _deployment(cluster, "awq") is None
+    # an unsplit pool asking for no quantization is checked too: a 4-bit mixture of experts
+    moe = base_model_dir.parent / "awq-moe"
+    moe.mkdir()
+    config.update(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    (moe / "config.json").write_text(json.dumps(config))
+    cluster.create("servingpools", PLATFORM, pool_body("awq-moe", moe))
+    cond = wait_for(lambda: _layout_condition(cluster, "awq-moe"), what="awq-moe's LayoutValid")
+    assert (cond["status"], cond["reason"]) == ("False", "UnsupportedQuantization")
+    assert "4-bit weights of a mixture of experts (mixtral) are not served" in cond["message"]
+    assert _deployment(cluster, "awq-moe") is None
+    # and the split pool's layout is valid
+    cond = wait_for(lambda: _layout_condition(cluster, "split"), what="split's LayoutValid")
+    assert (cond["status"], cond["reason"]) == ("True", "Valid")
