@@ -35,6 +35,7 @@ from sqlalchemy import insert, text
 
 from loraplane.controlplane import db, security
 from loraplane.controlplane.models import Adapter, AdapterVersion, ApiKey, Pool, Tenant
+from loraplane.readiness import NotReady, wait_ok
 
 REPO = Path(__file__).resolve().parents[1]
 ADMIN = "bench-admin-" + "Q7w9E2r4T6y8U1i3O5p0" * 2
@@ -99,18 +100,15 @@ def start_server(
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
            "--no-access-log", "--workers", str(workers)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the control plane exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the control plane did not start")
+    try:
+        wait_ok(f"http://127.0.0.1:{port}/readyz", 30, alive=proc,
+                interval=0.1)  # fmt: skip
+    except NotReady as e:
+        if e.stopped:
+            raise RuntimeError(f"the control plane exited with {proc.returncode}") from None
+        proc.kill()
+        raise RuntimeError("the control plane did not start") from None
+    return proc
 
 
 async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: bytes) -> int:

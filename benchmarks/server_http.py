@@ -46,12 +46,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from _common import add_smoke_flag, goal, median_of_rounds, report
 from engine_cpu import NUM_SEQS, RANK, engine_tokens_per_s, make_engine, prompts, shape
 
 from loraplane.demo.build import build_adapter, build_llama
+from loraplane.readiness import NotReady, wait_ok
 
 NUM_ADAPTERS = 8
 REPO = Path(__file__).resolve().parents[1]
@@ -89,17 +89,12 @@ def start_server(
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("server not ready")
+    try:
+        wait_ok(url + "/ready", timeout, alive=proc, interval=0.2)
+    except NotReady as e:
+        if e.stopped:
+            raise RuntimeError(f"server exited with {proc and proc.returncode}") from None
+        raise TimeoutError("server not ready") from None
 
 
 async def one_stream(port: int, body: dict[str, object]) -> tuple[int, float, list[float]]:

@@ -14,17 +14,16 @@ import logging
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import uvicorn
 from fastapi import FastAPI
 
 from loraplane.accesslog import AccessLogSettings, make_logger, wrap
 from loraplane.demo.errors import DemoError
+from loraplane.readiness import NotReady, wait_ok
 
 POOL = "demo"
 MAX_LORAS = 2  # device slots: three tenants' adapters share two, so requests get deferred
@@ -91,15 +90,14 @@ def serve(
 
 def wait_ready(service: Service, path: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
     """Poll `path` until it answers 200; StackError if the thread dies or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not service.thread.is_alive():
-            raise StackError(f"the {service.name} stopped while starting")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(service.url + path, timeout=2).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise StackError(f"the {service.name} at {service.url} was not ready after {timeout:.0f} s")
+    try:
+        wait_ok(service.url + path, timeout, alive=service.thread.is_alive, request_timeout=2)
+    except NotReady as e:
+        if e.stopped:
+            raise StackError(f"the {service.name} stopped while starting") from None
+        raise StackError(
+            f"the {service.name} at {service.url} was not ready after {timeout:.0f} s"
+        ) from None
 
 
 def start_controlplane(

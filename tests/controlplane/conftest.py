@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -30,6 +29,7 @@ from loraplane.controlplane import db
 from loraplane.controlplane.main import create_app
 from loraplane.controlplane.models import Base
 from loraplane.controlplane.settings import Settings
+from loraplane.readiness import NotReady, wait_ok
 from tests.adapters.crafting import (
     TINY_BASE,
     TINY_BASE_CONFIG,
@@ -153,19 +153,13 @@ def start_command(tmp_path: Path, port: int, *args: str) -> subprocess.Popen[str
         [sys.executable, "-m", "loraplane", "controlplane", "--port", str(port), *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"the control plane exited: {proc.communicate()[0]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"the control plane did not start: {proc.communicate()[0]}")
-        time.sleep(0.1)
+    try:
+        wait_ok(f"http://127.0.0.1:{port}/healthz", 60, alive=proc)
+    except NotReady as e:
+        proc.kill()
+        what = "exited" if e.stopped else "did not start"
+        raise AssertionError(f"the control plane {what}: {proc.communicate()[0]}") from None
+    return proc
 
 
 ADMIN_H = bearer(ADMIN)

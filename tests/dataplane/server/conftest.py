@@ -7,18 +7,17 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from loraplane.dataplane.server.app import create_app
 from loraplane.dataplane.server.metrics_port import create_metrics_app
 from loraplane.dataplane.server.runtime import Runtime
 from loraplane.dataplane.server.settings import ServerSettings
+from loraplane.readiness import NotReady, wait_ok
 from tests.servers import serve_in_thread
 
 API_KEY = "sk-test-tenant"
@@ -43,17 +42,12 @@ class Running:
 
 
 def wait_ready(url: str, timeout: float = 60.0, proc: subprocess.Popen[str] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout} s")
+    try:
+        wait_ok(url + "/ready", timeout, alive=proc)
+    except NotReady as e:
+        if e.stopped:
+            raise RuntimeError(f"server exited with {proc and proc.returncode}") from None
+        raise TimeoutError(f"{url} not ready after {timeout} s") from None
 
 
 @contextlib.contextmanager
