@@ -118,12 +118,22 @@ def test_llama_3_70b_with_2000_adapters_fits_one_h200_in_fp8_and_not_in_bf16(
     assert memory["kv_blocks"] > 0 and memory["adapters_resident"] >= 1
 
 
-def test_fp8_is_refused_for_a_mixture_of_experts_as_the_engine_refuses_it(
+def test_fp8_of_a_mixture_of_experts_quantizes_every_expert_and_keeps_the_routers_16_bit(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    args = ["plan", "--model-shape", "qwen3-30b-a3b", "--gpu", "h200", "--adapters", "10"]
-    assert main([*args, "--quantization", "fp8"]) == 2
-    assert "FP8 weights of a mixture of experts are not supported yet" in capsys.readouterr().err
+    """Mixtral-8x7B: every expert's w1/w3/w2 and the attention projections a byte a weight
+    plus an fp32 scale per output row, the routers with the embeddings, norms and LM head in
+    bf16, as the data plane loads them."""
+    args = ["plan", "--model-shape", "mixtral-8x7b", "--gpu", "h200", "--adapters", "10"]
+    assert main([*args, "--quantization", "fp8", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    attention = 4096 * (4096 + 1024 + 1024) + 4096 * 4096
+    experts = 8 * 3 * 4096 * 14336
+    rows = 4096 + 1024 + 1024 + 4096 + 8 * (14336 + 14336 + 4096)
+    routers = 32 * 4096 * 8
+    other = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096 + routers
+    assert memory["weights_bytes"] == 32 * (attention + experts + 4 * rows) + 2 * other
+    assert main([*args, "--quantization", "int4", "--tensor-parallel-size", "2"]) == 0
 
 
 def test_the_roofline_charges_fp8_its_kernel_s_byte_or_the_torch_path_s_dequantization() -> None:
@@ -280,8 +290,6 @@ def test_a_model_that_fits_one_gpu_gets_no_layout_table_unless_asked(
          "tensor parallel size 3 does not divide num_attention_heads (64)"),
         (["--model-shape", "qwen2-7b", "--tensor-parallel-size", "8"],
          "tensor parallel size 8 does not divide num_attention_heads (28)"),
-        (["--model-shape", "mixtral-8x7b", "--tensor-parallel-size", "2", "--quantization", "fp8"],
-         "FP8 weights of a mixture of experts are not supported yet"),
     ],
 )  # fmt: skip
 def test_splits_the_data_plane_cannot_serve_are_refused(
@@ -381,9 +389,6 @@ def test_int4_plans_half_a_byte_a_weight_and_its_groups_and_the_roofline_reads_t
     assert main([*args, "--tensor-parallel-size", "2"]) == 0
     two = json.loads(capsys.readouterr().out)
     assert 0.5 < two["memory"]["weights_bytes"] / int4 < 0.51
-    assert main(["plan", "--model-shape", "mixtral-8x7b", "--gpu", "h200", "--adapters", "10",
-                 "--quantization", "int4"]) == 2  # fmt: skip
-    assert "4-bit weights of a mixture of experts are not supported yet" in capsys.readouterr().err
 
 
 def _checkpoint(tmp_path: Path, name: str, quantization_config: dict[str, object] | None) -> Path:

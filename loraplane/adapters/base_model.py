@@ -121,11 +121,15 @@ def checkpoint_w4_group(config: dict[str, Any]) -> int:
 def w4_split_problem(shape: BaseModelSpec, size: int, group: int) -> str | None:
     """Why 4-bit weights in groups of `group` inputs (-1: one per row) cannot be split over
     `size` ranks, or None: a row-parallel projection's inputs on a rank (o_proj's heads,
-    down_proj's MLP columns) must be whole groups, packed eight to an int32 (the data
-    plane's rule, models/quant_w4.W4Linear)."""
+    down_proj's MLP columns, an expert's down projection's) must be whole groups, packed
+    eight to an int32 (the data plane's rule, models/quant_w4.W4Linear)."""
     if size == 1:
         return None
-    inputs = {"o_proj": shape.num_heads * shape.head_dim, "down_proj": shape.intermediate_size}
+    inputs = {"o_proj": shape.num_heads * shape.head_dim}
+    if len(shape.moe_layers) < shape.num_layers:  # dense MLP layers (every layer of a dense model)
+        inputs["down_proj"] = shape.intermediate_size
+    if shape.moe_layers:
+        inputs["an expert's down projection"] = shape.moe_intermediate_size
     for module, whole in inputs.items():
         per = whole / size
         if whole % size or whole // size % (8 if group == -1 else math.lcm(8, group)):

@@ -415,13 +415,6 @@ def check_quantization(
             f"spec.quantization {asked}: the base model is a 4-bit checkpoint (AWQ, GPTQ or"
             " pack-quantized), served as it is stored: leave spec.quantization out"
         )
-    form = asked or stored
-    if form is not None and base.num_experts:
-        word = "4-bit" if form == "int4" else "FP8"
-        raise SpecError(
-            f"{word} weights of a mixture of experts ({base.model_type}) are not served yet"
-            + (": leave spec.quantization out" if asked else "")
-        )
 
 
 def check_tensor_parallel(size: int, base: BaseModelSpec) -> None:

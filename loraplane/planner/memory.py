@@ -143,7 +143,6 @@ class MemoryPlan:
 # columns (the checkpoint's, else 128), each with a 16-bit scale and a zero point (a byte in
 # the data plane's layout)
 W4_GROUP_BYTES = 2 + 1
-QUANTIZED = {"fp8": "FP8", "int4": "4-bit"}
 
 
 def w4_bytes_per_weight(shape: ModelShape) -> float:
@@ -164,16 +163,13 @@ def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None
     """Bytes of the model's parameters in `dtype`. With `quantization` "fp8" (models/quant.py,
     per channel) the decoder's linear weights take a byte each and an fp32 scale per output
     row; with "int4" (models/quant_w4.py) half a byte each and a scale and zero point per
-    group of `shape.w4_group` inputs of a row. Embeddings, norms and the LM head stay in `dtype`
-    (biases, a few per layer, are counted as weights). ValueError for a mixture of experts,
-    which the engine refuses quantized."""
+    group of `shape.w4_group` inputs of a row. Embeddings, norms, a mixture of experts' routers
+    and the LM head stay in `dtype` (biases, a few per layer, are counted as weights); every
+    expert's linears are quantized as the dense projections are."""
     if quantization is None:
         return shape.num_params() * DTYPE_BYTES[dtype]
-    if shape.num_experts:
-        raise ValueError(
-            f"{QUANTIZED[quantization]} weights of a mixture of experts are not supported yet"
-        )
-    linear = shape.linear_params()
+    routers = shape.hidden_size * shape.num_experts * len(shape.moe_layers)
+    linear = shape.linear_params() - routers
     others = (shape.num_params() - linear) * DTYPE_BYTES[dtype]
     if quantization == "int4":
         return others + math.ceil(linear * w4_bytes_per_weight(shape))

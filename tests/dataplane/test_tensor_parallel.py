@@ -770,25 +770,41 @@ def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> N
     _split_equals_whole(family, names)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    ("kind", "weights"),
+    [("mixtral", None), ("qwen3_moe", None), ("mixtral", "fp8"), ("qwen3_moe", "fp8-checkpoint"),
+     ("mixtral", "ct-act-order"), ("qwen3_moe", "gptq-v2")],
+)  # fmt: skip
 def test_tp2_gives_tp1s_tokens_on_mixtures_of_experts_with_expert_adapters(
-    kind: str, tmp_path: Path
+    kind: str, weights: str | None, tmp_path: Path
 ) -> None:
     """Mixtral and Qwen3-MoE (q/k norms, a dense layer among the sparse ones) split over two
     ranks: each expert's gate/up by rows and down by columns, the router replicated, one
     all-reduce after the experts' weighted sum; adapters on attention only, on the experts
     only (PEFT target_parameters, split per expert at load, then per rank) and on both, mixed
-    with base rows over two slots (slots emptied and refilled on both ranks), chunked."""
+    with base rows over two slots (slots emptied and refilled on both ranks), chunked. Also
+    with FP8 experts: quantized at load, and from a per-channel FP8 checkpoint (each expert's
+    down_proj keeps its whole rows' scales); and with 4-bit experts, act-order in groups of 16
+    (a rank's down keeps every group) and GPTQ v2 per channel."""
     from tests.dataplane.test_models_moe_parity import ADAPTERS, _build_adapter, _build_model
+    from tests.dataplane.test_quant_fp8 import _write
+    from tests.dataplane.w4_checkpoints import VARIANTS as W4_VARIANTS
+    from tests.dataplane.w4_checkpoints import write as write_w4
 
     model = _build_model(tmp_path / kind, kind, seed=41)
     adapters = {
         name: _build_adapter(model, tmp_path / name, kind, 400 + i, cfg)
         for i, (name, cfg) in enumerate(ADAPTERS.items())
     }
+    if weights == "fp8-checkpoint":
+        model = _write(model, tmp_path / "fp8", "channel")[0]
+    elif weights in W4_VARIANTS:
+        model = write_w4(model, tmp_path / "w4", weights).w4
     family = Family(kind, model, adapters)
     names: list[str | None] = ["r16-experts", "r8-attn", None, "r32-all", "r16-experts", None]
-    settings = {"max_loras": 2, "max_num_batched_tokens": 8}
+    settings: dict[str, Any] = {"max_loras": 2, "max_num_batched_tokens": 8}
+    if weights == "fp8":
+        settings["quantization"] = "fp8"
     expected = _run(_engine(family, 1, **settings), family, names)
     split = _engine(family, 2, **settings)
     try:

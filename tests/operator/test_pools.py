@@ -373,16 +373,16 @@ def test_a_split_pool_asks_for_a_gpu_per_rank_and_an_unsplittable_base_is_refuse
     assert (cond["status"], cond["reason"]) == ("False", "UnsupportedQuantization")
     assert "the base model is a 4-bit checkpoint" in cond["message"]
     assert _deployment(cluster, "awq") is None
-    # an unsplit pool asking for no quantization is checked too: a 4-bit mixture of experts
-    moe = base_model_dir.parent / "awq-moe"
-    moe.mkdir()
-    config.update(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
-    (moe / "config.json").write_text(json.dumps(config))
-    cluster.create("servingpools", PLATFORM, pool_body("awq-moe", moe))
-    cond = wait_for(lambda: _layout_condition(cluster, "awq-moe"), what="awq-moe's LayoutValid")
+    # an unsplit pool asking for no quantization is checked too: a bitsandbytes checkpoint
+    bnb = base_model_dir.parent / "bnb"
+    bnb.mkdir()
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (bnb / "config.json").write_text(json.dumps(config))
+    cluster.create("servingpools", PLATFORM, pool_body("bnb", bnb))
+    cond = wait_for(lambda: _layout_condition(cluster, "bnb"), what="bnb's LayoutValid")
     assert (cond["status"], cond["reason"]) == ("False", "UnsupportedQuantization")
-    assert "4-bit weights of a mixture of experts (mixtral) are not served" in cond["message"]
-    assert _deployment(cluster, "awq-moe") is None
+    assert "quantization_config is a form the data plane does not serve" in cond["message"]
+    assert _deployment(cluster, "bnb") is None
     # and the split pool's layout is valid
     cond = wait_for(lambda: _layout_condition(cluster, "split"), what="split's LayoutValid")
     assert (cond["status"], cond["reason"]) == ("True", "Valid")

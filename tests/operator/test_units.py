@@ -458,12 +458,11 @@ def test_a_quantization_the_data_plane_would_refuse_for_its_checkpoint_is_a_spec
     mixtral = BaseModelSpec("m", "mixtral", 2, 64, 96, 8, 2, 8, 4, 96, (0, 1))
     for asked, stored in ((None, None), ("fp8", None), ("fp8", "fp8"), (None, "int4")):
         specs.check_quantization(asked, stored, llama)  # served
-    specs.check_quantization(None, None, mixtral)
+    for asked, stored in ((None, None), ("fp8", None), (None, "fp8"), (None, "int4")):
+        specs.check_quantization(asked, stored, mixtral)  # experts quantized as the rest
+    specs.check_quantization(None, "int4", mixtral, 2, 16)  # an expert's 48 inputs per rank
     for asked, stored, base, reason in (
         ("fp8", "int4", llama, "spec.quantization fp8: the base model is a 4-bit checkpoint"),
-        ("fp8", None, mixtral, "FP8 weights of a mixture of experts (mixtral) are not served"
-                               " yet: leave spec.quantization out"),
-        (None, "int4", mixtral, "4-bit weights of a mixture of experts (mixtral) are not"),
         (None, "unsupported", llama, "quantization_config is a form the data plane does not"),
     ):  # fmt: skip
         with pytest.raises(SpecError, match=re.escape(reason)):
@@ -474,6 +473,13 @@ def test_a_quantization_the_data_plane_would_refuse_for_its_checkpoint_is_a_spec
     cut = "spec.tensorParallelSize 2: 4-bit weights in groups of 64 inputs do not split over 2"
     with pytest.raises(SpecError, match=re.escape(cut)):
         specs.check_quantization(None, "int4", llama, 2, 64)
+    # an expert's down projection splits as down_proj does: 96 inputs leave 48, not groups of 32
+    expert = "an expert's down projection's 96 inputs leave 48 per GPU, not whole groups"
+    with pytest.raises(SpecError, match=re.escape(expert)):
+        specs.check_quantization(None, "int4", mixtral, 2, 32)
+    # every layer sparse: no dense down_proj to split (its unused width does not count)
+    sparse = BaseModelSpec("m", "qwen3_moe", 2, 64, 100, 8, 2, 8, 4, 64, (0, 1))
+    specs.check_quantization(None, "int4", sparse, 2, 16)
 
 
 def test_pool_kv_cache_dtype_reaches_serve_and_an_unknown_one_is_refused() -> None:

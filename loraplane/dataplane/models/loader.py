@@ -192,11 +192,7 @@ def load_model(
     raw = base_model.read_config(str(root))
     config = parse_config(raw)
     w4 = w4_formats.scheme_for(raw, quantization)  # a 4-bit checkpoint's; quant.py's is None
-    if w4 is not None and isinstance(config, MoEConfig):
-        raise UnsupportedModelError("4-bit weights of a mixture of experts are not supported yet")
     scheme = quant.scheme_for(raw, quantization)
-    if scheme is not None and isinstance(config, MoEConfig):
-        raise UnsupportedModelError("FP8 weights of a mixture of experts are not supported yet")
     # parallel.shard's names are read here, not imported: it imports models.config, whose
     # package imports this module
     tp = shard or parallel.TPShard(0, 1)
@@ -271,6 +267,12 @@ def load_model(
                     _load_fp8(state, target, f.get_tensor(name), scheme, device, dtype, part_of)
                     continue
                 tensor = part_of(target, f.get_tensor(name))
+                if tensor.dtype == quant.FP8:  # its scale would be dropped: wrong numbers
+                    raise UnsupportedModelError(
+                        f"{target} is stored in FP8, but only the decoder's projections (and"
+                        " experts) are served quantized: its module must be in the"
+                        " quantization_config's ignore list, stored 16-bit"
+                    )
                 state[target] = _owned(tensor, tensor.to(device=device, dtype=dtype))
     _check_keys(model, state, root)
     try:

@@ -12,7 +12,9 @@ as transformers 5 computes it (Mixtral multiplies by the fp32 weights, Qwen3-MoE
 cast to the activations' dtype; each token's experts are added in ascending expert order).
 Experts are kept one module each, named as checkpoints (and 4.x adapters) name them:
 Mixtral `block_sparse_moe.experts.N.{w1,w3,w2}`, Qwen3-MoE `mlp.experts.N.{gate,up,down}_proj`
-(transformers 5 packs them in memory but saves them this way), so weights load by name.
+(transformers 5 packs them in memory but saves them this way), so weights load by name. An
+FP8 checkpoint's experts (or `--quantization fp8`) are models/quant.py's FP8Linear, one per
+expert, as the dense projections are; the routers stay 16-bit.
 
 LoRA: attention projections are wrapped as in every family (`LinearWithLoRA`); the experts'
 adapters are applied by the block itself (`lora/experts.py`), rows grouped by (expert, adapter
@@ -115,6 +117,16 @@ class MoEConfig(ModelConfig):
         )
 
 
+def _expert_mm(linear: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x W^T for one expert's rows: straight into `out` for a plain linear, through the
+    layer's own forward for a quantized one (models/quant.py's FP8Linear: its W8A16 kernel on
+    CUDA, the dequantized weight elsewhere)."""
+    if type(linear) is nn.Linear:
+        torch.mm(x, linear.weight.t(), out=out)
+    else:
+        out.copy_(linear(x))
+
+
 class Expert(nn.Module):
     """One expert: down(silu(gate(x)) * up(x)), its linears named as the checkpoint's."""
 
@@ -181,8 +193,8 @@ class SparseMoeBlock(nn.Module):
         gate = xs.new_empty(n, self.inter)
         up = xs.new_empty(n, self.inter)
         for (_, start, end), (gate_l, up_l, _) in zip(hits, linears, strict=True):
-            torch.mm(xs[start:end], gate_l.weight.t(), out=gate[start:end])
-            torch.mm(xs[start:end], up_l.weight.t(), out=up[start:end])
+            _expert_mm(gate_l, xs[start:end], gate[start:end])
+            _expert_mm(up_l, xs[start:end], up[start:end])
         stamp = self.context.stamp if self.context is not None else None
         if lora is not None and lora_rows is not None:
             lora.apply_layer(gate, xs, 0, lora_rows, stamp)
@@ -190,7 +202,7 @@ class SparseMoeBlock(nn.Module):
         h = F.silu(gate, inplace=True).mul_(up)  # silu(gate) * up
         y = xs.new_empty(n, x.shape[1])
         for (_, start, end), (_, _, down_l) in zip(hits, linears, strict=True):
-            torch.mm(h[start:end], down_l.weight.t(), out=y[start:end])
+            _expert_mm(down_l, h[start:end], y[start:end])
         if lora is not None and lora_rows is not None:
             lora.apply_layer(y, h, 2, lora_rows, stamp)
         return self._combine(x, y, weights, experts, rows)

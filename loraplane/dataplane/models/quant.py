@@ -46,10 +46,14 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # --quantization: what a 16-bit checkpoint can be quantized to at load (config.py keeps the
 # same tuple for EngineConfig's check, without importing torch)
 QUANTIZATIONS = ("fp8",)
-# the decoder layers' projections: what is quantized (embeddings, norms and lm_head are not)
+# the decoder layers' projections, a mixture of experts' experts included (Mixtral's
+# block_sparse_moe.experts.N.w1/w3/w2, Qwen3-MoE's mlp.experts.N.gate_proj/...): what is
+# quantized (embeddings, norms, the routers and lm_head are not)
 PROJECTION = re.compile(
-    r"^model\.layers\.\d+\.(?:self_attn|mlp)\."
-    r"(?:q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj)$"
+    r"^model\.layers\.\d+\.(?:"
+    r"(?:self_attn|mlp)\.(?:q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_up_proj)"
+    r"|(?:mlp|block_sparse_moe)\.(?:experts\.\d+\.)?(?:gate_proj|up_proj|down_proj|w1|w2|w3)"
+    r")$"
 )
 _STRATEGIES = ("tensor", "channel")
 # the FP8 projections' compute path: auto (Triton's W8A16 kernel on CUDA tensors, the torch

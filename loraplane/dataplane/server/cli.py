@@ -65,7 +65,8 @@ def add_commands(subparsers: Any) -> None:
         choices=["fp8"],
         help="fp8: quantize the base's projections to float8 e4m3 at load (per-channel scales;"
         " about half the weights' memory of bf16; LoRA unchanged); an FP8 checkpoint"
-        " (compressed-tensors) loads as FP8 without it",
+        " (compressed-tensors) loads as FP8 without it, a 4-bit one (AWQ, GPTQ,"
+        " pack-quantized) as 4-bit, and fp8 is refused for it",
     )
     serve.add_argument(
         "--tensor-parallel-size",
@@ -74,7 +75,9 @@ def add_commands(subparsers: Any) -> None:
         help="split the base model over N processes, one per GPU (cuda:0..N-1; on cpu, the"
         " cores shared out): attention heads, MLP columns and the vocabulary, and each"
         " adapter's matching slices, exact; N must divide the attention heads and the MLP"
-        " width. Every family but the mixtures of experts; default 1",
+        " width (an expert's too), and the KV heads divide by N or N by them. Every family,"
+        " mixtures of experts included; combines with --quantization and FP8 or 4-bit"
+        " checkpoints; default 1",
     )
     serve.add_argument(
         "--kv-cache-dtype",
