@@ -195,3 +195,40 @@ def test_an_engine_on_the_triton_path_generates_hf_peft_tokens_on_an_awq_base(
     reference = peft.PeftModel.from_pretrained(base, peft_adapters["r16"], adapter_name="r16")
     for prompt, name, out in zip(batch, ["r16", None], outs, strict=True):
         assert out.token_ids == hf_greedy(reference.eval(), prompt, name, 5), name
+
+
+def test_a_4_bit_mixture_of_experts_on_the_triton_path_generates_the_torch_paths_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AWQ Mixtral: every expert's rows go through the kernel (models/moe.py `_expert_mm`,
+    one launch per expert hit), an adapter on attention and the experts beside base rows: the
+    torch path's greedy tokens."""
+    from loraplane.dataplane.models import quant_w4
+    from tests.factories import build_family_adapter, build_model
+
+    model = build_model(tmp_path / "mixtral", "mixtral")
+    adapter = build_family_adapter(model, tmp_path / "adapter", "mixtral", seed=3)
+    ckpt = write(model, tmp_path, "awq")
+    launched: list[tuple[int, ...]] = []  # the packed weight shape of each kernel call
+
+    def counted(x: torch.Tensor, qweight: torch.Tensor, *args: object) -> torch.Tensor:
+        launched.append(tuple(qweight.shape))
+        return wt.w4a16_linear(x, qweight, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant_w4, "_triton_linear", lambda: counted)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LORAPLANE_W4", backend)
+        engine = Engine(EngineConfig(model=str(ckpt.w4), device=str(DEVICE), dtype="float32",
+                                     block_size=4, num_kv_blocks=64, max_num_seqs=4))  # fmt: skip
+        experts = [m for n, m in engine.runner.model.named_modules()
+                   if ".experts." in n and isinstance(m, W4Linear)]  # fmt: skip
+        assert experts and all(m.backend == backend for m in experts)
+        ref = engine.register_lora("experts", adapter, "t")
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        outs[backend] = [o.token_ids for o in engine.generate(prompts(2, 5), params, [ref, None])]
+        if backend == "torch":
+            assert launched == []
+    assert outs["triton"] == outs["torch"]
+    gate, down = (tuple(e.qweight.shape) for e in experts[:3:2])  # expert 0's w1 and w2
+    assert gate != down and gate in launched and down in launched
