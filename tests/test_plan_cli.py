@@ -485,3 +485,28 @@ def test_a_4_bit_checkpoint_s_own_group_size_decides_its_splits_and_unserved_for
     assert "its quantization_config is a form the data plane does not serve" in (
         capsys.readouterr().err
     )
+
+
+def test_block_fp8_scale_blocks_a_split_would_cut_are_refused_as_the_data_plane_refuses_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-30B-A3B-FP8 (transformers' block-wise "fp8", blocks of 128x128): an expert's 768
+    columns leave 384 per GPU over 2 (whole blocks) and 192 over 4 (not), as vLLM finds it;
+    planned in FP8 as stored."""
+    config: dict[str, object] = {
+        "model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    }  # fmt: skip
+    folder = tmp_path / "qwen3-30b-a3b-fp8"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    base = ["plan", "--model", str(folder), "--gpu", "h100", "--adapters", "10", "--json"]
+    assert main([*base, "--tensor-parallel-size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == "fp8"
+    assert main([*base, "--tensor-parallel-size", "4"]) == 2
+    assert ("FP8 weights in blocks of 128x128 do not split over 4 GPUs: an expert's gate and up"
+            " output rows come to 192 per GPU") in capsys.readouterr().err  # fmt: skip

@@ -86,8 +86,8 @@ W4_GROUP = 128  # the group size 4-bit checkpoints most often have (inputs per s
 def checkpoint_quantization(config: dict[str, Any]) -> str | None:
     """The form of a checkpoint's projections by its config.json's `quantization_config`:
     "int4" (compressed-tensors pack-quantized, AWQ, GPTQ), "fp8" (compressed-tensors float
-    or naive), "unsupported" (any other method or format: the data plane refuses it at load,
-    naming it), None (16-bit)."""
+    or naive, transformers' block-wise "fp8"), "unsupported" (any other method or format: the
+    data plane refuses it at load, naming it), None (16-bit)."""
     stored = config.get("quantization_config")
     if not isinstance(stored, dict):
         return None
@@ -96,7 +96,52 @@ def checkpoint_quantization(config: dict[str, Any]) -> str | None:
         return "int4"
     if method == "compressed-tensors" and fmt in ("float-quantized", "naive-quantized"):
         return "fp8"
+    if method == "fp8" and fp8_block(stored) is not None:
+        return "fp8"
     return "unsupported"
+
+
+def fp8_block(stored: Any) -> tuple[int, int] | None:
+    """(rows, columns) of a block-wise FP8 checkpoint's scale blocks (transformers' quant_method
+    "fp8", `weight_block_size`), None when the quantization_config names none usable."""
+    size = stored.get("weight_block_size") if isinstance(stored, dict) else None
+    if (
+        isinstance(size, list | tuple) and len(size) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)
+    ):  # fmt: skip
+        return int(size[0]), int(size[1])
+    return None
+
+
+def fp8_block_split_problem(shape: BaseModelSpec, size: int, block: tuple[int, int]) -> str | None:
+    """Why FP8 weights with a scale per `block` (rows, columns) cannot be split over `size`
+    ranks, or None: each rank's output rows of a column-parallel projection and input columns
+    of a row-parallel one must be whole blocks (the data plane's rule, parallel/shard.py; vLLM
+    refuses the same splits)."""
+    if size == 1:
+        return None
+    rows, cols = block
+    heads = shape.num_heads * shape.head_dim
+    # each rank's KV heads, or the one head it holds (fewer KV heads than ranks)
+    kv_heads = shape.num_kv_heads // size if shape.num_kv_heads % size == 0 else 1
+    per_rank = [("q_proj's output rows", heads // size, rows),
+                ("k_proj's and v_proj's output rows", kv_heads * shape.head_dim, rows),
+                ("o_proj's inputs", heads // size, cols)]  # fmt: skip
+    if len(shape.moe_layers) < shape.num_layers:
+        inter = shape.intermediate_size // size
+        per_rank += [("gate_proj's and up_proj's output rows", inter, rows),
+                     ("down_proj's inputs", inter, cols)]  # fmt: skip
+    if shape.moe_layers:
+        inter = shape.moe_intermediate_size // size
+        per_rank += [("an expert's gate and up output rows", inter, rows),
+                     ("an expert's down projection's inputs", inter, cols)]  # fmt: skip
+    for what, count, unit in per_rank:
+        if count % unit:
+            return (
+                f"FP8 weights in blocks of {rows}x{cols} do not split over {size} GPUs: {what}"
+                f" come to {count:,} per GPU, not whole blocks of {unit}"
+            )
+    return None
 
 
 def checkpoint_w4_group(config: dict[str, Any]) -> int:

@@ -16,6 +16,7 @@ from loraplane.adapters.base_model import (
     BaseModelSpec,
     checkpoint_quantization,
     checkpoint_w4_group,
+    fp8_block,
     read_config,
 )
 
@@ -35,7 +36,8 @@ class BaseModelCache:
     def __init__(self, s3_endpoint_url: str | None = None) -> None:
         self._s3_endpoint_url = s3_endpoint_url
         self._specs: dict[tuple[str, str], BaseModelSpec] = {}
-        self._forms: dict[str, tuple[str | None, int]] = {}  # uri -> form, 4-bit group
+        # uri -> form, 4-bit group, block-wise FP8's scale block
+        self._forms: dict[str, tuple[str | None, int, tuple[int, int] | None]] = {}
         self._lock = threading.Lock()
 
     def get(self, uri: str, name: str) -> BaseModelSpec:
@@ -51,16 +53,17 @@ class BaseModelCache:
         spec = spec_of(config, name, uri)
         with self._lock:
             self._specs[(uri, name)] = spec
-            self._forms[uri] = (checkpoint_quantization(config), checkpoint_w4_group(config))
+            self._forms[uri] = (checkpoint_quantization(config), checkpoint_w4_group(config),
+                                fp8_block(config.get("quantization_config")))  # fmt: skip
         return spec
 
-    def stored_form(self, uri: str, name: str) -> tuple[str | None, int]:
+    def stored_form(self, uri: str, name: str) -> tuple[str | None, int, tuple[int, int] | None]:
         """The form the checkpoint at `uri` stores its projections in ("int4", "fp8",
-        "unsupported", None: 16-bit) and a 4-bit one's group size; BaseModelUnavailable as
-        `get`."""
+        "unsupported", None: 16-bit), a 4-bit one's group size and a block-wise FP8 one's
+        scale block; BaseModelUnavailable as `get`."""
         self.get(uri, name)
         with self._lock:
-            return self._forms.get(uri, (None, 0))
+            return self._forms.get(uri, (None, 0, None))
 
 
 def spec_of(config: dict[str, Any], name: str, source: str) -> BaseModelSpec:

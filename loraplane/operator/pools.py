@@ -64,7 +64,8 @@ def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> tuple[str, str] | Non
         return None
     try:
         base = ctx.base_models.get(pool.base_model_uri, pool.base_model_name)
-        stored, group = ctx.base_models.stored_form(pool.base_model_uri, pool.base_model_name)
+        stored, group, block = ctx.base_models.stored_form(pool.base_model_uri,
+                                                           pool.base_model_name)  # fmt: skip
     except BaseModelUnavailable:
         return None  # the pods say why they cannot load it
     try:
@@ -72,7 +73,8 @@ def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> tuple[str, str] | Non
     except SpecError as exc:
         return INVALID_SPLIT, str(exc)
     try:
-        check_quantization(pool.quantization, stored, base, pool.tensor_parallel_size, group)
+        check_quantization(pool.quantization, stored, base, pool.tensor_parallel_size, group,
+                           block)  # fmt: skip
     except SpecError as exc:
         return UNSUPPORTED_QUANTIZATION, str(exc)
     return None

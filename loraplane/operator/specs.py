@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loraplane.adapters.base_model import BaseModelSpec, tensor_parallel_problem, w4_split_problem
+from loraplane.adapters.base_model import (
+    BaseModelSpec,
+    fp8_block_split_problem,
+    tensor_parallel_problem,
+    w4_split_problem,
+)
 from loraplane.sizes import parse_bytes, parse_memory
 
 GROUP = "loraplane.io"
@@ -398,17 +403,21 @@ def _routing(routing: Mapping[str, Any]) -> Routing:
 
 
 def check_quantization(
-    asked: str | None, stored: str | None, base: BaseModelSpec, size: int = 1, group: int = 0
-) -> None:
+    asked: str | None, stored: str | None, base: BaseModelSpec, size: int = 1, group: int = 0,
+    block: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
     """SpecError when the data plane would refuse the base's weights in the form
     spec.quantization (`asked`) and its checkpoint (`stored`: "int4", "fp8", "unsupported",
-    None) give, split over `size` ranks (a 4-bit checkpoint's groups of `group` inputs)."""
+    None) give, split over `size` ranks (a 4-bit checkpoint's groups of `group` inputs, a
+    block-wise FP8 one's scale `block`)."""
     if stored == "unsupported":
         raise SpecError(
             "the base model's quantization_config is a form the data plane does not serve"
             " (FP8 float-quantized, 4-bit AWQ, GPTQ or pack-quantized, or 16 bits)"
         )
     if stored == "int4" and (problem := w4_split_problem(base, size, group)) is not None:
+        raise SpecError(f"spec.tensorParallelSize {size}: {problem}")
+    if stored == "fp8" and block and (problem := fp8_block_split_problem(base, size, block)):
         raise SpecError(f"spec.tensorParallelSize {size}: {problem}")
     if stored == "int4" and asked is not None:
         raise SpecError(

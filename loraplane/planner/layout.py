@@ -30,7 +30,7 @@ from loraplane.planner.cost import GPUSpec, Roofline, StepShape
 from loraplane.planner.memory import (
     AdapterProfile,
     MemoryPlan,
-    check_w4_split,
+    check_quantized_split,
     plan_memory,
     weights_bytes,
 )
@@ -150,8 +150,7 @@ def fit_layout(
     n, dtype = layout.tensor_parallel_size, config.dtype
     try:
         local = rank_shape(shape, n)
-        if layout.quantization == "int4":
-            check_w4_split(shape, n)
+        check_quantized_split(shape, n, layout.quantization)
         weights = weights_bytes(local, dtype, layout.quantization)
     except (TensorParallelRefused, ValueError) as e:  # refused split, FP8 of an MoE
         return LayoutFit(layout, why_not=str(e))

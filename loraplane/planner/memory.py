@@ -38,7 +38,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from loraplane.adapters.base_model import SUPPORTED_MODULES, w4_split_problem
+from loraplane.adapters.base_model import (
+    SUPPORTED_MODULES,
+    fp8_block_split_problem,
+    w4_split_problem,
+)
 from loraplane.dataplane.arena_layout import ALIGN_BYTES, blocks_needed
 from loraplane.dataplane.config import GPU_MEMORY_FRACTION, EngineConfig
 from loraplane.planner.parallel import rank_shape
@@ -151,10 +155,15 @@ def w4_bytes_per_weight(shape: ModelShape) -> float:
     return 0.5 + W4_GROUP_BYTES / group
 
 
-def check_w4_split(shape: ModelShape, size: int) -> None:
-    """ValueError when 4-bit weights of `shape` cannot be split over `size` ranks (its
-    groups would be cut: `base_model.w4_split_problem`, the data plane's rule)."""
-    problem = w4_split_problem(shape.spec, size, shape.w4_group)
+def check_quantized_split(shape: ModelShape, size: int, quantization: str | None) -> None:
+    """ValueError when `shape`'s weights in `quantization` cannot be split over `size` ranks:
+    4-bit groups, or a block-wise FP8 checkpoint's scale blocks, would be cut (the data
+    plane's rules, `base_model.w4_split_problem` and `fp8_block_split_problem`)."""
+    problem = None
+    if quantization == "int4":
+        problem = w4_split_problem(shape.spec, size, shape.w4_group)
+    elif quantization == "fp8" and shape.fp8_block is not None:
+        problem = fp8_block_split_problem(shape.spec, size, shape.fp8_block)
     if problem is not None:
         raise ValueError(problem)
 
@@ -250,8 +259,7 @@ def plan_memory(
     quantization = quantization or config.quantization
     whole = shape
     shape = rank_shape(shape, size)  # TensorParallelRefused (a ValueError) names why not
-    if quantization == "int4":
-        check_w4_split(whole, size)
+    check_quantized_split(whole, size, quantization)
     weights = weights_bytes(shape, dtype, quantization)
     total = weights_bytes(whole, dtype, quantization) if size > 1 else weights
     free = device_memory - weights - reserved

@@ -18,6 +18,7 @@ from loraplane.adapters.base_model import (
     W4_GROUP,
     BaseModelSpec,
     checkpoint_w4_group,
+    fp8_block,
     read_config,
 )
 from loraplane.adapters.families import FAMILIES
@@ -54,6 +55,8 @@ class ModelShape:
     experts_per_tok: int = 0  # num_experts_per_tok, top-k: the experts each token runs through
     # a 4-bit checkpoint's inputs per scale (quantization_config; -1: one group per row)
     w4_group: int = W4_GROUP
+    # a block-wise FP8 checkpoint's (rows, columns) per scale (quantization_config)
+    fp8_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for field in (
@@ -209,6 +212,7 @@ class ModelShape:
             tie_word_embeddings=bool(tied),
             experts_per_tok=int(top_k) if spec.num_experts else 0,
             w4_group=checkpoint_w4_group(config),
+            fp8_block=fp8_block(config.get("quantization_config")),
         )
 
     @classmethod

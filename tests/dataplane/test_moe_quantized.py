@@ -1,7 +1,8 @@
 """Quantized weights of a mixture of experts (issue 31): Mixtral and Qwen3-MoE checkpoints in FP8,
 in the layout llm-compressor writes (every expert's linears and the attention projections in
-float8 e4m3 with their scales, the routers and lm_head 16-bit), a 16-bit one quantized at load,
-and 4-bit checkpoints (AutoAWQ, GPTQ v2 per channel) whose experts are 4-bit too.
+float8 e4m3 with their scales, the routers and lm_head 16-bit), block-wise FP8 as Qwen's own
+releases store it, a 16-bit one quantized at load, and 4-bit checkpoints (AutoAWQ, GPTQ v2 per
+channel) whose experts are 4-bit too.
 
 The reference is transformers + PEFT on the same weights dequantized, fp32, with adapters on
 attention and on the experts (PEFT target_parameters): the engine's greedy tokens must be its
@@ -35,6 +36,7 @@ from tests.dataplane.test_models_moe_parity import (
     moe_families,  # noqa: F401 - a fixture this module's tests take
 )
 from tests.dataplane.test_quant_fp8 import _write
+from tests.dataplane.test_quant_fp8_block import write_block_fp8
 from tests.dataplane.w4_checkpoints import write as write_w4
 
 # Mixtral's checkpoint per channel, Qwen3-MoE's per tensor
@@ -93,7 +95,7 @@ def _hf_peft(model_dir: Path, adapters: dict[str, Path]) -> Callable[[str | None
     return get
 
 
-@pytest.mark.parametrize("form", ["fp8", "int4"])
+@pytest.mark.parametrize("form", ["fp8", "fp8-block", "int4"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_quantized_moe_checkpoint_serves_expert_adapters_as_hf_peft_on_its_dequantized_weights(
     kind: str,
@@ -104,6 +106,8 @@ def test_a_quantized_moe_checkpoint_serves_expert_adapters_as_hf_peft_on_its_deq
 ) -> None:
     if form == "fp8":
         checkpoint, plain = fp8_moe[kind]
+    elif form == "fp8-block":  # as Qwen's own FP8 releases: a scale per block of 16x16 here
+        checkpoint, plain = write_block_fp8(moe_families[kind].model_dir, tmp_path, (16, 16))
     else:
         written = write_w4(moe_families[kind].model_dir, tmp_path, W4_VARIANT[kind])
         checkpoint, plain = written.w4, written.plain
@@ -111,7 +115,7 @@ def test_a_quantized_moe_checkpoint_serves_expert_adapters_as_hf_peft_on_its_deq
     model = engine.runner.model
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks
-    layer = FP8Linear if form == "fp8" else W4Linear
+    layer = W4Linear if form == "int4" else FP8Linear
     for block in blocks:  # every expert's linears quantized, the router 16-bit
         linears = [linear for expert in block.expert_list for linear in expert.linears()]
         assert len(linears) == 3 * block.num_experts

@@ -61,6 +61,35 @@ def test_the_kernel_is_the_torch_dequantize_path(
     assert (y.float() - expected).abs().max() <= TOLERANCE[dtype] * expected.abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block"),
+    [
+        (1, 40, 96, (16, 32)),  # tiles straddle scale blocks
+        (17, 72, 64, (48, 40)),  # partial blocks at the end of rows and columns
+        (5, 24, 128, (128, 128)),  # one block row: the weight smaller than a block
+    ],
+)
+def test_the_kernel_with_block_scales_is_the_torch_dequantize_path(
+    dtype: torch.dtype, m: int, n: int, k: int, block: tuple[int, int]
+) -> None:
+    """Block-wise FP8 (a factor per block of `block`): F.linear on the dequantized weight."""
+    from tests.dataplane.test_quant_fp8_block import quantize_blocks
+
+    g = torch.Generator().manual_seed(m)
+    w8, scale, plain = quantize_blocks(torch.randn(n, k, generator=g), block)
+    x = torch.randn(m, k, generator=g).to(device=DEVICE, dtype=dtype)
+    y = wt.w8a16_linear(x, w8.to(DEVICE), scale.to(DEVICE), None, block)
+    expected = F.linear(x.float(), plain.to(dtype).float().to(DEVICE))
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert (y.float() - expected).abs().max() <= TOLERANCE[dtype] * expected.abs().max()
+    layer = FP8Linear(k, n, False, False, dtype, block).to(DEVICE)
+    layer.weight.data, layer.weight_scale.data = w8.to(DEVICE), scale.to(DEVICE)
+    torch.testing.assert_close(layer.dequantized(), plain.to(dtype).to(DEVICE), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"scale must be fp32 of shape \(3, 2\) \(blocks of"):
+        wt.w8a16_linear(x, w8.to(DEVICE), scale.to(DEVICE)[:, :1], None, (-(-n // 3), k // 2))
+
+
 def test_an_fp8_layer_on_the_triton_path_computes_as_on_the_torch_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -109,11 +138,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
     kernel, count = wt._w8a16_kernel, 0
     for dt, precision in (("*bf16", "tf32"), ("*fp16", "tf32"), ("*fp32", "ieee")):
-        for per_channel, bias in ((True, False), (False, True)):
+        for per_channel, bias, blocks in ((True, False, 0), (False, True, 0), (False, False, 128)):
             types = {"x_ptr": dt, "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": dt,
                      "y_ptr": dt, "M": "i32", "N": "i32", "K": "i32"}
             consts = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "PER_CHANNEL": per_channel,
-                      "HAS_BIAS": bias, "PRECISION": precision}
+                      "SCALE_N": blocks, "SCALE_K": blocks, "HAS_BIAS": bias,
+                      "PRECISION": precision}
             sig = {n: "constexpr" if n in consts else types[n] for n in kernel.arg_names}
             src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -126,7 +156,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_the_kernel_compiles_to_sm90_cubin_in_every_dtype_without_a_gpu() -> None:
     """The interpreter does not lower kernels; compile this one for an H100/H200 target."""
-    assert "compiled 6" in compile_without_gpu(_COMPILE_SCRIPT, timeout=240)
+    assert "compiled 9" in compile_without_gpu(_COMPILE_SCRIPT, timeout=240)
 
 
 def test_an_engine_on_the_triton_path_generates_the_torch_paths_tokens(

@@ -3,6 +3,7 @@ Same meaning as FP8Linear's torch path (models/quant.py; the CPU path and the te
 
     y[m, n] = sum_k x[m, k] * w(n, k) (+ bias[n])        accumulated in fp32
     w(n, k) = (W8[n, k].float() * scale[n or 0]).to(x.dtype)
+            = (W8[n, k].float() * scale[n // BN, k // BK]).to(x.dtype)    (block-wise FP8)
 
 Grid: (row blocks, column blocks); a program walks `in` in BLOCK_K steps, loads BLOCK_N x
 BLOCK_K bytes of the weight, widens and scales them, and multiplies with tl.dot. The full
@@ -33,7 +34,7 @@ __all__ = ["w8a16_linear"]
 def _w8a16_kernel(  # type: ignore[no-untyped-def]
     x_ptr,  # [M, K] activation dtype
     w_ptr,  # [N, K] float8 e4m3
-    scale_ptr,  # [N] (PER_CHANNEL) or [1] fp32
+    scale_ptr,  # [N] (PER_CHANNEL), [ceil(N / SCALE_N), ceil(K / SCALE_K)] (SCALE_N > 0) or [1]
     bias_ptr,  # [N] (read only with HAS_BIAS)
     y_ptr,  # [M, N] activation dtype
     M,
@@ -43,13 +44,15 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
+    SCALE_N: tl.constexpr,  # > 0: block-wise scales, a block of SCALE_N rows x SCALE_K columns
+    SCALE_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     offs_m, offs_n, m_mask, n_mask = common.tile(M, N, BLOCK_M, BLOCK_N)
     if PER_CHANNEL:
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]  # [BLOCK_N, 1]
-    else:
+    elif SCALE_N == 0:
         scale = tl.load(scale_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
@@ -61,22 +64,37 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
             mask=n_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_K] fp8
+        if SCALE_N > 0:  # each element's block factor (the tile may straddle blocks)
+            scale_cols = (K + SCALE_K - 1) // SCALE_K
+            block_of = (offs_n // SCALE_N)[:, None] * scale_cols + (offs_k // SCALE_K)[None, :]
+            scale = tl.load(
+                scale_ptr + block_of,
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_K]
         w = (w8.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     common.store_tile(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, N, HAS_BIAS)
 
 
 def w8a16_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """y = x @ (W8 * scale)^T (+ bias); x [..., K] in fp16, bf16 or fp32, `weight` [N, K]
-    float8 e4m3, `scale` fp32 per tensor ([] or [1]) or per channel ([N, 1] or [N]); y
-    [..., N] in x's dtype."""
+    float8 e4m3, `scale` fp32 per tensor ([] or [1]), per channel ([N, 1] or [N]) or, with
+    `block` (rows, columns), one per block ([ceil(N / rows), ceil(K / columns)]); y [..., N]
+    in x's dtype."""
     n, k = weight.shape
     common.check_x(x, k)
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
-    if scale.dtype != torch.float32 or scale.numel() not in (1, n):
+    if block is not None:
+        blocks = (-(-n // block[0]), -(-k // block[1]))
+        if scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
+            raise ValueError(f"scale must be fp32 of shape {blocks} (blocks of {block}), got"
+                             f" {scale.dtype} {tuple(scale.shape)}")  # fmt: skip
+    elif scale.dtype != torch.float32 or scale.numel() not in (1, n):
         raise ValueError(f"scale must be fp32 with 1 or {n} values, got {scale.dtype}"
                          f" {tuple(scale.shape)}")  # fmt: skip
     common.check_layer(x, n, bias, [weight, scale])
@@ -87,7 +105,9 @@ def w8a16_linear(
         _w8a16_kernel[grid](
             rows, weight, scale.reshape(-1), weight if bias is None else bias, y,
             rows.shape[0], n, k,
-            PER_CHANNEL=scale.numel() == n and n > 1, HAS_BIAS=bias is not None, **tiles,
+            PER_CHANNEL=block is None and scale.numel() == n and n > 1,
+            SCALE_N=block[0] if block else 0, SCALE_K=block[1] if block else 0,
+            HAS_BIAS=bias is not None, **tiles,
         )  # fmt: skip
 
     return common.launch(x, k, n, run)

@@ -120,10 +120,19 @@ def _load_fp8(
     device: torch.device, dtype: torch.dtype, part_of: Callable[[str, torch.Tensor], torch.Tensor],
 ) -> None:  # fmt: skip
     """One tensor of an FP8 projection into `state`: its weight (quantized here when the
-    checkpoint is 16-bit), its scale (fp32, shaped as the layer's), its bias (as stored), each
-    as `part_of` slices it for this tensor-parallel rank; activation scales are read past
-    (activations stay unquantized)."""
+    checkpoint is 16-bit), its scale (fp32, shaped as the layer's; a block-wise checkpoint's
+    `weight_scale_inv`), its bias (as stored), each as `part_of` slices it for this
+    tensor-parallel rank; activation scales are read past (activations stay unquantized)."""
     module, _, part = target.rpartition(".")
+    if scheme.block is not None and part in ("weight_scale", "weight_scale_inv"):
+        if part == "weight_scale" or tensor.dim() != 2:
+            raise ValueError(
+                f"{target} has shape {tuple(tensor.shape)}: block-wise FP8 keeps one factor per"
+                f" block of {scheme.block[0]}x{scheme.block[1]} in `weight_scale_inv`, 2-D"
+            )
+        scale = tensor.to(device=device, dtype=torch.float32)
+        state[f"{module}.weight_scale"] = part_of(f"{module}.weight_scale", scale)
+        return
     if part == "weight":
         if scheme.at_load:
             # the whole weight is quantized, then sliced: a row-parallel slice's rows keep the
@@ -198,16 +207,26 @@ def load_model(
     tp = shard or parallel.TPShard(0, 1)
     heads = parallel.Heads(config.num_heads, config.num_kv_heads)
     built = config
+    block = scheme.block if scheme is not None else None
     if tp.size > 1:
         parallel.check_supported(config, tp.size)
         rows = tp.vocab_part(config.vocab_size)[2]
         built = dataclasses.replace(parallel.local_config(config, tp), vocab_size=rows)
+        if block is not None:  # each rank's slices must be whole scale blocks
+            spec = base_model.BaseModelSpec.from_config(raw, str(root))
+            if why := base_model.fp8_block_split_problem(spec, tp.size, block):
+                raise UnsupportedModelError(f"tensor parallel size {tp.size}: {why}")
 
     def part_of(name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name`: a copy of its slice, so the whole
         tensor is not kept (the tensor itself without tensor parallelism)."""
         if tp.size == 1:
             return tensor
+        if block is not None and name.endswith(".weight_scale"):
+            linear = whole_fp8.get_submodule(name.rpartition(".")[0])
+            assert isinstance(linear, torch.nn.Linear)
+            shape = (linear.out_features, linear.in_features)
+            return parallel.block_scale_slice(name, tensor, tp, heads, block, shape).clone()
         return parallel.checkpoint_slice(name, tensor, tp, heads).clone()
 
     def packed_part_of(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -231,6 +250,8 @@ def load_model(
                 f"tensor parallel size {tp.size}: {e} (each rank holds 1/{tp.size} of o_proj's"
                 " and down_proj's inputs)"
             ) from e
+        # the unsplit projections' shapes, which a block-wise FP8 scale's blocks cover
+        whole_fp8 = causal_lm(config) if block is not None and tp.size > 1 else model
         # the unsplit layers, for the checks of the conversion (the checkpoint's shapes)
         whole = int4
         if w4 is not None and tp.size > 1:

@@ -1,10 +1,12 @@
 """FP8 base weights (issue 31): checkpoints written by llm-compressor / compressed-tensors, or a
 16-bit checkpoint quantized at load (`--quantization fp8`).
 
-A quantized projection keeps its weight in float8 e4m3 with fp32 scales, per tensor (one scale)
-or per output channel (`[out, 1]`), and computes in the activation dtype:
+A quantized projection keeps its weight in float8 e4m3 with fp32 scales, per tensor (one scale),
+per output channel (`[out, 1]`) or per block of the weight (`[ceil(out / bn), ceil(in / bk)]`,
+the block-wise FP8 that Qwen's and DeepSeek's own FP8 releases use), and computes in the
+activation dtype:
 
-    y = x @ (W8.float() * scale).to(x.dtype).T (+ bias)
+    y = x @ (W8.float() * scale).to(x.dtype).T (+ bias)     (a block scale spread over its block)
 
 which is what transformers computes on the same weights dequantized to that dtype, so the
 reference for every test is HF on the dequantized checkpoint. Activations are never quantized
@@ -18,7 +20,11 @@ scales the fp8 tiles inside the product and never writes the 16-bit weight.
 What a checkpoint may say (`quantization_config` in config.json), anything else refused by
 name: quant_method "compressed-tensors", format "float-quantized" or "naive-quantized", one
 config group whose weights are 8-bit floats, symmetric, strategy "tensor" or "channel",
-targeting "Linear", and an `ignore` list (the lm_head, typically).
+targeting "Linear", and an `ignore` list (the lm_head, typically); or transformers' own
+quant_method "fp8" (its FineGrainedFP8 layout): `fmt` "e4m3", `weight_block_size` [bn, bk],
+each projection's `weight` with a `weight_scale_inv` of one fp32 factor per block (multiplied,
+despite its name), `modules_to_not_convert` left 16-bit, activations dynamic or static (read
+past: W8A16).
 
 4-bit checkpoints (compressed-tensors pack-quantized, AWQ, GPTQ) are read by
 models/w4_formats.py into models/quant_w4.py's W4Linear (W4A16, half a byte per weight plus
@@ -84,6 +90,7 @@ class FP8Scheme:
     per_channel: bool
     at_load: bool  # the checkpoint is 16-bit: quantize each projection as it is read
     ignore: tuple[str, ...] = ()  # module names (or "re:" patterns) left unquantized
+    block: tuple[int, int] | None = None  # (rows, columns) per scale: block-wise FP8
 
     def covers(self, name: str) -> bool:
         """Whether module `name` is quantized."""
@@ -93,7 +100,17 @@ class FP8Scheme:
             pattern = rule.removeprefix("re:")
             if (rule.startswith("re:") and re.match(pattern, name)) or name == rule:
                 return False
+            if self.block is not None and (name == rule or name.endswith("." + rule)):
+                return False  # transformers' modules_to_not_convert: names or their ends
         return True
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        """The shape of a projection's scale: [] per tensor, [out, 1] per channel, one per
+        block of the weight (a partial block at the end of a row or column counts)."""
+        if self.block is not None:
+            rows, cols = self.block
+            return (-(-out_features // rows), -(-in_features // cols))
+        return (out_features, 1) if self.per_channel else ()
 
 
 def scheme_for(config: dict[str, Any], quantization: str | None) -> FP8Scheme | None:
@@ -125,10 +142,12 @@ def _from_checkpoint(stored: Any) -> FP8Scheme:
     if not isinstance(stored, dict):
         raise UnsupportedModelError("quantization_config must be an object")
     method = stored.get("quant_method")
+    if method == "fp8":
+        return _block_scheme(stored)
     if method != "compressed-tensors":
         raise UnsupportedModelError(
             f"quantization_config.quant_method {method!r} is not supported; supported:"
-            " compressed-tensors (FP8, 4-bit pack-quantized), awq, gptq"
+            " compressed-tensors (FP8, 4-bit pack-quantized), fp8 (block-wise), awq, gptq"
         )
     fmt = stored.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
@@ -149,6 +168,24 @@ def _from_checkpoint(stored: Any) -> FP8Scheme:
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise UnsupportedModelError("quantization_config.ignore must be a list of module names")
     return FP8Scheme(per_channel=strategy == "channel", at_load=False, ignore=tuple(ignore))
+
+
+def _block_scheme(stored: dict[str, Any]) -> FP8Scheme:
+    """transformers' quant_method "fp8": e4m3 weights with a scale per block."""
+    fmt = stored.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedModelError(f"fp8 weights in format {fmt!r} are not supported: e4m3")
+    block = base_model.fp8_block(stored)
+    if block is None:
+        raise UnsupportedModelError(
+            f"quantization_config.weight_block_size {stored.get('weight_block_size')!r} must be"
+            " two positive ints, [rows, columns] (per-tensor and per-channel FP8 are read from"
+            " compressed-tensors checkpoints)"
+        )
+    keep = stored.get("modules_to_not_convert") or []
+    if not isinstance(keep, list) or not all(isinstance(m, str) for m in keep):
+        raise UnsupportedModelError("quantization_config.modules_to_not_convert must be a list")
+    return FP8Scheme(per_channel=False, at_load=False, ignore=tuple(keep), block=block)
 
 
 def config_group(
@@ -194,11 +231,12 @@ class FP8Linear(nn.Linear):
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, per_channel: bool,
-        compute_dtype: torch.dtype,
+        compute_dtype: torch.dtype, block: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, bias=bias, dtype=FP8)
-        shape = (out_features, 1) if per_channel else ()
+        shape = FP8Scheme(per_channel, False, block=block).scale_shape(out_features, in_features)
         self.weight_scale = nn.Parameter(torch.ones(shape), requires_grad=False)
+        self.block = block
         self.compute_dtype = compute_dtype
         if self.bias is not None:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype))
@@ -209,17 +247,24 @@ class FP8Linear(nn.Linear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the model computes with it: (W8.float() * scale) in compute_dtype."""
-        return (self.weight.float() * self.weight_scale).to(self.compute_dtype)
+        scale: torch.Tensor = self.weight_scale
+        if self.block is not None:  # each block's factor over its rows and columns
+            rows, cols = self.block
+            out, inp = self.weight.shape
+            scale = scale.repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :inp]
+        return (self.weight.float() * scale).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if backends.resolve(self.backend, x) == "triton" and (
             self.backend == "triton" or _has_fp8(x.device)
         ):
-            return _triton_linear()(x, self.weight, self.weight_scale, self.bias)
+            return _triton_linear()(x, self.weight, self.weight_scale, self.bias, self.block)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         per = "channel" if self.weight_scale.dim() else "tensor"
+        if self.block is not None:
+            per = f"block of {self.block[0]}x{self.block[1]}"
         return f"{super().extra_repr()}, fp8 e4m3, per {per}"
 
 
@@ -231,7 +276,7 @@ def quantize_projections(model: nn.Module, scheme: FP8Scheme, dtype: torch.dtype
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
         fp8 = FP8Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                        scheme.per_channel, dtype)  # fmt: skip
+                        scheme.per_channel, dtype, scheme.block)  # fmt: skip
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, fp8)
     if not names:

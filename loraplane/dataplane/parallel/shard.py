@@ -193,6 +193,36 @@ def checkpoint_slice(name: str, tensor: torch.Tensor, shard: TPShard, heads: Hea
     return tensor[:, shard.part(tensor.shape[1])]
 
 
+def block_scale_slice(
+    name: str, scale: torch.Tensor, shard: TPShard, heads: Heads, block: tuple[int, int],
+    weight_shape: tuple[int, int],
+) -> torch.Tensor:  # fmt: skip
+    """Rank `shard.rank`'s part of a block-wise FP8 projection's scale `name` ([ceil(out / bn),
+    ceil(in / bk)], one factor per block of its weight of `weight_shape`): the blocks of the
+    rows (column-parallel) or input columns (row-parallel) the rank's weight slice holds.
+    ValueError when the slice does not start and end on block edges
+    (`base_model.fp8_block_split_problem` says so before any tensor is read)."""
+    found = _projection(name)
+    if shard.size == 1 or found is None:
+        return scale
+    leaf, _ = found
+    out, inputs = weight_shape
+    if leaf in COLUMN_PARALLEL:
+        runs, unit, length = _rows(leaf, out, shard, heads), block[0], out
+    else:
+        runs, unit, length = [shard.part(inputs)], block[1], inputs
+    for run in runs:
+        if run.start % unit or (run.stop % unit and run.stop != length):
+            raise ValueError(
+                f"{name}: rank {shard.rank}'s slice {run.start}:{run.stop} of {length} does not"
+                f" fall on the FP8 scale blocks of {unit}"
+            )
+    parts = [slice(run.start // unit, -(-run.stop // unit)) for run in runs]
+    if leaf in COLUMN_PARALLEL:
+        return _take_rows(scale, parts)
+    return scale[:, parts[0]]
+
+
 def packed_slice(
     name: str, tensor: torch.Tensor, shard: TPShard, heads: Heads, whole_groups: bool
 ) -> torch.Tensor:
