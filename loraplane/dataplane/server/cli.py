@@ -65,8 +65,8 @@ def add_commands(subparsers: Any) -> None:
         choices=["fp8"],
         help="fp8: quantize the base's projections to float8 e4m3 at load (per-channel scales;"
         " about half the weights' memory of bf16; LoRA unchanged); an FP8 checkpoint"
-        " (compressed-tensors) loads as FP8 without it, a 4-bit one (AWQ, GPTQ,"
-        " pack-quantized) as 4-bit, and fp8 is refused for it",
+        " (compressed-tensors, or block-wise as Qwen's FP8 releases) loads as FP8 without it,"
+        " a 4-bit one (AWQ, GPTQ, pack-quantized) as 4-bit, and fp8 is refused for it",
     )
     serve.add_argument(
         "--tensor-parallel-size",

@@ -265,7 +265,8 @@ SETTINGS_HELP: dict[str, str] = {
     "max_num_seqs": "requests per batch at most",
     "dtype": "float32, float16 or bfloat16 (unset: float32 on cpu, bfloat16 on cuda)",
     "quantization": "fp8: the base's projections quantized to float8 e4m3 at load (unset: as the"
-    " checkpoint is: FP8 compressed-tensors as FP8, AWQ, GPTQ or pack-quantized as 4-bit)",
+    " checkpoint is: FP8 compressed-tensors or block-wise as FP8, AWQ, GPTQ or pack-quantized as"
+    " 4-bit)",
     "tensor_parallel_size": "processes the base model is split over, one per GPU (its heads,"
     " MLP columns, vocabulary and every adapter's slices; gloo between CPU processes)",
     "kv_cache_dtype": "auto (the model's dtype) or fp8: the KV cache in float8 e4m3 with a"
