@@ -103,8 +103,16 @@ def checkpoint_quantization(config: dict[str, Any]) -> str | None:
 
 def fp8_block(stored: Any) -> tuple[int, int] | None:
     """(rows, columns) of a block-wise FP8 checkpoint's scale blocks (transformers' quant_method
-    "fp8", `weight_block_size`), None when the quantization_config names none usable."""
-    size = stored.get("weight_block_size") if isinstance(stored, dict) else None
+    "fp8", `weight_block_size`; compressed-tensors' strategy "block", `block_structure`), None
+    when the quantization_config names none usable."""
+    if not isinstance(stored, dict):
+        return None
+    size = stored.get("weight_block_size")
+    groups = stored.get("config_groups")
+    if stored.get("quant_method") == "compressed-tensors" and isinstance(groups, dict):
+        weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+        scheme = weights[0] if len(weights) == 1 and isinstance(weights[0], dict) else {}
+        size = scheme.get("block_structure") if scheme.get("strategy") == "block" else None
     if (
         isinstance(size, list | tuple) and len(size) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)

@@ -1,6 +1,8 @@
 """Block-wise FP8 checkpoints (models/quant.py, issue 31): transformers' quant_method "fp8", the
 layout of Qwen's and DeepSeek's own FP8 releases: each projection's float8 e4m3 `weight` with a
-`weight_scale_inv` of one fp32 factor per block of `weight_block_size` (multiplied).
+`weight_scale_inv` of one fp32 factor per block of `weight_block_size` (multiplied); and
+llm-compressor's FP8 block scheme (compressed-tensors strategy "block", `block_structure`, the
+factors in `weight_scale`).
 
 The checkpoints are written here from the tiny Llama by the tests' own block quantizer (amax /
 448 per block, partial blocks at the edges included), beside the same weights dequantized in
@@ -22,10 +24,11 @@ from safetensors.torch import load_file, save_file
 from loraplane.adapters.base_model import (
     BaseModelSpec,
     checkpoint_quantization,
+    fp8_block,
     fp8_block_split_problem,
 )
 from loraplane.dataplane.models import UnsupportedModelError, load_model
-from loraplane.dataplane.models.quant import FP8, FP8_MAX, PROJECTION, FP8Linear
+from loraplane.dataplane.models.quant import FP8, FP8_MAX, PROJECTION, FP8Linear, scheme_for
 from loraplane.dataplane.parallel.shard import TPShard
 from tests.dataplane.conftest import Family
 from tests.dataplane.test_engine import hf_greedy, prompts
@@ -50,9 +53,27 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     return w8, scale, w8.float() * spread
 
 
-def write_block_fp8(src: Path, out: Path, block: tuple[int, int]) -> tuple[Path, Path]:
-    """(the block-wise FP8 checkpoint, the same weights dequantized in fp32) of `src`."""
-    fp8, plain = out / f"fp8-block-{block[0]}x{block[1]}", out / f"plain-{block[0]}x{block[1]}"
+def _config(block: tuple[int, int], layout: str) -> dict[str, Any]:
+    if layout == "transformers":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(block)}  # fmt: skip
+    weights = {"num_bits": 8, "type": "float", "strategy": "block",
+               "block_structure": list(block), "symmetric": True, "dynamic": False}  # fmt: skip
+    activations = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                   "symmetric": True, "dynamic": True}  # fmt: skip
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "ignore": ["lm_head"], "config_groups": {"group_0": group}}  # fmt: skip
+
+
+def write_block_fp8(
+    src: Path, out: Path, block: tuple[int, int], layout: str = "transformers"
+) -> tuple[Path, Path]:
+    """(the block-wise FP8 checkpoint, the same weights dequantized in fp32) of `src`, in
+    transformers' layout (`weight_scale_inv`) or compressed-tensors' (`weight_scale`)."""
+    tag = f"{layout}-{block[0]}x{block[1]}"
+    fp8, plain = out / f"fp8-block-{tag}", out / f"plain-{tag}"
+    scale_name = "weight_scale_inv" if layout == "transformers" else "weight_scale"
     for folder in (fp8, plain):
         shutil.copytree(src, folder)
         (folder / "model.safetensors").unlink()
@@ -61,7 +82,7 @@ def write_block_fp8(src: Path, out: Path, block: tuple[int, int]) -> tuple[Path,
     for name, tensor in load_file(src / "model.safetensors").items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and PROJECTION.match(module):
-            quantized[name], quantized[f"{module}.weight_scale_inv"], dequantized[name] = (
+            quantized[name], quantized[f"{module}.{scale_name}"], dequantized[name] = (
                 quantize_blocks(tensor, block)
             )
         else:
@@ -69,9 +90,7 @@ def write_block_fp8(src: Path, out: Path, block: tuple[int, int]) -> tuple[Path,
     save_file(quantized, fp8 / "model.safetensors")
     save_file(dequantized, plain / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}  # fmt: skip
+    config["quantization_config"] = _config(block, layout)
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, plain
 
@@ -84,14 +103,25 @@ def block_checkpoints(
     return {b: write_block_fp8(tiny_llama_dir, out, b) for b in [*BLOCKS, (16, 16)]}
 
 
-@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(
+    ("block", "layout"),
+    [((32, 32), "transformers"), ((48, 40), "transformers"), ((48, 40), "compressed-tensors")],
+)
 def test_a_block_fp8_checkpoint_serves_mixed_adapters_as_hf_peft_on_its_dequantized_weights(
     block: tuple[int, int],
+    layout: str,
     block_checkpoints: dict[tuple[int, int], tuple[Path, Path]],
+    tiny_llama_dir: Path,
     peft_adapters: dict[str, Path],
+    tmp_path: Path,
 ) -> None:
-    fp8, plain = block_checkpoints[block]
-    assert checkpoint_quantization(json.loads((fp8 / "config.json").read_text())) == "fp8"
+    if layout == "transformers":
+        fp8, plain = block_checkpoints[block]
+    else:
+        fp8, plain = write_block_fp8(tiny_llama_dir, tmp_path, block, layout)
+    config = json.loads((fp8 / "config.json").read_text())
+    assert checkpoint_quantization(config) == "fp8"
+    assert fp8_block(config["quantization_config"]) == block
     engine = _engine(fp8)
     layers = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
     assert len(layers) == 2 * 7 and all(m.block == block for m in layers)
@@ -169,3 +199,15 @@ def test_what_a_block_fp8_checkpoint_may_not_say_is_refused_by_name(
         load_model(_rewrite(fp8, tmp_path / "flat", scales="flat"), torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"does not fit its config\.json"):
         load_model(_rewrite(fp8, tmp_path / "narrow", scales="narrow"), torch.float32, "cpu")
+    # compressed-tensors: a block strategy without its block, and transformers' scale name
+    ct = _config((32, 32), "compressed-tensors")
+    del ct["config_groups"]["group_0"]["weights"]["block_structure"]
+    with pytest.raises(UnsupportedModelError, match="FP8 weights per block need block_structure"):
+        scheme_for({"quantization_config": ct}, None)
+    renamed = _rewrite(fp8, tmp_path / "ct", config=_config((32, 32), "compressed-tensors"))
+    body = json.loads((renamed / "config.json").read_text())
+    body["quantization_config"] = _config((32, 32), "compressed-tensors")
+    (renamed / "config.json").write_text(json.dumps(body))
+    with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(\d, \d\): block-wise"
+                       r" FP8 keeps one factor per block of 32x32 in `weight_scale`"):  # fmt: skip
+        load_model(renamed, torch.float32, "cpu")

@@ -125,10 +125,10 @@ def _load_fp8(
     tensor-parallel rank; activation scales are read past (activations stay unquantized)."""
     module, _, part = target.rpartition(".")
     if scheme.block is not None and part in ("weight_scale", "weight_scale_inv"):
-        if part == "weight_scale" or tensor.dim() != 2:
+        if part != scheme.scale_name or tensor.dim() != 2:
             raise ValueError(
                 f"{target} has shape {tuple(tensor.shape)}: block-wise FP8 keeps one factor per"
-                f" block of {scheme.block[0]}x{scheme.block[1]} in `weight_scale_inv`, 2-D"
+                f" block of {scheme.block[0]}x{scheme.block[1]} in `{scheme.scale_name}`, 2-D"
             )
         scale = tensor.to(device=device, dtype=torch.float32)
         state[f"{module}.weight_scale"] = part_of(f"{module}.weight_scale", scale)

@@ -20,7 +20,8 @@ scales the fp8 tiles inside the product and never writes the 16-bit weight.
 What a checkpoint may say (`quantization_config` in config.json), anything else refused by
 name: quant_method "compressed-tensors", format "float-quantized" or "naive-quantized", one
 config group whose weights are 8-bit floats, symmetric, strategy "tensor" or "channel",
-targeting "Linear", and an `ignore` list (the lm_head, typically); or transformers' own
+targeting "Linear", and an `ignore` list (the lm_head, typically); strategy "block" (its
+`block_structure` [bn, bk], a `weight_scale` of one factor per block), or transformers' own
 quant_method "fp8" (its FineGrainedFP8 layout): `fmt` "e4m3", `weight_block_size` [bn, bk],
 each projection's `weight` with a `weight_scale_inv` of one fp32 factor per block (multiplied,
 despite its name), `modules_to_not_convert` left 16-bit, activations dynamic or static (read
@@ -61,7 +62,7 @@ PROJECTION = re.compile(
     r"|(?:mlp|block_sparse_moe)\.(?:experts\.\d+\.)?(?:gate_proj|up_proj|down_proj|w1|w2|w3)"
     r")$"
 )
-_STRATEGIES = ("tensor", "channel")
+_STRATEGIES = ("tensor", "channel", "block")
 # the FP8 projections' compute path: auto (Triton's W8A16 kernel on CUDA tensors, the torch
 # dequantize path elsewhere), torch or triton; read when the layer is built
 FP8_ENV = "LORAPLANE_FP8"
@@ -91,6 +92,7 @@ class FP8Scheme:
     at_load: bool  # the checkpoint is 16-bit: quantize each projection as it is read
     ignore: tuple[str, ...] = ()  # module names (or "re:" patterns) left unquantized
     block: tuple[int, int] | None = None  # (rows, columns) per scale: block-wise FP8
+    scale_name: str = "weight_scale"  # a block-wise scale's tensor (transformers': _inv)
 
     def covers(self, name: str) -> bool:
         """Whether module `name` is quantized."""
@@ -160,14 +162,21 @@ def _from_checkpoint(stored: Any) -> FP8Scheme:
     if strategy not in _STRATEGIES or weights.get("symmetric", True) is not True:
         raise UnsupportedModelError(
             f"FP8 weights with strategy {strategy!r} (symmetric {weights.get('symmetric')}) are"
-            " not supported; supported: symmetric, per tensor or per channel"
+            " not supported; supported: symmetric, per tensor, per channel or per block"
+        )
+    block = base_model.fp8_block(stored)
+    if strategy == "block" and block is None:
+        raise UnsupportedModelError(
+            f"FP8 weights per block need block_structure [rows, columns], got"
+            f" {weights.get('block_structure')!r}"
         )
     if weights.get("dynamic") is True:
         raise UnsupportedModelError("dynamically quantized weights are not supported")
     ignore = stored.get("ignore", [])
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise UnsupportedModelError("quantization_config.ignore must be a list of module names")
-    return FP8Scheme(per_channel=strategy == "channel", at_load=False, ignore=tuple(ignore))
+    return FP8Scheme(per_channel=strategy == "channel", at_load=False, ignore=tuple(ignore),
+                     block=block)  # fmt: skip
 
 
 def _block_scheme(stored: dict[str, Any]) -> FP8Scheme:
@@ -185,7 +194,8 @@ def _block_scheme(stored: dict[str, Any]) -> FP8Scheme:
     keep = stored.get("modules_to_not_convert") or []
     if not isinstance(keep, list) or not all(isinstance(m, str) for m in keep):
         raise UnsupportedModelError("quantization_config.modules_to_not_convert must be a list")
-    return FP8Scheme(per_channel=False, at_load=False, ignore=tuple(keep), block=block)
+    return FP8Scheme(per_channel=False, at_load=False, ignore=tuple(keep), block=block,
+                     scale_name="weight_scale_inv")  # fmt: skip
 
 
 def config_group(
