@@ -21,7 +21,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.models import UnsupportedModelError, load_model
 from loraplane.dataplane.models.moe import SparseMoeBlock
@@ -29,6 +28,7 @@ from loraplane.dataplane.models.quant import FP8Linear, quantize
 from loraplane.dataplane.models.quant_w4 import W4Linear
 from loraplane.dataplane.sampling import SamplingParams
 from tests.dataplane.conftest import Family
+from tests.dataplane.test_dora import engine_for
 from tests.dataplane.test_models_moe_parity import (
     KINDS,
     _prompt,
@@ -57,11 +57,7 @@ def fp8_moe(
 
 
 def _engine(model: Path, **overrides: Any) -> Engine:
-    settings: dict[str, Any] = {"device": "cpu", "dtype": "float32", "block_size": 4,
-                                "max_loras": 3, "num_kv_blocks": 256,
-                                "max_num_batched_tokens": 24}  # fmt: skip
-    settings.update(overrides)
-    return Engine(EngineConfig(model=str(model), **settings))
+    return engine_for(model, max_loras=3, max_num_batched_tokens=24, **overrides)
 
 
 def _generate(

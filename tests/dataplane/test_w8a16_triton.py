@@ -185,6 +185,7 @@ def test_a_mixture_of_experts_on_the_triton_path_generates_the_torch_paths_token
     `_expert_mm`, one launch per expert hit), with an adapter on attention and the experts
     beside base rows: the torch path's greedy tokens."""
     from loraplane.dataplane.models import quant
+    from tests.dataplane.expert_kernels import torch_and_kernel_tokens
     from tests.factories import build_family_adapter, build_model
 
     model = build_model(tmp_path / "mixtral", "mixtral")
@@ -196,20 +197,8 @@ def test_a_mixture_of_experts_on_the_triton_path_generates_the_torch_paths_token
         return wt.w8a16_linear(x, weight, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(quant, "_triton_linear", lambda: counted)
-    outs = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("LORAPLANE_FP8", backend)
-        engine = Engine(EngineConfig(model=str(model), device=str(DEVICE), dtype="float32",
-                                     quantization="fp8", block_size=4, num_kv_blocks=64,
-                                     max_num_seqs=4))  # fmt: skip
-        experts = [m for n, m in engine.runner.model.named_modules()
-                   if ".experts." in n and isinstance(m, FP8Linear)]  # fmt: skip
-        assert experts and all(m.backend == backend for m in experts)
-        ref = engine.register_lora("experts", adapter, "t")
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        outs[backend] = [o.token_ids for o in engine.generate(prompts(2, 5), params, [ref, None])]
-        if backend == "torch":
-            assert launched == []
+    outs, experts = torch_and_kernel_tokens(model, adapter, DEVICE, "LORAPLANE_FP8", FP8Linear,
+                                            quantization="fp8")  # fmt: skip
     assert outs["triton"] == outs["torch"]
     gate, down = (tuple(e.weight.shape) for e in experts[:3:2])  # expert 0's w1 and w2
     assert gate != down and gate in launched and down in launched
