@@ -510,3 +510,22 @@ def test_block_fp8_scale_blocks_a_split_would_cut_are_refused_as_the_data_plane_
     assert main([*base, "--tensor-parallel-size", "4"]) == 2
     assert ("FP8 weights in blocks of 128x128 do not split over 4 GPUs: an expert's gate and up"
             " output rows come to 192 per GPU") in capsys.readouterr().err  # fmt: skip
+
+
+def test_a_block_fp8_checkpoint_is_sized_with_a_scale_per_block(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Llama-3-8B's shape, FP8 per channel against blocks of 128x128: the same bytes of
+    weights, an fp32 factor per block (13,312 a layer) instead of per row (43,008 a layer)."""
+    channel = _checkpoint(tmp_path, "channel", {"quant_method": "compressed-tensors",
+                                                "format": "float-quantized"})  # fmt: skip
+    block = _checkpoint(tmp_path, "block", {"quant_method": "fp8", "fmt": "e4m3",
+                                            "weight_block_size": [128, 128]})  # fmt: skip
+    weights = {}
+    for folder in (channel, block):
+        args = ["plan", "--model", str(folder), "--gpu", "h100", "--adapters", "10", "--json"]
+        assert main(args) == 0, capsys.readouterr().err
+        out = json.loads(capsys.readouterr().out)
+        assert out["quantization"] == "fp8"
+        weights[folder.name] = out["memory"]["weights_bytes"]
+    assert weights["channel"] - weights["block"] == 32 * 4 * (43008 - 13312)

@@ -169,11 +169,12 @@ def check_quantized_split(shape: ModelShape, size: int, quantization: str | None
 
 
 def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None) -> int:
-    """Bytes of the model's parameters in `dtype`. With `quantization` "fp8" (models/quant.py,
-    per channel) the decoder's linear weights take a byte each and an fp32 scale per output
-    row; with "int4" (models/quant_w4.py) half a byte each and a scale and zero point per
-    group of `shape.w4_group` inputs of a row. Embeddings, norms, a mixture of experts' routers
-    and the LM head stay in `dtype` (biases, a few per layer, are counted as weights); every
+    """Bytes of the model's parameters in `dtype`. With `quantization` "fp8" (models/quant.py)
+    the decoder's linear weights take a byte each and an fp32 scale per output row (per block
+    of the weight for a block-wise FP8 checkpoint, `shape.fp8_block`); with "int4"
+    (models/quant_w4.py) half a byte each and a scale and zero point per group of
+    `shape.w4_group` inputs of a row. Embeddings, norms, a mixture of experts' routers and
+    the LM head stay in `dtype` (biases, a few per layer, are counted as weights); every
     expert's linears are quantized as the dense projections are."""
     if quantization is None:
         return shape.num_params() * DTYPE_BYTES[dtype]
@@ -182,9 +183,14 @@ def weights_bytes(shape: ModelShape, dtype: str, quantization: str | None = None
     others = (shape.num_params() - linear) * DTYPE_BYTES[dtype]
     if quantization == "int4":
         return others + math.ceil(linear * w4_bytes_per_weight(shape))
-    rows = sum(out for layer in range(shape.num_layers)
-               for _, out in shape.adapted_shapes(SUPPORTED_MODULES, layer))  # fmt: skip
-    return others + linear + 4 * rows
+    shapes = [s for layer in range(shape.num_layers)
+              for s in shape.adapted_shapes(SUPPORTED_MODULES, layer)]  # fmt: skip
+    if shape.fp8_block is not None:
+        rows, cols = shape.fp8_block
+        scales = sum(-(-out // rows) * -(-inputs // cols) for inputs, out in shapes)
+    else:
+        scales = sum(out for _, out in shapes)
+    return others + linear + 4 * scales
 
 
 # What the FP8 torch path moves per linear weight in a step, before the matmul reads the
