@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loraplane.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from loraplane.sizes import format_bytes
 
 __all__ = ["EXIT_OK", "EXIT_REJECTED", "EXIT_USAGE", "build_parser", "main"]
 # `validate --base-model` was a folder, `push --base-model` a served name: one meaning per flag
@@ -23,10 +24,6 @@ DEPRECATED_BASE_MODEL = (
     "warning: `adapters validate --base-model DIR` is deprecated: use --base-model-dir DIR"
     " (--base-model names a served base model, as in `adapters push`)"
 )
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -103,7 +100,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             f"({summary['modules']} adapted layers over {summary['layers']} blocks)",
         ),
         ("tensors", f"{summary['tensors']} ({', '.join(summary['dtypes'])})"),
-        ("size", _mib(summary["size_bytes"])),
+        ("size", format_bytes(summary["size_bytes"])),
         ("digest", f"sha256:{digest}"),
         ("base model", base_line),
         *([("ignored", f"{', '.join(ignored)} (never opened)")] if ignored else []),

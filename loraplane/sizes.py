@@ -72,3 +72,10 @@ def resolve_memory(memory: int | float, free: int) -> int:
     if isinstance(memory, int):
         return memory
     return max(1, int(free * memory))
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes for people: KiB below a MiB, MiB below a GiB, else GiB (two decimals)."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"

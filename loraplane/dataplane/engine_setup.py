@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -13,8 +14,11 @@ from typing import TYPE_CHECKING
 from loraplane import fileaccess
 from loraplane.adapters.errors import AdapterRejected
 from loraplane.dataplane.step_observer import StepRecord
+from loraplane.sizes import format_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from loraplane.dataplane.engine import Engine
     from loraplane.dataplane.server.settings import ServerSettings
 
@@ -55,11 +59,13 @@ def build_engine(
                 fileaccess.check_writable_dir(settings.usage_spool_dir)
             except OSError as e:
                 raise StartupError(f"LORAPLANE_USAGE_SPOOL_DIR: {e}") from e
+    start = time.perf_counter()
     try:
         engine = Engine(settings.engine_config(), disk=disk, detokenize=detokenize)
     except (ValueError, OSError) as e:
         reason = fileaccess.message(e)
         raise StartupError(f"cannot load model {settings.model}: {reason}") from e
+    log.info("%s (%.1f s)", describe(engine), time.perf_counter() - start)
     engine.observers.append(LoadTimes(observe))
     for name, path in settings.adapter_dirs().items():
         start = time.perf_counter()
@@ -71,6 +77,48 @@ def build_engine(
             raise StartupError(f"adapter {name}: {fileaccess.message(e)}") from e
         observe("cpu", time.perf_counter() - start)
     return engine
+
+
+def weights_form(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """How the model's projections are held: "float32", or the quantized layers by kind
+    ("224 fp8 per block of 128x128 ...", "4-bit groups of 128")."""
+    from loraplane.dataplane.models.quant import FP8Linear
+    from loraplane.dataplane.models.quant_w4 import W4Linear
+
+    kinds: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            kinds[f"fp8 e4m3 {module.scale_form}"] += 1
+        elif isinstance(module, W4Linear):
+            group = "one group per row" if module.group_size >= module.in_features else (
+                f"groups of {module.group_size}")  # fmt: skip
+            kinds[f"4-bit, {group}"] += 1
+    name = str(dtype).removeprefix("torch.")
+    if not kinds:
+        return name
+    held = ", ".join(f"{count} in {kind}" for kind, count in kinds.most_common())
+    return f"projections {held}, the rest {name}"
+
+
+def describe(engine: Engine) -> str:
+    """One line on what the engine loaded, for the log at start: the model, its weights' form
+    and bytes, the KV cache and the adapter slots."""
+    config, runner = engine.config, engine.runner
+    model = runner.model
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if t.device.type
+                  != "meta")  # fmt: skip
+    split = config.tensor_parallel_size
+    per = f" per rank of {split}" if split > 1 else ""
+    kv = "fp8" if config.kv_cache_dtype == "fp8" else str(runner.dtype).removeprefix("torch.")
+    tokens = runner.num_blocks * config.block_size
+    shared = ", inside the KV cache" if config.kv_lora_shared else ""
+    return (
+        f"model {config.model} ({model.config.model_type}, {model.config.num_layers} layers) on"
+        f" {runner.device}: weights {format_bytes(weights)}{per}"
+        f" ({weights_form(model, runner.dtype)}); KV cache {runner.num_blocks:,} blocks of"
+        f" {config.block_size} tokens ({tokens:,} tokens, {kv}); {runner.pool.num_slots}"
+        f" adapter slots of rank <= {config.max_lora_rank}{shared}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

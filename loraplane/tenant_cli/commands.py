@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplane.exit_codes import EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from loraplane.sizes import format_bytes
 from loraplane.tenant_cli.progress import Progress
 
 if TYPE_CHECKING:
@@ -179,10 +180,6 @@ def _table(header: Sequence[str], rows: list[list[str]], empty: str) -> list[str
     ]
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
-
-
 def _v(version: object) -> str:
     return "-" if version is None else f"v{version}"
 
@@ -245,7 +242,7 @@ def push(args: argparse.Namespace) -> int:
             ),
             f"  rank        {version['rank']} (alpha {version['alpha']:g})",
             f"  modules     {', '.join(version['target_modules'])}",
-            f"  size        {_mib(version['size_bytes'])}",
+            f"  size        {format_bytes(version['size_bytes'])}",
             f"  base model  {version['base_model']}",
             f"  serving     {_v(body['current_version'])}{_held_note(body)}",
         ],
@@ -320,7 +317,7 @@ def list_base_models(args: argparse.Namespace) -> int:
             "yes" if o["ready"] else "pending",
             o["model_type"] or "-",
             str(o["max_lora_rank"]) if o["max_lora_rank"] is not None else "-",
-            _mib(o["max_adapter_bytes"]) if o["max_adapter_bytes"] is not None else "-",
+            format_bytes(o["max_adapter_bytes"]) if o["max_adapter_bytes"] is not None else "-",
         ]
         for o in offers
     ]
@@ -340,7 +337,7 @@ def list_versions(args: argparse.Namespace) -> int:
             f"sha256:{v['digest'][:12]}",
             str(v["rank"]),
             f"{v['alpha']:g}",
-            _mib(v["size_bytes"]),
+            format_bytes(v["size_bytes"]),
             v["created_at"][:19].replace("T", " "),
             v["created_by"],
             v.get("signing_key_id") or "-",
@@ -467,7 +464,7 @@ def list_tenants(args: argparse.Namespace) -> int:
             f"{t['weight']:g}" if "weight" in t else "-",  # "-": a control plane without weights
             str(t["max_adapters"]),
             str(t["max_rank"]),
-            _mib(t["max_bytes"]),
+            format_bytes(t["max_bytes"]),
         ]
         for t in tenants
     ]

@@ -31,7 +31,7 @@ from loraplane.dataplane.sequence import LoRARef
 from loraplane.dataplane.server.settings import ServerSettings
 from loraplane.dataplane.snapshot import EngineSnapshot
 from loraplane.dataplane.tiers.disk import DiskTier
-from loraplane.sizes import parse_bytes
+from loraplane.sizes import format_bytes, parse_bytes
 from tests.dataplane.test_lora_manager import NAMES, manager
 from tests.dataplane.test_tiers import engine_for, register, stored
 
@@ -382,6 +382,13 @@ def test_the_flag_takes_sizes_as_users_write_them() -> None:
     settings = ServerSettings.load(model="m", max_cpu_lora_bytes="512MiB")
     assert settings.engine_config().max_cpu_lora_bytes == 512 * 2**20
     assert ServerSettings.load(model="m").engine_config().max_cpu_lora_bytes is None
+
+
+def test_sizes_read_back_in_the_unit_they_are_written_in() -> None:
+    """format_bytes (the CLIs' sizes, `serve`'s startup line) and parse_bytes agree."""
+    for text, shown in (("8GiB", "8.00 GiB"), ("512MiB", "512.00 MiB"), ("4096", "4.0 KiB")):
+        assert format_bytes(parse_bytes(text)) == shown
+    assert format_bytes((1 << 30) - 1) == "1024.00 MiB" and format_bytes(1 << 30) == "1.00 GiB"
 
 
 def test_serve_takes_the_flag_and_the_variable_and_names_them_when_bad(

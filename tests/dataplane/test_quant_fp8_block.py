@@ -27,6 +27,7 @@ from loraplane.adapters.base_model import (
     fp8_block,
     fp8_block_split_problem,
 )
+from loraplane.dataplane.engine_setup import describe
 from loraplane.dataplane.models import UnsupportedModelError, load_model
 from loraplane.dataplane.models.quant import FP8, FP8_MAX, PROJECTION, FP8Linear, scheme_for
 from loraplane.dataplane.parallel.shard import TPShard
@@ -125,6 +126,9 @@ def test_a_block_fp8_checkpoint_serves_mixed_adapters_as_hf_peft_on_its_dequanti
     engine = _engine(fp8)
     layers = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
     assert len(layers) == 2 * 7 and all(m.block == block for m in layers)
+    # what `serve` logs at start names the form
+    assert (f"(projections 14 in fp8 e4m3 per block of {block[0]}x{block[1]}, the rest float32)"
+            in describe(engine))  # fmt: skip
     assert all(m.weight.dtype == FP8 and m.weight_scale.dim() == 2 for m in layers)
     got, names = _mixed(engine, peft_adapters)
     reference = _peft(plain, peft_adapters)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
+from loraplane.dataplane.engine_setup import describe
 from loraplane.dataplane.lora.layers import LinearWithLoRA
 from loraplane.dataplane.lora.metadata import LoRABatch
 from loraplane.dataplane.models import UnsupportedModelError, w4_formats
@@ -128,6 +129,9 @@ def test_a_4_bit_checkpoint_serves_mixed_adapters_as_hf_peft_on_its_dequantized_
     ckpt = checkpoints[variant]
     engine = _engine(ckpt.w4)
     assert len(_w4_layers(engine.runner.model)) == 14
+    size = VARIANTS[variant].group_size  # what `serve` logs at start names the form
+    groups = "one group per row" if size == -1 else f"groups of {size}"
+    assert f"(projections 14 in 4-bit, {groups}, the rest float32)" in describe(engine)
     names: list[str | None] = [*ADAPTERS, None, "r16", None]
     refs = {n: engine.register_lora(n, peft_adapters[n], "t") for n in ADAPTERS}
     batch = prompts(len(names), seed=7)

@@ -271,11 +271,15 @@ class FP8Linear(nn.Linear):
             return _triton_linear()(x, self.weight, self.weight_scale, self.bias, self.block)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
-    def extra_repr(self) -> str:
-        per = "channel" if self.weight_scale.dim() else "tensor"
+    @property
+    def scale_form(self) -> str:
+        """ "per tensor", "per channel" or "per block of RxC": how the scales cover W."""
         if self.block is not None:
-            per = f"block of {self.block[0]}x{self.block[1]}"
-        return f"{super().extra_repr()}, fp8 e4m3, per {per}"
+            return f"per block of {self.block[0]}x{self.block[1]}"
+        return "per channel" if self.weight_scale.dim() else "per tensor"
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8 e4m3, {self.scale_form}"
 
 
 def quantize_projections(model: nn.Module, scheme: FP8Scheme, dtype: torch.dtype) -> list[str]:
