@@ -123,31 +123,27 @@ def fp8_block(stored: Any) -> tuple[int, int] | None:
 
 def fp8_block_split_problem(shape: BaseModelSpec, size: int, block: tuple[int, int]) -> str | None:
     """Why FP8 weights with a scale per `block` (rows, columns) cannot be split over `size`
-    ranks, or None: each rank's output rows of a column-parallel projection and input columns
-    of a row-parallel one must be whole blocks (the data plane's rule, parallel/shard.py; vLLM
-    refuses the same splits)."""
+    ranks, or None. A rank's slice of a projection may start inside a scale block (it keeps
+    the blocks it touches, read from that offset: parallel/shard.py), so only a fused
+    projection, whose rank slice is several runs (Phi-3's q, k and v rows in qkv_proj, gate
+    and up in gate_up_proj), needs each run to be whole blocks."""
     if size == 1:
         return None
     rows, cols = block
-    heads = shape.num_heads * shape.head_dim
-    # each rank's KV heads, or the one head it holds (fewer KV heads than ranks)
-    kv_heads = shape.num_kv_heads // size if shape.num_kv_heads % size == 0 else 1
-    per_rank = [("q_proj's output rows", heads // size, rows),
-                ("k_proj's and v_proj's output rows", kv_heads * shape.head_dim, rows),
-                ("o_proj's inputs", heads // size, cols)]  # fmt: skip
-    if len(shape.moe_layers) < shape.num_layers:
-        inter = shape.intermediate_size // size
-        per_rank += [("gate_proj's and up_proj's output rows", inter, rows),
-                     ("down_proj's inputs", inter, cols)]  # fmt: skip
-    if shape.moe_layers:
-        inter = shape.moe_intermediate_size // size
-        per_rank += [("an expert's gate and up output rows", inter, rows),
-                     ("an expert's down projection's inputs", inter, cols)]  # fmt: skip
-    for what, count, unit in per_rank:
-        if count % unit:
+    per_rank = []
+    if "qkv_proj" in shape.family.attention:
+        # each rank's KV heads, or the one head it holds (fewer KV heads than ranks)
+        kv_heads = shape.num_kv_heads // size if shape.num_kv_heads % size == 0 else 1
+        per_rank += [("qkv_proj's q rows", shape.num_heads * shape.head_dim // size),
+                     ("qkv_proj's k and v rows", kv_heads * shape.head_dim)]  # fmt: skip
+    if "gate_up_proj" in shape.family.mlp:
+        per_rank.append(("gate_up_proj's gate and up rows", shape.intermediate_size // size))
+    for what, count in per_rank:
+        if count % rows:
             return (
                 f"FP8 weights in blocks of {rows}x{cols} do not split over {size} GPUs: {what}"
-                f" come to {count:,} per GPU, not whole blocks of {unit}"
+                f" come to {count:,} per GPU, not whole blocks of {rows} (a fused projection's"
+                " parts must be)"
             )
     return None
 

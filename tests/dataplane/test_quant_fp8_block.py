@@ -136,39 +136,50 @@ def test_a_block_fp8_checkpoint_serves_mixed_adapters_as_hf_peft_on_its_dequanti
         assert tokens == hf_greedy(reference, prompt, name, 12), (block, name)
 
 
+@pytest.mark.parametrize("block", [(16, 16), (48, 40)])
 def test_each_rank_holds_the_scale_blocks_of_its_slice_and_tp2_gives_tp1s_tokens(
+    block: tuple[int, int],
     block_checkpoints: dict[tuple[int, int], tuple[Path, Path]],
     peft_adapters: dict[str, Path],
 ) -> None:
+    """Blocks of 16x16 split whole; blocks of 48x40 do not: q_proj's 64 rows leave rank 1 rows
+    32-63, which start 32 rows into block 0 (a split vLLM refused for Qwen3-30B-A3B-FP8 at TP =
+    4): each rank keeps the blocks it touches and reads them from its offset."""
     from tests.dataplane.test_tensor_parallel import _split_equals_whole
 
-    fp8 = block_checkpoints[(16, 16)][0]
+    fp8 = block_checkpoints[block][0]
     whole = load_model(fp8, torch.float32, "cpu")
     ranks = [load_model(fp8, torch.float32, "cpu", shard=TPShard(r, 2)) for r in range(2)]
+    offsets = set()
     for name, full in whole.named_modules():
         if not isinstance(full, FP8Linear):
             continue
-        weights = [rank.get_submodule(name).dequantized() for rank in ranks]  # type: ignore[operator]
+        parts = [rank.get_submodule(name) for rank in ranks]
+        offsets |= {p.block_offset for p in parts}  # type: ignore[misc]
+        weights = [p.dequantized() for p in parts]  # type: ignore[operator]
         axis = 1 if name.endswith(("o_proj", "down_proj")) else 0  # input columns, output rows
         torch.testing.assert_close(torch.cat(weights, axis), full.dequantized(), rtol=0, atol=0)
+    assert (offsets == {(0, 0)}) == (block == (16, 16))  # 48x40: slices start inside blocks
     names: list[str | None] = ["r4", "r16", None, "r32-mlp", "r8-patterns", "r4"]
     _split_equals_whole(Family("llama", fp8, peft_adapters), names)
 
 
-def test_a_split_that_cuts_scale_blocks_is_refused_naming_them(
-    block_checkpoints: dict[tuple[int, int], tuple[Path, Path]],
+def test_a_fused_projection_whose_parts_would_cut_scale_blocks_is_refused_naming_them(
+    tmp_path: Path,
 ) -> None:
-    """48-row blocks: q_proj's 64 rows leave 32 per rank at TP = 2 (vLLM refuses the same)."""
-    fp8 = block_checkpoints[(48, 40)][0]
+    """Phi-3's qkv_proj: a rank's q, k and v rows are three runs of one layer, which must each
+    be whole blocks (its q rows: 32 a rank at TP = 2, not blocks of 48)."""
+    from tests.factories import build_model
+
+    fp8 = write_block_fp8(build_model(tmp_path / "phi3", "phi3"), tmp_path, (48, 40))[0]
     with pytest.raises(UnsupportedModelError, match=r"tensor parallel size 2: FP8 weights in"
-                       r" blocks of 48x40 do not split over 2 GPUs: q_proj's output rows come"
+                       r" blocks of 48x40 do not split over 2 GPUs: qkv_proj's q rows come"
                        r" to 32 per GPU, not whole blocks of 48"):  # fmt: skip
         load_model(fp8, torch.float32, "cpu", shard=TPShard(0, 2))
+    load_model(fp8, torch.float32, "cpu")  # unsplit: served
     qwen3_moe = BaseModelSpec("m", "qwen3_moe", 48, 2048, 6144, 32, 4, 128, 128, 768, (0, 1))
-    assert fp8_block_split_problem(qwen3_moe, 2, (128, 128)) is None
-    assert "an expert's gate and up output rows come to 192 per GPU, not whole blocks of 128" in (
-        fp8_block_split_problem(qwen3_moe, 4, (128, 128)) or ""
-    )  # Qwen3-30B-A3B-FP8 at TP = 4, as vLLM finds it
+    for size in (2, 4, 8):  # Qwen3-30B-A3B-FP8: its experts' 768 rows leave 96 at TP = 8
+        assert fp8_block_split_problem(qwen3_moe, size, (128, 128)) is None
 
 
 def _rewrite(src: Path, out: Path, config: dict[str, Any] | None = None,

@@ -773,7 +773,7 @@ def test_tp2_gives_tp1s_tokens_on_gemma_and_phi3(kind: str, tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("kind", "weights"),
     [("mixtral", None), ("qwen3_moe", None), ("mixtral", "fp8"), ("qwen3_moe", "fp8-checkpoint"),
-     ("mixtral", "ct-act-order"), ("qwen3_moe", "gptq-v2")],
+     ("mixtral", "ct-act-order"), ("qwen3_moe", "gptq-v2"), ("qwen3_moe", "fp8-block")],
 )  # fmt: skip
 def test_tp2_gives_tp1s_tokens_on_mixtures_of_experts_with_expert_adapters(
     kind: str, weights: str | None, tmp_path: Path
@@ -784,10 +784,12 @@ def test_tp2_gives_tp1s_tokens_on_mixtures_of_experts_with_expert_adapters(
     only (PEFT target_parameters, split per expert at load, then per rank) and on both, mixed
     with base rows over two slots (slots emptied and refilled on both ranks), chunked. Also
     with FP8 experts: quantized at load, and from a per-channel FP8 checkpoint (each expert's
-    down_proj keeps its whole rows' scales); and with 4-bit experts, act-order in groups of 16
-    (a rank's down keeps every group) and GPTQ v2 per channel."""
+    down_proj keeps its whole rows' scales), and block-wise in blocks of 32x32 that each rank's
+    slice of an expert (24 of its 48 rows or inputs) starts inside; and with 4-bit experts,
+    act-order in groups of 16 (a rank's down keeps every group) and GPTQ v2 per channel."""
     from tests.dataplane.test_models_moe_parity import ADAPTERS, _build_adapter, _build_model
     from tests.dataplane.test_quant_fp8 import _write
+    from tests.dataplane.test_quant_fp8_block import write_block_fp8
     from tests.dataplane.w4_checkpoints import VARIANTS as W4_VARIANTS
     from tests.dataplane.w4_checkpoints import write as write_w4
 
@@ -798,6 +800,8 @@ def test_tp2_gives_tp1s_tokens_on_mixtures_of_experts_with_expert_adapters(
     }
     if weights == "fp8-checkpoint":
         model = _write(model, tmp_path / "fp8", "channel")[0]
+    elif weights == "fp8-block":
+        model = write_block_fp8(model, tmp_path / "fp8-block", (32, 32))[0]
     elif weights in W4_VARIANTS:
         model = write_w4(model, tmp_path / "w4", weights).w4
     family = Family(kind, model, adapters)

@@ -90,6 +90,34 @@ def test_the_kernel_with_block_scales_is_the_torch_dequantize_path(
         wt.w8a16_linear(x, w8.to(DEVICE), scale.to(DEVICE)[:, :1], None, (-(-n // 3), k // 2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_slice_starting_inside_scale_blocks_reads_them_from_its_offset(
+    dtype: torch.dtype,
+) -> None:
+    """A tensor-parallel rank's slice of a block-wise FP8 weight (rows 20-59, columns 30-93 of
+    a 72 x 128 weight in blocks of 16 x 32): the blocks it touches, read from offsets (4, 30),
+    equal F.linear on that slice of the dequantized weight, in the kernel and in FP8Linear."""
+    from tests.dataplane.test_quant_fp8_block import quantize_blocks
+
+    g = torch.Generator().manual_seed(9)
+    block, rows, cols = (16, 32), slice(20, 60), slice(30, 94)
+    w8, scale, plain = quantize_blocks(torch.randn(72, 128, generator=g), block)
+    part_w8, part_plain = w8[rows, cols].contiguous(), plain[rows, cols]
+    part_scale = scale[20 // 16 : -(-60 // 16), 30 // 32 : -(-94 // 32)].contiguous()
+    offset = (20 % 16, 30 % 32)
+    x = torch.randn(3, 64, generator=g).to(device=DEVICE, dtype=dtype)
+    y = wt.w8a16_linear(x, part_w8.to(DEVICE), part_scale.to(DEVICE), None, block, offset)
+    expected = F.linear(x.float(), part_plain.to(dtype).float().to(DEVICE))
+    assert (y.float() - expected).abs().max() <= TOLERANCE[dtype] * expected.abs().max()
+    layer = FP8Linear(64, 40, False, False, dtype, block)
+    layer.start_in_block(offset)
+    assert tuple(layer.weight_scale.shape) == tuple(part_scale.shape) == (3, 3)
+    layer.weight.data, layer.weight_scale.data = part_w8, part_scale
+    torch.testing.assert_close(layer.dequantized(), part_plain.to(dtype), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"scale must be fp32 of shape \(3, 2\)"):
+        wt.w8a16_linear(x, part_w8.to(DEVICE), part_scale.to(DEVICE), None, block)
+
+
 def test_an_fp8_layer_on_the_triton_path_computes_as_on_the_torch_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -140,7 +168,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for dt, precision in (("*bf16", "tf32"), ("*fp16", "tf32"), ("*fp32", "ieee")):
         for per_channel, bias, blocks in ((True, False, 0), (False, True, 0), (False, False, 128)):
             types = {"x_ptr": dt, "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": dt,
-                     "y_ptr": dt, "M": "i32", "N": "i32", "K": "i32"}
+                     "y_ptr": dt, "M": "i32", "N": "i32", "K": "i32", "ROW_OFF": "i32",
+                     "COL_OFF": "i32", "SCALE_COLS": "i32"}
             consts = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "PER_CHANNEL": per_channel,
                       "SCALE_N": blocks, "SCALE_K": blocks, "HAS_BIAS": bias,
                       "PRECISION": precision}

@@ -477,12 +477,15 @@ def test_a_quantization_the_data_plane_would_refuse_for_its_checkpoint_is_a_spec
     expert = "an expert's down projection's 96 inputs leave 48 per GPU, not whole groups"
     with pytest.raises(SpecError, match=re.escape(expert)):
         specs.check_quantization(None, "int4", mixtral, 2, 32)
-    # block-wise FP8: each rank's rows and inputs whole blocks (k_proj's 16 rows: 8 a rank)
-    specs.check_quantization(None, "fp8", llama, 2, 0, (8, 8))
-    blocks = "FP8 weights in blocks of 48x40 do not split over 2 GPUs: q_proj's output rows"
+    # block-wise FP8: a rank's slice may start inside a block, but a fused projection's parts
+    # (Phi-3's q rows in qkv_proj: 32 a rank) must be whole blocks
+    specs.check_quantization(None, "fp8", llama, 2, 0, (48, 40))
+    phi3 = BaseModelSpec("m", "phi3", 2, 64, 96, 4, 2, 16)
+    blocks = "FP8 weights in blocks of 48x40 do not split over 2 GPUs: qkv_proj's q rows"
     with pytest.raises(SpecError, match=re.escape(f"spec.tensorParallelSize 2: {blocks}")):
-        specs.check_quantization(None, "fp8", llama, 2, 0, (48, 40))
-    specs.check_quantization(None, "fp8", llama, 1, 0, (48, 40))  # unsplit: any block
+        specs.check_quantization(None, "fp8", phi3, 2, 0, (48, 40))
+    specs.check_quantization(None, "fp8", phi3, 2, 0, (16, 16))
+    specs.check_quantization(None, "fp8", phi3, 1, 0, (48, 40))  # unsplit: any block
     # every layer sparse: no dense down_proj to split (its unused width does not count)
     sparse = BaseModelSpec("m", "qwen3_moe", 2, 64, 100, 8, 2, 8, 4, 64, (0, 1))
     specs.check_quantization(None, "int4", sparse, 2, 16)

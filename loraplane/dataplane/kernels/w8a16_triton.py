@@ -3,7 +3,8 @@ Same meaning as FP8Linear's torch path (models/quant.py; the CPU path and the te
 
     y[m, n] = sum_k x[m, k] * w(n, k) (+ bias[n])        accumulated in fp32
     w(n, k) = (W8[n, k].float() * scale[n or 0]).to(x.dtype)
-            = (W8[n, k].float() * scale[n // BN, k // BK]).to(x.dtype)    (block-wise FP8)
+            = (W8[n, k].float() * scale[(n + R) // BN, (k + C) // BK]).to(x.dtype)  (block-wise;
+              R, C: where a tensor-parallel slice starts in its first block)
 
 Grid: (row blocks, column blocks); a program walks `in` in BLOCK_K steps, loads BLOCK_N x
 BLOCK_K bytes of the weight, widens and scales them, and multiplies with tl.dot. The full
@@ -40,6 +41,9 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
     M,
     N,
     K,
+    ROW_OFF,  # block-wise scales: the slice's first row and column within their block
+    COL_OFF,
+    SCALE_COLS,  # block-wise scales: the scale tensor's columns
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -65,8 +69,8 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
             other=0.0,
         )  # [BLOCK_N, BLOCK_K] fp8
         if SCALE_N > 0:  # each element's block factor (the tile may straddle blocks)
-            scale_cols = (K + SCALE_K - 1) // SCALE_K
-            block_of = (offs_n // SCALE_N)[:, None] * scale_cols + (offs_k // SCALE_K)[None, :]
+            block_row = (offs_n + ROW_OFF) // SCALE_N
+            block_of = block_row[:, None] * SCALE_COLS + ((offs_k + COL_OFF) // SCALE_K)[None, :]
             scale = tl.load(
                 scale_ptr + block_of,
                 mask=n_mask[:, None] & k_mask[None, :],
@@ -79,18 +83,19 @@ def _w8a16_kernel(  # type: ignore[no-untyped-def]
 
 def w8a16_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-    block: tuple[int, int] | None = None,
+    block: tuple[int, int] | None = None, offset: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:  # fmt: skip
     """y = x @ (W8 * scale)^T (+ bias); x [..., K] in fp16, bf16 or fp32, `weight` [N, K]
     float8 e4m3, `scale` fp32 per tensor ([] or [1]), per channel ([N, 1] or [N]) or, with
-    `block` (rows, columns), one per block ([ceil(N / rows), ceil(K / columns)]); y [..., N]
-    in x's dtype."""
+    `block` (rows, columns), one per block the weight touches when it starts `offset` rows
+    and columns into its first block ([ceil((N + r) / rows), ceil((K + c) / columns)]); y
+    [..., N] in x's dtype."""
     n, k = weight.shape
     common.check_x(x, k)
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be float8_e4m3fn, got {weight.dtype}")
     if block is not None:
-        blocks = (-(-n // block[0]), -(-k // block[1]))
+        blocks = (-(-(n + offset[0]) // block[0]), -(-(k + offset[1]) // block[1]))
         if scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
             raise ValueError(f"scale must be fp32 of shape {blocks} (blocks of {block}), got"
                              f" {scale.dtype} {tuple(scale.shape)}")  # fmt: skip
@@ -104,7 +109,7 @@ def w8a16_linear(
     ) -> None:
         _w8a16_kernel[grid](
             rows, weight, scale.reshape(-1), weight if bias is None else bias, y,
-            rows.shape[0], n, k,
+            rows.shape[0], n, k, offset[0], offset[1], scale.shape[-1] if block else 1,
             PER_CHANNEL=block is None and scale.numel() == n and n > 1,
             SCALE_N=block[0] if block else 0, SCALE_K=block[1] if block else 0,
             HAS_BIAS=bias is not None, **tiles,

@@ -252,6 +252,16 @@ def load_model(
             ) from e
         # the unsplit projections' shapes, which a block-wise FP8 scale's blocks cover
         whole_fp8 = causal_lm(config) if block is not None and tp.size > 1 else model
+        for name in fp8 if whole_fp8 is not model else ():
+            linear = whole_fp8.get_submodule(name)
+            assert isinstance(linear, torch.nn.Linear)
+            assert block is not None
+            shape = (linear.out_features, linear.in_features)
+            offset = parallel.block_offset(f"{name}.weight", tp, heads, block, shape)
+            if offset != (0, 0):  # this rank's slice starts inside a scale block
+                local = model.get_submodule(name)
+                assert isinstance(local, quant.FP8Linear)
+                local.start_in_block(offset)
         # the unsplit layers, for the checks of the conversion (the checkpoint's shapes)
         whole = int4
         if w4 is not None and tp.size > 1:

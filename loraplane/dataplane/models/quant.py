@@ -106,12 +106,16 @@ class FP8Scheme:
                 return False  # transformers' modules_to_not_convert: names or their ends
         return True
 
-    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+    def scale_shape(
+        self, out_features: int, in_features: int, offset: tuple[int, int] = (0, 0)
+    ) -> tuple[int, ...]:
         """The shape of a projection's scale: [] per tensor, [out, 1] per channel, one per
-        block of the weight (a partial block at the end of a row or column counts)."""
+        block of the weight (a partial block at the end of a row or column counts; a
+        tensor-parallel slice starting `offset` rows and columns into its first block counts
+        the blocks it touches)."""
         if self.block is not None:
             rows, cols = self.block
-            return (-(-out_features // rows), -(-in_features // cols))
+            return (-(-(out_features + offset[0]) // rows), -(-(in_features + offset[1]) // cols))
         return (out_features, 1) if self.per_channel else ()
 
 
@@ -244,9 +248,9 @@ class FP8Linear(nn.Linear):
         compute_dtype: torch.dtype, block: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, bias=bias, dtype=FP8)
-        shape = FP8Scheme(per_channel, False, block=block).scale_shape(out_features, in_features)
-        self.weight_scale = nn.Parameter(torch.ones(shape), requires_grad=False)
         self.block = block
+        self.block_offset = (0, 0)  # where a tensor-parallel slice starts in its first block
+        self.weight_scale = nn.Parameter(torch.ones(self._scale_shape()), requires_grad=False)
         self.compute_dtype = compute_dtype
         if self.bias is not None:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype))
@@ -255,20 +259,35 @@ class FP8Linear(nn.Linear):
     def reset_parameters(self) -> None:  # built on the meta device, loaded from the file
         pass
 
+    def _scale_shape(self) -> tuple[int, ...]:
+        per_channel = not hasattr(self, "weight_scale") or self.weight_scale.dim() > 0
+        scheme = FP8Scheme(per_channel, False, block=self.block)
+        return scheme.scale_shape(self.out_features, self.in_features, self.block_offset)
+
+    def start_in_block(self, offset: tuple[int, int]) -> None:
+        """This tensor-parallel slice's rows and columns start `offset` into their first scale
+        block (parallel/shard.py `block_offset`): its factors are the blocks it touches."""
+        self.block_offset = offset
+        self.weight_scale = nn.Parameter(
+            torch.ones(self._scale_shape(), device=self.weight_scale.device), requires_grad=False
+        )
+
     def dequantized(self) -> torch.Tensor:
         """The weight as the model computes with it: (W8.float() * scale) in compute_dtype."""
         scale: torch.Tensor = self.weight_scale
         if self.block is not None:  # each block's factor over its rows and columns
-            rows, cols = self.block
+            (rows, cols), (row, col) = self.block, self.block_offset
             out, inp = self.weight.shape
-            scale = scale.repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :inp]
+            scale = scale.repeat_interleave(rows, 0)[row : row + out]
+            scale = scale.repeat_interleave(cols, 1)[:, col : col + inp]
         return (self.weight.float() * scale).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if backends.resolve(self.backend, x) == "triton" and (
             self.backend == "triton" or _has_fp8(x.device)
         ):
-            return _triton_linear()(x, self.weight, self.weight_scale, self.bias, self.block)
+            return _triton_linear()(x, self.weight, self.weight_scale, self.bias, self.block,
+                                    self.block_offset)  # fmt: skip
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     @property

@@ -193,32 +193,58 @@ def checkpoint_slice(name: str, tensor: torch.Tensor, shard: TPShard, heads: Hea
     return tensor[:, shard.part(tensor.shape[1])]
 
 
+def _block_runs(
+    name: str, shard: TPShard, heads: Heads, block: tuple[int, int], weight_shape: tuple[int, int]
+) -> tuple[int, list[slice], int]:
+    """(axis, the rank's runs along it, the scale block's length along it) of a block-wise FP8
+    projection: output rows (axis 0) of a column-parallel one, input columns (axis 1) of a
+    row-parallel one. A fused projection's several runs must start and end on block edges
+    (ValueError otherwise, naming them); a single run may start inside a block."""
+    found = _projection(name)
+    assert found is not None, name
+    leaf, _ = found
+    out, inputs = weight_shape
+    if leaf in COLUMN_PARALLEL:
+        axis, runs, unit, length = 0, _rows(leaf, out, shard, heads), block[0], out
+    else:
+        axis, runs, unit, length = 1, [shard.part(inputs)], block[1], inputs
+    if len(runs) > 1:
+        for run in runs:
+            if run.start % unit or (run.stop % unit and run.stop != length):
+                raise ValueError(
+                    f"{name}: rank {shard.rank}'s slice {run.start}:{run.stop} of the fused"
+                    f" projection's {length} does not fall on the FP8 scale blocks of {unit}"
+                )
+    return axis, runs, unit
+
+
+def block_offset(
+    name: str, shard: TPShard, heads: Heads, block: tuple[int, int], weight_shape: tuple[int, int]
+) -> tuple[int, int]:
+    """(rows, columns) by which rank `shard.rank`'s slice of a block-wise FP8 projection's
+    weight `name` (of `weight_shape`) starts inside its first scale block: a rank's rows or inputs
+    need not be whole blocks, its factors are the blocks its slice touches
+    (`block_scale_slice`), read from that offset (models/quant.py FP8Linear)."""
+    if shard.size == 1 or _projection(name) is None:
+        return 0, 0
+    axis, runs, unit = _block_runs(name, shard, heads, block, weight_shape)
+    start = runs[0].start % unit if len(runs) == 1 else 0
+    return (start, 0) if axis == 0 else (0, start)
+
+
 def block_scale_slice(
     name: str, scale: torch.Tensor, shard: TPShard, heads: Heads, block: tuple[int, int],
     weight_shape: tuple[int, int],
 ) -> torch.Tensor:  # fmt: skip
     """Rank `shard.rank`'s part of a block-wise FP8 projection's scale `name` ([ceil(out / bn),
-    ceil(in / bk)], one factor per block of its weight of `weight_shape`): the blocks of the
-    rows (column-parallel) or input columns (row-parallel) the rank's weight slice holds.
-    ValueError when the slice does not start and end on block edges
-    (`base_model.fp8_block_split_problem` says so before any tensor is read)."""
-    found = _projection(name)
-    if shard.size == 1 or found is None:
+    ceil(in / bk)], one factor per block of its weight of `weight_shape`): the blocks that the
+    rows (column-parallel) or input columns (row-parallel) of the rank's weight slice touch,
+    from the block its slice starts in (`block_offset` says where in it)."""
+    if shard.size == 1 or _projection(name) is None:
         return scale
-    leaf, _ = found
-    out, inputs = weight_shape
-    if leaf in COLUMN_PARALLEL:
-        runs, unit, length = _rows(leaf, out, shard, heads), block[0], out
-    else:
-        runs, unit, length = [shard.part(inputs)], block[1], inputs
-    for run in runs:
-        if run.start % unit or (run.stop % unit and run.stop != length):
-            raise ValueError(
-                f"{name}: rank {shard.rank}'s slice {run.start}:{run.stop} of {length} does not"
-                f" fall on the FP8 scale blocks of {unit}"
-            )
+    axis, runs, unit = _block_runs(name, shard, heads, block, weight_shape)
     parts = [slice(run.start // unit, -(-run.stop // unit)) for run in runs]
-    if leaf in COLUMN_PARALLEL:
+    if axis == 0:
         return _take_rows(scale, parts)
     return scale[:, parts[0]]
 
