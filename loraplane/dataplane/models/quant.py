@@ -249,6 +249,7 @@ class FP8Linear(nn.Linear):
     ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, bias=bias, dtype=FP8)
         self.block = block
+        self.per_channel = per_channel
         self.block_offset = (0, 0)  # where a tensor-parallel slice starts in its first block
         self.weight_scale = nn.Parameter(torch.ones(self._scale_shape()), requires_grad=False)
         self.compute_dtype = compute_dtype
@@ -260,8 +261,7 @@ class FP8Linear(nn.Linear):
         pass
 
     def _scale_shape(self) -> tuple[int, ...]:
-        per_channel = not hasattr(self, "weight_scale") or self.weight_scale.dim() > 0
-        scheme = FP8Scheme(per_channel, False, block=self.block)
+        scheme = FP8Scheme(self.per_channel, False, block=self.block)
         return scheme.scale_shape(self.out_features, self.in_features, self.block_offset)
 
     def start_in_block(self, offset: tuple[int, int]) -> None:
