@@ -108,10 +108,8 @@ def fp8_block(stored: Any) -> tuple[int, int] | None:
     if not isinstance(stored, dict):
         return None
     size = stored.get("weight_block_size")
-    groups = stored.get("config_groups")
-    if stored.get("quant_method") == "compressed-tensors" and isinstance(groups, dict):
-        weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
-        scheme = weights[0] if len(weights) == 1 and isinstance(weights[0], dict) else {}
+    if stored.get("quant_method") == "compressed-tensors":
+        scheme = _weights_scheme(stored)
         size = scheme.get("block_structure") if scheme.get("strategy") == "block" else None
     if (
         isinstance(size, list | tuple) and len(size) == 2
@@ -148,6 +146,17 @@ def fp8_block_split_problem(shape: BaseModelSpec, size: int, block: tuple[int, i
     return None
 
 
+def _weights_scheme(stored: dict[str, Any]) -> dict[str, Any]:
+    """The weights scheme of a compressed-tensors quantization_config's one config group ({}
+    when it has none, or several: models/quant.py `config_group` refuses those by name)."""
+    groups = stored.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        return {}
+    (group,) = groups.values()
+    weights = group.get("weights") if isinstance(group, dict) else None
+    return weights if isinstance(weights, dict) else {}
+
+
 def checkpoint_w4_group(config: dict[str, Any]) -> int:
     """The inputs per scale of a 4-bit checkpoint's projections as its config.json says them
     (-1: one group per row), W4_GROUP where it says nothing readable (models/w4_formats.py
@@ -156,13 +165,8 @@ def checkpoint_w4_group(config: dict[str, Any]) -> int:
     value: Any = None
     if isinstance(stored, dict):
         value = stored.get("group_size", stored.get("q_group_size"))
-        groups = stored.get("config_groups")
-        if isinstance(groups, dict) and len(groups) == 1:  # compressed-tensors
-            (group,) = groups.values()
-            weights = group.get("weights") if isinstance(group, dict) else None
-            if isinstance(weights, dict):
-                channel = weights.get("strategy") == "channel"
-                value = -1 if channel else weights.get("group_size")
+        if weights := _weights_scheme(stored):  # compressed-tensors
+            value = -1 if weights.get("strategy") == "channel" else weights.get("group_size")
     ok = isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value > 0)
     return int(value) if ok else W4_GROUP
 

@@ -59,7 +59,7 @@ def _layout_error(ctx: OperatorContext, pool: PoolSpec) -> tuple[str, str] | Non
     spec.tensorParallelSize, or in the form spec.quantization and its checkpoint give; None
     otherwise (also when its config.json cannot be read here: a model on the pods' volume is
     checked by the pods). Every pool's config.json is read, an unsplit 16-bit one's too: its
-    checkpoint may hold weights the data plane does not serve (a 4-bit mixture of experts)."""
+    checkpoint may hold weights the data plane does not serve (bitsandbytes)."""
     if pool.model_on_volume:
         return None
     try:

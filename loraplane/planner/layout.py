@@ -152,7 +152,7 @@ def fit_layout(
         local = rank_shape(shape, n)
         check_quantized_split(shape, n, layout.quantization)
         weights = weights_bytes(local, dtype, layout.quantization)
-    except (TensorParallelRefused, ValueError) as e:  # refused split, FP8 of an MoE
+    except (TensorParallelRefused, ValueError) as e:  # a refused split (heads, groups, blocks)
         return LayoutFit(layout, why_not=str(e))
     usable = gpu.memory - reserved
     if weights >= usable:
