@@ -29,7 +29,7 @@ from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.cuda_graphs import replay_eagerly
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.kernels import dispatch, sgmv_cpu
-from loraplane.dataplane.lora import LoRAPool, install_lora, load_lora
+from loraplane.dataplane.lora import LoRAPool, dora, install_lora, load_lora
 from loraplane.dataplane.lora.dora import refusal
 from loraplane.dataplane.models import load_model
 from loraplane.dataplane.models.quant_w4 import W4Linear
@@ -281,6 +281,25 @@ def test_the_per_row_scale_is_the_magnitude_over_the_updated_weights_row_norm(
     g = pool.module_slots(1, "v_proj").dora[0]
     assert g is not None
     torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_base_weights_norm_is_read_in_row_slices_and_equals_the_whole_fp32_one(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """A 16-bit W is copied to fp32 a slice of rows at a time (dora.CHUNK_BYTES, here 7 rows
+    of 257 columns, the last slice short): each row's ||W_i + s B_i A||^2 equals the one of
+    the whole W in fp32, rows and B's rows kept together."""
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(300, 257, generator=g) * 0.02).to(dtype)
+    a, b = torch.randn(8, 257, generator=g), torch.randn(300, 8, generator=g) * 0.05
+    monkeypatch.setattr(dora, "CHUNK_BYTES", 4 * 257 * 7)
+    assert len(dora._row_slices(weight)) == 43  # ceil(300 / 7)
+    assert len(dora._row_slices(weight.float())) == 1  # fp32: no copy, no slices
+    w64 = weight.double()
+    want = (w64 + 2.0 * (b.double() @ a.double())).square().sum(1)
+    torch.testing.assert_close(dora.norm_sq(weight, a, b, 2.0), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(dora.row_norms_sq(weight), w64.square().sum(1), rtol=1e-9, atol=0)
 
 
 @pytest.mark.parametrize(("form", "tp"), [("fp8", 1), ("awq", 1), ("gptq-act-order", 1),

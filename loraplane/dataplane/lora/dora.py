@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # elements of a base weight a fingerprint hashes besides its row norms (`base_print`)
 PRINT_SAMPLES = 4096
+# the most bytes of a 16-bit base weight's fp32 copy the norm makes at a time (`_row_slices`)
+CHUNK_BYTES = 32 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,8 +101,21 @@ def base_weight(base: nn.Module | None) -> torch.Tensor | None:
 def row_norms_sq(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> [out] fp64
     """||W_i||^2 of each row of a base weight: what every DoRA adapter's norm starts from
     (the pool keeps it per module once the first DoRA adapter there needed it)."""
-    norms: torch.Tensor = torch.linalg.vector_norm(weight.float(), dim=1, dtype=torch.float64)
-    return norms.square()
+    out = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
+    for rows in _row_slices(weight):
+        out[rows] = torch.linalg.vector_norm(weight[rows].float(), dim=1, dtype=torch.float64)
+    return out.square_()
+
+
+def _row_slices(weight: torch.Tensor) -> list[slice]:
+    """Slices of W's rows whose fp32 copies take at most CHUNK_BYTES each (a 16-bit W is read
+    a slice at a time: an 8B model's MLP projection in fp32 is 235 MB, more than a device
+    whose KV cache took the rest may have free); one slice for an fp32 W (no copy)."""
+    out_rows, in_cols = weight.shape
+    if weight.dtype == torch.float32:
+        return [slice(0, out_rows)]
+    step = max(1, CHUNK_BYTES // (4 * max(1, in_cols)))
+    return [slice(start, min(start + step, out_rows)) for start in range(0, out_rows, step)]
 
 
 @torch.no_grad()
@@ -131,14 +146,17 @@ def norm_sq(
 
         ||W_i + s B_i A||^2 = ||W_i||^2 + 2 s B_i . (W A^T)_i + s^2 B_i (A A^T) B_i^T
 
-    so it reads W once, in one [out, in] x [in, r] product, and the rest is [out, r] work; the
-    rows' ||W_i||^2 come from `base_sq` and the sums run in fp64. Every term sums over the
+    so it reads W once, in one [out, in] x [in, r] product (a 16-bit W in row slices, each
+    copied to fp32 within CHUNK_BYTES), and the rest is [out, r] work; the rows' ||W_i||^2
+    come from `base_sq` and the sums run in fp64. Every term sums over the
     input columns, so the squares of column slices (a row-parallel rank's W and A) add up to
     the whole row's (`LoRAPool.sync_norms`)."""
     a32, b32 = a.float(), b.float()
     if base_sq is None:
         base_sq = row_norms_sq(weight)
-    cross = (weight.float() @ a32.t()).double().mul_(b32).sum(1)  # [out]: B_i . (W A^T)_i
+    cross = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
+    for rows in _row_slices(weight):  # [out]: B_i . (W A^T)_i
+        cross[rows] = (weight[rows].float() @ a32.t()).double().mul_(b32[rows]).sum(1)
     gram = (a32 @ a32.t()).double()  # [r, r]
     update_sq = (b32.double() @ gram).mul_(b32).sum(1)  # [out]: ||B_i A||^2
     return base_sq + (2 * scale) * cross + (scale * scale) * update_sq
