@@ -89,10 +89,11 @@ def write_llama(
 
 def write_adapter(
     out: Path, config: dict[str, Any], rank: int, seed: int, dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, dora: bool = False,
 ) -> None:  # fmt: skip
     """A PEFT LoRA adapter on all seven projections (build_adapter's files and keys), drawn on
-    `device` in `dtype`."""
+    `device` in `dtype`; with `dora`, a DoRA one: each module's magnitude vector about the
+    norm of a base row of std WEIGHT_STD (sqrt(in) * WEIGHT_STD, within 10%), so g is near 1."""
     spec = BaseModelSpec.from_config(config, "model")
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
@@ -102,10 +103,15 @@ def write_adapter(
             for part, dims in (("lora_A", (rank, fan_in)), ("lora_B", (fan_out, rank))):
                 w = torch.randn(dims, generator=gen, device=device, dtype=dtype)
                 tensors[f"{stem}.{part}.weight"] = w.mul_(ADAPTER_STD).cpu()
+            if dora:
+                m = torch.rand(fan_out, generator=gen, device=device).mul_(0.2).add_(0.9)
+                m *= WEIGHT_STD * fan_in**0.5
+                tensors[f"{stem}.lora_magnitude_vector"] = m.to(dtype).cpu()
     out.mkdir(parents=True)
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
                       "lora_alpha": 2 * rank, "target_modules": list(module_shapes(config)),
-                      "bias": "none", "base_model_name_or_path": "model"}  # fmt: skip
+                      "bias": "none", "base_model_name_or_path": "model",
+                      "use_dora": dora}  # fmt: skip
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 

@@ -60,14 +60,22 @@ Figures:
   fp8_over_bf16_decode_8_adapters (over the bf16 engine's eager step; goal <= 0.65, the bytes
   roofline's 0.5 plus the KV cache and adapters it does not halve), load_s_fp8 and
   fp8_first_token_match_fraction (against bf16's tokens: FP8 moves logits, no verdict).
-- failed_phases: phases that raised (engine, graphs, hf+peft; each prints its traceback, and
+- DoRA (issue 33), on the eager engine after its matrix: `few` DoRA adapters and as many plain
+  ones of the same rank, new to the engine (magnitudes near the base rows' norms, so g is
+  near 1). first_load_ms_plain / first_load_ms_dora: the median `register_lora` of each
+  (read, validate, hash, host form; a DoRA adapter's g computed from the base weights on the
+  device, nothing cached; the slot fill on the first step that uses it is the same copy for
+  both, plus g's bytes), dora_over_plain_first_load (goal <= 2); decode_step_ms_8_adapters_dora
+  and _plain_new: decode steps over them (the better of two runs each), and
+  dora_over_plain_decode_8_adapters (goal <= 1.15).
+- failed_phases: phases that raised (engine, dora, graphs, hf+peft; each prints its traceback, and
   the ones after a failed engine phase are skipped) or were interrupted: the figures measured
   so far are still written, and the exit status is 1 (124 after a SIGTERM, which gpu_check.sh's
   time limit sends).
 Needs only torch, transformers, peft, safetensors, numpy and the source tree (the lent GPU
 has no package registry). Estimated at about 3 minutes on an H200 (not measured yet;
-gpu_check.sh gives it 220 s), most of it writing the 16 GB checkpoint and loading it three
-times (eager engine, engine with graphs, HF), then the decode matrix's 256-row prefills and
+gpu_check.sh gives it 200 s), most of it writing the 16 GB checkpoint and loading it four
+times (eager engine, FP8, engine with graphs, HF), then the decode matrix's 256-row prefills and
 the graphs' capture up to 256 rows; progress lines carry the elapsed time.
 Run: python benchmarks/engine_gpu.py [--hbm-tbps 4.8] [--workdir DIR] (exits 0 with a message
 when there is no CUDA device)
@@ -89,6 +97,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -237,11 +246,12 @@ def engine_generate(
 def engine_phase(
     figures: dict[str, float], model: Path, adapters: list[Path], sizes: Sizes,
     prompt_ids: list[list[int]], checkpoint: int, device: Device, dtype: Dtype, clock: Clock,
-    hbm_tbps: float,
+    hbm_tbps: float, fresh: dict[str, list[Path]], failed: list[str],
 ) -> list[list[int]]:  # fmt: skip
-    """Load (timed, host memory watched), register, decode steps per case, generate; each
-    figure goes into `figures` as it is measured. Returns each sequence's tokens over the
-    `few` adapters."""
+    """Load (timed, host memory watched), register, decode steps per case, generate, the
+    decode matrix, then `dora_phase` on the adapters of `fresh` (its failure in `failed`,
+    the others' figures kept); each figure goes into `figures` as it is measured. Returns
+    each sequence's tokens over the `few` adapters."""
     clock.log("engine: loading the checkpoint (graphs off)")
     trim_host_heap()
     figures["host_anon_before_load_gib"] = host_memory()[0] / 2**30
@@ -272,6 +282,9 @@ def engine_phase(
     tps, tokens = engine_generate(engine, prompt_ids, cases["8"], sizes.gen_tokens)
     figures["engine_tokens_per_s"] = tps
     run_matrix(figures, engine, refs, sizes, False, hbm_tbps, clock)
+    guarded("dora", lambda: dora_phase(
+        figures, engine, fresh["plain"], fresh["dora"], sizes, prompt_ids, clock,
+    ), failed, clock)  # fmt: skip
     free_engine(engine)
     return tokens
 
@@ -341,6 +354,46 @@ def fp8_phase(
     same = sum(a[:1] == b[:1] for a, b in zip(fp8_tokens, tokens, strict=True))
     figures["fp8_first_token_match_fraction"] = same / len(tokens)
     free_engine(engine)
+
+
+def dora_phase(
+    figures: dict[str, float], engine: Engine, plain: list[Path], dora: list[Path],
+    sizes: Sizes, prompt_ids: list[list[int]], clock: Clock,
+) -> None:  # fmt: skip
+    """DoRA on the device (issue 33), on the eager engine: `plain` and `dora` are adapters of
+    the same rank this engine has never seen. First-ever loads, in turn one of each:
+    `register_lora` reads, validates and hashes the folder and makes the pool's host form,
+    where a DoRA adapter's g = m / ||W + s B A||_row is computed from the base weights on the
+    device (lora/dora_cache.py; nothing cached, the digests are new); each kind's median.
+    Then decode steps over the `few` DoRA adapters against the `few` plain ones (the Triton
+    kernels' DoRA epilogue against the plain store), the better of two runs each."""
+    device = engine.runner.device
+    loads: dict[str, list[float]] = {"plain": [], "dora": []}
+    refs: dict[str, list[LoRARef]] = {"plain": [], "dora": []}
+    clock.log(f"dora: first-ever loads of {len(dora)} DoRA and {len(plain)} plain adapters")
+    for i, pair in enumerate(zip(plain, dora, strict=True)):
+        for kind, path in zip(("plain", "dora"), pair, strict=True):
+            synchronize(device)
+            start = time.perf_counter()
+            refs[kind].append(engine.register_lora(f"{kind}-new{i}", path, "bench"))
+            synchronize(device)
+            loads[kind].append(time.perf_counter() - start)
+    for kind, times in loads.items():
+        figures[f"first_load_ms_{kind}"] = statistics.median(times) * 1e3
+    figures["dora_over_plain_first_load"] = (
+        figures["first_load_ms_dora"] / figures["first_load_ms_plain"]
+    )
+    loras = {k: [r[i % len(r)] for i in range(sizes.batch)] for k, r in refs.items()}
+    for kind in loras:  # warm-up: the DoRA kernels compiled, every adapter in its slot
+        engine_generate(engine, prompt_ids, loras[kind], 2)
+    clock.log(f"dora: decode steps over {len(dora)} DoRA adapters against {len(plain)} plain")
+    steps: dict[str, float] = {}
+    for kind in ("plain", "dora") * 2:
+        step = decode_step_seconds(engine, loras[kind], sizes.steps, prompt_ids)
+        steps[kind] = min(steps.get(kind, math.inf), step)
+    figures["decode_step_ms_8_adapters_dora"] = steps["dora"] * 1e3
+    figures["decode_step_ms_8_adapters_plain_new"] = steps["plain"] * 1e3
+    figures["dora_over_plain_decode_8_adapters"] = steps["dora"] / steps["plain"]
 
 
 def graphs_phase(
@@ -493,12 +546,19 @@ def run_phases(
         adapters = [root / f"a{i}" for i in range(sizes.adapters)]
         for i, path in enumerate(adapters):
             write_adapter(path, config, sizes.rank, seed=1000 + i, dtype=dtype, device=dev)
+        # dora_phase's: never registered before it loads them, DoRA and plain alike
+        fresh = {kind: [root / f"{kind}-new{i}" for i in range(sizes.few)]
+                 for kind in ("plain", "dora")}  # fmt: skip
+        for seed, (kind, paths) in enumerate(fresh.items(), start=2):
+            for i, path in enumerate(paths):
+                write_adapter(path, config, sizes.rank, seed=seed * 1000 + i, dtype=dtype,
+                              device=dev, dora=kind == "dora")  # fmt: skip
         figures["build_s"] = time.perf_counter() - clock.start
         release(dev)
         prompt_ids = prompts(sizes, config["vocab_size"])
         tokens = guarded("engine", lambda: engine_phase(
             figures, model, adapters, sizes, prompt_ids, checkpoint, device, dtype_name, clock,
-            args.hbm_tbps,
+            args.hbm_tbps, fresh, failed,
         ), failed, clock)  # fmt: skip
         release(dev)
         if tokens is None:
@@ -553,6 +613,8 @@ GOALS = (("load_peak_host_over_checkpoint", "<=", 0.25),
          ("greedy_within_tol_fraction", ">=", 0.95),
          ("graphs_greedy_within_tol_fraction", ">=", 0.95),
          ("graph_replays", ">=", 1), ("fp8_over_bf16_decode_8_adapters", "<=", 0.65),
+         ("dora_over_plain_decode_8_adapters", "<=", 1.15),
+         ("dora_over_plain_first_load", "<=", 2.0),
          *MATRIX_GOALS)  # fmt: skip
 CORRECTNESS_GOALS = ("greedy_within_tol_fraction", "graphs_greedy_within_tol_fraction")
 
