@@ -49,7 +49,8 @@ most 2; (b) the whole first-ever load, the norm ||W + s B A|| of every module co
 reads every adapted base weight once and multiplies it by A^T); (c) the whole load again after
 a restart, the norm cache's folder kept and its memory empty, DoRA against plain, goal at most
 2; and the base weights' row norms and fingerprints, once per process (the norm cache's key).
-The floor of (b): the W A^T products alone (every module, W in cache, best of 5), and a plain
+The floor of (b): the W A^T products alone (module after module, as a load runs them: the
+40 MB of weights do not stay in cache from one pass to the next; best of 5), and a plain
 load plus them over a plain load (`dora_load_floor_over_plain`): the least (b) can be on this
 core, however the rest of the load is done.
 The DoRA figures are measured in `--rounds` independent rounds (a new pool, adapters and norm
@@ -303,8 +304,8 @@ def _dora_round(spec: BaseModelSpec, passes: int) -> dict[str, float]:
 
 def _norm_products(tables: list[ModuleSlots], rank: int = 16, passes: int = 5) -> float:
     """CPU seconds of the one product a first-ever DoRA load cannot skip, W A^T ([out, in] x
-    [in, r], what `dora.norm_sq` reads W for) of every adapted module, W in cache from the
-    pass before: the best of `passes`. A plain load plus this is the least a first-ever
+    [in, r], what `dora.norm_sq` reads W for) of every adapted module, one after another as a
+    load runs them: the best of `passes`. A plain load plus this is the least a first-ever
     DoRA load can cost here, however the rest of it is done."""
     pairs = []
     for t in tables:
@@ -385,7 +386,7 @@ def main() -> int:
     print(f"a first-ever DoRA load, the norm included, is "
           f"{figures['dora_load_dora_over_plain']:.1f}x a plain one (no goal): the norm "
           "reads every adapted base weight once and multiplies it by A^T, on a loader "
-          f"thread; that product alone, W in cache, makes it at least "
+          f"thread; that product alone makes it at least "
           f"{figures['dora_load_floor_over_plain']:.1f}x here")  # fmt: skip
     return report("lora_cpu", figures, goals, smoke=args.smoke)
 
