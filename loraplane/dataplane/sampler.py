@@ -9,9 +9,15 @@ host); what the host knows about the rows reaches the device without a stream sy
 
 Sampling draws with the exponential race: for probabilities p and independent E_i ~ Exp(1),
 argmax_i p_i / E_i is distributed as p. The noise of a seeded request comes from its own
-`torch.Generator` (on the logits' device), one full-vocabulary draw per step, so its tokens do
-not depend on what else is in the batch or where its row is; requests without a seed share the
-sampler's generator.
+`torch.Generator` (on the logits' device), one draw per step over the tokens its row can pick
+(the whole vocabulary; on CPU, a top-k / top-p row whose candidates hold its kept tokens draws
+over those: `Sampler._truncated_on_cpu`), so its tokens do not depend on what else is in the
+batch or where its row is; requests without a seed share the sampler's generator. On CPU,
+top-k / top-p avoid sorting the vocabulary wherever a row's kept tokens are among its best
+CANDIDATES (a trained model's usual case; a flat distribution takes the sort), and the noise
+is drawn as -log(1 - U): torch's CPU sort and `exponential_` were most of a sampled step's
+sampling (8 rows of a 49,152-token vocabulary: 28 and 7.5 ms, against 0.6 ms for `topk` and
+2 ms for the uniform draw and its log).
 Log-probabilities (of the chosen token, and the best `top_logprobs` alternatives) are of the
 model's own distribution (log_softmax of the raw logits, before any transform), as vLLM returns
 them by default.
@@ -36,6 +42,9 @@ from loraplane.dataplane.sampling import SamplingParams
 from loraplane.dataplane.structured import Matcher, allocate_bitmask, apply_bitmask, fill_bitmasks
 
 _LONG, _INT = torch.long, torch.int32
+# top-k / top-p on CPU (`Sampler._truncated_on_cpu`): the best tokens a row's draw is first
+# tried among, and the largest top_k taken as the candidates' number (0: always the full sort)
+CANDIDATES, MAX_CANDIDATES = 128, 1024
 
 
 class History(Protocol):
@@ -145,11 +154,14 @@ class Sampler:
                 scaled = min_p_filter(scaled, min_ps)
             top_ks = [params[i].top_k for i in random]
             top_ps = [params[i].top_p for i in random]
-            if any(k != -1 for k in top_ks) or any(p < 1.0 for p in top_ps):
+            drawing = [gens[i] for i in random]
+            if not any(k != -1 for k in top_ks) and not any(p < 1.0 for p in top_ps):
+                chosen = self._race(torch.softmax(scaled, dim=-1), drawing)  # [R]
+            elif device.type == "cpu" and CANDIDATES > 0:
+                chosen = self._truncated_on_cpu(scaled, top_ks, top_ps, drawing)
+            else:
                 scaled = _top_k_top_p(scaled, top_ks, top_ps)
-            probs = torch.softmax(scaled, dim=-1)  # [R, V]
-            noise = self._noise([gens[i] for i in random], vocab, device)  # [R, V]
-            chosen = (probs / noise).argmax(dim=-1)  # [R]
+                chosen = self._race(torch.softmax(scaled, dim=-1), drawing)
             if whole:
                 tokens = chosen
             else:
@@ -207,23 +219,83 @@ class Sampler:
                     offset = end
         return SamplerOutput(token_ids, chosen, top)
 
+    def _race(
+        self, probs: torch.Tensor, gens: list[torch.Generator | None]
+    ) -> torch.Tensor:  # [R] long: the column each row's race picks
+        """argmax_i p_i / E_i per row of `probs` [R, W] (module docstring)."""
+        noise = self._noise(gens, probs.shape[1], probs.device)  # [R, W]
+        return (probs / noise).argmax(dim=-1)
+
+    def _truncated_on_cpu(
+        self,
+        scaled: torch.Tensor,  # [R, V]: logits over temperature
+        top_ks: list[int],
+        top_ps: list[float],
+        gens: list[torch.Generator | None],
+    ) -> torch.Tensor:  # [R] long: the chosen tokens
+        """Top-k / top-p sampling without sorting the vocabulary where the row allows it: its
+        best `width` tokens (one `topk`: CANDIDATES, or the largest top_k up to
+        MAX_CANDIDATES) hold every token the full sort would keep when the row's top_k is
+        within them, or when their mass reaches its top_p (every token past them then has at
+        least that mass before it, and is dropped). Those rows draw among the candidates,
+        with the same probabilities and the same keep rule as `_top_k_top_p` (each token's
+        mass before it under top_p); the other rows (a flat distribution, a large top_k) take
+        the full sort. On CPU only: it decides per row on the host, which on a GPU would be a
+        sync (there the sort is one kernel, and the step's only copy is its results')."""
+        rows, vocab = scaled.shape
+        cap = [k for k in top_ks if 0 < k <= MAX_CANDIDATES]
+        width = min(vocab, max(CANDIDATES, *cap) if cap else CANDIDATES)
+        values, ids = scaled.topk(width, dim=-1)  # [R, W] each, best first
+        ks = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks])
+        within = torch.arange(width).unsqueeze(0) < ks.unsqueeze(1)  # [R, W]: inside top_k
+        values = values.masked_fill(~within, float("-inf"))
+        # each row's distribution: over its top_k (renormalised) when that is within the
+        # candidates, else over the whole vocabulary
+        norm = torch.where(ks <= width, values.logsumexp(-1), scaled.logsumexp(-1))
+        probs = (values - norm.unsqueeze(1)).exp_()  # [R, W], 0 past top_k
+        mass = probs.cumsum(dim=-1)
+        ps = torch.tensor([p if p < 1 else 2.0 for p in top_ps])  # top_p=1 keeps everything
+        keep = within & (mass - probs < ps.unsqueeze(1))  # keeps at least the best token
+        covered = ((ks <= width) | (mass[:, -1] >= ps)).tolist()
+        chosen = torch.empty(rows, dtype=_LONG)
+        inside = [r for r, c in enumerate(covered) if c]
+        outside = [r for r, c in enumerate(covered) if not c]
+        if inside:
+            sub = torch.tensor(inside)
+            picks = self._race(probs[sub].mul_(keep[sub]), [gens[r] for r in inside])
+            chosen[sub] = ids[sub].gather(1, picks.unsqueeze(1)).squeeze(1)
+        if outside:
+            sub = torch.tensor(outside)
+            full = _top_k_top_p(scaled[sub], [top_ks[r] for r in outside],
+                                [top_ps[r] for r in outside])  # fmt: skip
+            chosen[sub] = self._race(torch.softmax(full, dim=-1), [gens[r] for r in outside])
+        return chosen
+
     def _noise(
-        self, gens: list[torch.Generator | None], vocab: int, device: torch.device
+        self, gens: list[torch.Generator | None], width: int, device: torch.device
     ) -> torch.Tensor:
-        """Exp(1) noise [R, V]: seeded rows from their own generator, the rest from ours."""
-        noise = torch.empty(len(gens), vocab, device=device)
+        """Exp(1) noise [R, width]: seeded rows from their own generator, the rest from ours.
+        On CPU drawn as -log(1 - U), U uniform (torch's CPU `exponential_` takes about 4x as
+        long as `uniform_` and the log); on a GPU `exponential_`."""
+        noise = torch.empty(len(gens), width, device=device)
         shared = [r for r, g in enumerate(gens) if g is None]
         if len(shared) == len(gens):
-            noise.exponential_(generator=self.generator)
+            _exponential(noise, self.generator)
         elif shared:
-            noise[to_device(shared, _LONG, device)] = torch.empty(
-                len(shared), vocab, device=device
-            ).exponential_(generator=self.generator)
+            part = torch.empty(len(shared), width, device=device)
+            noise[to_device(shared, _LONG, device)] = _exponential(part, self.generator)
         for r, g in enumerate(gens):
             if g is not None:
-                noise[r].exponential_(generator=g)
+                _exponential(noise[r], g)
         # an exact 0 would turn p/0 into inf (or nan for p=0): keep the race well defined
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _exponential(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill `out` with Exp(1) draws from `generator`, in place (`Sampler._noise`)."""
+    if out.device.type != "cpu":
+        return out.exponential_(generator=generator)
+    return out.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def _num_outputs(histories: Sequence[History] | None, i: int) -> int:

@@ -14,6 +14,11 @@ logits-shaped tensor (last dimension the vocabulary) may happen during a step, a
 sampler none of any tensor but what its one copy brought back (on a GPU, each would be a sync).
 The negative controls put back main's paths (the full logits to the host, the tokens read back
 on their own) and show that the checks catch them.
+
+The engine runs on CPU here, as a stand-in for the device path; the sampler's CPU-only top-k /
+top-p branch (`Sampler._truncated_on_cpu`, which reads each row's choice of path on the host, as
+on CPU it may: there is no device) is turned off (`sampler.CANDIDATES` 0), so that the path a
+GPU takes is the one checked.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 
+from loraplane.dataplane import sampler
 from loraplane.dataplane.config import EngineConfig
 from loraplane.dataplane.engine import Engine
 from loraplane.dataplane.host_copy import HostCopy, to_device, to_host
@@ -69,6 +75,7 @@ class Watch:
 
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
+    monkeypatch.setattr(sampler, "CANDIDATES", 0)  # the device path (module docstring)
     w = Watch(vocab=0)
     for name in ("cpu", "tolist", "item", "numpy"):
         original = getattr(torch.Tensor, name)

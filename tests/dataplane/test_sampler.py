@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplane.dataplane import sampler as sampler_module
 from loraplane.dataplane.sampler import Sampler, make_generator
 from loraplane.dataplane.sampling import SamplingParams
 
@@ -79,6 +80,142 @@ def test_a_seeded_request_gives_the_same_tokens_alone_or_in_any_batch() -> None:
     assert run(5, 3) == alone
     assert run(9, 0) == alone
     assert len(set(alone)) > 1  # really sampled, not argmax
+
+
+BIG = 5000  # a vocabulary well past sampler.CANDIDATES
+
+
+def _peaky(seed: int) -> torch.Tensor:
+    """A trained model's kind of row: a few hundred tokens hold nearly all the mass."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(BIG, generator=g) - 12.0
+    row[torch.randperm(BIG, generator=g)[:40]] = torch.randn(40, generator=g) * 2
+    return row
+
+
+def _nucleus(row: torch.Tensor, top_p: float, top_k: int = -1) -> dict[int, float]:
+    """The full sort's kept tokens and their renormalised probabilities (the reference)."""
+    ordered, order = row.sort(descending=True)
+    if top_k != -1:
+        ordered, order = ordered[:top_k], order[:top_k]
+    probs = torch.softmax(ordered.double(), dim=-1)
+    kept = (probs.cumsum(0) - probs) < top_p
+    mass = probs[kept] / probs[kept].sum()
+    return dict(zip(order[kept].tolist(), mass.tolist(), strict=True))
+
+
+def _full_sorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the rows that take the full-vocabulary sort (`_top_k_top_p`)."""
+    rows: list[int] = []
+    inner = sampler_module._top_k_top_p
+
+    def counted(logits: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(logits.shape[0])
+        return inner(logits, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampler_module, "_top_k_top_p", counted)
+    return rows
+
+
+def test_top_p_on_a_peaky_row_draws_among_the_candidates_with_the_nucleus_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU a row whose nucleus lies within its best CANDIDATES skips the sort, and its
+    tokens follow the nucleus's renormalised probabilities."""
+    sorts = _full_sorts(monkeypatch)
+    row = _peaky(11)
+    want = _nucleus(row, 0.9)
+    assert 2 < len(want) < sampler_module.CANDIDATES
+    n = 20000
+    out = Sampler(seed=12)(row.expand(n, BIG).contiguous(), [SamplingParams(top_p=0.9)] * n)
+    assert sorts == []
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=BIG).double() / n
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(want)
+    for token, p in want.items():
+        assert counts[token].item() == pytest.approx(p, abs=0.015)
+
+
+def test_a_flat_row_takes_the_full_sort_and_stays_inside_its_nucleus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row whose candidates do not reach its top_p (a flat distribution) is sampled over the
+    whole sorted vocabulary, in the same batch as a peaky row that is not."""
+    sorts = _full_sorts(monkeypatch)
+    flat = torch.randn(BIG, generator=torch.Generator().manual_seed(13)) * 0.5
+    peaky = _peaky(14)
+    n = 400
+    x = torch.stack([flat, peaky] * n)
+    out = Sampler(seed=15)(x, [SamplingParams(top_p=0.9)] * (2 * n))
+    assert sorts == [n]  # the flat rows only, in one call
+    flat_tokens, peaky_tokens = set(out.token_ids[0::2]), set(out.token_ids[1::2])
+    assert flat_tokens <= set(_nucleus(flat, 0.9)) and len(flat_tokens) > 300
+    assert peaky_tokens <= set(_nucleus(peaky, 0.9))
+
+
+def test_top_k_within_max_candidates_never_sorts_even_on_a_flat_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sorts = _full_sorts(monkeypatch)
+    flat = torch.randn(BIG, generator=torch.Generator().manual_seed(16))
+    n = 3000
+    params = [SamplingParams(temperature=3.0, top_k=300, top_p=0.95)] * n
+    out = Sampler(seed=17)(flat.expand(n, BIG).contiguous(), params)
+    assert sorts == []
+    want = set(_nucleus(flat / 3.0, 0.95, top_k=300))
+    assert set(out.token_ids) <= want and len(set(out.token_ids)) > 200
+
+
+def test_the_candidates_and_the_full_sort_draw_the_same_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same peaky rows with top_k and top_p, sampled on the candidates and (CANDIDATES 0)
+    through the full sort: the frequencies agree with each other and with the reference."""
+    row = _peaky(18)
+    params = [SamplingParams(temperature=1.3, top_k=30, top_p=0.8)] * 20000
+    x = row.expand(len(params), BIG).contiguous()
+    want = _nucleus(row / 1.3, 0.8, top_k=30)
+    freqs = []
+    for candidates in (sampler_module.CANDIDATES, 0):
+        monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+        tokens = torch.tensor(Sampler(seed=19)(x, params).token_ids)
+        freqs.append(torch.bincount(tokens, minlength=BIG).double() / len(params))
+    for token, p in want.items():
+        assert freqs[0][token].item() == pytest.approx(p, abs=0.015)
+        assert freqs[1][token].item() == pytest.approx(p, abs=0.015)
+    for f in freqs:  # no token outside the nucleus
+        assert set(torch.nonzero(f).flatten().tolist()) <= set(want)
+
+
+def test_a_seeded_row_on_the_candidates_gives_the_same_tokens_beside_rows_that_sort() -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=77)
+    other = SamplingParams(top_p=0.9)
+    steps = [_peaky(300 + i) for i in range(8)]
+
+    def run(batch: int, row: int) -> list[int]:
+        sampler = Sampler(seed=batch)
+        gen = make_generator(77)
+        tokens = []
+        for i, mine in enumerate(steps):
+            x = torch.randn(batch, BIG, generator=torch.Generator().manual_seed(i)) * 0.5
+            x[row] = mine  # the other rows are flat: they take the sort
+            ps = [other] * batch
+            ps[row] = params
+            gens: list[torch.Generator | None] = [None] * batch
+            gens[row] = gen
+            tokens.append(sampler(x, ps, gens).token_ids[row])
+        return tokens
+
+    alone = run(1, 0)
+    assert run(4, 2) == alone
+    assert len(set(alone)) > 1
+
+
+def test_the_cpu_noise_is_exponential() -> None:
+    draws = sampler_module._exponential(torch.empty(200000), torch.Generator().manual_seed(5))
+    assert draws.min().item() >= 0
+    assert draws.mean().item() == pytest.approx(1.0, abs=0.01)
+    assert draws.var().item() == pytest.approx(1.0, abs=0.02)
+    assert (draws > 3).double().mean().item() == pytest.approx(torch.e**-3, abs=0.003)
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_chosen_tokens() -> None:
