@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import pytest
 import torch
 
@@ -57,25 +60,31 @@ def test_temperature_sampling_follows_the_softmax_distribution() -> None:
     assert torch.allclose(freq, expected, atol=0.015)
 
 
+def _seeded_row(
+    params: SamplingParams, other: SamplingParams, steps: list[torch.Tensor],
+    batch_logits: Callable[[int, int], torch.Tensor], batch: int, row: int,
+) -> list[int]:  # fmt: skip
+    """The tokens of a seeded request (`params`, its logits per step `steps`) at `row` of a
+    batch of `batch` rows, the others' logits batch_logits(step, batch) sampled with `other`."""
+    sampler = Sampler(seed=batch)  # unseeded rows draw from a different stream each time
+    gen = make_generator(params.seed or 0)
+    tokens = []
+    for i, mine in enumerate(steps):
+        x = batch_logits(i, batch)
+        x[row] = mine
+        ps = [other] * batch
+        ps[row] = params
+        gens: list[torch.Generator | None] = [None] * batch
+        gens[row] = gen
+        tokens.append(sampler(x, ps, gens).token_ids[row])
+    return tokens
+
+
 def test_a_seeded_request_gives_the_same_tokens_alone_or_in_any_batch() -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234)
-    other = SamplingParams(temperature=0.8)
     steps = [logits(1, seed=100 + i)[0] for i in range(10)]  # the seeded row's logits per step
-
-    def run(batch: int, row: int) -> list[int]:
-        sampler = Sampler(seed=batch)  # unseeded rows draw from a different stream each time
-        gen = make_generator(params.seed or 0)
-        tokens = []
-        for i, mine in enumerate(steps):
-            x = logits(batch, seed=200 + i + batch)
-            x[row] = mine
-            ps = [other] * batch
-            ps[row] = params
-            gens: list[torch.Generator | None] = [None] * batch
-            gens[row] = gen
-            tokens.append(sampler(x, ps, gens).token_ids[row])
-        return tokens
-
+    run = partial(_seeded_row, params, SamplingParams(temperature=0.8), steps,
+                  lambda i, batch: logits(batch, seed=200 + i + batch))  # fmt: skip
     alone = run(1, 0)
     assert run(5, 3) == alone
     assert run(9, 0) == alone
@@ -188,23 +197,12 @@ def test_the_candidates_and_the_full_sort_draw_the_same_distribution(
 
 def test_a_seeded_row_on_the_candidates_gives_the_same_tokens_beside_rows_that_sort() -> None:
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=77)
-    other = SamplingParams(top_p=0.9)
     steps = [_peaky(300 + i) for i in range(8)]
 
-    def run(batch: int, row: int) -> list[int]:
-        sampler = Sampler(seed=batch)
-        gen = make_generator(77)
-        tokens = []
-        for i, mine in enumerate(steps):
-            x = torch.randn(batch, BIG, generator=torch.Generator().manual_seed(i)) * 0.5
-            x[row] = mine  # the other rows are flat: they take the sort
-            ps = [other] * batch
-            ps[row] = params
-            gens: list[torch.Generator | None] = [None] * batch
-            gens[row] = gen
-            tokens.append(sampler(x, ps, gens).token_ids[row])
-        return tokens
+    def flat(i: int, batch: int) -> torch.Tensor:  # the other rows: they take the sort
+        return torch.randn(batch, BIG, generator=torch.Generator().manual_seed(i)) * 0.5
 
+    run = partial(_seeded_row, params, SamplingParams(top_p=0.9), steps, flat)
     alone = run(1, 0)
     assert run(4, 2) == alone
     assert len(set(alone)) > 1
