@@ -9,15 +9,15 @@ host); what the host knows about the rows reaches the device without a stream sy
 
 Sampling draws with the exponential race: for probabilities p and independent E_i ~ Exp(1),
 argmax_i p_i / E_i is distributed as p. The noise of a seeded request comes from its own
-`torch.Generator` (on the logits' device), one draw per step over the tokens its row can pick
-(the whole vocabulary; on CPU, a top-k / top-p row whose candidates hold its kept tokens draws
-over those: `Sampler._truncated_on_cpu`), so its tokens do not depend on what else is in the
-batch or where its row is; requests without a seed share the sampler's generator. On CPU,
-top-k / top-p avoid sorting the vocabulary wherever a row's kept tokens are among its best
-CANDIDATES (a trained model's usual case; a flat distribution takes the sort), and the noise
-is drawn as -log(1 - U): torch's CPU sort and `exponential_` were most of a sampled step's
-sampling (8 rows of a 49,152-token vocabulary: 28 and 7.5 ms, against 0.6 ms for `topk` and
-2 ms for the uniform draw and its log).
+`torch.Generator` (on the logits' device), one full-vocabulary draw per step, so its tokens do
+not depend on what else is in the batch or where its row is; requests without a seed share the
+sampler's generator. On CPU two things differ, each giving every row the same distribution:
+a draw inverts the row's distribution function with one uniform number from the same
+generators (`Sampler._inverse_cdf`), and top-k / top-p avoid sorting the vocabulary wherever a
+row's kept tokens are among its best CANDIDATES (`Sampler._truncated_on_cpu`: a trained
+model's usual case; a flat distribution takes the sort). torch's CPU sort and `exponential_`
+were most of a sampled step's sampling (8 rows of a 49,152-token vocabulary: 28 and 7.5 ms,
+against 0.6 ms for `topk` and 0.4 ms for an fp64 running sum).
 Log-probabilities (of the chosen token, and the best `top_logprobs` alternatives) are of the
 model's own distribution (log_softmax of the raw logits, before any transform), as vLLM returns
 them by default.
@@ -45,6 +45,9 @@ _LONG, _INT = torch.long, torch.int32
 # top-k / top-p on CPU (`Sampler._truncated_on_cpu`): the best tokens a row's draw is first
 # tried among, and the largest top_k taken as the candidates' number (0: always the full sort)
 CANDIDATES, MAX_CANDIDATES = 128, 1024
+# a draw on CPU inverts the row's distribution function (`Sampler._inverse_cdf`); False: the
+# exponential race, as on a GPU
+INVERSE_CDF_ON_CPU = True
 
 
 class History(Protocol):
@@ -221,10 +224,34 @@ class Sampler:
 
     def _race(
         self, probs: torch.Tensor, gens: list[torch.Generator | None]
-    ) -> torch.Tensor:  # [R] long: the column each row's race picks
-        """argmax_i p_i / E_i per row of `probs` [R, W] (module docstring)."""
+    ) -> torch.Tensor:  # [R] long: the column each row's draw picks
+        """One draw per row of `probs` [R, W]: argmax_i p_i / E_i (module docstring); on CPU
+        by the inverse of the row's distribution function (`_inverse_cdf`)."""
+        if probs.device.type == "cpu" and INVERSE_CDF_ON_CPU:
+            return self._inverse_cdf(probs, gens)
         noise = self._noise(gens, probs.shape[1], probs.device)  # [R, W]
         return (probs / noise).argmax(dim=-1)
+
+    def _inverse_cdf(
+        self, probs: torch.Tensor, gens: list[torch.Generator | None]
+    ) -> torch.Tensor:  # [R] long
+        """Per row the first column whose running sum (fp64) passes U times the row's total,
+        U uniform on [0, 1) from the row's generator (seeded) or ours: the same distribution
+        as the race, from one random number per row instead of one per column (on CPU the
+        noise was most of a temperature draw's time). A column of probability 0 is never
+        picked: the running sum does not pass anything at it."""
+        rows, width = probs.shape
+        cdf = probs.double().cumsum_(dim=-1)  # [R, W]
+        u = torch.empty(rows, 1, dtype=torch.float64)
+        shared = [r for r, g in enumerate(gens) if g is None]
+        if shared:
+            u[torch.tensor(shared)] = torch.rand(len(shared), 1, dtype=torch.float64,
+                                                 generator=self.generator)  # fmt: skip
+        for r, g in enumerate(gens):
+            if g is not None:
+                u[r] = torch.rand(1, dtype=torch.float64, generator=g)
+        picks = torch.searchsorted(cdf, u.mul_(cdf[:, -1:]), right=True)  # [R, 1]
+        return picks.squeeze(1).clamp_max_(width - 1)
 
     def _truncated_on_cpu(
         self,
@@ -274,28 +301,20 @@ class Sampler:
     def _noise(
         self, gens: list[torch.Generator | None], width: int, device: torch.device
     ) -> torch.Tensor:
-        """Exp(1) noise [R, width]: seeded rows from their own generator, the rest from ours.
-        On CPU drawn as -log(1 - U), U uniform (torch's CPU `exponential_` takes about 4x as
-        long as `uniform_` and the log); on a GPU `exponential_`."""
+        """Exp(1) noise [R, width]: seeded rows from their own generator, the rest from ours."""
         noise = torch.empty(len(gens), width, device=device)
         shared = [r for r, g in enumerate(gens) if g is None]
         if len(shared) == len(gens):
-            _exponential(noise, self.generator)
+            noise.exponential_(generator=self.generator)
         elif shared:
-            part = torch.empty(len(shared), width, device=device)
-            noise[to_device(shared, _LONG, device)] = _exponential(part, self.generator)
+            noise[to_device(shared, _LONG, device)] = torch.empty(
+                len(shared), width, device=device
+            ).exponential_(generator=self.generator)
         for r, g in enumerate(gens):
             if g is not None:
-                _exponential(noise[r], g)
+                noise[r].exponential_(generator=g)
         # an exact 0 would turn p/0 into inf (or nan for p=0): keep the race well defined
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-def _exponential(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill `out` with Exp(1) draws from `generator`, in place (`Sampler._noise`)."""
-    if out.device.type != "cpu":
-        return out.exponential_(generator=generator)
-    return out.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def _num_outputs(histories: Sequence[History] | None, i: int) -> int:

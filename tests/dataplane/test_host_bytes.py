@@ -15,10 +15,10 @@ sampler none of any tensor but what its one copy brought back (on a GPU, each wo
 The negative controls put back main's paths (the full logits to the host, the tokens read back
 on their own) and show that the checks catch them.
 
-The engine runs on CPU here, as a stand-in for the device path; the sampler's CPU-only top-k /
-top-p branch (`Sampler._truncated_on_cpu`, which reads each row's choice of path on the host, as
-on CPU it may: there is no device) is turned off (`sampler.CANDIDATES` 0), so that the path a
-GPU takes is the one checked.
+The engine runs on CPU here, as a stand-in for the device path; the sampler's CPU-only ways
+are turned off (`sampler.CANDIDATES` 0: the top-k / top-p branch that reads each row's choice
+of path on the host, as on CPU it may, there being no device; `INVERSE_CDF_ON_CPU` False), so
+that the path a GPU takes is the one checked.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class Watch:
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
     monkeypatch.setattr(sampler, "CANDIDATES", 0)  # the device path (module docstring)
+    monkeypatch.setattr(sampler, "INVERSE_CDF_ON_CPU", False)
     w = Watch(vocab=0)
     for name in ("cpu", "tolist", "item", "numpy"):
         original = getattr(torch.Tensor, name)

@@ -208,12 +208,22 @@ def test_a_seeded_row_on_the_candidates_gives_the_same_tokens_beside_rows_that_s
     assert len(set(alone)) > 1
 
 
-def test_the_cpu_noise_is_exponential() -> None:
-    draws = sampler_module._exponential(torch.empty(200000), torch.Generator().manual_seed(5))
-    assert draws.min().item() >= 0
-    assert draws.mean().item() == pytest.approx(1.0, abs=0.01)
-    assert draws.var().item() == pytest.approx(1.0, abs=0.02)
-    assert (draws > 3).double().mean().item() == pytest.approx(torch.e**-3, abs=0.003)
+@pytest.mark.parametrize("inverse_cdf", [True, False])
+def test_a_cpu_draw_follows_the_distribution_and_never_picks_a_zero(
+    monkeypatch: pytest.MonkeyPatch, inverse_cdf: bool
+) -> None:
+    """The CPU's inverse-distribution draw and the exponential race give the same frequencies,
+    and neither picks a token of probability 0 (between, before and after the others)."""
+    monkeypatch.setattr(sampler_module, "INVERSE_CDF_ON_CPU", inverse_cdf)
+    row = torch.full((BIG,), float("-inf"))
+    live = torch.tensor([0, 1, 17, 2500, BIG - 2])
+    row[live] = torch.tensor([1.0, 0.0, -1.0, 0.5, -0.5])
+    n = 30000
+    out = Sampler(seed=21)(row.expand(n, BIG).contiguous(), [SamplingParams(temperature=1)] * n)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=BIG).double() / n
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(live.tolist())
+    want = torch.softmax(row[live].double(), dim=0)
+    assert torch.allclose(counts[live], want, atol=0.012)
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_chosen_tokens() -> None:

@@ -224,7 +224,7 @@ def test_auto_reads_hermes_calls_out_of_the_text(hermes_server: str) -> None:
 
 REQUIRED: Any = {
     "model": "ad04", "messages": CHAT, "tools": [WEATHER, TIME], "tool_choice": "required",
-    "seed": 12,
+    "seed": 34,
 }  # fmt: skip
 
 
@@ -236,7 +236,7 @@ def _streamed(client: OpenAI, **args: Any) -> tuple[list[Any], str | None]:
 
 
 def test_required_cut_at_max_tokens_answers_the_calls_completed(client: OpenAI) -> None:
-    """Seed 12 lists 4 calls (185 tokens) when it may: cut at 100 tokens, the 2 calls
+    """Seed 34 lists 4 calls (185 tokens) when it may: cut at 100 tokens, the 2 calls
     completed by then come back, with finish_reason "length"; streaming the same."""
     whole = client.chat.completions.create(max_tokens=220, **REQUIRED).choices[0]
     assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls or []) == 4
@@ -255,7 +255,7 @@ def test_required_cut_at_max_tokens_answers_the_calls_completed(client: OpenAI) 
 def test_required_closes_the_array_at_its_cap(
     client: OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the cap lowered to 2, seed 12 (4 calls uncapped) gets its array closed after its
+    """With the cap lowered to 2, seed 34 (4 calls uncapped) gets its array closed after its
     second call: finish_reason "tool_calls", streaming the same."""
     monkeypatch.setattr(tools, "MAX_REQUIRED_CALLS", 2)
     out = client.chat.completions.create(max_tokens=220, **REQUIRED).choices[0]
@@ -270,7 +270,7 @@ def test_required_in_the_responses_api_keeps_the_calls_of_a_cut_output(client: O
     fns = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
     args: Any = {
         "model": "ad04", "input": "Weather in Paris?", "tools": fns, "tool_choice": "required",
-        "temperature": 1.0, "extra_body": {"seed": 12},
+        "temperature": 1.0, "extra_body": {"seed": 34},
     }  # fmt: skip
     whole = client.responses.create(max_output_tokens=220, **args)
     assert whole.status == "completed"
