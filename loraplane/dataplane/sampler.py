@@ -159,12 +159,12 @@ class Sampler:
             top_ps = [params[i].top_p for i in random]
             drawing = [gens[i] for i in random]
             if not any(k != -1 for k in top_ks) and not any(p < 1.0 for p in top_ps):
-                chosen = self._race(torch.softmax(scaled, dim=-1), drawing)  # [R]
+                chosen = self._draw(torch.softmax(scaled, dim=-1), drawing)  # [R]
             elif device.type == "cpu" and CANDIDATES > 0:
                 chosen = self._truncated_on_cpu(scaled, top_ks, top_ps, drawing)
             else:
                 scaled = _top_k_top_p(scaled, top_ks, top_ps)
-                chosen = self._race(torch.softmax(scaled, dim=-1), drawing)
+                chosen = self._draw(torch.softmax(scaled, dim=-1), drawing)
             if whole:
                 tokens = chosen
             else:
@@ -222,7 +222,7 @@ class Sampler:
                     offset = end
         return SamplerOutput(token_ids, chosen, top)
 
-    def _race(
+    def _draw(
         self, probs: torch.Tensor, gens: list[torch.Generator | None]
     ) -> torch.Tensor:  # [R] long: the column each row's draw picks
         """One draw per row of `probs` [R, W]: argmax_i p_i / E_i (module docstring); on CPU
@@ -241,7 +241,7 @@ class Sampler:
         noise was most of a temperature draw's time). A column of probability 0 is never
         picked: the running sum does not pass anything at it."""
         rows, width = probs.shape
-        cdf = probs.double().cumsum_(dim=-1)  # [R, W]
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [R, W], one allocation
         u = torch.empty(rows, 1, dtype=torch.float64)
         shared = [r for r, g in enumerate(gens) if g is None]
         if shared:
@@ -278,7 +278,10 @@ class Sampler:
         values = values.masked_fill(~within, float("-inf"))
         # each row's distribution: over its top_k (renormalised) when that is within the
         # candidates, else over the whole vocabulary
-        norm = torch.where(ks <= width, values.logsumexp(-1), scaled.logsumexp(-1))
+        norm = values.logsumexp(-1)
+        wide = ks > width
+        if bool(wide.any()):  # a pass over the whole vocabulary only for rows that need it
+            norm = torch.where(wide, scaled.logsumexp(-1), norm)
         probs = (values - norm.unsqueeze(1)).exp_()  # [R, W], 0 past top_k
         mass = probs.cumsum(dim=-1)
         ps = torch.tensor([p if p < 1 else 2.0 for p in top_ps])  # top_p=1 keeps everything
@@ -289,13 +292,13 @@ class Sampler:
         outside = [r for r, c in enumerate(covered) if not c]
         if inside:
             sub = torch.tensor(inside)
-            picks = self._race(probs[sub].mul_(keep[sub]), [gens[r] for r in inside])
+            picks = self._draw(probs[sub].mul_(keep[sub]), [gens[r] for r in inside])
             chosen[sub] = ids[sub].gather(1, picks.unsqueeze(1)).squeeze(1)
         if outside:
             sub = torch.tensor(outside)
             full = _top_k_top_p(scaled[sub], [top_ks[r] for r in outside],
                                 [top_ps[r] for r in outside])  # fmt: skip
-            chosen[sub] = self._race(torch.softmax(full, dim=-1), [gens[r] for r in outside])
+            chosen[sub] = self._draw(torch.softmax(full, dim=-1), [gens[r] for r in outside])
         return chosen
 
     def _noise(
